@@ -1,0 +1,1 @@
+"""twinpipe: DualPipe and friends."""

@@ -1,0 +1,149 @@
+"""Point-to-point messages between pipeline ranks: shapes, headers, posting and waiting.
+
+A message is a tuple of tensors. Its layout (shape and dtype of each tensor) is either declared
+(``set_p2p_tensor_shapes``/``set_p2p_tensor_dtype`` or per pipeline) or discovered: the sender
+then precedes the payload with a small int64 header that describes it. Senders check every
+outgoing message against the layout the receiver expects, so a mismatch raises a clear error on
+the sending rank instead of corrupting data on the receiving one.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Layout",
+    "set_p2p_tensor_shapes",
+    "set_p2p_tensor_dtype",
+    "declared_layout",
+    "PipelineTimeoutError",
+    "encode_header",
+    "decode_header",
+    "HEADER_LEN",
+]
+
+_SHAPES: list[tuple[int, ...]] | None = None
+_DTYPE: torch.dtype | None = None
+
+
+def set_p2p_tensor_shapes(shapes) -> None:
+    """Declare the shapes of every message's tensors, process-wide (official DualPipe API)."""
+    global _SHAPES
+    _SHAPES = _normalise_shapes(shapes, "shapes")
+
+
+def set_p2p_tensor_dtype(dtype: torch.dtype) -> None:
+    """Declare the dtype of every message's tensors, process-wide (official DualPipe API)."""
+    global _DTYPE
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype={dtype!r}: must be a torch.dtype such as torch.float32")
+    _DTYPE = dtype
+
+
+def _normalise_shapes(shapes, name: str) -> list[tuple[int, ...]]:
+    try:
+        result = [tuple(int(d) for d in shape) for shape in shapes]
+    except TypeError:
+        raise ValueError(f"{name}={shapes!r}: must be a list of shapes, e.g. [(3, 256, 512)]") from None
+    if not result or any(d < 0 for shape in result for d in shape):
+        raise ValueError(f"{name}={shapes!r}: must be a non-empty list of shapes with non-negative sizes")
+    return result
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shapes and dtypes of one message's tensors."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    @classmethod
+    def of(cls, tensors) -> Layout:
+        return cls(tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors))
+
+    def grad_layout(self) -> Layout:
+        """Gradient messages carry one tensor per floating-point tensor of the activations."""
+        keep = [i for i, d in enumerate(self.dtypes) if d.is_floating_point or d.is_complex]
+        return Layout(tuple(self.shapes[i] for i in keep), tuple(self.dtypes[i] for i in keep))
+
+    def empty(self, device) -> list[torch.Tensor]:
+        return [torch.empty(s, dtype=d, device=device) for s, d in zip(self.shapes, self.dtypes)]
+
+    def __str__(self) -> str:
+        return ", ".join(f"{list(s)}:{str(d).replace('torch.', '')}" for s, d in zip(self.shapes, self.dtypes))
+
+
+def declared_layout(shapes=None, dtype=None) -> Layout | None:
+    """The layout from per-pipeline arguments, else from the process-wide setters, else None."""
+    shapes = _normalise_shapes(shapes, "tensor_shapes") if shapes is not None else _SHAPES
+    dtype = dtype if dtype is not None else _DTYPE
+    if shapes is None and dtype is None:
+        return None
+    if shapes is None or dtype is None:
+        missing = "shapes" if shapes is None else "dtype"
+        raise ValueError(f"p2p tensor {missing} not set: declare both shapes and dtype, or neither to discover them")
+    if isinstance(dtype, torch.dtype):
+        dtypes = (dtype,) * len(shapes)
+    else:
+        dtypes = tuple(dtype)
+        if len(dtypes) != len(shapes):
+            raise ValueError(f"tensor_dtype={dtype!r}: give one dtype, or one per shape ({len(shapes)})")
+    return Layout(tuple(shapes), dtypes)
+
+
+# Header: [num_tensors, then per tensor: dtype code, ndim, *sizes], zero-padded to HEADER_LEN.
+HEADER_LEN = 64
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]
+_CODES = {d: i for i, d in enumerate(_DTYPES)}
+
+
+def encode_header(layout: Layout) -> torch.Tensor:
+    values = [len(layout.shapes)]
+    for shape, dtype in zip(layout.shapes, layout.dtypes):
+        if dtype not in _CODES:
+            raise ValueError(f"dtype {dtype} cannot be sent between stages; allowed: {', '.join(map(str, _DTYPES))}")
+        values += [_CODES[dtype], len(shape), *shape]
+    if len(values) > HEADER_LEN:
+        raise ValueError(f"a stage output with {layout} has too many tensors or dimensions to describe in a header")
+    return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
+
+
+def decode_header(header: torch.Tensor) -> Layout:
+    values = header.tolist()
+    count, pos = values[0], 1
+    shapes, dtypes = [], []
+    for _ in range(count):
+        code, ndim = values[pos], values[pos + 1]
+        shapes.append(tuple(values[pos + 2 : pos + 2 + ndim]))
+        dtypes.append(_DTYPES[code])
+        pos += 2 + ndim
+    return Layout(tuple(shapes), tuple(dtypes))
+
+
+class PipelineTimeoutError(RuntimeError):
+    """A wait for a peer did not finish in time (the peer failed, hung, or never sent)."""
+
+
+def wait_work(work, timeout: float, what: str) -> None:
+    """Wait for a P2P request, raising PipelineTimeoutError with ``what`` after ``timeout`` s."""
+    try:
+        done = work.wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        raise PipelineTimeoutError(f"{what}: did not complete within {timeout:g} s ({exc})") from exc
+    if done is False:
+        raise PipelineTimeoutError(f"{what}: did not complete within {timeout:g} s")
+
+
+def isend(tensor: torch.Tensor, peer: int, group):
+    return dist.isend(tensor, dst=peer, group=group)
+
+
+def irecv(tensor: torch.Tensor, peer: int, group):
+    return dist.irecv(tensor, src=peer, group=group)

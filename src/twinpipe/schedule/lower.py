@@ -1,0 +1,161 @@
+"""Lowering: derive every message a schedule needs and the order each pair of ranks posts them.
+
+A message carries a stage's outputs to the next stage ("act") or input gradients back to the
+previous stage ("grad"). Stages on the same rank hand tensors over locally instead (the V turn).
+
+NCCL matches point-to-point messages between two ranks by order alone, and runs them one after
+another. So for each pair of ranks we fix one list of the messages between them, in the order of
+a valid sequential execution of the schedule (``check.validate``), and both ranks post their sends
+and receives in that list's order. Because that execution is a witness that every message can be
+produced before it is needed, no rank can wait forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twinpipe.schedule.check import ScheduleError, validate
+from twinpipe.schedule.ops import Op, OpKind, Schedule
+
+__all__ = ["Message", "RankProgram", "LoweredSchedule", "lower", "forward_only", "check_channels"]
+
+
+@dataclass(frozen=True)
+class Message:
+    """Tensors sent from ``src_stage`` (on ``src_rank``) to ``dst_stage`` for one micro-batch."""
+
+    kind: str  # "act" (forward outputs) or "grad" (input gradients)
+    src_stage: int
+    dst_stage: int
+    microbatch: int
+    src_rank: int
+    dst_rank: int
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.src_stage}->{self.dst_stage} mb{self.microbatch} (rank {self.src_rank}->{self.dst_rank})"
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """What one rank does: its ops, what each op receives and sends, and per-peer message order."""
+
+    rank: int
+    ops: tuple[Op, ...]
+    recvs: tuple[tuple[Message, ...], ...]  # recvs[i]: messages op i needs
+    sends: tuple[tuple[Message, ...], ...]  # sends[i]: messages op i produces
+    channels: dict[int, tuple[Message, ...]]  # peer -> messages with that peer, in posting order
+
+
+@dataclass(frozen=True)
+class LoweredSchedule:
+    schedule: Schedule
+    programs: tuple[RankProgram, ...]
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule with backward work removed: FB keeps its forward half, B/W/BW are dropped."""
+    ops = []
+    for rank_ops in schedule.ops:
+        kept = [op.forward for op in rank_ops if op.forward is not None]
+        ops.append(tuple(kept))
+    options = {**schedule.options, "forward_only": True}
+    return Schedule(schedule.name, schedule.placement, schedule.num_microbatches, tuple(ops), options)
+
+
+def _messages_of(schedule: Schedule, op: Op) -> tuple[list[Message], list[Message]]:
+    """(needed, produced) cross-rank messages of one op."""
+    placement = schedule.placement
+    needed, produced = [], []
+    for part in op.parts():
+        s, j = part.stage, part.microbatch
+        rank = placement.rank_of(s)
+        if part.kind is OpKind.F:
+            prev, nxt = placement.prev_stage(s), placement.next_stage(s)
+            if prev is not None and placement.rank_of(prev) != rank:
+                needed.append(Message("act", prev, s, j, placement.rank_of(prev), rank))
+            if nxt is not None and placement.rank_of(nxt) != rank:
+                produced.append(Message("act", s, nxt, j, rank, placement.rank_of(nxt)))
+        elif part.kind in (OpKind.B, OpKind.BW):
+            prev, nxt = placement.prev_stage(s), placement.next_stage(s)
+            if nxt is not None and placement.rank_of(nxt) != rank:
+                needed.append(Message("grad", nxt, s, j, placement.rank_of(nxt), rank))
+            if prev is not None and placement.rank_of(prev) != rank:
+                produced.append(Message("grad", s, prev, j, rank, placement.rank_of(prev)))
+    return needed, produced
+
+
+def lower(schedule: Schedule) -> LoweredSchedule:
+    """Validate ``schedule`` and derive each rank's program."""
+    order = validate(schedule)
+    num_ranks = schedule.num_ranks
+    recvs = [[()] * len(ops) for ops in schedule.ops]
+    sends = [[()] * len(ops) for ops in schedule.ops]
+    channels: list[dict[int, list[Message]]] = [{} for _ in range(num_ranks)]
+    for rank, index in order:  # messages enter their channel in the order they are produced
+        needed, produced = _messages_of(schedule, schedule.ops[rank][index])
+        recvs[rank][index] = tuple(needed)
+        sends[rank][index] = tuple(produced)
+        for msg in produced:
+            channels[msg.src_rank].setdefault(msg.dst_rank, []).append(msg)
+            channels[msg.dst_rank].setdefault(msg.src_rank, []).append(msg)
+    programs = tuple(
+        RankProgram(
+            rank,
+            schedule.ops[rank],
+            tuple(recvs[rank]),
+            tuple(sends[rank]),
+            {peer: tuple(msgs) for peer, msgs in sorted(channels[rank].items())},
+        )
+        for rank in range(num_ranks)
+    )
+    lowered = LoweredSchedule(schedule, programs)
+    check_channels(lowered)
+    return lowered
+
+
+def check_channels(lowered: LoweredSchedule) -> None:
+    """Each pair of ranks must list the messages between them in the same order, and a rank must
+    never have to post a send before the op that produces it has run while a later op needs a
+    receive queued behind that send (which would block forever)."""
+    programs = lowered.programs
+    for program in programs:
+        for peer, msgs in program.channels.items():
+            theirs = programs[peer].channels.get(program.rank, ())
+            if msgs != theirs:
+                k = next((i for i, (a, b) in enumerate(zip(msgs, theirs)) if a != b), min(len(msgs), len(theirs)))
+                mine = str(msgs[k]) if k < len(msgs) else "nothing"
+                other = str(theirs[k]) if k < len(theirs) else "nothing"
+                raise ScheduleError(
+                    "send/receive order",
+                    f"message {k} with rank {peer} is {mine} here but {other} on rank {peer}; "
+                    "both ranks must post sends and receives in the same order",
+                    program.rank,
+                )
+        _check_channel_progress(program)
+
+
+def _check_channel_progress(program: RankProgram) -> None:
+    # Messages are posted per channel in order; a send can be posted only after its producer ran.
+    # A receive queued behind a send that is produced after the receive's consumer would block.
+    produced_at = {msg: i for i, msgs in enumerate(program.sends) for msg in msgs}
+    needed_at = {msg: i for i, msgs in enumerate(program.recvs) for msg in msgs}
+    for peer, msgs in program.channels.items():
+        latest_send = -1
+        for msg in msgs:
+            if msg.src_rank == program.rank:
+                if produced_at[msg] < latest_send:
+                    raise ScheduleError(
+                        "send/receive order",
+                        f"send {msg} is queued after a send produced later (op {latest_send})",
+                        program.rank,
+                        produced_at[msg],
+                    )
+                latest_send = produced_at[msg]
+            elif needed_at[msg] <= latest_send:
+                raise ScheduleError(
+                    "send/receive order",
+                    f"receive {msg} is needed by op {needed_at[msg]} but queued with rank {peer} behind a send "
+                    f"produced by op {latest_send}: the rank would wait forever",
+                    program.rank,
+                    needed_at[msg],
+                )

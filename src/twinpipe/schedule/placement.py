@@ -1,0 +1,130 @@
+"""Stage placement: which rank holds which stage, and which stages a micro-batch walks through.
+
+Stages are numbered globally. A *chain* is the ordered list of stages one micro-batch passes
+through; most schedules have one chain, DualPipe has two (one per direction). Each rank runs
+its stages as local modules in ascending stage order: ``modules[i]`` is ``stages_of(rank)[i]``.
+
+- ``linear(p)``: stage r on rank r.
+- ``looped(p, v)``: v*p stages, stage s on rank s % p (interleaved 1F1B).
+- ``vshape(p)``: 2p stages, rank r holds r and 2p-1-r (ZB-V, DualPipeV: "cut in half").
+- ``dual(p)``: DualPipe; the V layout cut into two chains, stages 0..p-1 (forward direction,
+  rank r holds model stage r) and p..2p-1 (reverse direction, rank r holds model stage p-1-r).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+__all__ = ["Placement", "linear", "looped", "vshape", "dual"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which rank holds each stage (``stage_ranks``) and the chains micro-batches follow."""
+
+    kind: str
+    num_ranks: int
+    stage_ranks: tuple[int, ...]
+    chains: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        stages = sorted(s for chain in self.chains for s in chain)
+        if stages != list(range(len(self.stage_ranks))):
+            raise ValueError(f"placement {self.kind}: chains must cover stages 0..{len(self.stage_ranks) - 1} once each")
+        if any(not 0 <= r < self.num_ranks for r in self.stage_ranks):
+            raise ValueError(f"placement {self.kind}: stage ranks must lie in 0..{self.num_ranks - 1}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_ranks)
+
+    @cached_property
+    def _stages_by_rank(self) -> tuple[tuple[int, ...], ...]:
+        by_rank: list[list[int]] = [[] for _ in range(self.num_ranks)]
+        for stage, rank in enumerate(self.stage_ranks):
+            by_rank[rank].append(stage)
+        return tuple(tuple(s) for s in by_rank)
+
+    @cached_property
+    def _neighbours(self) -> dict[int, tuple[int | None, int | None, int]]:
+        result = {}
+        for index, chain in enumerate(self.chains):
+            for i, stage in enumerate(chain):
+                prev = chain[i - 1] if i > 0 else None
+                nxt = chain[i + 1] if i + 1 < len(chain) else None
+                result[stage] = (prev, nxt, index)
+        return result
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """Global stages held by ``rank``, in local module order."""
+        return self._stages_by_rank[rank]
+
+    def rank_of(self, stage: int) -> int:
+        return self.stage_ranks[stage]
+
+    def local_index(self, stage: int) -> int:
+        """Index of ``stage`` among its rank's modules."""
+        return self.stages_of(self.stage_ranks[stage]).index(stage)
+
+    def prev_stage(self, stage: int) -> int | None:
+        """The stage that feeds ``stage`` its inputs (None for a chain's first stage)."""
+        return self._neighbours[stage][0]
+
+    def next_stage(self, stage: int) -> int | None:
+        """The stage that takes ``stage``'s outputs (None for a chain's last stage)."""
+        return self._neighbours[stage][1]
+
+    def chain_of_stage(self, stage: int) -> int:
+        return self._neighbours[stage][2]
+
+    def is_first(self, stage: int) -> bool:
+        return self.prev_stage(stage) is None
+
+    def is_last(self, stage: int) -> bool:
+        return self.next_stage(stage) is None
+
+    def microbatches_of_chain(self, chain: int, num_microbatches: int) -> range:
+        """Micro-batches are split evenly and contiguously across chains."""
+        per_chain = num_microbatches // len(self.chains)
+        return range(chain * per_chain, (chain + 1) * per_chain)
+
+    def chain_of_microbatch(self, microbatch: int, num_microbatches: int) -> int:
+        return microbatch // (num_microbatches // len(self.chains))
+
+    def stage_chain_position(self, stage: int) -> int:
+        """How many stages precede ``stage`` in its chain (0 for a first stage)."""
+        return self.chains[self.chain_of_stage(stage)].index(stage)
+
+
+def _check_ranks(num_ranks: int) -> None:
+    if not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks={num_ranks!r}: must be an integer >= 1")
+
+
+def linear(num_ranks: int) -> Placement:
+    _check_ranks(num_ranks)
+    return Placement("linear", num_ranks, tuple(range(num_ranks)), (tuple(range(num_ranks)),))
+
+
+def looped(num_ranks: int, stages_per_rank: int) -> Placement:
+    _check_ranks(num_ranks)
+    if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+        raise ValueError(f"stages_per_rank={stages_per_rank!r}: must be an integer >= 1")
+    n = num_ranks * stages_per_rank
+    return Placement("looped", num_ranks, tuple(s % num_ranks for s in range(n)), (tuple(range(n)),))
+
+
+def _v_ranks(num_ranks: int) -> tuple[int, ...]:
+    return tuple(s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(2 * num_ranks))
+
+
+def vshape(num_ranks: int) -> Placement:
+    _check_ranks(num_ranks)
+    return Placement("v", num_ranks, _v_ranks(num_ranks), (tuple(range(2 * num_ranks)),))
+
+
+def dual(num_ranks: int) -> Placement:
+    _check_ranks(num_ranks)
+    p = num_ranks
+    return Placement("dual", p, _v_ranks(p), (tuple(range(p)), tuple(range(p, 2 * p))))

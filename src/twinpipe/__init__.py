@@ -1,1 +1,32 @@
-"""twinpipe: DualPipe and friends."""
+"""twinpipe: DualPipe, DualPipeV and the pipeline schedules they are measured against.
+
+Exact (bitwise losses against a single process), simulated (bubbles and memory from op timings)
+and drawn. See README.md.
+"""
+
+from twinpipe.schedule.ops import Op, OpKind, Schedule
+from twinpipe.schedule.registry import build as build_schedule
+from twinpipe.schedule.registry import names as schedule_names
+from twinpipe.schedule.registry import stages_of_rank
+
+__version__ = "0.1.0"
+
+_RUNTIME = {
+    "Pipeline", "DualPipe", "DualPipeV", "WeightGradStore", "DeferredLinear", "defer_weight_grads",
+    "set_p2p_tensor_shapes", "set_p2p_tensor_dtype", "PipelineTimeoutError",
+}
+
+__all__ = ["Op", "OpKind", "Schedule", "build_schedule", "schedule_names", "stages_of_rank", "simulate", *sorted(_RUNTIME)]
+
+
+def __getattr__(name):
+    # The runtime needs torch; the schedule layer and simulator do not, so import it on first use.
+    if name in _RUNTIME:
+        from twinpipe import runtime
+
+        return getattr(runtime, name)
+    if name == "simulate":
+        from twinpipe.sim import simulate
+
+        return simulate
+    raise AttributeError(f"module 'twinpipe' has no attribute {name!r}")

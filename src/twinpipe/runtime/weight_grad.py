@@ -81,8 +81,13 @@ class _DeferredLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x)
         # Parameters are kept as objects: W accumulates into their .grad later.
         ctx.weight, ctx.bias = weight, bias
-        # The same kernel as nn.Linear, so outputs are bitwise equal to it.
-        return F.linear(x, weight, bias)
+        # The same kernel as nn.Linear (2-D addmm/mm), so outputs are bitwise equal to it. Like
+        # aten::linear, reshape back with _unsafe_view so the output is not a view (views cannot
+        # be freed after sending).
+        if x.dim() <= 2:
+            return F.linear(x, weight, bias)
+        out = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
     def backward(ctx, grad_out):

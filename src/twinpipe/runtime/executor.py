@@ -1,0 +1,366 @@
+"""Runs one rank's lowered program on real tensors. One executor serves every schedule.
+
+Per op: receive what it needs, compute, hand the results on. Receives are posted as early as the
+per-peer message order allows, so transfers overlap compute; sends are asynchronous. Outputs that
+were sent are freed at once (autograd keeps only what backward needs). B defers weight gradients
+to ``WeightGradStore`` under the op's (stage, micro-batch); W runs them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+from twinpipe.runtime import comm
+from twinpipe.runtime.comm import HEADER_LEN, Layout
+from twinpipe.runtime.weight_grad import WeightGradStore
+from twinpipe.schedule.lower import Message, RankProgram
+from twinpipe.schedule.ops import Op, OpKind
+from twinpipe.schedule.placement import Placement
+
+__all__ = ["StepData", "StepResult", "Executor", "Recorder"]
+
+
+@dataclass
+class StepData:
+    """What the user gave this rank for one step, already split into micro-batches."""
+
+    inputs: dict[int, list[tuple]]  # first stage -> per micro-batch of its chain, the input tensors
+    labels: dict[int, list[tuple]]  # last stage -> per micro-batch, the label tensors
+    criterion: object | None
+    return_outputs: bool
+    training: bool
+
+
+@dataclass
+class StepResult:
+    losses: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # last stage -> per-mb loss
+    outputs: dict[int, list[tuple]] = field(default_factory=dict)  # last stage -> per-mb outputs
+    peak_live: int = 0  # most (stage, micro-batch) activation sets held at once
+
+
+class Recorder:
+    """Collects (kind, op-or-label, start, end) on this rank with a monotonic clock."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.events: list[tuple[str, str, float, float]] = []
+
+    def add(self, kind: str, label: str, start: float, end: float) -> None:
+        self.events.append((kind, label, start, end))
+
+
+@dataclass
+class _Channel:
+    peer: int
+    messages: tuple[Message, ...]
+    cursor: int = 0
+    header: tuple | None = None  # (work, tensor) of a header receive in flight
+
+
+def _run_backward(roots, grads) -> None:
+    # The engine call skips the shape check of torch.autograd.backward: sent outputs have had
+    # their data freed, but their graph nodes still know the right shapes.
+    Variable._execution_engine.run_backward(tuple(roots), tuple(grads), False, False, (), True, True)
+
+
+def _as_tuple(value) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value):
+        return tuple(value)
+    raise TypeError(f"a stage must return a tensor or a tuple/list of tensors, got {type(value).__name__}")
+
+
+class Executor:
+    """Executes one rank's program for one step. Created per step; layouts persist outside."""
+
+    def __init__(
+        self,
+        program: RankProgram,
+        placement: Placement,
+        modules: dict[int, nn.Module],
+        group,
+        global_rank_of: dict[int, int],
+        device: torch.device,
+        layouts: dict,
+        declared: Layout | None,
+        timeout: float,
+        recorder: Recorder | None = None,
+        overlap_fn=None,
+    ):
+        self.program, self.placement, self.modules = program, placement, modules
+        self.rank = program.rank
+        self.group, self.global_rank_of, self.device = group, global_rank_of, device
+        self.layouts, self.declared, self.timeout = layouts, declared, timeout
+        self.recorder, self.overlap_fn = recorder, overlap_fn
+        self.channels = {peer: _Channel(peer, msgs) for peer, msgs in program.channels.items()}
+        self.posted: dict[Message, tuple[list, list[torch.Tensor]]] = {}
+        self.outbox: dict[Message, tuple[torch.Tensor, ...]] = {}
+        self.in_flight: list[tuple[list, tuple, Message]] = []
+        self.acts: dict[tuple[int, int], tuple] = {}  # inputs waiting for a forward
+        self.grads: dict[tuple[int, int], tuple] = {}  # output gradients waiting for a backward
+        self.saved: dict[tuple[int, int], tuple] = {}  # (inputs, outputs, loss) kept for backward
+        self.live = 0
+        self.op_index = -1
+
+    # ---------------------------------------------------------------- messages
+    def _layout(self, msg: Message) -> Layout | None:
+        if msg.kind == "act":
+            return self.declared or self.layouts.get((msg.src_stage, msg.microbatch))
+        act_layout = self.declared or self.layouts.get((msg.dst_stage, msg.microbatch))
+        return act_layout.grad_layout() if act_layout is not None else None
+
+    def _pump(self, channel: _Channel, block: bool = False) -> None:
+        """Post the channel's next sends and receives, in the agreed order, as far as possible."""
+        while channel.cursor < len(channel.messages):
+            msg = channel.messages[channel.cursor]
+            peer = self.global_rank_of[channel.peer]
+            if msg.src_rank == self.rank:
+                tensors = self.outbox.pop(msg, None)
+                if tensors is None:
+                    return
+                self._post_send(msg, tensors, peer)
+            else:
+                layout = self._layout(msg)
+                if layout is None:  # discovering: the sender describes the message first
+                    if channel.header is None:
+                        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+                        channel.header = (comm.irecv(header, peer, self.group), header)
+                    work, header = channel.header
+                    if not block and not work.is_completed():
+                        return
+                    comm.wait_work(work, self.timeout, self._what(f"header of {msg}", channel.peer))
+                    channel.header = None
+                    layout = comm.decode_header(header.cpu())
+                    self.layouts[(msg.src_stage, msg.microbatch)] = layout
+                buffers = layout.empty(self.device)
+                self.posted[msg] = ([comm.irecv(b, peer, self.group) for b in buffers], buffers)
+            channel.cursor += 1
+
+    def _post_send(self, msg: Message, tensors: tuple, peer: int) -> None:
+        layout = Layout.of(tensors)
+        expected = self._layout(msg)
+        works = []
+        if expected is None:
+            self.layouts[(msg.src_stage, msg.microbatch)] = layout
+            header = comm.encode_header(layout).to(self.device)
+            works.append(comm.isend(header, peer, self.group))
+            tensors = tensors + (header,)
+        elif layout != expected:
+            source = "declared (set_p2p_tensor_shapes/tensor_shapes)" if self.declared else "seen on the first step"
+            raise ValueError(
+                f"rank {self.rank}: {msg} carries [{layout}] but the receiver expects [{expected}], {source}. "
+                "Declare the right shapes, or create the pipeline with dynamic_shapes=True for shapes that change."
+            )
+        works += [comm.isend(t.contiguous(), peer, self.group) for t in tensors[: len(layout.shapes)]]
+        self.in_flight.append((works, tensors, msg))
+
+    def _what(self, thing: str, peer: int) -> str:
+        op = self.program.ops[self.op_index] if 0 <= self.op_index < len(self.program.ops) else "end of step"
+        return f"rank {self.rank}, op {self.op_index} ({op}): waiting for {thing} from/to rank {peer}"
+
+    def _receive(self, msg: Message) -> list[torch.Tensor]:
+        channel = self.channels[msg.src_rank]
+        while msg not in self.posted:
+            self._pump(channel, block=True)
+        works, buffers = self.posted.pop(msg)
+        for work in works:
+            comm.wait_work(work, self.timeout, self._what(str(msg), msg.src_rank))
+        return buffers
+
+    def _send(self, msg: Message, tensors: tuple) -> None:
+        self.outbox[msg] = tensors
+        self._pump(self.channels[msg.dst_rank])
+
+    def _retire_sends(self, wait: bool) -> None:
+        keep = []
+        for works, tensors, msg in self.in_flight:
+            if wait:
+                for work in works:
+                    comm.wait_work(work, self.timeout, self._what(f"delivery of {msg}", msg.dst_rank))
+            elif not all(w.is_completed() for w in works):
+                keep.append((works, tensors, msg))
+        self.in_flight = keep
+
+    # ---------------------------------------------------------------- compute
+    def _inputs_for(self, stage: int, mb: int, data: StepData) -> tuple:
+        if self.placement.is_first(stage):
+            chain = self.placement.chain_of_stage(stage)
+            first_mb = self.placement.microbatches_of_chain(chain, self._num_mb)[0]
+            return data.inputs[stage][mb - first_mb]
+        return self.acts.pop((stage, mb))
+
+    def _labels_for(self, stage: int, mb: int, data: StepData) -> tuple:
+        chain = self.placement.chain_of_stage(stage)
+        first_mb = self.placement.microbatches_of_chain(chain, self._num_mb)[0]
+        return data.labels[stage][mb - first_mb]
+
+    def _forward(self, stage: int, mb: int, data: StepData, outputs=None, loss=None, inputs=None) -> None:
+        """Run (or, with ``outputs`` given, finish) the forward of ``stage`` on micro-batch ``mb``."""
+        if inputs is None:
+            inputs = self._inputs_for(stage, mb, data)
+        last = self.placement.is_last(stage)
+        if outputs is None:
+            outputs = _as_tuple(self.modules[stage](*inputs))
+            if last and data.criterion is not None:
+                loss = data.criterion(*outputs, *self._labels_for(stage, mb, data))
+        if last:
+            if loss is not None:
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ValueError(f"criterion must return a one-element tensor, got {type(loss).__name__} "
+                                     f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+                self.result.losses.setdefault(stage, []).append(loss.detach())
+            if data.return_outputs:
+                self.result.outputs.setdefault(stage, []).append(tuple(o.detach() for o in outputs))
+        else:
+            nxt = self.placement.next_stage(stage)
+            handed = tuple(o.detach() for o in outputs)
+            if self.placement.rank_of(nxt) == self.rank:  # the V turn: hand over locally
+                self.acts[(nxt, mb)] = tuple(t.requires_grad_() if data.training and t.is_floating_point() else t for t in handed)
+            else:
+                self._send(Message("act", stage, nxt, mb, self.rank, self.placement.rank_of(nxt)), handed)
+                if data.training and not data.return_outputs:
+                    self._free(stage, outputs)
+        if data.training:
+            self.saved[(stage, mb)] = (inputs, outputs, loss)
+            self.live += 1
+            self.result.peak_live = max(self.result.peak_live, self.live)
+
+    def _free(self, stage: int, outputs: tuple) -> None:
+        for o in outputs:
+            if o._base is not None:
+                raise ValueError(
+                    f"stage {stage} returned a view of another tensor; return a fresh tensor "
+                    "(e.g. .clone() or .contiguous()) so its memory can be freed after sending"
+                )
+            if o.grad_fn is not None:  # never free the user's own leaf tensors
+                o.data = torch.empty(0, dtype=o.dtype, device=o.device)
+
+    def _backward(self, stage: int, mb: int, defer_w: bool, data: StepData, run_graph: bool = True) -> None:
+        inputs, outputs, loss = self.saved.pop((stage, mb))
+        if self.placement.is_last(stage):
+            if loss is None:
+                raise ValueError(f"stage {stage} is a last stage and training needs a loss: pass criterion= to step()")
+            roots, grads = [loss], [torch.ones_like(loss)]
+        else:
+            received = self.grads.pop((stage, mb))
+            floats = [o for o in outputs if o.is_floating_point() or o.is_complex()]
+            pairs = [(o, g) for o, g in zip(floats, received) if o.requires_grad]
+            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        if run_graph:
+            self._backward_graph(roots, grads, defer_w, (stage, mb))
+        if loss is not None:
+            loss.detach_()
+        prev = self.placement.prev_stage(stage)
+        if prev is not None:
+            in_grads = tuple(
+                t.grad if t.grad is not None else torch.zeros_like(t)
+                for t in inputs
+                if t.is_floating_point() or t.is_complex()
+            )
+            if self.placement.rank_of(prev) == self.rank:
+                self.grads[(prev, mb)] = in_grads
+            else:
+                self._send(Message("grad", stage, prev, mb, self.rank, self.placement.rank_of(prev)), in_grads)
+        if not defer_w:
+            self.live -= 1
+
+    def _backward_graph(self, roots, grads, defer_w: bool, key) -> None:
+        if roots:
+            WeightGradStore.enabled = defer_w
+            try:
+                _run_backward(roots, grads)
+            finally:
+                WeightGradStore.enabled = False
+        if defer_w:
+            WeightGradStore.flush(key)
+
+    def _weight(self, stage: int, mb: int) -> None:
+        WeightGradStore.pop((stage, mb))
+        self.live -= 1
+
+    def _forward_backward(self, op: Op, data: StepData) -> None:
+        """F of one micro-batch with the full backward of another: the user's overlapped
+        implementation when the modules provide one, else one after the other."""
+        f_stage, f_mb = op.stage, op.microbatch
+        b_stage, b_mb = op.backward.stage, op.backward.microbatch
+        module0, module1 = self.modules[f_stage], self.modules[b_stage]
+        if self.overlap_fn is None or type(module0) is not type(module1):
+            self._forward(f_stage, f_mb, data)
+            self._backward(b_stage, b_mb, False, data)
+            return
+        inputs0 = self._inputs_for(f_stage, f_mb, data)
+        last0 = self.placement.is_last(f_stage)
+        criterion0 = data.criterion if last0 else None
+        labels0 = list(self._labels_for(f_stage, f_mb, data)) if last0 else []
+        inputs1, outputs1_all, loss1 = self.saved[(b_stage, b_mb)]
+        if self.placement.is_last(b_stage):
+            outputs1, grads1 = [], []
+        else:
+            received = self.grads[(b_stage, b_mb)]
+            floats = [o for o in outputs1_all if o.is_floating_point() or o.is_complex()]
+            pairs = [(o, g) for o, g in zip(floats, received) if o.requires_grad and g is not None]
+            outputs1, grads1 = [o for o, _ in pairs], [g for _, g in pairs]
+        outputs0, loss0 = self.overlap_fn(module0, list(inputs0), criterion0, labels0, module1, loss1, outputs1, grads1)
+        # Finish both halves as the separate ops would; the backward graph has already run.
+        self._forward(f_stage, f_mb, data, outputs=_as_tuple(outputs0), loss=loss0, inputs=inputs0)
+        self._backward(b_stage, b_mb, False, data, run_graph=False)
+
+    # ---------------------------------------------------------------- the loop
+    def run(self, data: StepData, num_microbatches: int) -> StepResult:
+        self._num_mb = num_microbatches
+        self.result = StepResult()
+        program, rec = self.program, self.recorder
+        for channel in self.channels.values():
+            self._pump(channel)
+        for index, op in enumerate(program.ops):
+            self.op_index = index
+            if program.recvs[index]:
+                t0 = rec.clock() if rec else 0.0
+                for msg in program.recvs[index]:
+                    tensors = self._receive(msg)
+                    if msg.kind == "act":
+                        self.acts[(msg.dst_stage, msg.microbatch)] = tuple(
+                            t.requires_grad_() if data.training and t.is_floating_point() else t for t in tensors
+                        )
+                    else:
+                        self.grads[(msg.dst_stage, msg.microbatch)] = tuple(tensors)
+                if rec:
+                    rec.add("wait", f"recv for {op}", t0, rec.clock())
+            t0 = rec.clock() if rec else 0.0
+            with torch.profiler.record_function(str(op)):
+                self._run_op(op, data)
+            if rec:
+                rec.add("compute", str(op), t0, rec.clock())
+            if self.in_flight:
+                self._retire_sends(wait=False)
+        self.op_index = len(program.ops)
+        t0 = rec.clock() if rec else 0.0
+        for channel in self.channels.values():
+            self._pump(channel, block=True)
+        self._retire_sends(wait=True)
+        if rec and self.channels:
+            rec.add("wait", "drain sends", t0, rec.clock())
+        return self.result
+
+    def _run_op(self, op: Op, data: StepData) -> None:
+        kind = op.kind
+        if kind is OpKind.F:
+            if data.training:
+                self._forward(op.stage, op.microbatch, data)
+            else:
+                with torch.no_grad():
+                    self._forward(op.stage, op.microbatch, data)
+        elif kind is OpKind.B:
+            self._backward(op.stage, op.microbatch, True, data)
+        elif kind is OpKind.BW:
+            self._backward(op.stage, op.microbatch, False, data)
+        elif kind is OpKind.W:
+            self._weight(op.stage, op.microbatch)
+        else:
+            self._forward_backward(op, data)

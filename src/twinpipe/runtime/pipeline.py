@@ -1,0 +1,259 @@
+"""The user-facing pipeline: ``Pipeline`` runs any schedule; ``DualPipe``/``DualPipeV`` name two.
+
+``step()`` keeps the official DualPipe contract: a rank passes inputs if it holds a chain's first
+stage, labels and a criterion if it holds a last stage, and gets the per-micro-batch losses (and,
+with ``return_outputs``, the outputs) back there; other ranks get ``(None, None)``. Gradients
+accumulate into ``.grad`` unscaled (summed over micro-batches), so call ``zero_grad()`` between
+steps. Training runs when grad mode is on; under ``torch.no_grad()`` only forwards run.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from twinpipe.runtime.comm import declared_layout
+from twinpipe.runtime.executor import Executor, Recorder, StepData
+from twinpipe.runtime.weight_grad import WeightGradStore
+from twinpipe.schedule import registry
+from twinpipe.schedule.lower import LoweredSchedule, forward_only, lower
+from twinpipe.schedule.ops import Schedule
+
+__all__ = ["Pipeline", "DualPipe", "DualPipeV"]
+
+
+def _device_of(modules: Sequence[nn.Module]) -> torch.device:
+    for module in modules:
+        for tensor in (*module.parameters(), *module.buffers()):
+            return tensor.device
+    return torch.device("cpu")
+
+
+class Pipeline(nn.Module):
+    """Runs ``schedule`` over the ranks of ``process_group`` with this rank's stage ``modules``.
+
+    ``modules`` holds this rank's stages in ascending stage order (see
+    ``twinpipe.stages_of_rank``). ``schedule`` is a registered name, a generator
+    ``fn(num_ranks, num_microbatches, **options) -> Schedule``, or a fixed ``Schedule``.
+    Message shapes come from ``tensor_shapes``/``tensor_dtype``, the process-wide setters, or are
+    discovered on the first step (``dynamic_shapes=True`` rediscovers them every step).
+    ``timeout`` bounds every wait for a peer, in seconds.
+    """
+
+    def __init__(
+        self,
+        modules: nn.Module | Sequence[nn.Module],
+        schedule: str | Callable[..., Schedule] | Schedule = "dualpipev",
+        batch_dim: int = 0,
+        process_group=None,
+        rank_mapping: Sequence[int] | None = None,
+        *,
+        tensor_shapes=None,
+        tensor_dtype=None,
+        dynamic_shapes: bool = False,
+        timeout: float = 60.0,
+        **schedule_options,
+    ):
+        super().__init__()
+        if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
+            modules = [modules]  # a single stage
+        self.module = nn.ModuleList(modules)
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group() first (or use torchrun)")
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.num_ranks = dist.get_world_size(self.group)
+        group_rank = dist.get_rank(self.group)
+        if rank_mapping is None:
+            rank_mapping = list(range(self.num_ranks))
+        if sorted(rank_mapping) != list(range(self.num_ranks)):
+            raise ValueError(f"rank_mapping={list(rank_mapping)!r}: must be a permutation of 0..{self.num_ranks - 1}")
+        self.rank = rank_mapping[group_rank]
+        self.global_rank_of = {pp: dist.get_global_rank(self.group, g) for g, pp in enumerate(rank_mapping)}
+        if not isinstance(batch_dim, int):
+            raise ValueError(f"batch_dim={batch_dim!r}: must be an int")
+        if not timeout or timeout <= 0:
+            raise ValueError(f"timeout={timeout!r}: must be a positive number of seconds")
+        self.batch_dim, self.timeout, self.dynamic_shapes = batch_dim, float(timeout), dynamic_shapes
+        self._schedule_spec, self._schedule_options = schedule, schedule_options
+        self._tensor_shapes, self._tensor_dtype = tensor_shapes, tensor_dtype
+        declared_layout(tensor_shapes, tensor_dtype)  # reject bad shapes/dtypes now, not mid-step
+        self._layouts: dict = {}
+        self._layout_key = None
+        self._lowered: dict[tuple[int, bool], LoweredSchedule] = {}
+        self.device = _device_of(self.module)
+        self.last_trace: list | None = None
+        self.last_peak_live = 0
+        placement = self._placement()
+        self.stages = placement.stages_of(self.rank)
+        if len(self.stages) != len(self.module):
+            raise ValueError(
+                f"rank {self.rank} holds stages {list(self.stages)} under this schedule, so it needs "
+                f"{len(self.stages)} module(s); got {len(self.module)}"
+            )
+        self._by_stage = dict(zip(self.stages, self.module))
+        kinds = {type(m) for m in self.module}
+        self._overlap = None
+        if len(kinds) == 1 and hasattr(kinds.pop(), "overlapped_forward_backward"):
+            self._overlap = type(self.module[0]).overlapped_forward_backward
+
+    # ------------------------------------------------------------------ schedule
+    def _placement(self):
+        spec = self._schedule_spec
+        if isinstance(spec, Schedule):
+            if spec.num_ranks != self.num_ranks:
+                raise ValueError(f"schedule is for {spec.num_ranks} ranks but the process group has {self.num_ranks}")
+            return spec.placement
+        if isinstance(spec, str):
+            return registry.placement_for(spec, self.num_ranks, **self._schedule_options)
+        # A generator: any valid micro-batch count shows its placement.
+        return spec(self.num_ranks, 2 * self.num_ranks, **self._schedule_options).placement
+
+    def schedule_for(self, num_chunks: int) -> Schedule:
+        """The schedule this pipeline runs for ``num_chunks`` micro-batches."""
+        spec = self._schedule_spec
+        if isinstance(spec, Schedule):
+            if num_chunks != spec.num_microbatches:
+                raise ValueError(f"num_chunks={num_chunks!r}: this pipeline's fixed schedule has {spec.num_microbatches}")
+            return spec
+        if isinstance(spec, str):
+            return registry.build(spec, self.num_ranks, num_chunks, **self._schedule_options)
+        return spec(self.num_ranks, num_chunks, **self._schedule_options)
+
+    def _lowered_for(self, num_chunks: int, training: bool) -> LoweredSchedule:
+        key = (num_chunks, training)
+        if key not in self._lowered:
+            schedule = self.schedule_for(num_chunks)
+            self._lowered[key] = lower(schedule if training else forward_only(schedule))
+        return self._lowered[key]
+
+    # ------------------------------------------------------------------ step
+    def step(self, *inputs, num_chunks: int = 0, criterion=None, labels=(), return_outputs: bool = False, trace: bool = False):
+        """Run one pipelined step over ``num_chunks`` micro-batches. Returns ``(loss, outputs)``."""
+        if not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ValueError(f"num_chunks={num_chunks!r}: must be a positive int (micro-batches per step, all chains together)")
+        training = torch.is_grad_enabled()
+        lowered = self._lowered_for(num_chunks, training)
+        placement = lowered.schedule.placement
+        labels = tuple(labels) if isinstance(labels, (list, tuple)) else (labels,)
+        data = StepData({}, {}, criterion, return_outputs, training)
+        for stage in self.stages:
+            chain = placement.chain_of_stage(stage)
+            count = len(placement.microbatches_of_chain(chain, num_chunks))
+            if placement.is_first(stage):
+                if not inputs:
+                    raise ValueError(f"rank {self.rank} holds stage {stage}, a first stage: step() needs its inputs here")
+                data.inputs[stage] = self._split(inputs, count, "inputs")
+            if placement.is_last(stage):
+                if training and criterion is None:
+                    raise ValueError(f"rank {self.rank} holds stage {stage}, a last stage: training needs criterion= here")
+                if criterion is not None:
+                    data.labels[stage] = self._split(labels, count, "labels") if labels else [()] * count
+        if self.dynamic_shapes or self._layout_key != num_chunks:
+            self._layouts, self._layout_key = {}, num_chunks
+        recorder = Recorder() if trace else None
+        executor = Executor(
+            lowered.programs[self.rank], placement, self._by_stage, self.group, self.global_rank_of,
+            self.device, self._layouts, declared_layout(self._tensor_shapes, self._tensor_dtype), self.timeout, recorder, self._overlap,
+        )
+        WeightGradStore.clear()
+        try:
+            result = executor.run(data, num_chunks)
+            if training and WeightGradStore.pending():
+                raise RuntimeError(f"rank {self.rank}: {WeightGradStore.pending()} deferred weight gradients never ran")
+        finally:
+            WeightGradStore.clear()
+        self.last_peak_live = result.peak_live
+        self.last_trace = recorder.events if recorder else None
+        return self._collect(result)
+
+    def _split(self, tensors: tuple, count: int, what: str) -> list[tuple]:
+        chunks = []
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{what}[{i}] is a {type(t).__name__}; step() takes tensors")
+            size = t.shape[self.batch_dim] if t.dim() > self.batch_dim else 0
+            if size < count:
+                raise ValueError(
+                    f"{what}[{i}] has {size} rows along batch_dim={self.batch_dim}, fewer than the {count} micro-batches it must be split into"
+                )
+            chunks.append(torch.tensor_split(t, count, dim=self.batch_dim))
+        return [tuple(c[k] for c in chunks) for k in range(count)]
+
+    def _collect(self, result):
+        last = [s for s in self.stages if s in result.losses or s in result.outputs]
+        if not last:
+            return None, None
+        stage = last[0]
+        loss = torch.stack(result.losses[stage]) if stage in result.losses else None
+        outputs = None
+        if stage in result.outputs:
+            per_tensor = list(zip(*result.outputs[stage]))
+            joined = [torch.cat(parts, dim=self.batch_dim) for parts in per_tensor]
+            outputs = joined[0] if len(joined) == 1 else tuple(joined)
+        return loss, outputs
+
+
+class DualPipeV(Pipeline):
+    """DeepSeek's DualPipeV: ``modules = (stage r, stage 2P-1-r)`` of a 2P-stage model on rank r."""
+
+    def __init__(self, modules, batch_dim: int = 0, process_group=None, rank_mapping=None, **options):
+        super().__init__(modules, "dualpipev", batch_dim, process_group, rank_mapping, **options)
+
+
+class DualPipe(Pipeline):
+    """DeepSeek's DualPipe: two copies of a P-stage model run in opposite directions.
+
+    On rank r, ``modules[0]`` is stage r of the first copy and ``modules[1]`` stage P-1-r of the
+    second. ``num_chunks`` counts both directions. After backward, call ``sync_mirrored_grads()``
+    so both copies of each stage hold the full gradient.
+    """
+
+    def __init__(self, modules, batch_dim: int = 0, process_group=None, rank_mapping=None, **options):
+        super().__init__(modules, "dualpipe", batch_dim, process_group, rank_mapping, **options)
+        if self.num_ranks % 2:
+            raise ValueError(f"DualPipe needs an even number of ranks; the process group has {self.num_ranks}")
+
+    def _mirror_peer(self) -> int:
+        return self.global_rank_of[self.num_ranks - 1 - self.rank]
+
+    def _exchange(self, mine: torch.Tensor) -> torch.Tensor:
+        theirs = torch.empty_like(mine)
+        peer = self._mirror_peer()
+        if peer == dist.get_rank():
+            return mine.clone()
+        works = [dist.isend(mine, dst=peer, group=self.group), dist.irecv(theirs, src=peer, group=self.group)]
+        for w in works:
+            w.wait()
+        return theirs
+
+    def sync_mirrored_grads(self) -> None:
+        """Sum the gradients of each stage's two copies (ranks r and P-1-r), in place."""
+        first, second = [list(m.parameters()) for m in self.module]
+        for p in first + second:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        # Send our second copy's grads then our first's: they pair with the peer's first and second.
+        mine = torch.cat([p.grad.reshape(-1) for p in second + first])
+        theirs = self._exchange(mine)
+        offset = 0
+        for p in first + second:
+            n = p.numel()
+            p.grad.add_(theirs[offset : offset + n].view_as(p.grad))
+            offset += n
+
+    def sync_mirrored_weights(self) -> None:
+        """Make both copies' weights identical (the lower rank's copy wins), in place."""
+        first, second = [list(m.parameters()) for m in self.module]
+        mine = torch.cat([p.detach().reshape(-1) for p in second + first])
+        theirs = self._exchange(mine)
+        if self.rank < self.num_ranks - 1 - self.rank:
+            return
+        offset = 0
+        with torch.no_grad():
+            for p in first + second:
+                n = p.numel()
+                p.copy_(theirs[offset : offset + n].view_as(p))
+                offset += n

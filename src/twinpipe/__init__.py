@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 _RUNTIME = {
     "Pipeline", "DualPipe", "DualPipeV", "WeightGradStore", "DeferredLinear", "defer_weight_grads",
-    "set_p2p_tensor_shapes", "set_p2p_tensor_dtype", "PipelineTimeoutError",
+    "set_p2p_tensor_shapes", "set_p2p_tensor_dtype", "PipelineTimeoutError", "run_backward",
 }
 
 __all__ = ["Op", "OpKind", "Schedule", "build_schedule", "schedule_names", "stages_of_rank", "simulate", *sorted(_RUNTIME)]

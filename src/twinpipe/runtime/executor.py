@@ -22,7 +22,7 @@ from twinpipe.schedule.lower import Message, RankProgram
 from twinpipe.schedule.ops import Op, OpKind
 from twinpipe.schedule.placement import Placement
 
-__all__ = ["StepData", "StepResult", "Executor", "Recorder"]
+__all__ = ["StepData", "StepResult", "Executor", "Recorder", "run_backward"]
 
 
 @dataclass
@@ -62,10 +62,14 @@ class _Channel:
     header: tuple | None = None  # (work, tensor) of a header receive in flight
 
 
-def _run_backward(roots, grads) -> None:
-    # The engine call skips the shape check of torch.autograd.backward: sent outputs have had
-    # their data freed, but their graph nodes still know the right shapes.
-    Variable._execution_engine.run_backward(tuple(roots), tuple(grads), False, False, (), True, True)
+def run_backward(tensors, grads) -> None:
+    """Backward from ``tensors`` with ``grads``, accumulating into ``.grad``.
+
+    Unlike ``torch.autograd.backward`` it skips the shape check: outputs that were sent to the next
+    stage have had their data freed, but their graph nodes still know the right shapes. Use it in
+    ``overlapped_forward_backward``.
+    """
+    Variable._execution_engine.run_backward(tuple(tensors), tuple(grads), False, False, (), True, True)
 
 
 def _as_tuple(value) -> tuple:
@@ -274,7 +278,7 @@ class Executor:
         if roots:
             WeightGradStore.enabled = defer_w
             try:
-                _run_backward(roots, grads)
+                run_backward(roots, grads)
             finally:
                 WeightGradStore.enabled = False
         if defer_w:

@@ -1,0 +1,152 @@
+"""`twinpipe eplb`: reading loads files, output, plot and exit codes."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from twinpipe.eplb.cli import add_eplb_parser, run_eplb
+
+README_ROWS = [
+    [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+    [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+]
+README_PHY2LOG = [
+    [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+    [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+]
+LAYOUT = ["--replicas", "16", "--groups", "4", "--nodes", "2", "--gpus", "8"]
+
+
+def _run(argv):
+    parser = argparse.ArgumentParser(prog="twinpipe")
+    add_eplb_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["eplb", *map(str, argv)])
+    assert args.func is run_eplb
+    return run_eplb(args)
+
+
+@pytest.fixture
+def loads_files(tmp_path):
+    csv = tmp_path / "loads.csv"
+    csv.write_text("# expert loads\n" + "\n".join(",".join(map(str, r)) for r in README_ROWS) + "\n")
+    header = tmp_path / "header.csv"
+    header.write_text("e" + ",e".join(map(str, range(12))) + "\n" + csv.read_text())
+    js = tmp_path / "loads.json"
+    js.write_text(json.dumps({"loads": README_ROWS}))
+    pt = tmp_path / "loads.pt"
+    torch.save(torch.tensor(README_ROWS, dtype=torch.float32), pt)
+    return {"csv": csv, "header": header, "json": js, "pt": pt}
+
+
+@pytest.mark.parametrize("kind", ["csv", "header", "json", "pt"])
+def test_json_output_from_each_file_kind(kind, loads_files, capsys):
+    assert _run([loads_files[kind], *LAYOUT, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["policy"] == "hierarchical"
+    assert out["phy2log"] == README_PHY2LOG
+    assert out["logcnt"][0] == [1, 2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 1]
+    assert out["log2phy"][0][1] == [15, 13]
+    assert out["balance"]["gpu"]["after"]["per_layer"] == pytest.approx([1.2081, 1.2422], abs=1e-4)
+    assert out["balance"]["node"]["after"] is not None
+
+
+def test_tables(loads_files, capsys):
+    assert _run([loads_files["csv"], *LAYOUT, "--refine", "--distinct"]) == 0
+    out = capsys.readouterr().out
+    for text in ("EPLB placement", "hierarchical", "GPU 7", "before (no EPLB)", "node", "refine, distinct"):
+        assert text in out
+    assert "1.2081" not in out or "1.2252" in out  # mean over layers is printed
+
+
+def test_global_policy_and_large_placement_hint(tmp_path, capsys):
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(torch.rand(10, 32).mul(100).tolist()))
+    assert _run([path, "--replicas", "40", "--groups", "4", "--nodes", "3", "--gpus", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "global" in out and "--json" in out
+
+
+def test_plot(loads_files, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "eplb.png"
+    assert _run([loads_files["csv"], *LAYOUT, "--plot", png]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "plot written" in capsys.readouterr().out
+
+
+def test_plot_many_layers(tmp_path):
+    pytest.importorskip("matplotlib")
+    from twinpipe.eplb import balance_report, rebalance_experts
+    from twinpipe.eplb.plot import plot_balance
+
+    weight = torch.rand(6, 16) * 10
+    phy2log, _, _ = rebalance_experts(weight, 20, 4, 2, 4)
+    path = plot_balance(balance_report(weight, phy2log, 4, 2), tmp_path / "many.png")
+    assert path.stat().st_size > 0
+
+
+def test_previous_placement(loads_files, tmp_path, capsys):
+    previous = tmp_path / "previous.json"
+    # Nodes swapped and GPUs rotated inside each node: the same placement, relabelled.
+    shifted = [row[10:16] + row[8:10] + row[2:8] + row[0:2] for row in README_PHY2LOG]
+    previous.write_text(json.dumps({"phy2log": shifted}))
+    assert _run([loads_files["csv"], *LAYOUT, "--previous", previous, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["phy2log"] == shifted
+    assert out["migration"]["replicas_to_move"] == 0 and out["migration"]["without_relabelling"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv,flag,fragment",
+    [
+        (["{csv}", "--replicas", "15", "--groups", "4", "--nodes", "2", "--gpus", "8"], "--replicas", "num_replicas=15"),
+        (["{csv}", "--replicas", "8", "--groups", "4", "--nodes", "2", "--gpus", "8"], "--replicas", "num_replicas=8"),
+        (["{csv}", "--replicas", "16", "--groups", "8", "--nodes", "2", "--gpus", "8"], "--groups", "num_groups=8"),
+        (["{csv}", "--replicas", "18", "--groups", "4", "--nodes", "2", "--gpus", "3"], "--gpus", "num_gpus=3"),
+        (["{csv}", *LAYOUT[:-1], "2", "--distinct"], "--distinct", "distinct_per_gpu"),
+        (["{missing}", *LAYOUT], "LOADS", "does not exist"),
+        (["{bad_suffix}", *LAYOUT], "LOADS", "allowed: .csv, .json, .pt"),
+        (["{negative}", *LAYOUT], "LOADS", ">= 0"),
+        (["{ragged}", *LAYOUT], "LOADS", "different lengths"),
+        (["{one_d}", *LAYOUT], "LOADS", "2-D"),
+        (["{csv}", *LAYOUT, "--previous", "{one_d}"], "--previous", "2-D"),
+        (["{csv}", *LAYOUT, "--plot", "{no_dir}"], "--plot", "cannot write"),
+    ],
+)
+def test_errors_name_the_argument_and_exit_2(argv, flag, fragment, loads_files, tmp_path, capsys):
+    (tmp_path / "loads.txt").write_text("1,2")
+    (tmp_path / "negative.csv").write_text("1,2,3,-4\n")
+    (tmp_path / "ragged.csv").write_text("1,2,3\n1,2\n")
+    (tmp_path / "one_d.json").write_text("[1, 2, 3]")
+    paths = {
+        "csv": loads_files["csv"],
+        "missing": tmp_path / "missing.csv",
+        "bad_suffix": tmp_path / "loads.txt",
+        "negative": tmp_path / "negative.csv",
+        "ragged": tmp_path / "ragged.csv",
+        "one_d": tmp_path / "one_d.json",
+        "no_dir": tmp_path / "no" / "such" / "dir.png",
+    }
+    if flag == "--plot":
+        pytest.importorskip("matplotlib")
+    argv = [str(a).format(**paths) for a in argv]
+    assert _run(argv) == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and fragment in err
+
+
+@pytest.mark.parametrize("argv", [[*LAYOUT[:-1], "0"], [*LAYOUT[:-1], "x"], LAYOUT[:-2]])
+def test_argparse_errors_exit_2(argv, loads_files, capsys):
+    with pytest.raises(SystemExit) as info:
+        _run([loads_files["csv"], *argv])
+    assert info.value.code == 2
+    assert "--gpus" in capsys.readouterr().err
+
+
+def test_standalone_main(loads_files, capsys):
+    from twinpipe.eplb.cli import main
+
+    assert main([str(loads_files["json"]), *LAYOUT, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["phy2log"] == README_PHY2LOG

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from twinpipe.eplb import balance_report, rebalance_experts
+from twinpipe.eplb import balance_report, rebalance_experts, replicas_to_move
 
 # --------------------------------------------------------------------------- baseline
 
@@ -162,6 +162,52 @@ def run(quick: bool) -> list[dict]:
     return rows
 
 
+def run_migration() -> list[dict]:
+    """Replicas to move between two load windows (loads drift by ~20 %), with and without relabelling."""
+    layers, experts, replicas, gpus = 58, 256, 288, 32
+    rows = []
+    for kind in ("uniform", "lognormal"):
+        old = make_loads(kind, layers, experts, seed=1)
+        gen = torch.Generator().manual_seed(2)
+        new = old * (0.2 * torch.randn(layers, experts, generator=gen)).exp()
+        for mode, groups, nodes in (("hierarchical", 8, 4), ("global", 8, 3)):
+            layout = (replicas, groups, nodes, gpus)
+            previous = rebalance_experts(old, *layout)[0]
+            fresh = rebalance_experts(new, *layout)[0]
+            start = time.perf_counter()
+            aligned = rebalance_experts(new, *layout, previous_phy2log=previous)[0]
+            elapsed = time.perf_counter() - start
+            rows.append(
+                dict(
+                    loads=kind,
+                    mode=f"{mode} G={groups} N={nodes}",
+                    fresh=replicas_to_move(previous, fresh, gpus),
+                    aligned=replicas_to_move(previous, aligned, gpus),
+                    total=layers * replicas,
+                    time=elapsed,
+                )
+            )
+    return rows
+
+
+def print_migration(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Replicas to move to a new placement (loads drift x exp(0.2 N(0,1)); greedy placement)")
+    for col in ("loads", "layout", "plain", "previous_phy2log=", "time"):
+        table.add_column(col, justify="left" if col in ("loads", "layout") else "right")
+    for r in rows:
+        table.add_row(
+            r["loads"],
+            r["mode"],
+            f"{r['fresh']} / {r['total']}",
+            f"{r['aligned']} / {r['total']}",
+            f"{r['time'] * 1e3:.0f} ms",
+        )
+    Console(width=200).print(table)
+
+
 def print_table(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -194,9 +240,14 @@ def print_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1: steadier timings on a shared machine)"
+    )
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     print_table(run(args.quick))
+    print_migration(run_migration())
     return 0
 
 

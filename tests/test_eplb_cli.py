@@ -95,7 +95,7 @@ def test_previous_placement(loads_files, tmp_path, capsys):
     assert _run([loads_files["csv"], *LAYOUT, "--previous", previous, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["phy2log"] == shifted
-    assert out["migration"]["replicas_to_move"] == 0 and out["migration"]["without_relabelling"] > 0
+    assert out["migration"]["replicas_to_move"] == 0 and out["migration"]["without_previous"] > 0
 
 
 @pytest.mark.parametrize(

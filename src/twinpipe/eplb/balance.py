@@ -37,9 +37,10 @@ def rebalance_experts(
     distinct_per_gpu: never two replicas of one expert on one GPU. An expert then gets at most
         GPUs-per-node (hierarchical) or num_gpus (global) replicas; ValueError when the slots cannot
         be filled that way.
-    previous_phy2log: [layers, num_replicas] placement now in use; GPUs (nodes too, in
-        hierarchical mode) and slots are relabelled to keep as many replicas where they already
-        are as possible. Loads per GPU and node do not change.
+    previous_phy2log: [layers, num_replicas] placement now in use. Keep as many replicas where
+        they already are as possible at no balance cost: relabel GPUs (whole nodes, in hierarchical
+        mode) and slots, then swap replicas between GPUs (of one node) while no GPU exceeds the
+        layer's max load. Max GPU load, node loads and replica counts stay as without it.
     """
     weight = check_weight(weight)
     num_layers, num_experts = weight.shape
@@ -69,7 +70,9 @@ def rebalance_experts(
     if previous_phy2log is not None:
         from .migrate import align_to_previous
 
-        phy2log, phyrank = align_to_previous(phy2log, phyrank, previous_phy2log, num_gpus, num_nodes)
+        phy2log, phyrank = align_to_previous(
+            phy2log, phyrank, previous_phy2log, num_gpus, num_nodes, weight=weight, distinct=distinct_per_gpu
+        )
     logcnt = torch.zeros(num_layers, num_experts, dtype=torch.int64)
     logcnt.scatter_add_(1, phy2log, torch.ones_like(phy2log))
     return phy2log, build_log2phy(phy2log, phyrank, logcnt), logcnt

@@ -89,7 +89,7 @@ def run_eplb(args: argparse.Namespace) -> int:
         unaligned = rebalance_experts(*layout, **options)[0]
         moves = {
             "replicas_to_move": replicas_to_move(previous, phy2log, args.gpus),
-            "without_relabelling": replicas_to_move(previous, unaligned, args.gpus),
+            "without_previous": replicas_to_move(previous, unaligned, args.gpus),
         }
     if args.json:
         out = {
@@ -141,21 +141,22 @@ def _print_tables(args, hierarchical, phy2log, logcnt, report, moves, plot_path)
     summary.add_column(style="bold")
     summary.add_column()
     policy = (
-        f"hierarchical: {args.groups} groups -> {args.nodes} nodes -> {args.gpus} GPUs"
+        f"hierarchical ({args.groups} groups -> {args.nodes} nodes -> {args.gpus} GPUs)"
         if hierarchical
-        else f"global: {args.nodes} nodes do not divide {args.groups} groups; replicas -> any of {args.gpus} GPUs"
+        else f"global ({args.nodes} nodes do not divide {args.groups} groups)"
     )
-    summary.add_row("loads", f"{num_layers} layers x {num_experts} experts ({args.loads})")
+    summary.add_row("loads", f"{num_layers} layers x {num_experts} experts")
     summary.add_row("policy", policy)
-    summary.add_row("replicas", f"{num_replicas} per layer, {slots} per GPU, {num_replicas - num_experts} extra copies")
-    summary.add_row("most replicas of one expert", str(int(logcnt.max())))
-    summary.add_row("(layer, GPU) pairs holding an expert twice", f"{duplicates} of {num_layers * args.gpus}")
-    options = [name for name, on in (("refine", args.refine), ("distinct", args.distinct)) if on]
+    summary.add_row("replicas", f"{num_replicas} per layer ({slots} per GPU, {num_replicas - num_experts} copies)")
+    summary.add_row("max replicas/expert", str(int(logcnt.max())))
+    summary.add_row("duplicates", f"{duplicates} of {num_layers * args.gpus} (layer, GPU) pairs")
+    flags = (("refine", args.refine), ("distinct", args.distinct), ("previous", bool(args.previous)))
+    options = [name for name, on in flags if on]
     summary.add_row("options", ", ".join(options) or "none (reference greedy)")
     if moves:
         summary.add_row(
             "replicas to move",
-            f"{moves['replicas_to_move']} (without relabelling: {moves['without_relabelling']})",
+            f"{moves['replicas_to_move']} (plain placement: {moves['without_previous']})",
         )
     console.print(summary)
 

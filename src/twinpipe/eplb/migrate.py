@@ -1,11 +1,14 @@
-"""Migration-aware relabelling: keep replicas where the previous placement had them, at equal loads.
+"""Migration-aware placement: keep replicas where the previous placement had them, at no balance cost.
 
-GPUs are interchangeable (all hold the same number of slots), so relabelling them changes no GPU
-load. In hierarchical mode whole nodes are relabelled and GPUs only within a node, so node loads and
-the group-to-node locality are kept too. We pick the relabelling that maximises the number of
-replicas already on their GPU: an assignment problem per layer (per node pair for GPUs), solved
-by greedy matching plus pairwise exchanges (a local optimum, never worse than no relabelling).
-Inside a GPU each replica then takes the slot its expert had there before, where it can.
+1. Relabel. GPUs are interchangeable (all hold the same number of slots), so relabelling them
+   changes no GPU load. In hierarchical mode whole nodes are relabelled and GPUs only within a
+   node, so node loads and group-to-node locality are kept too. The relabelling maximises the
+   replicas already on their GPU: an assignment problem per layer (per node pair for GPUs), solved
+   by greedy matching plus pairwise exchanges (a local optimum, never worse than no relabelling).
+2. Swap. A replica x on GPU a whose expert GPU b held before (and holds fewer copies of now) swaps
+   with a replica y on b when that keeps more replicas in place and both GPUs stay at or below the
+   layer's max GPU load (within a node in hierarchical mode): the max, hence max/mean, is unchanged.
+3. Slots. Inside a GPU each replica takes the slot its expert had there before, where it can.
 """
 
 from __future__ import annotations
@@ -31,8 +34,14 @@ def align_to_previous(
     previous: torch.Tensor,
     num_gpus: int,
     num_nodes: int,
+    weight: torch.Tensor | None = None,
+    distinct: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Relabel nodes, GPUs and slots of (phy2log, phyrank) to overlap ``previous`` the most."""
+    """Relabel nodes, GPUs and slots of (phy2log, phyrank) to overlap ``previous`` the most.
+
+    With ``weight`` ([layers, experts] float32 loads) also swap replicas between GPUs (step 2 above);
+    ``distinct`` keeps those swaps from putting two replicas of an expert on one GPU.
+    """
     num_layers, num_replicas = phy2log.shape
     slots_per_gpu = num_replicas // num_gpus
     gpus_per_node = num_gpus // num_nodes
@@ -52,15 +61,96 @@ def align_to_previous(
         gpu_target = (node_target[:, :, None] * gpus_per_node + local).view(num_layers, num_gpus)
     else:
         gpu_target = _max_weight_matching(gpu_overlap)
+    # Node-level matching is a proxy: never keep fewer replicas than no relabelling at all.
+    relabelled = gpu_overlap.gather(2, gpu_target[:, :, None]).sum((1, 2))
+    unchanged = gpu_overlap.diagonal(dim1=1, dim2=2).sum(1)
+    gpu_target = torch.where((relabelled >= unchanged)[:, None], gpu_target, torch.arange(num_gpus))
 
     # GPU gpu_target[i] receives what new GPU i holds.
     source = inverse_permutation(gpu_target)[:, :, None].expand(-1, -1, slots_per_gpu)
     experts = phy2log.view(num_layers, num_gpus, slots_per_gpu).gather(1, source)
     ranks = phyrank.view(num_layers, num_gpus, slots_per_gpu).gather(1, source)
+    if weight is not None:
+        experts, ranks = _swap_towards_previous(weight, experts, ranks, previous, num_nodes, distinct)
     slot_source = _align_slots(experts, previous.view(num_layers, num_gpus, slots_per_gpu))
     phy2log = experts.gather(2, slot_source).view(num_layers, num_replicas)
     phyrank = ranks.gather(2, slot_source).view(num_layers, num_replicas)
     return phy2log, phyrank
+
+
+# Swaps keep every receiving GPU this fraction below the max load, far above float32 rounding of a
+# GPU sum, so recomputed loads cannot exceed the max.
+_REL_MARGIN = 4e-6
+
+
+def _swap_towards_previous(weight, experts, ranks, previous, num_nodes, distinct, max_rounds=64):
+    """Step 2 of the module docstring on [L, P, k] experts/ranks; rounds of disjoint swaps, all layers at once."""
+    num_layers, num_gpus, slots = experts.shape
+    num_replicas = num_gpus * slots
+    num_experts = weight.size(1)
+    ph, rk = experts.reshape(num_layers, num_replicas).clone(), ranks.reshape(num_layers, num_replicas).clone()
+    logcnt = torch.zeros(num_layers, num_experts, dtype=torch.int64).scatter_add_(1, ph, torch.ones_like(ph))
+    per_copy = weight / logcnt.clamp(min=1)
+    gpu = (torch.arange(num_replicas) // slots).expand(num_layers, -1)
+    bound = per_copy.gather(1, ph).view(num_layers, num_gpus, slots).sum(-1).max(1).values * (1 - _REL_MARGIN)
+    bound = bound[:, None, None]
+    old = _counts_per_gpu(previous, num_gpus, num_experts).view(num_layers, -1)
+    node = torch.arange(num_gpus) // (num_gpus // num_nodes)
+    same_node = node[None, :, None] == node[gpu][:, None, :]  # [L, P, R]: GPU b and replica x's GPU share a node
+    ar = torch.arange(num_layers)
+    for _ in range(max_rounds):
+        new = _counts_per_gpu(ph, num_gpus, num_experts).view(num_layers, -1)
+        item_w = per_copy.gather(1, ph)
+        load = item_w.view(num_layers, num_gpus, slots).sum(-1)
+
+        def count(table, g, e):  # table[l, g, e] for index tensors g, e of one shape [L, ...]
+            return table.gather(1, (g * num_experts + e).view(num_layers, -1)).view(g.shape)
+
+        # x must be a surplus copy on its GPU a (moving it loses nothing) and have a target GPU b in
+        # its node that held more copies of x's expert before than now; take the first such b.
+        surplus = count(new, gpu, ph) > count(old, gpu, ph)
+        missing = (old - new).view(num_layers, num_gpus, num_experts)
+        missing = missing.gather(2, ph[:, None, :].expand(-1, num_gpus, -1))  # [L, P, R]
+        wanted = (missing > 0) & same_node & surplus[:, None, :]
+        has_target, target = wanted.to(torch.int8).max(dim=1)  # first wanting GPU, [L, R]
+        has_target = has_target.bool()
+        ys = target[:, :, None] * slots + torch.arange(slots)  # [L, R, k] replicas on b
+        ey = ph.gather(1, ys.view(num_layers, -1)).view(ys.shape)
+        ex = ph[:, :, None].expand_as(ey)
+        a = gpu[:, :, None].expand_as(ey)
+        b = target[:, :, None].expand_as(ey)
+        delta = item_w[:, :, None] - item_w.gather(1, ys.view(num_layers, -1)).view(ys.shape)  # load a -> b
+        fits = ((delta >= 0) | (load.gather(1, gpu)[:, :, None] - delta <= bound)) & (
+            (delta <= 0) | (load.gather(1, target)[:, :, None] + delta <= bound)
+        )
+        # Kept replicas gained: +1 for x on b; +1 if a wants y's expert; -1 if y was kept on b.
+        gain = 1 + (count(new, a, ey) < count(old, a, ey)).long() - (count(new, b, ey) <= count(old, b, ey)).long()
+        valid = has_target[:, :, None] & fits & (gain > 0) & (ey != ex)
+        if distinct:
+            valid &= (count(new, a, ey) == 0) & (count(new, b, ex) == 0)
+        # Prefer more kept replicas, then the smallest load change.
+        score = torch.where(valid, gain - delta.abs() / (bound + 1), torch.full_like(delta, -1.0))
+        best_score, best_y = score.max(dim=2)  # [L, R]
+        if not bool((best_score > 0).any()):
+            break
+        y_of = ys.gather(2, best_y[:, :, None]).squeeze(2)
+        # Apply disjoint swaps, best first: each GPU takes part in at most one swap per round.
+        used = torch.zeros(num_layers, num_gpus, dtype=torch.bool)
+        pending = best_score
+        while True:
+            top, x = pending.max(dim=1)
+            rows = ar[top > 0]
+            if len(rows) == 0:
+                break
+            x, y = x[rows], y_of[rows, x[rows]]
+            ga, gb = gpu[rows, x], target[rows, x]
+            ph[rows, x], ph[rows, y] = ph[rows, y].clone(), ph[rows, x].clone()
+            rk[rows, x], rk[rows, y] = rk[rows, y].clone(), rk[rows, x].clone()
+            used[rows, ga] = True
+            used[rows, gb] = True
+            blocked = used.gather(1, gpu) | used.gather(1, target)
+            pending = pending.masked_fill(blocked, -1.0)
+    return ph.view(num_layers, num_gpus, slots), rk.view(num_layers, num_gpus, slots)
 
 
 def _counts_per_gpu(phy2log: torch.Tensor, num_gpus: int, num_experts: int) -> torch.Tensor:

@@ -340,3 +340,23 @@ def _check_groups_stay_on_a_node(phy2log, num_experts, num_groups, num_nodes, nu
         for slot, expert in enumerate(phy2log[layer].tolist()):
             nodes_of_group.setdefault(expert // group_size, set()).add(int(node_of_slot[slot]))
         assert all(len(n) == 1 for n in nodes_of_group.values())
+
+
+def test_report_rejects_a_mismatched_placement():
+    with pytest.raises(ValueError, match="phy2log"):
+        balance_report(README_WEIGHT, torch.zeros(2, 15, dtype=torch.int64), 8)
+
+
+def test_import_needs_only_torch():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import twinpipe
+
+    src = str(Path(twinpipe.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    code = "import sys, twinpipe.eplb; print(sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'rich'}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "[]"

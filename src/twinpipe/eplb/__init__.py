@@ -8,6 +8,7 @@ measures it. Imports torch only; the CLI and plotting load rich/matplotlib lazil
 from .balance import rebalance_experts
 from .checks import EplbArgumentError
 from .migrate import replicas_to_move
+from .plot import plot_balance
 from .report import BalanceReport, Imbalance, balance_report, gpu_loads, naive_gpu_loads
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "balance_report",
     "gpu_loads",
     "naive_gpu_loads",
+    "plot_balance",
     "rebalance_experts",
     "replicas_to_move",
 ]

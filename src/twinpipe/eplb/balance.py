@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from .checks import EplbArgumentError, check_layout, check_previous, check_weight
+from .migrate import align_to_previous
 from .packing import greedy_pack, inverse_permutation, ranks_in_pack, replicate
 from .refine import refine_swaps
+from .report import gpu_loads
 
 
 def rebalance_experts(
@@ -61,15 +63,13 @@ def rebalance_experts(
 
     options = dict(distinct=distinct_per_gpu, refine_gpus=refine)
     phy2log, phyrank = _hierarchical(weight, num_replicas, num_groups, num_nodes, num_gpus, refine_nodes=False, **options)
-    if refine and num_nodes > 1:
+    if refine and num_groups > num_nodes > 1:
         # Better-balanced nodes usually, not always, give better-balanced GPUs: keep the better per layer.
         alt = _hierarchical(weight, num_replicas, num_groups, num_nodes, num_gpus, refine_nodes=True, **options)
         use_alt = _max_gpu_load(weight, alt[0], num_gpus) < _max_gpu_load(weight, phy2log, num_gpus)
         phy2log = torch.where(use_alt[:, None], alt[0], phy2log)
         phyrank = torch.where(use_alt[:, None], alt[1], phyrank)
     if previous_phy2log is not None:
-        from .migrate import align_to_previous
-
         phy2log, phyrank = align_to_previous(
             phy2log, phyrank, previous_phy2log, num_gpus, num_nodes, weight=weight, distinct=distinct_per_gpu
         )
@@ -141,6 +141,4 @@ def _hierarchical(
 
 
 def _max_gpu_load(weight: torch.Tensor, phy2log: torch.Tensor, num_gpus: int) -> torch.Tensor:
-    from .report import gpu_loads
-
     return gpu_loads(weight, phy2log, num_gpus).max(dim=1).values

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import check_count, check_weight
+from .checks import EplbArgumentError, check_count, check_weight
 
 
 def gpu_loads(weight: torch.Tensor, phy2log: torch.Tensor, num_gpus: int) -> torch.Tensor:
@@ -98,6 +98,12 @@ def balance_report(
     weight = check_weight(weight)
     check_count("num_gpus", num_gpus)
     check_count("num_nodes", num_nodes)
+    if phy2log.dim() != 2 or phy2log.size(0) != weight.size(0) or phy2log.size(1) % num_gpus:
+        raise EplbArgumentError(
+            "phy2log",
+            f"phy2log has shape {tuple(phy2log.shape)}; allowed: [{weight.size(0)}, R] with R a multiple "
+            f"of num_gpus={num_gpus}",
+        )
     before = naive_gpu_loads(weight, num_gpus)
     after = gpu_loads(weight, phy2log, num_gpus)
     node_before = node_after = None

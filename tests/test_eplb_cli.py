@@ -101,10 +101,10 @@ def test_previous_placement(loads_files, tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv,flag,fragment",
     [
-        (["{csv}", "--replicas", "15", "--groups", "4", "--nodes", "2", "--gpus", "8"], "--replicas", "num_replicas=15"),
-        (["{csv}", "--replicas", "8", "--groups", "4", "--nodes", "2", "--gpus", "8"], "--replicas", "num_replicas=8"),
-        (["{csv}", "--replicas", "16", "--groups", "8", "--nodes", "2", "--gpus", "8"], "--groups", "num_groups=8"),
-        (["{csv}", "--replicas", "18", "--groups", "4", "--nodes", "2", "--gpus", "3"], "--gpus", "num_gpus=3"),
+        (["{csv}", "--replicas", "15", *LAYOUT[2:]], "--replicas", "num_replicas=15"),
+        (["{csv}", "--replicas", "8", *LAYOUT[2:]], "--replicas", "num_replicas=8"),
+        (["{csv}", *LAYOUT[:2], "--groups", "8", *LAYOUT[4:]], "--groups", "num_groups=8"),
+        (["{csv}", "--replicas", "18", *LAYOUT[2:6], "--gpus", "3"], "--gpus", "num_gpus=3"),
         (["{csv}", *LAYOUT[:-1], "2", "--distinct"], "--distinct", "distinct_per_gpu"),
         (["{missing}", *LAYOUT], "LOADS", "does not exist"),
         (["{bad_suffix}", *LAYOUT], "LOADS", "allowed: .csv, .json, .pt"),

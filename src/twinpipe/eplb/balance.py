@@ -61,11 +61,12 @@ def rebalance_experts(
             "else some GPU must hold two replicas of one expert",
         )
 
+    layout = (weight, num_replicas, num_groups, num_nodes, num_gpus)
     options = dict(distinct=distinct_per_gpu, refine_gpus=refine)
-    phy2log, phyrank = _hierarchical(weight, num_replicas, num_groups, num_nodes, num_gpus, refine_nodes=False, **options)
+    phy2log, phyrank = _hierarchical(*layout, refine_nodes=False, **options)
     if refine and num_groups > num_nodes > 1:
         # Better-balanced nodes usually, not always, give better-balanced GPUs: keep the better per layer.
-        alt = _hierarchical(weight, num_replicas, num_groups, num_nodes, num_gpus, refine_nodes=True, **options)
+        alt = _hierarchical(*layout, refine_nodes=True, **options)
         use_alt = _max_gpu_load(weight, alt[0], num_gpus) < _max_gpu_load(weight, phy2log, num_gpus)
         phy2log = torch.where(use_alt[:, None], alt[0], phy2log)
         phyrank = torch.where(use_alt[:, None], alt[1], phyrank)

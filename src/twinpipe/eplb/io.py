@@ -23,7 +23,9 @@ def read_table(path: str | Path, argument: str = "loads") -> torch.Tensor:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
-        raise EplbArgumentError(argument, f"{argument} file {str(path)!r} has suffix {suffix!r}; allowed: .csv, .json, .pt")
+        raise EplbArgumentError(
+            argument, f"{argument} file {str(path)!r} has suffix {suffix!r}; allowed: .csv, .json, .pt"
+        )
     if not path.is_file():
         raise EplbArgumentError(argument, f"{argument} file {str(path)!r} does not exist")
     try:

@@ -129,7 +129,7 @@ def _swap_towards_previous(weight, experts, ranks, previous, num_nodes, distinct
         if distinct:
             valid &= (count(new, a, ey) == 0) & (count(new, b, ex) == 0)
         # Prefer more kept replicas, then the smallest load change.
-        score = torch.where(valid, gain - delta.abs() / (bound + 1), torch.full_like(delta, -1.0))
+        score = torch.where(valid, gain - delta.abs() / (2 * bound + 1), torch.full_like(delta, -1.0))
         best_score, best_y = score.max(dim=2)  # [L, R]
         if not bool((best_score > 0).any()):
             break

@@ -1,0 +1,236 @@
+"""Schedule generators: every schedule is valid, small cases match the published op orders,
+bad input is refused with a clear message."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from twinpipe.schedule import registry
+from twinpipe.schedule.check import validate
+from twinpipe.schedule.ops import OpKind
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+# Every (p, m) a generator accepts in these ranges is built and validated.
+LINEAR = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto"]
+ALL = LINEAR + ["interleaved-1f1b", "zbv", "dualpipe", "dualpipev"]
+GRID = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 5, 7, 8, 12, 16)]
+
+
+def checked(name: str, p: int, m: int, **options):
+    """Build and validate (dependencies, counts, deadlock freedom)."""
+    schedule = registry.build(name, p, m, **options)
+    validate(schedule)
+    return schedule
+
+
+def accepts(name: str, p: int, m: int, **options) -> bool:
+    try:
+        registry.build(name, p, m, **options)
+    except ValueError:
+        return False
+    return True
+
+
+def test_registered_names_and_aliases():
+    assert set(ALL) <= set(registry.names())
+    assert registry.get("zb1p").name == "zb-h1"
+    assert registry.get("ZB-H2").name == "zb-h2"
+    with pytest.raises(ValueError, match=r"schedule='nope' is unknown; allowed: .*zb-h1"):
+        registry.get("nope")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_accepted_schedule_is_valid(name):
+    built = 0
+    for p, m in GRID:
+        if accepts(name, p, m):
+            schedule = checked(name, p, m)
+            assert schedule.num_microbatches == m and schedule.num_ranks == p
+            built += 1
+    assert built >= 10
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv"])
+def test_any_m_and_p_accepted(name):
+    for p, m in GRID:
+        assert accepts(name, p, m), (p, m)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_deterministic(name):
+    p, m = (4, 8)
+    assert registry.build(name, p, m).ops == registry.build(name, p, m).ops
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_full_backward_schedules_use_bw(name):
+    kinds = {op.kind for ops in checked(name, 4, 8).ops for op in ops}
+    assert kinds == {OpKind.F, OpKind.BW}
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zb-auto", "zbv"])
+def test_zero_bubble_schedules_split_the_backward(name):
+    kinds = {op.kind for ops in checked(name, 4, 8).ops for op in ops}
+    assert kinds == {OpKind.F, OpKind.B, OpKind.W}
+
+
+# --- op orders from zero-bubble.md (p=4, m=8, unit times) ---------------------------------
+
+ZB_H1 = ["FFFFBWFBWFBWFBWFBWBWBWBW", "FFFBFBWFBWFBWFBWFBWBWBWW", "FFBFBFBWFBWFBWFBWFBWBWWW", "FBFBFBFBWFBWFBWFBWFBWWWW"]
+ZB_H2 = ["FFFFFFFBWFBWBWBWBWBWBWBW", "FFFFFBFBFBWFBWBWBWBWBWWW", "FFFBFBFBFBFBWFBWBWBWWWWW", "FBFBFBFBFBFBFBWFBWWWWWWW"]
+ZB_2P = ["FFFFFFFBFWBWBWBWBWBWBWBW", "FFFFFBFBFBFBWBWBWBWBWWWW", "FFFBFBFBFBFBFBWBWBWWWWWW", "FBFBFBFBFBFBFBFBWWWWWWWW"]
+
+
+def kinds(schedule) -> list[str]:
+    return [schedule.kinds_string(r) for r in range(schedule.num_ranks)]
+
+
+def test_zb_h1_and_h2_match_the_table():
+    assert kinds(checked("zb-h1", 4, 8)) == ZB_H1
+    assert kinds(checked("zb-h2", 4, 8)) == ZB_H2
+
+
+@pytest.mark.parametrize("mw", [0.5, 0.9, 1.0])
+def test_zb_auto_reproduces_zb_1p_and_zb_2p(mw):
+    one_p = checked("zb-auto", 4, 8, mw=mw)  # default mem_limit = p
+    assert kinds(one_p) == ZB_H1 and one_p.options["cost"] == 27
+    two_p = checked("zb-auto", 4, 8, mem_limit=8, mw=mw)
+    assert kinds(two_p) == ZB_2P and two_p.options["cost"] == 24
+
+
+def test_zb_auto_micro_batches_in_order_per_kind():
+    schedule = checked("zb-auto", 5, 11, t_f=1.0, t_b=2.0, t_w=0.7, t_comm=0.3)
+    for rank_ops in schedule.ops:
+        for kind in (OpKind.F, OpKind.B, OpKind.W):
+            assert [op.microbatch for op in rank_ops if op.kind is kind] == list(range(11))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (6, 12), (8, 20)])
+def test_zb_auto_more_memory_never_costs_more(p, m):
+    costs = [checked("zb-auto", p, m, mem_limit=limit).options["cost"] for limit in (p, 1.5 * p, 2 * p, 3 * p)]
+    assert costs == sorted(costs, reverse=True)
+    assert costs[0] == registry.build("zb-auto", p, m).options["cost"]  # the default limit is p
+
+
+def test_zb_auto_per_stage_times():
+    schedule = checked("zb-auto", 3, 6, t_f=[1, 2, 1], t_b=[1, 1, 3], t_w=0.5)
+    assert schedule.options["cost"] > 0
+
+
+def test_one_f_one_b_warmup():
+    # Rank r runs p-1-r forwards before its first backward.
+    schedule = checked("1f1b", 4, 8)
+    for r in range(4):
+        assert schedule.kinds_string(r).replace("BW", "B").index("B") == 4 - r
+
+
+def test_interleaved_op_order_and_stages():
+    schedule = checked("interleaved-1f1b", 2, 4, stages_per_rank=2)
+    assert schedule.placement.stages_of(0) == (0, 2) and schedule.placement.stages_of(1) == (1, 3)
+    # Rank 0: warm-up 2(p-1-r) + (v-1)p = 4 forwards: micro-batches 0,1 on stage 0, then on stage 2.
+    assert [str(op) for op in schedule.ops[0][:5]] == ["0F0", "0F1", "2F0", "2F1", "0F2"]
+    assert registry.placement_for("interleaved-1f1b", 4, stages_per_rank=3).num_stages == 12
+
+
+@pytest.mark.parametrize("v", [1, 2, 3, 4])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
+def test_interleaved_every_multiple_of_p(p, v):
+    for m in (p, 2 * p, 3 * p):
+        checked("interleaved-1f1b", p, m, stages_per_rank=v)
+
+
+def test_zbv_layout():
+    schedule = checked("zbv", 4, 8)
+    assert [schedule.placement.stages_of(r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert str(schedule.ops[0][0]) == "0F0"
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    p=st.integers(1, 6),
+    m=st.integers(1, 14),
+    t_f=st.sampled_from([0.5, 1.0, 1.7]),
+    t_b=st.sampled_from([0.5, 1.0, 2.0]),
+    t_w=st.sampled_from([0.3, 1.0, 1.5]),
+    t_comm=st.sampled_from([0.0, 0.2, 1.0]),
+    mw=st.sampled_from([0.0, 0.5, 1.0]),
+)
+def test_cost_driven_generators_are_valid_for_any_costs(p, m, t_f, t_b, t_w, t_comm, mw):
+    costs = dict(t_f=t_f, t_b=t_b, t_w=t_w, t_comm=t_comm, mw=mw)
+    checked("zb-auto", p, m, **costs)
+    checked("zb-auto", p, m, mem_limit=2 * p, **costs)
+    checked("zbv", p, m, **costs)
+    checked("zbv", p, m, mem_limit=p + 2, **costs)
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+BAD = [
+    ("gpipe", 0, 4, {}, r"gpipe: num_ranks=0 is not allowed; it must be an integer >= 1"),
+    ("1f1b", 4, 0, {}, r"1f1b: num_microbatches=0 is not allowed"),
+    ("1f1b", 4.0, 8, {}, r"num_ranks=4.0 is not allowed"),
+    ("zb-h1", True, 8, {}, r"num_ranks=True is not allowed"),
+    ("zb-h2", 2, -3, {}, r"num_microbatches=-3"),
+    ("interleaved-1f1b", 4, 6, {}, r"num_microbatches=6 is not allowed; it must be an integer >= 4 and a multiple of 4"),
+    ("interleaved-1f1b", 4, 8, {"stages_per_rank": 0}, r"stages_per_rank=0 is not allowed"),
+    ("zb-auto", 4, 8, {"mem_limit": 0.5}, r"mem_limit=0.5 is not allowed; every rank needs at least max\(1, mw\) = 1"),
+    ("zb-auto", 4, 8, {"mem_limit": 1.5, "mw": 2.0}, r"mem_limit=1.5 is not allowed; .* = 2"),
+    ("zb-auto", 4, 8, {"t_f": -1}, r"t_f=-1 is not allowed; it must be a number > 0"),
+    ("zb-auto", 4, 8, {"t_b": [1, 2]}, r"t_b has 2 entries; it must be one number or 4"),
+    ("zb-auto", 4, 8, {"t_comm": -0.5}, r"t_comm=-0.5 is not allowed"),
+    ("zbv", 4, 8, {"mem_limit": 1}, r"zbv: mem_limit=1 is not allowed; a rank needs at least"),
+    ("zbv", 4, 8, {"t_w": 0}, r"t_w=0 is not allowed; it must be a number > 0"),
+]
+
+
+@pytest.mark.parametrize("name,p,m,options,message", BAD)
+def test_bad_input_names_argument_value_and_allowed(name, p, m, options, message):
+    with pytest.raises(ValueError, match=message):
+        registry.build(name, p, m, **options)
+
+
+def test_unknown_option_is_refused():
+    with pytest.raises(TypeError, match="mem_limit"):
+        registry.build("1f1b", 4, 8, mem_limit=4)
+
+
+def test_importing_schedule_and_sim_does_not_import_torch():
+    code = (
+        "import sys, twinpipe.schedule.generators, twinpipe.schedule.registry as r, twinpipe.sim, twinpipe.sim.cli;"
+        "r.build('zb-auto', 4, 8); r.build('dualpipev', 2, 4);"
+        "assert 'torch' not in sys.modules, 'torch was imported'; assert 'rich' not in sys.modules"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    result = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": src}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+# --- the example in docs/adding-a-schedule.md ----------------------------------------------
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """Let a test register schedules without leaving them behind."""
+    registry.names()  # load the built-ins into the real registry first
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_ALIASES", dict(registry._ALIASES))
+
+
+def test_adding_a_schedule_doc_example_runs_as_written(scratch_registry, capsys):
+    blocks = re.findall(r"```python\n(.*?)```", (DOCS / "adding-a-schedule.md").read_text(), re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        exec(compile(block, "adding-a-schedule.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "30.0 0.2 (8.0, 8.0, 8.0, 8.0)"
+    for p, m in GRID:
+        checked("gpipe-split", p, m)
+    with pytest.raises(ValueError, match="num_ranks=0"):
+        registry.build("gpipe-split", 0, 4)

@@ -23,7 +23,7 @@ __all__ = ["add_simulate_parser", "run_simulate", "summarize"]
 
 # CLI flag -> generator keyword, for the options some generators take.
 _OPTIONS = {"mem_limit": "--mem-limit", "stages_per_rank": "--stages-per-rank"}
-# Generator keywords that the cost flags also feed (heuristics that plan with the costs).
+# CostModel fields that are also generator keywords (heuristics that plan with the costs).
 _COST_OPTIONS = ("t_f", "t_b", "t_w", "t_comm", "mw")
 
 
@@ -102,8 +102,7 @@ def _schedule_names(args) -> list[str]:
 
 
 def _costs(args) -> CostModel:
-    for flag, value, strict in (("--f", args.f, False), ("--b", args.b, False), ("--w", args.w, False),
-                                ("--fb", args.fb, False), ("--comm", args.comm, False), ("--mw", args.mw, False)):
+    for flag, value in (("--f", args.f), ("--b", args.b), ("--w", args.w), ("--fb", args.fb), ("--comm", args.comm), ("--mw", args.mw)):
         if value is not None and not value >= 0:
             raise ValueError(f"{flag}={value:g}: must be a number >= 0")
     return CostModel(t_f=args.f, t_b=args.b, t_w=args.w, t_fb=args.fb, t_comm=args.comm, mw=args.mw)
@@ -126,7 +125,7 @@ def _build(name: str, args, costs: CostModel, strict: bool):
             raise ValueError(f"{flag}={value:g} does not apply to schedule {info.name!r}; it applies to: {', '.join(users)}")
     for key in _COST_OPTIONS:  # heuristics plan with the same costs we simulate
         if key in params:
-            options[key] = {"t_f": costs.t_f, "t_b": costs.t_b, "t_w": costs.t_w, "t_comm": costs.t_comm, "mw": costs.mw}[key]
+            options[key] = getattr(costs, key)
     return registry.build(info.name, args.ranks, args.microbatches, **options)
 
 

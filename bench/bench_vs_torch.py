@@ -1,0 +1,131 @@
+"""twinpipe's DualPipeV against PyTorch's ScheduleDualPipeV: same model, same micro-batches.
+
+2 CPU ranks (gloo, one thread each). Timed blocks of BLOCK back-to-back steps of the two libraries
+alternate, so both see the same machine load; we report the median step time of each and their
+ratio (twinpipe / torch).
+
+    python bench/bench_vs_torch.py [--steps 30] [--hiddens 32,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+RANKS = 2
+MICROBATCHES = 8
+BLOCK = 5  # steps per timed block
+
+
+class Stage(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _loss(out, target):
+    return F.mse_loss(out, target, reduction="sum")
+
+
+def _stages(hidden: int, rank: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    full = [Stage(hidden) for _ in range(2 * RANKS)]
+    return [full[rank], full[2 * RANKS - 1 - rank]]
+
+
+def _worker(rank, port, hidden, rows, steps, queue):
+    import twinpipe
+    from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    device = torch.device("cpu")
+    torch.manual_seed(1)
+    x = torch.randn(MICROBATCHES * rows, hidden)
+    y = torch.randn(MICROBATCHES * rows, hidden)
+
+    ours = twinpipe.DualPipeV([twinpipe.defer_weight_grads(m) for m in _stages(hidden, rank)])
+    a, b = _stages(hidden, rank)
+    theirs = ScheduleDualPipeV(
+        [PipelineStage(a, rank, 2 * RANKS, device), PipelineStage(b, 2 * RANKS - 1 - rank, 2 * RANKS, device)],
+        n_microbatches=MICROBATCHES, loss_fn=_loss, scale_grads=False,
+    )
+
+    def step_ours():
+        if rank == 0:
+            ours.step(x, num_chunks=MICROBATCHES, criterion=_loss, labels=(y,))
+        else:
+            ours.step(num_chunks=MICROBATCHES)
+        ours.zero_grad(set_to_none=True)
+
+    def step_theirs():
+        if rank == 0:
+            theirs.step(x, target=y, losses=[])
+        else:
+            theirs.step()
+        for m in (a, b):
+            m.zero_grad(set_to_none=True)
+
+    # Blocks of back-to-back steps (as in training: no barrier between steps), the two libraries
+    # alternating block by block; a block's time / its steps is one sample.
+    for fn in (step_ours, step_theirs) * 2:  # warm-up: metadata discovery, allocator, first P2P
+        fn()
+    times = {"twinpipe": [], "torch": []}
+    for i in range(steps):
+        order = (("torch", step_theirs), ("twinpipe", step_ours)) if i % 2 else (("twinpipe", step_ours), ("torch", step_theirs))
+        for name, fn in order:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(BLOCK):
+                fn()
+            dist.barrier()
+            times[name].append((time.perf_counter() - start) / BLOCK)
+    if rank == 0:
+        queue.put(times)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(hidden: int, rows: int, steps: int) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    mp.start_processes(_worker, args=(_free_port(), hidden, rows, steps, queue), nprocs=RANKS, start_method="spawn")
+    return queue.get(timeout=600)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=15, help="timed blocks per library")
+    parser.add_argument("--hiddens", default="32,512")
+    parser.add_argument("--rows", type=int, default=0, help="rows per micro-batch (default: 32 for hidden<128, else 256)")
+    args = parser.parse_args()
+    print(f"DualPipeV, {RANKS} CPU ranks (gloo, 1 thread each), {2 * RANKS} stages of Linear-tanh-Linear, "
+          f"{MICROBATCHES} micro-batches, {args.steps} blocks of {BLOCK} steps each, medians")
+    print(f"{'hidden':>6} {'rows/mb':>7} {'torch ms':>9} {'twinpipe ms':>11} {'ratio':>6}")
+    for hidden in (int(h) for h in args.hiddens.split(",")):
+        rows = args.rows or (32 if hidden < 128 else 256)
+        times = measure(hidden, rows, args.steps)
+        t_torch, t_ours = statistics.median(times["torch"]), statistics.median(times["twinpipe"])
+        print(f"{hidden:>6} {rows:>7} {t_torch * 1e3:>9.2f} {t_ours * 1e3:>11.2f} {t_ours / t_torch:>6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

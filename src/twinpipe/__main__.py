@@ -1,0 +1,3 @@
+from twinpipe.cli import main
+
+raise SystemExit(main())

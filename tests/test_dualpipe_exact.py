@@ -5,30 +5,12 @@ One 4-process gloo world runs every case; pipelines of 1..4 ranks use sub-groups
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
-
 import pytest
-import torch
-import torch.distributed as dist
 
-import models
 from distributed import run_world
+from exactness import Case, run_all
 
 WORLD = 4
-TOL = 1e-13
-
-
-@dataclass(frozen=True)
-class Case:
-    schedule: str
-    ranks: int
-    chunks: int
-    model: str = "mlp"  # mlp | overlap | two
-
-    @property
-    def id(self) -> str:
-        return f"{self.schedule}-p{self.ranks}-n{self.chunks}-{self.model}"
 
 
 def _cases() -> list[Case]:
@@ -48,120 +30,11 @@ def _cases() -> list[Case]:
 
 
 CASES = _cases()
-KINDS = {"mlp": models.MLPStage, "overlap": models.OverlapStage, "two": models.TwoTensorStage}
-
-
-def _data(case: Case, batch_per_mb: int = 2):
-    torch.manual_seed(1234 + case.chunks)
-    n = case.chunks
-    shape = (n * batch_per_mb, 3, models.HIDDEN)
-    x = torch.randn(shape, dtype=torch.float64)
-    y = torch.randn(shape, dtype=torch.float64)
-    label = torch.randn(shape, dtype=torch.float64)
-    inputs = (x, y) if case.model == "two" else (x,)
-    return inputs, label
-
-
-def _run_case(rank: int, group, case: Case) -> list[str]:
-    import twinpipe
-    from twinpipe.schedule.registry import placement_for
-
-    problems = []
-    placement = placement_for(case.schedule, case.ranks)
-    num_model_stages = case.ranks if placement.kind == "dual" else placement.num_stages
-    model = models.make_model(KINDS[case.model], num_model_stages, seed=7)
-    pipe_modules = [copy.deepcopy(model[models.model_stage(placement, s)]) for s in placement.stages_of(rank)]
-    criterion = models.mse2 if case.model == "two" else models.mse
-    inputs, label = _data(case)
-    n = case.chunks
-    xs = list(zip(*[torch.tensor_split(t, n) for t in inputs]))
-    labels = list(torch.tensor_split(label, n))
-    ref_losses, ref_outputs = models.reference(model, placement, xs, labels, criterion)
-
-    pipeline_cls = twinpipe.DualPipe if case.schedule == "dualpipe" else twinpipe.DualPipeV
-    pipe = pipeline_cls(pipe_modules, process_group=group)
-
-    def my_args():
-        args, labs = (), ()
-        for c, chain in enumerate(placement.chains):
-            mbs = placement.microbatches_of_chain(c, n)
-            if chain[0] in pipe.stages:
-                args = tuple(torch.cat([xs[j][k] for j in mbs]) for k in range(len(inputs)))
-            if chain[-1] in pipe.stages:
-                labs = (torch.cat([labels[j] for j in mbs]),)
-        return args, labs
-
-    def my_chain_mbs():
-        for c, chain in enumerate(placement.chains):
-            if chain[-1] in pipe.stages:
-                return list(placement.microbatches_of_chain(c, n))
-        return None
-
-    args, labs = my_args()
-    mbs = my_chain_mbs()
-    loss, outputs = pipe.step(*args, num_chunks=n, criterion=criterion, labels=labs, return_outputs=True)
-    if mbs is None:
-        if loss is not None or outputs is not None:
-            problems.append("a rank without a last stage got a loss or outputs")
-    else:
-        expected = torch.stack([ref_losses[j].detach() for j in mbs])
-        if not torch.equal(loss, expected):
-            problems.append(f"loss {loss.tolist()} != reference {expected.tolist()}")
-        out_ref = [torch.cat([ref_outputs[j][k] for j in mbs]) for k in range(len(ref_outputs[mbs[0]]))]
-        got = outputs if isinstance(outputs, tuple) else (outputs,)
-        if len(got) != len(out_ref) or not all(torch.equal(a, b.detach()) for a, b in zip(got, out_ref)):
-            problems.append("training outputs differ from the reference")
-    if case.schedule == "dualpipe":
-        pipe.sync_mirrored_grads()
-    for s, module in zip(placement.stages_of(rank), pipe.module):
-        ref = model[models.model_stage(placement, s)]
-        for (name, p), q in zip(module.named_parameters(), ref.parameters()):
-            got = p.grad if p.grad is not None else torch.zeros_like(p)
-            err = models.grad_error(got, q.grad)
-            if not err <= TOL:
-                problems.append(f"stage {s} {name}: gradient error {err:.3g} > {TOL}")
-
-    # Forward only: losses and outputs equal the reference's, under no_grad.
-    with torch.no_grad():
-        ref_losses, ref_outputs = models.reference(model, placement, xs, labels, criterion)
-        loss, outputs = pipe.step(*args, num_chunks=n, criterion=criterion, labels=labs, return_outputs=True)
-    if mbs is not None:
-        expected = torch.stack([ref_losses[j] for j in mbs])
-        if not torch.equal(loss, expected):
-            problems.append("forward-only loss differs from the reference")
-        out_ref = [torch.cat([ref_outputs[j][k] for j in mbs]) for k in range(len(ref_outputs[mbs[0]]))]
-        got = outputs if isinstance(outputs, tuple) else (outputs,)
-        if not all(torch.equal(a, b) for a, b in zip(got, out_ref)):
-            problems.append("forward-only outputs differ from the reference")
-    if case.model == "overlap" and models.OverlapStage.calls == 0 and case.chunks > 1 and _has_fb(placement, case, rank):
-        problems.append("overlapped_forward_backward was never called")
-    models.OverlapStage.calls = 0
-    return problems
-
-
-def _has_fb(placement, case, rank) -> bool:
-    from twinpipe.schedule.registry import build
-
-    return any(op.kind.value == "FB" for op in build(case.schedule, case.ranks, case.chunks).ops[rank])
-
-
-def _run_all(rank: int, world: int, cases: list[Case]) -> dict[str, list[str]]:
-    groups = {p: dist.new_group(list(range(p))) for p in range(1, world + 1)}
-    results = {}
-    for case in cases:
-        if rank < case.ranks:
-            try:
-                results[case.id] = _run_case(rank, groups[case.ranks], case)
-            except Exception as exc:  # report the case, keep the world going
-                results[case.id] = [f"{type(exc).__name__}: {exc}"]
-        dist.barrier()
-    return results
 
 
 @pytest.fixture(scope="module")
 def outcomes():
-    per_rank = run_world(WORLD, _run_all, CASES)
-    return per_rank
+    return run_world(WORLD, run_all, CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -119,8 +119,12 @@ class Executor:
         act_layout = self.declared or self.layouts.get((msg.dst_stage, msg.microbatch))
         return act_layout.grad_layout() if act_layout is not None else None
 
-    def _pump(self, channel: _Channel, block: bool = False) -> None:
-        """Post the channel's next sends and receives, in the agreed order, as far as possible."""
+    def _pump(self, channel: _Channel, until: Message | None = None, drain: bool = False) -> None:
+        """Post the channel's next sends and receives, in the agreed order, as far as possible.
+
+        A receive whose layout is still unknown waits for the sender's header; we block on it
+        only to reach ``until`` (a message that precedes it must be posted first) or to ``drain``.
+        """
         while channel.cursor < len(channel.messages):
             msg = channel.messages[channel.cursor]
             peer = self.global_rank_of[channel.peer]
@@ -136,6 +140,7 @@ class Executor:
                         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
                         channel.header = (comm.irecv(header, peer, self.group), header)
                     work, header = channel.header
+                    block = drain or (until is not None and until not in self.posted)
                     if not block and not work.is_completed():
                         return
                     comm.wait_work(work, self.timeout, self._what(f"header of {msg}", channel.peer))
@@ -171,7 +176,10 @@ class Executor:
     def _receive(self, msg: Message) -> list[torch.Tensor]:
         channel = self.channels[msg.src_rank]
         while msg not in self.posted:
-            self._pump(channel, block=True)
+            before = channel.cursor
+            self._pump(channel, until=msg)
+            if channel.cursor == before and msg not in self.posted:  # lowering guarantees progress
+                raise RuntimeError(f"rank {self.rank}: {msg} is queued behind a send that was never produced")
         works, buffers = self.posted.pop(msg)
         for work in works:
             comm.wait_work(work, self.timeout, self._what(str(msg), msg.src_rank))
@@ -346,7 +354,7 @@ class Executor:
         self.op_index = len(program.ops)
         t0 = rec.clock() if rec else 0.0
         for channel in self.channels.values():
-            self._pump(channel, block=True)
+            self._pump(channel, drain=True)
         self._retire_sends(wait=True)
         if rec and self.channels:
             rec.add("wait", "drain sends", t0, rec.clock())

@@ -1,0 +1,80 @@
+"""Export a Timeline as Chrome trace-event JSON (opens in Perfetto and chrome://tracing).
+
+One process per rank (pid = rank) with two threads: tid 0 "compute" (one ``X`` event per op, named
+as ``str(op)``, the same name ``torch.profiler.record_function`` gives it) and tid 1 "wait / comm"
+(wait slices). Timestamps are microseconds: measured timelines are in seconds (x 10^6);
+simulated ones are in cost-model units, drawn as 1 unit = 1 ms unless ``us_per_unit`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from twinpipe.timeline import Slice, Timeline
+
+__all__ = ["chrome_trace", "write_chrome_trace", "COMPUTE_TID", "WAIT_TID"]
+
+COMPUTE_TID, WAIT_TID = 0, 1
+
+
+def _us_per_unit(timeline: Timeline, us_per_unit: float | None) -> float:
+    if us_per_unit is not None:
+        if not isinstance(us_per_unit, (int, float)) or us_per_unit <= 0:
+            raise ValueError(f"us_per_unit={us_per_unit!r}: must be a number > 0")
+        return float(us_per_unit)
+    measured = timeline.source == "measured" or timeline.meta.get("time_unit") == "s"
+    return 1e6 if measured else 1e3
+
+
+def _args(s: Slice, timeline: Timeline) -> dict:
+    if s.op is None:
+        return {"label": s.label} if s.label else {}
+    placement, op = timeline.placement, s.op
+    chain = (lambda stage: placement.chain_of_stage(stage)) if placement is not None else (lambda stage: 0)
+    args = {"kind": op.kind.value, "stage": op.stage, "microbatch": op.microbatch, "chain": chain(op.stage)}
+    if op.backward is not None:
+        args.update(backward_stage=op.backward.stage, backward_microbatch=op.backward.microbatch, backward_chain=chain(op.backward.stage))
+    return args
+
+
+def chrome_trace(timeline: Timeline, us_per_unit: float | None = None) -> dict:
+    """The trace as a JSON-ready dict: ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``."""
+    scale = _us_per_unit(timeline, us_per_unit)
+    events: list[dict] = []
+    for rank in range(timeline.num_ranks):
+        events += [
+            {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
+            {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}},
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": COMPUTE_TID, "args": {"name": "compute"}},
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": WAIT_TID, "args": {"name": "wait / comm"}},
+        ]
+    for s in sorted(timeline.slices, key=lambda s: (s.rank, s.op is None, s.start)):
+        # Round the ends, not the durations: rounding is monotone, so touching slices never overlap.
+        ts, end = round(s.start * scale, 3), round(s.end * scale, 3)
+        events.append({
+            "name": str(s.op) if s.op is not None else (s.label or "wait"),
+            "cat": s.op.kind.value if s.op is not None else "wait",
+            "ph": "X", "ts": ts, "dur": round(end - ts, 3), "pid": s.rank,
+            "tid": COMPUTE_TID if s.op is not None else WAIT_TID,
+            "args": _args(s, timeline),
+        })
+    other = {
+        "schedule": timeline.name, "source": timeline.source, "ranks": timeline.num_ranks,
+        "microbatches": timeline.num_microbatches, "bubble_rate": timeline.bubble_rate,
+        "makespan": timeline.makespan, "us_per_time_unit": scale,
+    }
+    if timeline.peak_activation:
+        other["peak_activation"] = list(timeline.peak_activation)
+    for key in ("clock_method", "clock_error_s"):
+        if key in timeline.meta:
+            other[key] = timeline.meta[key]
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def write_chrome_trace(timeline: Timeline, path: str | Path, us_per_unit: float | None = None) -> Path:
+    """Write ``chrome_trace(timeline)`` to ``path`` (parents created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(timeline, us_per_unit)))
+    return path

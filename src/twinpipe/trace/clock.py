@@ -1,0 +1,49 @@
+"""Clock alignment across ranks: an NTP-style ping-pong against one reference rank.
+
+The reference sends a ping at its time ``t0``; the peer answers with its own clock ``c``; the
+answer arrives at ``t1``. The peer read ``c`` somewhere between ``t0`` and ``t1`` on the
+reference's clock, so ``offset = c - (t0 + t1) / 2`` is off by at most ``(t1 - t0) / 2``, however
+uneven the two directions are. Of several rounds the one with the shortest round trip is kept.
+On one machine ``time.perf_counter`` is shared by all processes and the offsets come out ~0.
+"""
+
+from __future__ import annotations
+
+import time
+
+__all__ = ["estimate_offsets"]
+
+
+def estimate_offsets(group, reference: int, peers: list[int], device, rounds: int = 16, clock=time.perf_counter) -> dict[int, tuple[float, float]] | None:
+    """Collective over ``group`` (global ranks ``reference`` and ``peers``): every member calls it.
+
+    Returns, on ``reference``, ``{peer: (offset, error_bound)}`` in seconds, where
+    ``peer_clock - offset`` is the reference's clock; None elsewhere.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds!r}: must be >= 1")
+    me = dist.get_rank()
+    buf = torch.zeros(1, dtype=torch.float64, device=device)
+    if me != reference:
+        if me in peers:
+            for _ in range(rounds):
+                dist.recv(buf, src=reference, group=group)
+                buf.fill_(clock())
+                dist.send(buf, dst=reference, group=group)
+        return None
+    result = {}
+    for peer in peers:
+        best = None
+        for _ in range(rounds):
+            t0 = clock()
+            dist.send(buf, dst=peer, group=group)
+            dist.recv(buf, src=peer, group=group)
+            remote = float(buf.item())  # .item() also waits for a device copy
+            t1 = clock()
+            if best is None or t1 - t0 < best[1]:
+                best = (remote - (t0 + t1) / 2, t1 - t0)
+        result[peer] = (best[0], best[1] / 2)
+    return result

@@ -1,0 +1,98 @@
+"""From a measured Timeline to a CostModel: mean op times per stage and a message latency."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+from twinpipe.schedule.ops import OpKind
+from twinpipe.sim import CostModel
+from twinpipe.timeline import Timeline
+
+__all__ = ["mean_op_times", "estimate_comm", "estimate_costs"]
+
+
+def mean_op_times(timeline: Timeline) -> dict[str, dict[int, float]]:
+    """``{kind: {stage: mean seconds}}`` for F, B, W, BW and FB (FB keyed by its forward's stage)."""
+    samples: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for s in timeline.slices:
+        if s.op is not None:
+            samples[s.op.kind.value][s.op.stage].append(s.duration)
+    return {kind: {stage: statistics.fmean(v) for stage, v in by_stage.items()} for kind, by_stage in samples.items()}
+
+
+def estimate_comm(timeline: Timeline) -> float:
+    """Median delay from a producer's end to its consumer's start, over ops that waited for it.
+
+    The simulator starts an op ``t_comm`` after the last cross-rank op it depends on; for every op
+    whose receive wait was still running when that producer finished, the gap measures exactly
+    that (plus clock-alignment error). Producers that are FB ops are left out: a real FB sends its
+    forward's outputs before its backward half ends, which the simulator does not model. 0.0 when
+    no op waited on another rank.
+    """
+    placement = timeline.placement
+    if placement is None:
+        return 0.0
+    done: dict[tuple[str, int, int], tuple[int, float | None]] = {}  # ("F"|"B", stage, mb) -> (rank, end or None for FB)
+    for s in timeline.slices:
+        for part in s.op.parts() if s.op is not None else ():
+            end = None if s.op.kind is OpKind.FB else s.end
+            key = "F" if part.kind is OpKind.F else "B" if part.kind in (OpKind.B, OpKind.BW) else None
+            if key:
+                done[(key, part.stage, part.microbatch)] = (s.rank, end)
+    gaps = []
+    by_rank: list[list] = [[] for _ in range(timeline.num_ranks)]
+    for s in timeline.slices:
+        by_rank[s.rank].append(s)
+    for rank, slices in enumerate(by_rank):
+        slices.sort(key=lambda s: (s.start, s.op is not None))  # a wait sorts before the op it precedes
+        for wait, s in zip(slices, slices[1:]):
+            # The wait right before an op is its receive (measured) or its idle time (simulated).
+            if s.op is None or wait.op is not None or wait.duration <= 0:
+                continue
+            producers = [done.get(k, (rank, 0.0)) for k in _needs(placement, s.op)]
+            ends = [end for r, end in producers if r != rank]
+            if not ends or None in ends:
+                continue
+            if max(ends) > wait.start:  # the op really waited for that message
+                gaps.append(max(0.0, s.start - max(ends)))
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def _needs(placement, op):
+    for part in op.parts():
+        if part.kind is OpKind.F and placement.prev_stage(part.stage) is not None:
+            yield ("F", placement.prev_stage(part.stage), part.microbatch)
+        elif part.kind in (OpKind.B, OpKind.BW) and placement.next_stage(part.stage) is not None:
+            yield ("B", placement.next_stage(part.stage), part.microbatch)
+
+
+def estimate_costs(timeline: Timeline, comm: bool = True) -> CostModel:
+    """Per-stage mean T_F, T_B, T_W, T_FB (and T_comm if ``comm``) measured on ``timeline``.
+
+    A stage that only ran full backwards gets T_B = mean BW and T_W = 0 (the simulator charges
+    T_B + T_W for a BW). Stages without an FB get T_FB = T_F + T_B + T_W; times missing on a
+    stage fall back to that kind's mean over all stages.
+    """
+    if timeline.placement is None:
+        raise ValueError("timeline has no placement: cannot tell which stage each time belongs to")
+    means = mean_op_times(timeline)
+    num_stages = timeline.placement.num_stages
+
+    def per_stage(kind: str) -> list[float | None]:
+        by_stage = means.get(kind, {})
+        fallback = statistics.fmean(by_stage.values()) if by_stage else None
+        return [by_stage.get(s, fallback) for s in range(num_stages)]
+
+    f, b, w, bw, fb = (per_stage(k) for k in ("F", "B", "W", "BW", "FB"))
+    t_f, t_b, t_w, t_fb = [], [], [], []
+    for s in range(num_stages):
+        t_f.append(f[s] or 0.0)
+        if b[s] is not None:
+            t_b.append(b[s])
+            t_w.append(w[s] if w[s] is not None else max(0.0, (bw[s] or b[s]) - b[s]))
+        else:
+            t_b.append(bw[s] or 0.0)
+            t_w.append(0.0)
+        t_fb.append(fb[s] if fb[s] is not None else t_f[s] + t_b[s] + t_w[s])
+    return CostModel(t_f=t_f, t_b=t_b, t_w=t_w, t_fb=t_fb if "FB" in means else None, t_comm=estimate_comm(timeline) if comm else 0.0)

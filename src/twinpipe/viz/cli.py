@@ -1,0 +1,82 @@
+"""``twinpipe draw``: simulate one schedule (or several, stacked) and draw the timeline.
+
+    twinpipe draw dualpipe --ranks 8 --microbatches 20 -o dualpipe.png
+    twinpipe draw --compare 1f1b,zb-h1,dualpipe --ranks 8 --microbatches 20 -o compare.svg
+
+Schedule and cost options are the ``simulate`` command's, taken from its parser, so the two
+commands always accept the same ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["add_draw_parser", "run_draw"]
+
+
+def _simulate_options() -> argparse.ArgumentParser:
+    """The ``simulate`` parser, used as a parent: SCHEDULE, --compare, --ranks, cost options, --json."""
+    from twinpipe.sim.cli import add_simulate_parser
+
+    return add_simulate_parser(argparse.ArgumentParser().add_subparsers())
+
+
+def add_draw_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``draw`` subcommand to ``subparsers`` and return its parser."""
+    from twinpipe.viz.draw import FORMATS
+
+    # add_help=False: the parent brings -h (it prints this parser's help).
+    parser = subparsers.add_parser(
+        "draw",
+        parents=[_simulate_options()],
+        add_help=False,
+        help="draw a simulated schedule (or several, stacked) as PNG/SVG/PDF",
+        description="Simulate pipeline schedules under a cost model and draw their timelines: one row per rank, "
+        "one colour per op kind, light/dark for DualPipe's two directions.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--output", "-o", required=True, metavar="FILE", help=f"picture to write; the suffix picks the format ({', '.join('.' + f for f in FORMATS)})")
+    parser.add_argument("--width", type=float, default=None, metavar="INCHES", help="figure width (default: from the number of cells, 7..36)")
+    parser.add_argument("--dpi", type=int, default=100, help="resolution of PNG output (default 100)")
+    parser.add_argument("--no-labels", action="store_true", help="leave micro-batch numbers out of the cells")
+    return parser
+
+
+def run_draw(args: argparse.Namespace) -> int:
+    """Run ``twinpipe draw``; 0 on success, 2 (message on stderr) on bad input."""
+    from twinpipe.sim.cli import _build, _costs, _schedule_names, summarize
+    from twinpipe.sim.engine import simulate
+    from twinpipe.viz.draw import FORMATS, draw_timelines
+
+    try:
+        suffix = Path(args.output).suffix.lower().lstrip(".")
+        if suffix not in FORMATS:
+            raise ValueError(f"--output={args.output!r}: the suffix must be one of {', '.join('.' + f for f in FORMATS)}")
+        if args.width is not None and not args.width > 2:
+            raise ValueError(f"--width={args.width:g}: must be more than 2 (inches)")
+        if not args.dpi > 0:
+            raise ValueError(f"--dpi={args.dpi}: must be a positive integer")
+        names = _schedule_names(args)
+        costs = _costs(args)
+        timelines = []
+        for name in names:
+            try:
+                timelines.append(simulate(_build(name, args, costs, strict=len(names) == 1), costs))
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}" if len(names) > 1 else str(error)) from None
+        draw_timelines(timelines, args.output, width=args.width, dpi=args.dpi, labels=not args.no_labels)
+    except ValueError as error:
+        print(f"twinpipe draw: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        summaries = [summarize(t) | {"output": str(args.output)} for t in timelines]
+        print(json.dumps(summaries if args.compare else summaries[0], indent=2))
+    else:
+        for t in timelines:
+            peak = f", peak activation {max(t.peak_activation):g} M_B" if t.peak_activation else ""
+            print(f"{t.name}: p={t.num_ranks}, m={t.num_microbatches}, makespan {t.makespan:g}, bubble rate {t.bubble_rate:.2%}{peak}")
+        print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,167 @@
+"""Recording real runs and exporting traces: a 2-rank gloo world runs several schedules with
+``trace=True``; the gathered Timeline keeps each rank's schedule order, exports to valid Chrome
+trace JSON, and feeds a measured-vs-predicted report.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+import torch
+
+import models
+from distributed import run_world
+from twinpipe.schedule.registry import build
+from twinpipe.sim import CostModel, simulate
+from twinpipe.trace import chrome_trace, estimate_costs, predict, write_chrome_trace, write_run_report
+
+WORLD = 2
+CASES = [("dualpipev", 8), ("dualpipe", 8), ("1f1b", 6), ("zb-h1", 6)]
+
+
+def _run_case(rank: int, schedule: str, n: int, trace: bool = True):
+    import twinpipe
+    from twinpipe.schedule.registry import placement_for
+    from twinpipe.trace import gather_timeline
+
+    placement = placement_for(schedule, WORLD)
+    torch.manual_seed(rank)
+    pipe = twinpipe.Pipeline([models.MLPStage() for _ in placement.stages_of(rank)], schedule)
+    first = any(placement.is_first(s) for s in pipe.stages)
+    last = any(placement.is_last(s) for s in pipe.stages)
+    x, y = torch.randn(4 * n, models.HIDDEN), torch.randn(4 * n, models.HIDDEN)
+    kwargs = {"criterion": models.mse, "labels": (y,)} if last else {}
+    for step in range(2):  # the first step discovers message shapes: trace the second
+        pipe.step(*((x,) if first else ()), num_chunks=n, trace=trace and step == 1, **kwargs)
+    return gather_timeline(pipe, n)
+
+
+def _world(rank: int, world: int) -> dict:
+    out = {case: _run_case(rank, *case) for case in CASES}
+    try:
+        _run_case(rank, "1f1b", 4, trace=False)
+        out["untraced"] = None
+    except ValueError as error:
+        out["untraced"] = str(error)
+    return out
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    per_rank = run_world(WORLD, _world)
+    assert all(v is None for k, v in per_rank[1].items() if k != "untraced"), "only rank 0 gets the timeline"
+    return per_rank[0]
+
+
+# --------------------------------------------------------------------------- Chrome trace format
+
+
+def _check_chrome(trace: dict, timeline, us_per_unit: float) -> None:
+    """The trace-event format's rules that Perfetto and chrome://tracing rely on."""
+    data = json.loads(json.dumps(trace))  # plain JSON all the way down
+    events = data["traceEvents"]
+    assert data["displayTimeUnit"] in ("ms", "ns")
+    named_pids, named_tracks, tracks = set(), set(), defaultdict(list)
+    for e in events:
+        assert isinstance(e["name"], str) and isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        if e["ph"] == "M":
+            assert e["name"] in ("process_name", "process_sort_index", "thread_name") and isinstance(e["args"], dict)
+            if e["name"] == "process_name":
+                named_pids.add(e["pid"])
+            if e["name"] == "thread_name":
+                named_tracks.add((e["pid"], e["tid"]))
+            continue
+        assert e["ph"] == "X"
+        assert {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"} <= set(e)
+        assert isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float)) and e["dur"] >= 0 and e["ts"] >= 0
+        tracks[(e["pid"], e["tid"])].append(e)
+    assert {pid for pid, _ in tracks} <= named_pids and set(tracks) <= named_tracks
+    for track in tracks.values():
+        track.sort(key=lambda e: e["ts"])
+        for a, b in zip(track, track[1:]):
+            assert b["ts"] >= a["ts"] + a["dur"] - 1e-6, f"overlap on track {a['pid']}/{a['tid']}: {a['name']} and {b['name']}"
+    assert sum(len(t) for t in tracks.values()) == len(timeline.slices)
+    # Microseconds: every slice's start and duration, scaled.
+    by_key = {(s.rank, round(s.start * us_per_unit, 3)): s for s in timeline.slices if s.op is not None}
+    for (pid, tid), track in tracks.items():
+        for e in track:
+            if tid == 0:
+                s = by_key[(pid, e["ts"])]
+                assert e["name"] == str(s.op) and e["cat"] == s.op.kind.value
+                assert e["dur"] == pytest.approx(s.duration * us_per_unit, abs=2e-3)
+
+
+def test_chrome_trace_of_simulation(tmp_path):
+    timeline = simulate(build("dualpipe", 4, 8), CostModel(t_comm=0.5))
+    _check_chrome(chrome_trace(timeline), timeline, 1e3)  # default: 1 unit = 1 ms
+    _check_chrome(chrome_trace(timeline, us_per_unit=250), timeline, 250)
+    path = write_chrome_trace(timeline, tmp_path / "sub" / "t.json")
+    assert json.loads(path.read_text())["otherData"]["schedule"] == "dualpipe"
+    with pytest.raises(ValueError, match="us_per_unit"):
+        chrome_trace(timeline, us_per_unit=0)
+
+
+def test_chrome_trace_of_recorded_run(recorded):
+    timeline = recorded[("dualpipev", 8)]
+    trace = chrome_trace(timeline)
+    _check_chrome(trace, timeline, 1e6)
+    assert trace["otherData"]["source"] == "measured" and "clock_error_s" in trace["otherData"]
+    assert any(e.get("args", {}).get("label", "").startswith("recv for") for e in trace["traceEvents"])
+
+
+# --------------------------------------------------------------------------- recorded runs
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-n{c[1]}")
+def test_recorded_order_is_the_schedule(recorded, case):
+    name, n = case
+    timeline, schedule = recorded[case], build(name, WORLD, n)
+    assert timeline.source == "measured" and timeline.num_ranks == WORLD and timeline.num_microbatches == n
+    for rank in range(WORLD):
+        assert timeline.op_order(rank) == [str(op) for op in schedule.ops[rank]]
+        compute = timeline.compute_slices(rank)
+        assert all(a.end <= b.start for a, b in zip(compute, compute[1:]))
+        assert all(s.label.startswith(("recv for", "drain")) for s in timeline.wait_slices(rank))
+    assert min(s.start for s in timeline.slices) == 0.0
+    assert len(timeline.meta["clock_error_s"]) == WORLD and timeline.meta["clock_error_s"][0] == 0.0
+    assert max(timeline.meta["clock_error_s"]) < 0.05
+    assert timeline.peak_activation is not None and max(timeline.peak_activation) >= 1
+
+
+def test_gather_without_trace_says_so(recorded):
+    assert "trace=True" in recorded["untraced"]
+
+
+def test_measured_vs_predicted_report(recorded, tmp_path):
+    import matplotlib.image as mpimg
+
+    timeline = recorded[("dualpipev", 8)]
+    numbers = write_run_report(tmp_path, timeline, build("dualpipev", WORLD, 8))
+    for key in ("measured_bubble_rate", "predicted_bubble_rate"):
+        assert 0.0 <= numbers[key] < 1.0
+    assert numbers["measured_bubble_rate"] == timeline.bubble_rate
+    assert numbers["measured_makespan_s"] > 0 and numbers["predicted_makespan_s"] > 0
+    assert len(numbers["costs"]["t_f"]) == 2 * WORLD
+    for name in ("trace.json", "measured.png", "predicted.png", "compare.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert mpimg.imread(tmp_path / "predicted.png").shape[0] > 50
+    json.loads((tmp_path / "trace.json").read_text())
+
+
+# --------------------------------------------------------------------------- costs from timelines
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "1f1b", "dualpipev", "dualpipe", "zbv"])
+def test_costs_round_trip_through_simulation(name):
+    """Costs read off a simulated timeline are the costs it was simulated with."""
+    costs = CostModel(t_f=1.0, t_b=2.0, t_w=0.5, t_comm=0.25)
+    schedule = build(name, 4, 8)
+    timeline = simulate(schedule, costs)
+    got = estimate_costs(timeline)
+    assert got.t_comm == pytest.approx(0.25)
+    assert got.t_f == pytest.approx([1.0] * schedule.placement.num_stages)
+    full = [b + w for b, w in zip(got.t_b, got.t_w)]
+    assert full == pytest.approx([2.5] * schedule.placement.num_stages)
+    assert predict(timeline, schedule).bubble_rate == pytest.approx(timeline.bubble_rate)

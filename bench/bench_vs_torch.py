@@ -1,8 +1,9 @@
 """twinpipe's DualPipeV against PyTorch's ScheduleDualPipeV: same model, same micro-batches.
 
 2 CPU ranks (gloo, one thread each). Timed blocks of BLOCK back-to-back steps of the two libraries
-alternate, so both see the same machine load; we report the median step time of each and their
-ratio (twinpipe / torch).
+alternate, so both see the same machine load; we report the median step time of each and the
+median of the paired ratios (each twinpipe block over the torch block beside it), which cancels
+the slow drift of a shared machine.
 
     python bench/bench_vs_torch.py [--steps 30] [--hiddens 32,512]
 """
@@ -23,7 +24,7 @@ from torch import nn
 
 RANKS = 2
 MICROBATCHES = 8
-BLOCK = 5  # steps per timed block
+BLOCK = 3  # steps per timed block
 
 
 class Stage(nn.Module):
@@ -113,18 +114,19 @@ def measure(hidden: int, rows: int, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=15, help="timed blocks per library")
+    parser.add_argument("--steps", type=int, default=30, help="timed blocks per library")
     parser.add_argument("--hiddens", default="32,512")
     parser.add_argument("--rows", type=int, default=0, help="rows per micro-batch (default: 32 for hidden<128, else 256)")
     args = parser.parse_args()
     print(f"DualPipeV, {RANKS} CPU ranks (gloo, 1 thread each), {2 * RANKS} stages of Linear-tanh-Linear, "
           f"{MICROBATCHES} micro-batches, {args.steps} blocks of {BLOCK} steps each, medians")
-    print(f"{'hidden':>6} {'rows/mb':>7} {'torch ms':>9} {'twinpipe ms':>11} {'ratio':>6}")
+    print(f"{'hidden':>6} {'rows/mb':>7} {'torch ms':>9} {'twinpipe ms':>11} {'ratio':>6}  (ratio: median of paired blocks)")
     for hidden in (int(h) for h in args.hiddens.split(",")):
         rows = args.rows or (32 if hidden < 128 else 256)
         times = measure(hidden, rows, args.steps)
         t_torch, t_ours = statistics.median(times["torch"]), statistics.median(times["twinpipe"])
-        print(f"{hidden:>6} {rows:>7} {t_torch * 1e3:>9.2f} {t_ours * 1e3:>11.2f} {t_ours / t_torch:>6.2f}", flush=True)
+        ratio = statistics.median(o / t for o, t in zip(times["twinpipe"], times["torch"]))
+        print(f"{hidden:>6} {rows:>7} {t_torch * 1e3:>9.2f} {t_ours * 1e3:>11.2f} {ratio:>6.2f}", flush=True)
 
 
 if __name__ == "__main__":

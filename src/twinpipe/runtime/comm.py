@@ -10,10 +10,10 @@ the sending rank instead of corrupting data on the receiving one.
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 __all__ = [
     "Layout",
@@ -24,6 +24,9 @@ __all__ = [
     "encode_header",
     "decode_header",
     "HEADER_LEN",
+    "pack",
+    "unpack",
+    "receive_buffers",
 ]
 
 _SHAPES: list[tuple[int, ...]] | None = None
@@ -70,9 +73,6 @@ class Layout:
         keep = [i for i, d in enumerate(self.dtypes) if d.is_floating_point or d.is_complex]
         return Layout(tuple(self.shapes[i] for i in keep), tuple(self.dtypes[i] for i in keep))
 
-    def empty(self, device) -> list[torch.Tensor]:
-        return [torch.empty(s, dtype=d, device=device) for s, d in zip(self.shapes, self.dtypes)]
-
     def __str__(self) -> str:
         return ", ".join(f"{list(s)}:{str(d).replace('torch.', '')}" for s, d in zip(self.shapes, self.dtypes))
 
@@ -95,8 +95,9 @@ def declared_layout(shapes=None, dtype=None) -> Layout | None:
     return Layout(tuple(shapes), dtypes)
 
 
-# Header: [num_tensors, then per tensor: dtype code, ndim, *sizes], zero-padded to HEADER_LEN.
-HEADER_LEN = 64
+# Header: [number of messages, then per message: number of tensors, then per tensor: dtype code,
+# ndim, *sizes], zero-padded to HEADER_LEN.
+HEADER_LEN = 128
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -104,27 +105,62 @@ _DTYPES = [
 _CODES = {d: i for i, d in enumerate(_DTYPES)}
 
 
-def encode_header(layout: Layout) -> torch.Tensor:
-    values = [len(layout.shapes)]
-    for shape, dtype in zip(layout.shapes, layout.dtypes):
-        if dtype not in _CODES:
-            raise ValueError(f"dtype {dtype} cannot be sent between stages; allowed: {', '.join(map(str, _DTYPES))}")
-        values += [_CODES[dtype], len(shape), *shape]
+def encode_header(layouts: list[Layout]) -> torch.Tensor:
+    """Describe the layouts of a packet's messages in one int64 tensor."""
+    values = [len(layouts)]
+    for layout in layouts:
+        values.append(len(layout.shapes))
+        for shape, dtype in zip(layout.shapes, layout.dtypes):
+            if dtype not in _CODES:
+                raise ValueError(f"dtype {dtype} cannot be sent between stages; allowed: {', '.join(map(str, _DTYPES))}")
+            values += [_CODES[dtype], len(shape), *shape]
     if len(values) > HEADER_LEN:
-        raise ValueError(f"a stage output with {layout} has too many tensors or dimensions to describe in a header")
+        raise ValueError(f"stage outputs [{'; '.join(map(str, layouts))}] have too many tensors or dimensions to describe")
     return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
 
 
-def decode_header(header: torch.Tensor) -> Layout:
+def decode_header(header: torch.Tensor) -> list[Layout]:
     values = header.tolist()
-    count, pos = values[0], 1
-    shapes, dtypes = [], []
-    for _ in range(count):
-        code, ndim = values[pos], values[pos + 1]
-        shapes.append(tuple(values[pos + 2 : pos + 2 + ndim]))
-        dtypes.append(_DTYPES[code])
-        pos += 2 + ndim
-    return Layout(tuple(shapes), tuple(dtypes))
+    layouts, pos = [], 1
+    for _ in range(values[0]):
+        count, pos = values[pos], pos + 1
+        shapes, dtypes = [], []
+        for _ in range(count):
+            code, ndim = values[pos], values[pos + 1]
+            shapes.append(tuple(values[pos + 2 : pos + 2 + ndim]))
+            dtypes.append(_DTYPES[code])
+            pos += 2 + ndim
+        layouts.append(Layout(tuple(shapes), tuple(dtypes)))
+    return layouts
+
+
+def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The buffers to send for ``tensors``: one flat buffer when they share a dtype (one P2P call)."""
+    if len(tensors) == 1:
+        return [tensors[0].contiguous()]
+    if len({t.dtype for t in tensors}) == 1:
+        return [torch.cat([t.reshape(-1) for t in tensors])]
+    return [t.contiguous() for t in tensors]
+
+
+def receive_buffers(shapes, dtypes, device) -> list[torch.Tensor]:
+    """Empty buffers matching what ``pack`` sends for tensors of these shapes and dtypes."""
+    if len(shapes) > 1 and len(set(dtypes)) == 1:
+        total = sum(math.prod(s) for s in shapes)
+        return [torch.empty(total, dtype=dtypes[0], device=device)]
+    return [torch.empty(s, dtype=d, device=device) for s, d in zip(shapes, dtypes)]
+
+
+def unpack(buffers: list[torch.Tensor], shapes) -> list[torch.Tensor]:
+    """Inverse of ``pack`` on the receiving side: one tensor per shape."""
+    if len(buffers) == len(shapes):
+        return buffers
+    out, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(buffers[0][offset : offset + n].view(shape))
+        offset += n
+    return out
 
 
 class PipelineTimeoutError(RuntimeError):
@@ -141,9 +177,11 @@ def wait_work(work, timeout: float, what: str) -> None:
         raise PipelineTimeoutError(f"{what}: did not complete within {timeout:g} s")
 
 
+# The process group's own methods, with group-local peer ranks: the torch.distributed wrappers
+# cost tens of microseconds a call, which shows when stages are small.
 def isend(tensor: torch.Tensor, peer: int, group):
-    return dist.isend(tensor, dst=peer, group=group)
+    return group.send([tensor], peer, 0)
 
 
 def irecv(tensor: torch.Tensor, peer: int, group):
-    return dist.irecv(tensor, src=peer, group=group)
+    return group.recv([tensor], peer, 0)

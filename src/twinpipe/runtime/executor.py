@@ -16,9 +16,9 @@ from torch import nn
 from torch.autograd import Variable
 
 from twinpipe.runtime import comm
-from twinpipe.runtime.comm import HEADER_LEN, Layout
+from twinpipe.runtime.comm import HEADER_LEN, Layout, pack, receive_buffers, unpack
 from twinpipe.runtime.weight_grad import WeightGradStore
-from twinpipe.schedule.lower import Message, RankProgram
+from twinpipe.schedule.lower import Message, Packet, RankProgram
 from twinpipe.schedule.ops import Op, OpKind
 from twinpipe.schedule.placement import Placement
 
@@ -57,9 +57,14 @@ class Recorder:
 @dataclass
 class _Channel:
     peer: int
-    messages: tuple[Message, ...]
+    packets: tuple[Packet, ...]
     cursor: int = 0
     header: tuple | None = None  # (work, tensor) of a header receive in flight
+
+
+def _profiling() -> bool:
+    # Label ops for torch.profiler only while one records (entering a label costs ~20 us).
+    return torch.autograd.profiler._is_profiler_enabled
 
 
 def run_backward(tensors, grads) -> None:
@@ -89,7 +94,7 @@ class Executor:
         placement: Placement,
         modules: dict[int, nn.Module],
         group,
-        global_rank_of: dict[int, int],
+        group_rank_of: dict[int, int],
         device: torch.device,
         layouts: dict,
         declared: Layout | None,
@@ -99,13 +104,15 @@ class Executor:
     ):
         self.program, self.placement, self.modules = program, placement, modules
         self.rank = program.rank
-        self.group, self.global_rank_of, self.device = group, global_rank_of, device
+        self.group, self.group_rank_of, self.device = group, group_rank_of, device
         self.layouts, self.declared, self.timeout = layouts, declared, timeout
         self.recorder, self.overlap_fn = recorder, overlap_fn
-        self.channels = {peer: _Channel(peer, msgs) for peer, msgs in program.channels.items()}
-        self.posted: dict[Message, tuple[list, list[torch.Tensor]]] = {}
+        self.channels = {peer: _Channel(peer, packets) for peer, packets in program.channels.items()}
+        self.packet_of = {m: pk for ch in self.channels.values() for pk in ch.packets for m in pk.messages}
+        self.posted: dict[Packet, tuple[list, list[torch.Tensor], list[Layout]]] = {}
+        self.arrived: dict[Message, list[torch.Tensor]] = {}  # unpacked, waiting for their op
         self.outbox: dict[Message, tuple[torch.Tensor, ...]] = {}
-        self.in_flight: list[tuple[list, tuple, Message]] = []
+        self.in_flight: list[tuple[list, list, Packet]] = []
         self.acts: dict[tuple[int, int], tuple] = {}  # inputs waiting for a forward
         self.grads: dict[tuple[int, int], tuple] = {}  # output gradients waiting for a backward
         self.saved: dict[tuple[int, int], tuple] = {}  # (inputs, outputs, loss) kept for backward
@@ -119,23 +126,22 @@ class Executor:
         act_layout = self.declared or self.layouts.get((msg.dst_stage, msg.microbatch))
         return act_layout.grad_layout() if act_layout is not None else None
 
-    def _pump(self, channel: _Channel, until: Message | None = None, drain: bool = False) -> None:
+    def _pump(self, channel: _Channel, until: Packet | None = None, drain: bool = False) -> None:
         """Post the channel's next sends and receives, in the agreed order, as far as possible.
 
         A receive whose layout is still unknown waits for the sender's header; we block on it
-        only to reach ``until`` (a message that precedes it must be posted first) or to ``drain``.
+        only to reach ``until`` (a packet that precedes it must be posted first) or to ``drain``.
         """
-        while channel.cursor < len(channel.messages):
-            msg = channel.messages[channel.cursor]
-            peer = self.global_rank_of[channel.peer]
-            if msg.src_rank == self.rank:
-                tensors = self.outbox.pop(msg, None)
-                if tensors is None:
+        peer = self.group_rank_of[channel.peer]
+        while channel.cursor < len(channel.packets):
+            packet = channel.packets[channel.cursor]
+            if packet.src_rank == self.rank:
+                if any(m not in self.outbox for m in packet.messages):
                     return
-                self._post_send(msg, tensors, peer)
+                self._post_send(packet, [self.outbox.pop(m) for m in packet.messages], peer)
             else:
-                layout = self._layout(msg)
-                if layout is None:  # discovering: the sender describes the message first
+                layouts = [self._layout(m) for m in packet.messages]
+                if any(layout is None for layout in layouts):  # discovering: the sender describes it first
                     if channel.header is None:
                         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
                         channel.header = (comm.irecv(header, peer, self.group), header)
@@ -143,47 +149,62 @@ class Executor:
                     block = drain or (until is not None and until not in self.posted)
                     if not block and not work.is_completed():
                         return
-                    comm.wait_work(work, self.timeout, self._what(f"header of {msg}", channel.peer))
+                    comm.wait_work(work, self.timeout, self._what(f"header of {packet}", channel.peer))
                     channel.header = None
-                    layout = comm.decode_header(header.cpu())
-                    self.layouts[(msg.src_stage, msg.microbatch)] = layout
-                buffers = layout.empty(self.device)
-                self.posted[msg] = ([comm.irecv(b, peer, self.group) for b in buffers], buffers)
+                    layouts = comm.decode_header(header.cpu())
+                    self._remember(packet, layouts)
+                shapes = [shape for layout in layouts for shape in layout.shapes]
+                dtypes = [dtype for layout in layouts for dtype in layout.dtypes]
+                buffers = receive_buffers(shapes, dtypes, self.device)
+                self.posted[packet] = ([comm.irecv(b, peer, self.group) for b in buffers], buffers, layouts)
             channel.cursor += 1
 
-    def _post_send(self, msg: Message, tensors: tuple, peer: int) -> None:
-        layout = Layout.of(tensors)
-        expected = self._layout(msg)
-        works = []
-        if expected is None:
-            self.layouts[(msg.src_stage, msg.microbatch)] = layout
-            header = comm.encode_header(layout).to(self.device)
+    def _remember(self, packet: Packet, layouts: list[Layout]) -> None:
+        for msg, layout in zip(packet.messages, layouts):
+            if msg.kind == "act":
+                self.layouts[(msg.src_stage, msg.microbatch)] = layout
+
+    def _post_send(self, packet: Packet, payloads: list[tuple], peer: int) -> None:
+        layouts = [Layout.of(tensors) for tensors in payloads]
+        expected = [self._layout(m) for m in packet.messages]
+        for msg, layout, want in zip(packet.messages, layouts, expected):
+            if want is not None and layout != want:
+                source = "declared (set_p2p_tensor_shapes/tensor_shapes)" if self.declared else "seen on the first step"
+                raise ValueError(
+                    f"rank {self.rank}: {msg} carries [{layout}] but the receiver expects [{want}], {source}. "
+                    "Declare the right shapes, or create the pipeline with dynamic_shapes=True for shapes that change."
+                )
+        works, keep = [], []
+        if any(want is None for want in expected):
+            self._remember(packet, layouts)
+            header = comm.encode_header(layouts).to(self.device)
             works.append(comm.isend(header, peer, self.group))
-            tensors = tensors + (header,)
-        elif layout != expected:
-            source = "declared (set_p2p_tensor_shapes/tensor_shapes)" if self.declared else "seen on the first step"
-            raise ValueError(
-                f"rank {self.rank}: {msg} carries [{layout}] but the receiver expects [{expected}], {source}. "
-                "Declare the right shapes, or create the pipeline with dynamic_shapes=True for shapes that change."
-            )
-        works += [comm.isend(t.contiguous(), peer, self.group) for t in tensors[: len(layout.shapes)]]
-        self.in_flight.append((works, tensors, msg))
+            keep.append(header)
+        buffers = pack([t for tensors in payloads for t in tensors])
+        works += [comm.isend(b, peer, self.group) for b in buffers]
+        self.in_flight.append((works, keep + buffers, packet))
 
     def _what(self, thing: str, peer: int) -> str:
         op = self.program.ops[self.op_index] if 0 <= self.op_index < len(self.program.ops) else "end of step"
         return f"rank {self.rank}, op {self.op_index} ({op}): waiting for {thing} from/to rank {peer}"
 
     def _receive(self, msg: Message) -> list[torch.Tensor]:
-        channel = self.channels[msg.src_rank]
-        while msg not in self.posted:
+        if msg in self.arrived:
+            return self.arrived.pop(msg)
+        packet = self.packet_of[msg]
+        channel = self.channels[packet.src_rank]
+        while packet not in self.posted:
             before = channel.cursor
-            self._pump(channel, until=msg)
-            if channel.cursor == before and msg not in self.posted:  # lowering guarantees progress
-                raise RuntimeError(f"rank {self.rank}: {msg} is queued behind a send that was never produced")
-        works, buffers = self.posted.pop(msg)
+            self._pump(channel, until=packet)
+            if channel.cursor == before and packet not in self.posted:  # lowering guarantees progress
+                raise RuntimeError(f"rank {self.rank}: {packet} is queued behind a send that was never produced")
+        works, buffers, layouts = self.posted.pop(packet)
         for work in works:
-            comm.wait_work(work, self.timeout, self._what(str(msg), msg.src_rank))
-        return buffers
+            comm.wait_work(work, self.timeout, self._what(str(packet), packet.src_rank))
+        tensors = unpack(buffers, [shape for layout in layouts for shape in layout.shapes])
+        for m, layout in zip(packet.messages, layouts):
+            self.arrived[m], tensors = tensors[: len(layout.shapes)], tensors[len(layout.shapes) :]
+        return self.arrived.pop(msg)
 
     def _send(self, msg: Message, tensors: tuple) -> None:
         self.outbox[msg] = tensors
@@ -191,12 +212,12 @@ class Executor:
 
     def _retire_sends(self, wait: bool) -> None:
         keep = []
-        for works, tensors, msg in self.in_flight:
+        for works, tensors, packet in self.in_flight:
             if wait:
                 for work in works:
-                    comm.wait_work(work, self.timeout, self._what(f"delivery of {msg}", msg.dst_rank))
+                    comm.wait_work(work, self.timeout, self._what(f"delivery of {packet}", packet.dst_rank))
             elif not all(w.is_completed() for w in works):
-                keep.append((works, tensors, msg))
+                keep.append((works, tensors, packet))
         self.in_flight = keep
 
     # ---------------------------------------------------------------- compute
@@ -345,7 +366,10 @@ class Executor:
                 if rec:
                     rec.add("wait", f"recv for {op}", t0, rec.clock())
             t0 = rec.clock() if rec else 0.0
-            with torch.profiler.record_function(str(op)):
+            if _profiling():
+                with torch.profiler.record_function(str(op)):
+                    self._run_op(op, data)
+            else:
                 self._run_op(op, data)
             if rec:
                 rec.add("compute", str(op), t0, rec.clock())

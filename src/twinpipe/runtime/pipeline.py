@@ -72,6 +72,7 @@ class Pipeline(nn.Module):
             raise ValueError(f"rank_mapping={list(rank_mapping)!r}: must be a permutation of 0..{self.num_ranks - 1}")
         self.rank = rank_mapping[group_rank]
         self.global_rank_of = {pp: dist.get_global_rank(self.group, g) for g, pp in enumerate(rank_mapping)}
+        self.group_rank_of = {pp: g for g, pp in enumerate(rank_mapping)}
         if not isinstance(batch_dim, int):
             raise ValueError(f"batch_dim={batch_dim!r}: must be an int")
         if not timeout or timeout <= 0:
@@ -155,7 +156,7 @@ class Pipeline(nn.Module):
             self._layouts, self._layout_key = {}, num_chunks
         recorder = Recorder() if trace else None
         executor = Executor(
-            lowered.programs[self.rank], placement, self._by_stage, self.group, self.global_rank_of,
+            lowered.programs[self.rank], placement, self._by_stage, self.group, self.group_rank_of,
             self.device, self._layouts, declared_layout(self._tensor_shapes, self._tensor_dtype), self.timeout, recorder, self._overlap,
         )
         WeightGradStore.clear()

@@ -2,9 +2,11 @@
 
 A message carries a stage's outputs to the next stage ("act") or input gradients back to the
 previous stage ("grad"). Stages on the same rank hand tensors over locally instead (the V turn).
+The messages one op sends to one peer travel together as one packet (DualPipe's F&B sends an
+activation and a gradient to the same neighbour): half the point-to-point calls.
 
 NCCL matches point-to-point messages between two ranks by order alone, and runs them one after
-another. So for each pair of ranks we fix one list of the messages between them, in the order of
+another. So for each pair of ranks we fix one list of the packets between them, in the order of
 a valid sequential execution of the schedule (``check.validate``), and both ranks post their sends
 and receives in that list's order. Because that execution is a witness that every message can be
 produced before it is needed, no rank can wait forever.
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from twinpipe.schedule.check import ScheduleError, validate
 from twinpipe.schedule.ops import Op, OpKind, Schedule
 
-__all__ = ["Message", "RankProgram", "LoweredSchedule", "lower", "forward_only", "check_channels"]
+__all__ = ["Message", "Packet", "RankProgram", "LoweredSchedule", "lower", "forward_only", "check_channels"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,24 @@ class Message:
 
 
 @dataclass(frozen=True)
+class Packet:
+    """The messages one op sends to one peer, sent and received as a unit."""
+
+    messages: tuple[Message, ...]
+
+    @property
+    def src_rank(self) -> int:
+        return self.messages[0].src_rank
+
+    @property
+    def dst_rank(self) -> int:
+        return self.messages[0].dst_rank
+
+    def __str__(self) -> str:
+        return " + ".join(str(m) for m in self.messages)
+
+
+@dataclass(frozen=True)
 class RankProgram:
     """What one rank does: its ops, what each op receives and sends, and per-peer message order."""
 
@@ -43,7 +63,7 @@ class RankProgram:
     ops: tuple[Op, ...]
     recvs: tuple[tuple[Message, ...], ...]  # recvs[i]: messages op i needs
     sends: tuple[tuple[Message, ...], ...]  # sends[i]: messages op i produces
-    channels: dict[int, tuple[Message, ...]]  # peer -> messages with that peer, in posting order
+    channels: dict[int, tuple[Packet, ...]]  # peer -> packets with that peer, in posting order
 
 
 @dataclass(frozen=True)
@@ -90,14 +110,15 @@ def lower(schedule: Schedule) -> LoweredSchedule:
     num_ranks = schedule.num_ranks
     recvs = [[()] * len(ops) for ops in schedule.ops]
     sends = [[()] * len(ops) for ops in schedule.ops]
-    channels: list[dict[int, list[Message]]] = [{} for _ in range(num_ranks)]
-    for rank, index in order:  # messages enter their channel in the order they are produced
+    channels: list[dict[int, list[Packet]]] = [{} for _ in range(num_ranks)]
+    for rank, index in order:  # packets enter their channel in the order they are produced
         needed, produced = _messages_of(schedule, schedule.ops[rank][index])
         recvs[rank][index] = tuple(needed)
         sends[rank][index] = tuple(produced)
-        for msg in produced:
-            channels[msg.src_rank].setdefault(msg.dst_rank, []).append(msg)
-            channels[msg.dst_rank].setdefault(msg.src_rank, []).append(msg)
+        for peer in dict.fromkeys(m.dst_rank for m in produced):
+            packet = Packet(tuple(m for m in produced if m.dst_rank == peer))
+            channels[rank].setdefault(peer, []).append(packet)
+            channels[peer].setdefault(rank, []).append(packet)
     programs = tuple(
         RankProgram(
             rank,
@@ -119,15 +140,15 @@ def check_channels(lowered: LoweredSchedule) -> None:
     receive queued behind that send (which would block forever)."""
     programs = lowered.programs
     for program in programs:
-        for peer, msgs in program.channels.items():
+        for peer, packets in program.channels.items():
             theirs = programs[peer].channels.get(program.rank, ())
-            if msgs != theirs:
-                k = next((i for i, (a, b) in enumerate(zip(msgs, theirs)) if a != b), min(len(msgs), len(theirs)))
-                mine = str(msgs[k]) if k < len(msgs) else "nothing"
+            if packets != theirs:
+                k = next((i for i, (a, b) in enumerate(zip(packets, theirs)) if a != b), min(len(packets), len(theirs)))
+                mine = str(packets[k]) if k < len(packets) else "nothing"
                 other = str(theirs[k]) if k < len(theirs) else "nothing"
                 raise ScheduleError(
                     "send/receive order",
-                    f"message {k} with rank {peer} is {mine} here but {other} on rank {peer}; "
+                    f"packet {k} with rank {peer} is {mine} here but {other} on rank {peer}; "
                     "both ranks must post sends and receives in the same order",
                     program.rank,
                 )
@@ -135,27 +156,30 @@ def check_channels(lowered: LoweredSchedule) -> None:
 
 
 def _check_channel_progress(program: RankProgram) -> None:
-    # Messages are posted per channel in order; a send can be posted only after its producer ran.
+    # Packets are posted per channel in order; a send can be posted only after its producer ran.
     # A receive queued behind a send that is produced after the receive's consumer would block.
     produced_at = {msg: i for i, msgs in enumerate(program.sends) for msg in msgs}
     needed_at = {msg: i for i, msgs in enumerate(program.recvs) for msg in msgs}
-    for peer, msgs in program.channels.items():
+    for peer, packets in program.channels.items():
         latest_send = -1
-        for msg in msgs:
-            if msg.src_rank == program.rank:
-                if produced_at[msg] < latest_send:
+        for packet in packets:
+            if packet.src_rank == program.rank:
+                made = max(produced_at[m] for m in packet.messages)
+                if made < latest_send:
                     raise ScheduleError(
                         "send/receive order",
-                        f"send {msg} is queued after a send produced later (op {latest_send})",
+                        f"send {packet} is queued after a send produced later (op {latest_send})",
                         program.rank,
-                        produced_at[msg],
+                        made,
                     )
-                latest_send = produced_at[msg]
-            elif needed_at[msg] <= latest_send:
-                raise ScheduleError(
-                    "send/receive order",
-                    f"receive {msg} is needed by op {needed_at[msg]} but queued with rank {peer} behind a send "
-                    f"produced by op {latest_send}: the rank would wait forever",
-                    program.rank,
-                    needed_at[msg],
-                )
+                latest_send = made
+            else:
+                first_use = min(needed_at[m] for m in packet.messages)
+                if first_use <= latest_send:
+                    raise ScheduleError(
+                        "send/receive order",
+                        f"receive {packet} is needed by op {first_use} but queued with rank {peer} behind a send "
+                        f"produced by op {latest_send}: the rank would wait forever",
+                        program.rank,
+                        first_use,
+                    )

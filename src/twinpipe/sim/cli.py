@@ -66,12 +66,26 @@ def summarize(timeline: Timeline) -> dict:
     }
 
 
+def simulate_from_args(args: argparse.Namespace) -> list[Timeline]:
+    """The timelines the simulate options ask for (one, or one per ``--compare`` name).
+
+    Shared by ``twinpipe simulate`` and ``twinpipe draw``; raises ValueError naming the bad option.
+    """
+    names = _schedule_names(args)
+    costs = _costs(args)
+    timelines = []
+    for name in names:
+        try:
+            timelines.append(simulate(_build(name, args, costs, strict=len(names) == 1), costs))
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}" if len(names) > 1 else str(error)) from None
+    return timelines
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     """Run ``twinpipe simulate``; 0 on success, 2 (message on stderr) on bad input."""
     try:
-        names = _schedule_names(args)
-        costs = _costs(args)
-        timelines = [simulate(_build(name, args, costs, strict=len(names) == 1), costs) for name in names]
+        timelines = simulate_from_args(args)
     except ValueError as error:
         print(f"twinpipe simulate: error: {error}", file=sys.stderr)
         return 2

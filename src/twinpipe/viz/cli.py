@@ -47,8 +47,7 @@ def add_draw_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_draw(args: argparse.Namespace) -> int:
     """Run ``twinpipe draw``; 0 on success, 2 (message on stderr) on bad input."""
-    from twinpipe.sim.cli import _build, _costs, _schedule_names, summarize
-    from twinpipe.sim.engine import simulate
+    from twinpipe.sim.cli import simulate_from_args, summarize
     from twinpipe.viz.draw import FORMATS, draw_timelines
 
     try:
@@ -59,14 +58,7 @@ def run_draw(args: argparse.Namespace) -> int:
             raise ValueError(f"--width={args.width:g}: must be more than 2 (inches)")
         if not args.dpi > 0:
             raise ValueError(f"--dpi={args.dpi}: must be a positive integer")
-        names = _schedule_names(args)
-        costs = _costs(args)
-        timelines = []
-        for name in names:
-            try:
-                timelines.append(simulate(_build(name, args, costs, strict=len(names) == 1), costs))
-            except ValueError as error:
-                raise ValueError(f"{name}: {error}" if len(names) > 1 else str(error)) from None
+        timelines = simulate_from_args(args)
         draw_timelines(timelines, args.output, width=args.width, dpi=args.dpi, labels=not args.no_labels)
     except ValueError as error:
         print(f"twinpipe draw: error: {error}", file=sys.stderr)

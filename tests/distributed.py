@@ -19,14 +19,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, backend="gloo"):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # report, never hang the parent
@@ -39,12 +41,12 @@ def _worker(rank, world_size, port, fn, args, queue):
                 pass
 
 
-def run_world(world_size: int, fn, *args, timeout: float = 600.0) -> list:
+def run_world(world_size: int, fn, *args, timeout: float = 600.0, backend: str = "gloo") -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the per-rank results."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

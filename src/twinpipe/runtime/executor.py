@@ -44,14 +44,43 @@ class StepResult:
 
 
 class Recorder:
-    """Collects (kind, op-or-label, start, end) on this rank with a monotonic clock."""
+    """Collects (kind, label, start, end) for each op and wait of this rank, in seconds.
 
-    def __init__(self, clock=time.perf_counter):
-        self.clock = clock
-        self.events: list[tuple[str, str, float, float]] = []
+    On CPU the marks are ``time.perf_counter()``. On CUDA they are events on the current stream,
+    so slices show when the GPU ran the work (and how long the stream waited for messages);
+    they are turned into seconds on the same clock after the step, measured from an event
+    recorded while the GPU was idle.
+    """
 
-    def add(self, kind: str, label: str, start: float, end: float) -> None:
-        self.events.append((kind, label, start, end))
+    def __init__(self, device: torch.device | None = None):
+        self.cuda = device is not None and device.type == "cuda"
+        self._raw: list[tuple] = []
+        if self.cuda:
+            torch.cuda.synchronize(device)
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record()
+            self._origin_wall = time.perf_counter()
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, kind: str, label: str, start, end) -> None:
+        self._raw.append((kind, label, start, end))
+
+    @property
+    def events(self) -> list[tuple[str, str, float, float]]:
+        if not self.cuda:
+            return list(self._raw)
+        torch.cuda.synchronize()
+
+        def seconds(event) -> float:
+            return self._origin_wall + self._origin.elapsed_time(event) / 1e3
+
+        return [(k, label, seconds(a), seconds(b)) for k, label, a, b in self._raw]
 
 
 @dataclass
@@ -354,7 +383,7 @@ class Executor:
         for index, op in enumerate(program.ops):
             self.op_index = index
             if program.recvs[index]:
-                t0 = rec.clock() if rec else 0.0
+                t0 = rec.mark() if rec else 0.0
                 for msg in program.recvs[index]:
                     tensors = self._receive(msg)
                     if msg.kind == "act":
@@ -364,24 +393,24 @@ class Executor:
                     else:
                         self.grads[(msg.dst_stage, msg.microbatch)] = tuple(tensors)
                 if rec:
-                    rec.add("wait", f"recv for {op}", t0, rec.clock())
-            t0 = rec.clock() if rec else 0.0
+                    rec.add("wait", f"recv for {op}", t0, rec.mark())
+            t0 = rec.mark() if rec else 0.0
             if _profiling():
                 with torch.profiler.record_function(str(op)):
                     self._run_op(op, data)
             else:
                 self._run_op(op, data)
             if rec:
-                rec.add("compute", str(op), t0, rec.clock())
+                rec.add("compute", str(op), t0, rec.mark())
             if self.in_flight:
                 self._retire_sends(wait=False)
         self.op_index = len(program.ops)
-        t0 = rec.clock() if rec else 0.0
+        t0 = rec.mark() if rec else 0.0
         for channel in self.channels.values():
             self._pump(channel, drain=True)
         self._retire_sends(wait=True)
         if rec and self.channels:
-            rec.add("wait", "drain sends", t0, rec.clock())
+            rec.add("wait", "drain sends", t0, rec.mark())
         return self.result
 
     def _run_op(self, op: Op, data: StepData) -> None:

@@ -154,7 +154,7 @@ class Pipeline(nn.Module):
                     data.labels[stage] = self._split(labels, count, "labels") if labels else [()] * count
         if self.dynamic_shapes or self._layout_key != num_chunks:
             self._layouts, self._layout_key = {}, num_chunks
-        recorder = Recorder() if trace else None
+        recorder = Recorder(self.device) if trace else None
         executor = Executor(
             lowered.programs[self.rank], placement, self._by_stage, self.group, self.group_rank_of,
             self.device, self._layouts, declared_layout(self._tensor_shapes, self._tensor_dtype), self.timeout, recorder, self._overlap,

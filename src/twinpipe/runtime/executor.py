@@ -303,6 +303,13 @@ class Executor:
             if o.grad_fn is not None:  # never free the user's own leaf tensors
                 o.data = torch.empty(0, dtype=o.dtype, device=o.device)
 
+    def _graph_roots(self, stage: int, mb: int, outputs: tuple) -> tuple[list, list]:
+        """The outputs a non-last stage backpropagates from, paired with their received gradients."""
+        received = self.grads[(stage, mb)]
+        floats = [o for o in outputs if o.is_floating_point() or o.is_complex()]
+        pairs = [(o, g) for o, g in zip(floats, received) if o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
     def _backward(self, stage: int, mb: int, defer_w: bool, data: StepData, run_graph: bool = True) -> None:
         inputs, outputs, loss = self.saved.pop((stage, mb))
         if self.placement.is_last(stage):
@@ -310,10 +317,8 @@ class Executor:
                 raise ValueError(f"stage {stage} is a last stage and training needs a loss: pass criterion= to step()")
             roots, grads = [loss], [torch.ones_like(loss)]
         else:
-            received = self.grads.pop((stage, mb))
-            floats = [o for o in outputs if o.is_floating_point() or o.is_complex()]
-            pairs = [(o, g) for o, g in zip(floats, received) if o.requires_grad]
-            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+            roots, grads = self._graph_roots(stage, mb, outputs)
+            del self.grads[(stage, mb)]
         if run_graph:
             self._backward_graph(roots, grads, defer_w, (stage, mb))
         if loss is not None:
@@ -352,7 +357,7 @@ class Executor:
         f_stage, f_mb = op.stage, op.microbatch
         b_stage, b_mb = op.backward.stage, op.backward.microbatch
         module0, module1 = self.modules[f_stage], self.modules[b_stage]
-        if self.overlap_fn is None or type(module0) is not type(module1):
+        if self.overlap_fn is None:
             self._forward(f_stage, f_mb, data)
             self._backward(b_stage, b_mb, False, data)
             return
@@ -360,14 +365,11 @@ class Executor:
         last0 = self.placement.is_last(f_stage)
         criterion0 = data.criterion if last0 else None
         labels0 = list(self._labels_for(f_stage, f_mb, data)) if last0 else []
-        inputs1, outputs1_all, loss1 = self.saved[(b_stage, b_mb)]
+        _, outputs1_all, loss1 = self.saved[(b_stage, b_mb)]
         if self.placement.is_last(b_stage):
             outputs1, grads1 = [], []
         else:
-            received = self.grads[(b_stage, b_mb)]
-            floats = [o for o in outputs1_all if o.is_floating_point() or o.is_complex()]
-            pairs = [(o, g) for o, g in zip(floats, received) if o.requires_grad and g is not None]
-            outputs1, grads1 = [o for o, _ in pairs], [g for _, g in pairs]
+            outputs1, grads1 = self._graph_roots(b_stage, b_mb, outputs1_all)
         outputs0, loss0 = self.overlap_fn(module0, list(inputs0), criterion0, labels0, module1, loss1, outputs1, grads1)
         # Finish both halves as the separate ops would; the backward graph has already run.
         self._forward(f_stage, f_mb, data, outputs=_as_tuple(outputs0), loss=loss0, inputs=inputs0)

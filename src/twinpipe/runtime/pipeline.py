@@ -95,6 +95,8 @@ class Pipeline(nn.Module):
                 f"{len(self.stages)} module(s); got {len(self.module)}"
             )
         self._by_stage = dict(zip(self.stages, self.module))
+        # Like the official DualPipe: the user's overlapped F&B runs when all of this rank's stage
+        # modules are of one class that defines it.
         kinds = {type(m) for m in self.module}
         self._overlap = None
         if len(kinds) == 1 and hasattr(kinds.pop(), "overlapped_forward_backward"):

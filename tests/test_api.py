@@ -1,0 +1,174 @@
+"""API promises beyond exactness: the official setters, batch_dim, uneven micro-batches,
+rank_mapping, DualPipe's mirrored weights, and defer_weight_grads."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import models
+from distributed import run_world
+
+WORLD = 4
+
+
+def _v_pipeline(group, world, seed=5, **kw):
+    import twinpipe
+
+    rank = dist.get_rank(group)
+    model = models.make_model(models.MLPStage, 2 * world, seed=seed)
+    mine = [copy.deepcopy(model[rank]), copy.deepcopy(model[2 * world - 1 - rank])]
+    return model, twinpipe.DualPipeV(mine, process_group=group, **kw)
+
+
+def _reference(model, xs, labels):
+    losses = []
+    for x, label in zip(xs, labels):
+        out = x
+        for stage in model:
+            out = stage(out)
+        loss = models.mse(out, label)
+        loss.backward()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def case_official_setters(group):
+    import twinpipe
+    from twinpipe.runtime import comm
+
+    twinpipe.set_p2p_tensor_shapes([(2, 3, models.HIDDEN)])
+    twinpipe.set_p2p_tensor_dtype(torch.float64)
+    try:
+        model, pipe = _v_pipeline(group, 2)
+        x = torch.randn(8, 3, models.HIDDEN, dtype=torch.float64)
+        y = torch.randn_like(x)
+        ref = _reference(model, torch.tensor_split(x, 4), torch.tensor_split(y, 4))
+        if dist.get_rank(group) == 0:
+            loss, _ = pipe.step(x, num_chunks=4, criterion=models.mse, labels=(y,))
+            return torch.equal(loss, ref)
+        pipe.step(num_chunks=4)
+        return True
+    finally:
+        comm._SHAPES, comm._DTYPE = None, None
+
+
+def case_batch_dim_and_uneven_chunks(group):
+    model, pipe = _v_pipeline(group, 2, batch_dim=1)
+    x = torch.randn(3, 9, models.HIDDEN, dtype=torch.float64)  # 9 rows along dim 1 into 4 micro-batches
+    y = torch.randn_like(x)
+    ref = _reference(model, torch.tensor_split(x, 4, dim=1), torch.tensor_split(y, 4, dim=1))
+    if dist.get_rank(group) == 0:
+        loss, out = pipe.step(x, num_chunks=4, criterion=models.mse, labels=(y,), return_outputs=True)
+        return torch.equal(loss, ref) and out.shape == x.shape
+    pipe.step(num_chunks=4)
+    return True
+
+
+def case_rank_mapping(group):
+    import twinpipe
+
+    # Pipeline rank = 1 - group rank: group rank 1 holds the first and last stage.
+    group_rank = dist.get_rank(group)
+    pp_rank = 1 - group_rank
+    model = models.make_model(models.MLPStage, 4, seed=9)
+    mine = [copy.deepcopy(model[pp_rank]), copy.deepcopy(model[3 - pp_rank])]
+    pipe = twinpipe.DualPipeV(mine, process_group=group, rank_mapping=[1, 0])
+    x = torch.randn(8, 3, models.HIDDEN, dtype=torch.float64)
+    y = torch.randn_like(x)
+    ref = _reference(model, torch.tensor_split(x, 4), torch.tensor_split(y, 4))
+    if pp_rank == 0:
+        loss, _ = pipe.step(x, num_chunks=4, criterion=models.mse, labels=(y,))
+        return pipe.rank == 0 and torch.equal(loss, ref)
+    loss, _ = pipe.step(num_chunks=4)
+    return pipe.rank == 1 and loss is None
+
+
+def case_mirrored_weights(group):
+    import twinpipe
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    torch.manual_seed(100 + rank)  # every rank starts with different weights on purpose
+    pipe = twinpipe.DualPipe([models.MLPStage().double(), models.MLPStage().double()], process_group=group)
+    pipe.sync_mirrored_weights()
+    mine = torch.cat([p.detach().reshape(-1) for m in (pipe.module[1], pipe.module[0]) for p in m.parameters()])
+    theirs = torch.empty_like(mine)
+    peer = world - 1 - rank
+    reqs = [dist.isend(mine, peer, group=group), dist.irecv(theirs, peer, group=group)]
+    for r in reqs:
+        r.wait()
+    own_first = torch.cat([p.detach().reshape(-1) for m in (pipe.module[0], pipe.module[1]) for p in m.parameters()])
+    return torch.equal(own_first, theirs)
+
+
+CASES = {
+    "official_setters": (2, case_official_setters),
+    "batch_dim_and_uneven_chunks": (2, case_batch_dim_and_uneven_chunks),
+    "rank_mapping": (2, case_rank_mapping),
+    "mirrored_weights": (4, case_mirrored_weights),
+}
+
+
+def _run_all(rank, world):
+    results = {}
+    for name, (ranks, fn) in CASES.items():
+        group = dist.new_group(list(range(ranks)))
+        if rank < ranks:
+            torch.manual_seed(0)
+            try:
+                results[name] = fn(group)
+            except Exception as exc:
+                results[name] = f"{type(exc).__name__}: {exc}"
+        dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def out():
+    return run_world(WORLD, _run_all)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_case(out, name):
+    ranks = CASES[name][0]
+    assert all(out[r][name] is True for r in range(ranks)), [out[r][name] for r in range(ranks)]
+
+
+def test_defer_weight_grads_same_parameters_same_results():
+    import twinpipe
+    from twinpipe.runtime.weight_grad import WeightGradStore
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Sequential(nn.Linear(16, 8, bias=False))).double()
+    deferred = twinpipe.defer_weight_grads(copy.deepcopy(plain))
+    assert [type(m).__name__ for m in deferred.modules()].count("DeferredLinear") == 2
+    x = torch.randn(4, 5, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.equal(plain(x), deferred(x))
+    plain(x).square().sum().backward()
+    grad_x = x.grad.clone()
+    x.grad = None
+    WeightGradStore.enabled = True
+    deferred(x).square().sum().backward()
+    WeightGradStore.flush("w")
+    WeightGradStore.enabled = False
+    assert torch.allclose(x.grad, grad_x, rtol=0, atol=1e-14)
+    assert all(p.grad is None for n, p in deferred.named_parameters() if "weight" in n)  # deferred
+    WeightGradStore.pop("w")
+    for p, q in zip(plain.parameters(), deferred.parameters()):
+        assert models.grad_error(p.grad, q.grad) < 1e-15
+
+
+def test_defer_weight_grads_keeps_parameter_objects_and_other_layers():
+    import twinpipe
+
+    lin = nn.Linear(4, 4)
+    model = nn.Sequential(lin, nn.LayerNorm(4))
+    weight = lin.weight
+    twinpipe.defer_weight_grads(model)
+    assert model[0].weight is weight and isinstance(model[1], nn.LayerNorm)
+    no_linear = nn.Sequential(nn.Tanh())
+    assert twinpipe.defer_weight_grads(no_linear) is no_linear

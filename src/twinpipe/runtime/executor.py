@@ -1,28 +1,27 @@
 """Runs one rank's lowered program on real tensors. One executor serves every schedule.
 
-Per op: receive what it needs, compute, hand the results on. Receives are posted as early as the
-per-peer message order allows, so transfers overlap compute; sends are asynchronous. Outputs that
-were sent are freed at once (autograd keeps only what backward needs). B defers weight gradients
-to ``WeightGradStore`` under the op's (stage, micro-batch); W runs them.
+Per op: receive what it needs (``Transport``), compute, hand the results on. Outputs that were
+sent are freed at once (autograd keeps only what backward needs). B defers weight gradients to
+``WeightGradStore`` under the op's (stage, micro-batch); W runs them.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 
-from twinpipe.runtime import comm
-from twinpipe.runtime.comm import HEADER_LEN, Layout, pack, receive_buffers, unpack
+from twinpipe.runtime.comm import Layout
+from twinpipe.runtime.recorder import Recorder
+from twinpipe.runtime.transport import Transport
 from twinpipe.runtime.weight_grad import WeightGradStore
-from twinpipe.schedule.lower import Message, Packet, RankProgram
+from twinpipe.schedule.lower import Message, RankProgram
 from twinpipe.schedule.ops import Op, OpKind
 from twinpipe.schedule.placement import Placement
 
-__all__ = ["StepData", "StepResult", "Executor", "Recorder", "run_backward"]
+__all__ = ["StepData", "StepResult", "Executor", "run_backward"]
 
 
 @dataclass
@@ -41,54 +40,6 @@ class StepResult:
     losses: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # last stage -> per-mb loss
     outputs: dict[int, list[tuple]] = field(default_factory=dict)  # last stage -> per-mb outputs
     peak_live: int = 0  # most (stage, micro-batch) activation sets held at once
-
-
-class Recorder:
-    """Collects (kind, label, start, end) for each op and wait of this rank, in seconds.
-
-    On CPU the marks are ``time.perf_counter()``. On CUDA they are events on the current stream,
-    so slices show when the GPU ran the work (and how long the stream waited for messages);
-    they are turned into seconds on the same clock after the step, measured from an event
-    recorded while the GPU was idle.
-    """
-
-    def __init__(self, device: torch.device | None = None):
-        self.cuda = device is not None and device.type == "cuda"
-        self._raw: list[tuple] = []
-        if self.cuda:
-            torch.cuda.synchronize(device)
-            self._origin = torch.cuda.Event(enable_timing=True)
-            self._origin.record()
-            self._origin_wall = time.perf_counter()
-
-    def mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def add(self, kind: str, label: str, start, end) -> None:
-        self._raw.append((kind, label, start, end))
-
-    @property
-    def events(self) -> list[tuple[str, str, float, float]]:
-        if not self.cuda:
-            return list(self._raw)
-        torch.cuda.synchronize()
-
-        def seconds(event) -> float:
-            return self._origin_wall + self._origin.elapsed_time(event) / 1e3
-
-        return [(k, label, seconds(a), seconds(b)) for k, label, a, b in self._raw]
-
-
-@dataclass
-class _Channel:
-    peer: int
-    packets: tuple[Packet, ...]
-    cursor: int = 0
-    header: tuple | None = None  # (work, tensor) of a header receive in flight
 
 
 def _profiling() -> bool:
@@ -133,123 +84,19 @@ class Executor:
     ):
         self.program, self.placement, self.modules = program, placement, modules
         self.rank = program.rank
-        self.group, self.group_rank_of, self.device = group, group_rank_of, device
-        self.layouts, self.declared, self.timeout = layouts, declared, timeout
         self.recorder, self.overlap_fn = recorder, overlap_fn
-        self.channels = {peer: _Channel(peer, packets) for peer, packets in program.channels.items()}
-        self.packet_of = {m: pk for ch in self.channels.values() for pk in ch.packets for m in pk.messages}
-        self.posted: dict[Packet, tuple[list, list[torch.Tensor], list[Layout]]] = {}
-        self.arrived: dict[Message, list[torch.Tensor]] = {}  # unpacked, waiting for their op
-        self.outbox: dict[Message, tuple[torch.Tensor, ...]] = {}
-        self.in_flight: list[tuple[list, list, Packet]] = []
+        self.transport = Transport(program, group, group_rank_of, device, layouts, declared, timeout, self._where)
         self.acts: dict[tuple[int, int], tuple] = {}  # inputs waiting for a forward
         self.grads: dict[tuple[int, int], tuple] = {}  # output gradients waiting for a backward
         self.saved: dict[tuple[int, int], tuple] = {}  # (inputs, outputs, loss) kept for backward
         self.live = 0
         self.op_index = -1
 
-    # ---------------------------------------------------------------- messages
-    def _layout(self, msg: Message) -> Layout | None:
-        if msg.kind == "act":
-            return self.declared or self.layouts.get((msg.src_stage, msg.microbatch))
-        act_layout = self.declared or self.layouts.get((msg.dst_stage, msg.microbatch))
-        return act_layout.grad_layout() if act_layout is not None else None
+    def _where(self) -> str:
+        ops = self.program.ops
+        op = ops[self.op_index] if 0 <= self.op_index < len(ops) else "end of step"
+        return f"rank {self.rank}, op {self.op_index} ({op})"
 
-    def _pump(self, channel: _Channel, until: Packet | None = None, drain: bool = False) -> None:
-        """Post the channel's next sends and receives, in the agreed order, as far as possible.
-
-        A receive whose layout is still unknown waits for the sender's header; we block on it
-        only to reach ``until`` (a packet that precedes it must be posted first) or to ``drain``.
-        """
-        peer = self.group_rank_of[channel.peer]
-        while channel.cursor < len(channel.packets):
-            packet = channel.packets[channel.cursor]
-            if packet.src_rank == self.rank:
-                if any(m not in self.outbox for m in packet.messages):
-                    return
-                self._post_send(packet, [self.outbox.pop(m) for m in packet.messages], peer)
-            else:
-                layouts = [self._layout(m) for m in packet.messages]
-                if any(layout is None for layout in layouts):  # discovering: the sender describes it first
-                    if channel.header is None:
-                        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-                        channel.header = (comm.irecv(header, peer, self.group), header)
-                    work, header = channel.header
-                    block = drain or (until is not None and until not in self.posted)
-                    if not block and not work.is_completed():
-                        return
-                    comm.wait_work(work, self.timeout, self._what(f"header of {packet}", channel.peer))
-                    channel.header = None
-                    layouts = comm.decode_header(header.cpu())
-                    self._remember(packet, layouts)
-                shapes = [shape for layout in layouts for shape in layout.shapes]
-                dtypes = [dtype for layout in layouts for dtype in layout.dtypes]
-                buffers = receive_buffers(shapes, dtypes, self.device)
-                self.posted[packet] = ([comm.irecv(b, peer, self.group) for b in buffers], buffers, layouts)
-            channel.cursor += 1
-
-    def _remember(self, packet: Packet, layouts: list[Layout]) -> None:
-        for msg, layout in zip(packet.messages, layouts):
-            if msg.kind == "act":
-                self.layouts[(msg.src_stage, msg.microbatch)] = layout
-
-    def _post_send(self, packet: Packet, payloads: list[tuple], peer: int) -> None:
-        layouts = [Layout.of(tensors) for tensors in payloads]
-        expected = [self._layout(m) for m in packet.messages]
-        for msg, layout, want in zip(packet.messages, layouts, expected):
-            if want is not None and layout != want:
-                source = "declared (set_p2p_tensor_shapes/tensor_shapes)" if self.declared else "seen on the first step"
-                raise ValueError(
-                    f"rank {self.rank}: {msg} carries [{layout}] but the receiver expects [{want}], {source}. "
-                    "Declare the right shapes, or create the pipeline with dynamic_shapes=True for shapes that change."
-                )
-        works, keep = [], []
-        if any(want is None for want in expected):
-            self._remember(packet, layouts)
-            header = comm.encode_header(layouts).to(self.device)
-            works.append(comm.isend(header, peer, self.group))
-            keep.append(header)
-        buffers = pack([t for tensors in payloads for t in tensors])
-        works += [comm.isend(b, peer, self.group) for b in buffers]
-        self.in_flight.append((works, keep + buffers, packet))
-
-    def _what(self, thing: str, peer: int) -> str:
-        op = self.program.ops[self.op_index] if 0 <= self.op_index < len(self.program.ops) else "end of step"
-        return f"rank {self.rank}, op {self.op_index} ({op}): waiting for {thing} from/to rank {peer}"
-
-    def _receive(self, msg: Message) -> list[torch.Tensor]:
-        if msg in self.arrived:
-            return self.arrived.pop(msg)
-        packet = self.packet_of[msg]
-        channel = self.channels[packet.src_rank]
-        while packet not in self.posted:
-            before = channel.cursor
-            self._pump(channel, until=packet)
-            if channel.cursor == before and packet not in self.posted:  # lowering guarantees progress
-                raise RuntimeError(f"rank {self.rank}: {packet} is queued behind a send that was never produced")
-        works, buffers, layouts = self.posted.pop(packet)
-        for work in works:
-            comm.wait_work(work, self.timeout, self._what(str(packet), packet.src_rank))
-        tensors = unpack(buffers, [shape for layout in layouts for shape in layout.shapes])
-        for m, layout in zip(packet.messages, layouts):
-            self.arrived[m], tensors = tensors[: len(layout.shapes)], tensors[len(layout.shapes) :]
-        return self.arrived.pop(msg)
-
-    def _send(self, msg: Message, tensors: tuple) -> None:
-        self.outbox[msg] = tensors
-        self._pump(self.channels[msg.dst_rank])
-
-    def _retire_sends(self, wait: bool) -> None:
-        keep = []
-        for works, tensors, packet in self.in_flight:
-            if wait:
-                for work in works:
-                    comm.wait_work(work, self.timeout, self._what(f"delivery of {packet}", packet.dst_rank))
-            elif not all(w.is_completed() for w in works):
-                keep.append((works, tensors, packet))
-        self.in_flight = keep
-
-    # ---------------------------------------------------------------- compute
     def _inputs_for(self, stage: int, mb: int, data: StepData) -> tuple:
         if self.placement.is_first(stage):
             chain = self.placement.chain_of_stage(stage)
@@ -285,7 +132,7 @@ class Executor:
             if self.placement.rank_of(nxt) == self.rank:  # the V turn: hand over locally
                 self.acts[(nxt, mb)] = tuple(t.requires_grad_() if data.training and t.is_floating_point() else t for t in handed)
             else:
-                self._send(Message("act", stage, nxt, mb, self.rank, self.placement.rank_of(nxt)), handed)
+                self.transport.send(Message("act", stage, nxt, mb, self.rank, self.placement.rank_of(nxt)), handed)
                 if data.training and not data.return_outputs:
                     self._free(stage, outputs)
         if data.training:
@@ -333,7 +180,7 @@ class Executor:
             if self.placement.rank_of(prev) == self.rank:
                 self.grads[(prev, mb)] = in_grads
             else:
-                self._send(Message("grad", stage, prev, mb, self.rank, self.placement.rank_of(prev)), in_grads)
+                self.transport.send(Message("grad", stage, prev, mb, self.rank, self.placement.rank_of(prev)), in_grads)
         if not defer_w:
             self.live -= 1
 
@@ -380,14 +227,13 @@ class Executor:
         self._num_mb = num_microbatches
         self.result = StepResult()
         program, rec = self.program, self.recorder
-        for channel in self.channels.values():
-            self._pump(channel)
+        self.transport.start()
         for index, op in enumerate(program.ops):
             self.op_index = index
             if program.recvs[index]:
                 t0 = rec.mark() if rec else 0.0
                 for msg in program.recvs[index]:
-                    tensors = self._receive(msg)
+                    tensors = self.transport.receive(msg)
                     if msg.kind == "act":
                         self.acts[(msg.dst_stage, msg.microbatch)] = tuple(
                             t.requires_grad_() if data.training and t.is_floating_point() else t for t in tensors
@@ -404,14 +250,12 @@ class Executor:
                 self._run_op(op, data)
             if rec:
                 rec.add("compute", str(op), t0, rec.mark())
-            if self.in_flight:
-                self._retire_sends(wait=False)
+            if self.transport.in_flight:
+                self.transport.retire(wait=False)
         self.op_index = len(program.ops)
         t0 = rec.mark() if rec else 0.0
-        for channel in self.channels.values():
-            self._pump(channel, drain=True)
-        self._retire_sends(wait=True)
-        if rec and self.channels:
+        self.transport.finish()
+        if rec and self.transport.channels:
             rec.add("wait", "drain sends", t0, rec.mark())
         return self.result
 

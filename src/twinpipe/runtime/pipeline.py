@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from twinpipe.runtime.comm import declared_layout
-from twinpipe.runtime.executor import Executor, Recorder, StepData
+from twinpipe.runtime.executor import Executor, StepData
+from twinpipe.runtime.recorder import Recorder
 from twinpipe.runtime.weight_grad import WeightGradStore
 from twinpipe.schedule import registry
 from twinpipe.schedule.lower import LoweredSchedule, forward_only, lower

@@ -2,3 +2,4 @@
 
 from twinpipe.schedule import dualpipe  # noqa: F401
 from twinpipe.schedule import gpipe, interleaved, one_f_one_b, zb_auto, zbv, zero_bubble  # noqa: F401
+from twinpipe.schedule import vshape_memory  # noqa: F401

@@ -20,7 +20,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 # Every (p, m) a generator accepts in these ranges is built and validated.
 LINEAR = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto"]
-ALL = LINEAR + ["interleaved-1f1b", "zbv", "dualpipe", "dualpipev"]
+ALL = LINEAR + ["interleaved-1f1b", "zbv", "v-half", "v-min", "dualpipe", "dualpipev"]
 GRID = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 5, 7, 8, 12, 16)]
 
 
@@ -234,3 +234,7 @@ def test_adding_a_schedule_doc_example_runs_as_written(scratch_registry, capsys)
         checked("gpipe-split", p, m)
     with pytest.raises(ValueError, match="num_ranks=0"):
         registry.build("gpipe-split", 0, 4)
+
+
+def test_all_lists_every_registered_schedule():
+    assert set(ALL) == set(registry.names())

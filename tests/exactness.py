@@ -25,11 +25,13 @@ class Case:
     chunks: int
     model: str = "mlp"  # mlp | overlap | two
     options: tuple = ()  # schedule options as (name, value) pairs
+    transport: str = "auto"  # "auto" (shared memory between CPU ranks here) or "process-group" (gloo)
 
     @property
     def id(self) -> str:
         opts = "".join(f"-{k}{v}" for k, v in self.options)
-        return f"{self.schedule}-p{self.ranks}-n{self.chunks}-{self.model}{opts}"
+        via = "" if self.transport == "auto" else f"-{self.transport}"
+        return f"{self.schedule}-p{self.ranks}-n{self.chunks}-{self.model}{opts}{via}"
 
 
 KINDS = {"mlp": models.MLPStage, "overlap": models.OverlapStage, "two": models.TwoTensorStage}
@@ -64,11 +66,11 @@ def run_case(rank: int, group, case: Case) -> list[str]:
     ref_losses, ref_outputs = models.reference(model, placement, xs, labels, criterion)
 
     if case.schedule == "dualpipe":
-        pipe = twinpipe.DualPipe(pipe_modules, process_group=group)
+        pipe = twinpipe.DualPipe(pipe_modules, process_group=group, transport=case.transport)
     elif case.schedule == "dualpipev":
-        pipe = twinpipe.DualPipeV(pipe_modules, process_group=group)
+        pipe = twinpipe.DualPipeV(pipe_modules, process_group=group, transport=case.transport)
     else:
-        pipe = twinpipe.Pipeline(pipe_modules, case.schedule, process_group=group, **options)
+        pipe = twinpipe.Pipeline(pipe_modules, case.schedule, process_group=group, transport=case.transport, **options)
 
     def my_args():
         args, labs = (), ()

@@ -26,6 +26,10 @@ def _cases() -> list[Case]:
         cases.append(Case("dualpipe", p, 2 * p + 2, "overlap"))
         cases.append(Case("dualpipe", p, 2 * p, "two"))
     cases.append(Case("dualpipe", 4, 6, "overlap"))  # fewer than 2P micro-batches, overlapped
+    # The same through gloo itself (the transport between hosts, and for GPUs NCCL's twin).
+    for schedule, p, n, model in (("dualpipev", 1, 3, "mlp"), ("dualpipev", 3, 7, "overlap"), ("dualpipev", 4, 8, "two"),
+                                  ("dualpipe", 2, 2, "mlp"), ("dualpipe", 4, 10, "overlap"), ("dualpipe", 4, 8, "two")):
+        cases.append(Case(schedule, p, n, model, transport="process-group"))
     return cases
 
 

@@ -90,8 +90,11 @@ def _run_rank(args) -> None:
     chunks = args.chunks or 2 * world
     gen = torch.Generator().manual_seed(0)
     shape = (chunks * args.microbatch_size, args.seq, args.hidden)
+    piped = torch.tensor([float(bool(pipe.shared_memory_peers))])
+    dist.all_reduce(piped)
+    via = dist.get_backend() + (", messages through shared memory" if piped.item() else "")
     if rank == 0:
-        print(f"twinpipe demo: {args.schedule} on {world} {args.device} rank(s) ({dist.get_backend()}), "
+        print(f"twinpipe demo: {args.schedule} on {world} {args.device} rank(s) ({via}), "
               f"{num_model_stages} model stages{' (two copies)' if placement.kind == 'dual' else ''} x {args.blocks_per_stage} block(s), hidden {args.hidden}, "
               f"{chunks} micro-batches of {args.microbatch_size}x{args.seq}, {args.dtype}", flush=True)
     all_exact = True

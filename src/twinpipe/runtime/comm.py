@@ -27,6 +27,7 @@ __all__ = [
     "pack",
     "unpack",
     "receive_buffers",
+    "PointToPoint",
 ]
 
 _SHAPES: list[tuple[int, ...]] | None = None
@@ -134,18 +135,19 @@ def decode_header(header: torch.Tensor) -> list[Layout]:
     return layouts
 
 
-def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The buffers to send for ``tensors``: one flat buffer when they share a dtype (one P2P call)."""
-    if len(tensors) == 1:
-        return [tensors[0].contiguous()]
+def pack(tensors: list[torch.Tensor], flatten: bool = True) -> list[torch.Tensor]:
+    """The buffers to send for ``tensors``: one flat buffer when they share a dtype (one P2P call),
+    unless ``flatten`` is off (shared-memory pipes: calls are cheap, the copy is not)."""
+    if len(tensors) == 1 or not flatten:
+        return [t.contiguous() for t in tensors]
     if len({t.dtype for t in tensors}) == 1:
         return [torch.cat([t.reshape(-1) for t in tensors])]
     return [t.contiguous() for t in tensors]
 
 
-def receive_buffers(shapes, dtypes, device) -> list[torch.Tensor]:
+def receive_buffers(shapes, dtypes, device, flatten: bool = True) -> list[torch.Tensor]:
     """Empty buffers matching what ``pack`` sends for tensors of these shapes and dtypes."""
-    if len(shapes) > 1 and len(set(dtypes)) == 1:
+    if flatten and len(shapes) > 1 and len(set(dtypes)) == 1:
         total = sum(math.prod(s) for s in shapes)
         return [torch.empty(total, dtype=dtypes[0], device=device)]
     return [torch.empty(s, dtype=d, device=device) for s, d in zip(shapes, dtypes)]
@@ -177,11 +179,26 @@ def wait_work(work, timeout: float, what: str) -> None:
         raise PipelineTimeoutError(f"{what}: did not complete within {timeout:g} s")
 
 
-# The process group's own methods, with group-local peer ranks: the torch.distributed wrappers
-# cost tens of microseconds a call, which shows when stages are small.
-def isend(tensor: torch.Tensor, peer: int, group):
-    return group.send([tensor], peer, 0)
+class PointToPoint:
+    """Sends and receives by pipeline rank: through a shared-memory pipe where one connects the
+    two ranks (same host, CPU), else with the process group's own calls (NCCL, gloo), which skip
+    the torch.distributed wrappers' per-call cost."""
 
+    def __init__(self, group, group_rank_of: dict[int, int], pipes=None):
+        self.group, self.group_rank_of = group, group_rank_of
+        self.pipes = pipes
+        self.piped = pipes.peers() if pipes is not None else set()
 
-def irecv(tensor: torch.Tensor, peer: int, group):
-    return group.recv([tensor], peer, 0)
+    def isend(self, tensor: torch.Tensor, peer: int):
+        if peer in self.piped:
+            return self.pipes.isend(tensor, peer)
+        return self.group.send([tensor], self.group_rank_of[peer], 0)
+
+    def flattens(self, peer: int) -> bool:
+        """Whether packets to and from ``peer`` travel as one flat buffer (both ends agree)."""
+        return peer not in self.piped
+
+    def irecv(self, tensor: torch.Tensor, peer: int):
+        if peer in self.piped:
+            return self.pipes.irecv(tensor, peer)
+        return self.group.recv([tensor], self.group_rank_of[peer], 0)

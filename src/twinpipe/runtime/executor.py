@@ -73,8 +73,7 @@ class Executor:
         program: RankProgram,
         placement: Placement,
         modules: dict[int, nn.Module],
-        group,
-        group_rank_of: dict[int, int],
+        p2p,
         device: torch.device,
         layouts: dict,
         declared: Layout | None,
@@ -85,7 +84,7 @@ class Executor:
         self.program, self.placement, self.modules = program, placement, modules
         self.rank = program.rank
         self.recorder, self.overlap_fn = recorder, overlap_fn
-        self.transport = Transport(program, group, group_rank_of, device, layouts, declared, timeout, self._where)
+        self.transport = Transport(program, p2p, device, layouts, declared, timeout, self._where)
         self.acts: dict[tuple[int, int], tuple] = {}  # inputs waiting for a forward
         self.grads: dict[tuple[int, int], tuple] = {}  # output gradients waiting for a backward
         self.saved: dict[tuple[int, int], tuple] = {}  # (inputs, outputs, loss) kept for backward

@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinpipe.runtime.comm import declared_layout
+from twinpipe.runtime.comm import PointToPoint, declared_layout
 from twinpipe.runtime.executor import Executor, StepData
 from twinpipe.runtime.recorder import Recorder
+from twinpipe.runtime.shm import shm_pipes
 from twinpipe.runtime.weight_grad import WeightGradStore
 from twinpipe.schedule import registry
 from twinpipe.schedule.lower import LoweredSchedule, forward_only, lower
@@ -41,7 +42,9 @@ class Pipeline(nn.Module):
     ``fn(num_ranks, num_microbatches, **options) -> Schedule``, or a fixed ``Schedule``.
     Message shapes come from ``tensor_shapes``/``tensor_dtype``, the process-wide setters, or are
     discovered on the first step (``dynamic_shapes=True`` rediscovers them every step).
-    ``timeout`` bounds every wait for a peer, in seconds.
+    ``timeout`` bounds every wait for a peer, in seconds. ``transport="auto"`` sends CPU messages
+    between ranks on one host through shared memory and everything else through the process group;
+    ``"process-group"`` always uses the group. Pass the same value on every rank.
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class Pipeline(nn.Module):
         tensor_dtype=None,
         dynamic_shapes: bool = False,
         timeout: float = 60.0,
+        transport: str = "auto",
         **schedule_options,
     ):
         super().__init__()
@@ -96,12 +100,25 @@ class Pipeline(nn.Module):
                 f"{len(self.stages)} module(s); got {len(self.module)}"
             )
         self._by_stage = dict(zip(self.stages, self.module))
+        if transport not in ("auto", "process-group"):
+            raise ValueError(f"transport={transport!r}: allowed are 'auto' and 'process-group'")
+        pipes = None
+        if transport == "auto":  # collective: every rank of the group takes part
+            neighbours = {placement.rank_of(n) for s in self.stages
+                          for n in (placement.prev_stage(s), placement.next_stage(s)) if n is not None}
+            pipes = shm_pipes(self.group, self.rank, self.group_rank_of, neighbours - {self.rank}, self.device)
+        self._p2p = PointToPoint(self.group, self.group_rank_of, pipes)
         # Like the official DualPipe: the user's overlapped F&B runs when all of this rank's stage
         # modules are of one class that defines it.
         kinds = {type(m) for m in self.module}
         self._overlap = None
         if len(kinds) == 1 and hasattr(kinds.pop(), "overlapped_forward_backward"):
             self._overlap = type(self.module[0]).overlapped_forward_backward
+
+    @property
+    def shared_memory_peers(self) -> set[int]:
+        """Pipeline ranks this rank exchanges messages with through shared memory."""
+        return set(self._p2p.piped)
 
     # ------------------------------------------------------------------ schedule
     def _placement(self):
@@ -159,7 +176,7 @@ class Pipeline(nn.Module):
             self._layouts, self._layout_key = {}, num_chunks
         recorder = Recorder(self.device) if trace else None
         executor = Executor(
-            lowered.programs[self.rank], placement, self._by_stage, self.group, self.group_rank_of,
+            lowered.programs[self.rank], placement, self._by_stage, self._p2p,
             self.device, self._layouts, declared_layout(self._tensor_shapes, self._tensor_dtype), self.timeout, recorder, self._overlap,
         )
         WeightGradStore.clear()

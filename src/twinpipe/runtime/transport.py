@@ -33,15 +33,14 @@ class Transport:
     def __init__(
         self,
         program: RankProgram,
-        group,
-        group_rank_of: dict[int, int],
+        p2p: comm.PointToPoint,
         device: torch.device,
         layouts: dict,
         declared: Layout | None,
         timeout: float,
         where: Callable[[], str],
     ):
-        self.rank, self.group, self.group_rank_of, self.device = program.rank, group, group_rank_of, device
+        self.rank, self.p2p, self.device = program.rank, p2p, device
         self.layouts, self.declared, self.timeout, self.where = layouts, declared, timeout, where
         self.channels = {peer: _Channel(peer, packets) for peer, packets in program.channels.items()}
         self.packet_of = {m: pk for ch in self.channels.values() for pk in ch.packets for m in pk.messages}
@@ -73,7 +72,7 @@ class Transport:
         A receive whose layout is still unknown waits for the sender's header; we block on it
         only to reach ``until`` (a packet that precedes it must be posted first) or to ``drain``.
         """
-        peer = self.group_rank_of[channel.peer]
+        peer = channel.peer
         while channel.cursor < len(channel.packets):
             packet = channel.packets[channel.cursor]
             if packet.src_rank == self.rank:
@@ -85,7 +84,7 @@ class Transport:
                 if any(layout is None for layout in layouts):  # discovering: the sender describes it first
                     if channel.header is None:
                         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-                        channel.header = (comm.irecv(header, peer, self.group), header)
+                        channel.header = (self.p2p.irecv(header, peer), header)
                     work, header = channel.header
                     block = drain or (until is not None and until not in self.posted)
                     if not block and not work.is_completed():
@@ -96,8 +95,8 @@ class Transport:
                     self._remember(packet, layouts)
                 shapes = [shape for layout in layouts for shape in layout.shapes]
                 dtypes = [dtype for layout in layouts for dtype in layout.dtypes]
-                buffers = receive_buffers(shapes, dtypes, self.device)
-                self.posted[packet] = ([comm.irecv(b, peer, self.group) for b in buffers], buffers, layouts)
+                buffers = receive_buffers(shapes, dtypes, self.device, self.p2p.flattens(peer))
+                self.posted[packet] = ([self.p2p.irecv(b, peer) for b in buffers], buffers, layouts)
             channel.cursor += 1
 
     def _remember(self, packet: Packet, layouts: list[Layout]) -> None:
@@ -119,10 +118,10 @@ class Transport:
         if any(want is None for want in expected):
             self._remember(packet, layouts)
             header = comm.encode_header(layouts).to(self.device)
-            works.append(comm.isend(header, peer, self.group))
+            works.append(self.p2p.isend(header, peer))
             keep.append(header)
-        buffers = pack([t for tensors in payloads for t in tensors])
-        works += [comm.isend(b, peer, self.group) for b in buffers]
+        buffers = pack([t for tensors in payloads for t in tensors], self.p2p.flattens(peer))
+        works += [self.p2p.isend(b, peer) for b in buffers]
         self.in_flight.append((works, keep + buffers, packet))
 
     def _what(self, thing: str, peer: int) -> str:

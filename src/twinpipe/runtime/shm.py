@@ -1,0 +1,203 @@
+"""Same-host CPU messages through shared memory: one byte pipe per ordered pair of neighbour ranks.
+
+On one machine, gloo carries every CPU message through TCP loopback, and each send or receive call
+costs tens to hundreds of microseconds once the cores are busy. Like NCCL's SHM transport, we put
+a single-producer single-consumer ring buffer in shared memory for each ordered pair of ranks on
+the same host: the sender copies bytes in, the receiver copies them out, and order is kept because
+a pipe is a FIFO byte stream (messages are consecutive byte ranges; both sides know their sizes).
+
+Head (bytes written) and tail (bytes read) are 8-byte words each written by one side only. The
+payload is copied before the head is published; on x86-64 stores become visible in program order,
+so a reader that sees the head sees the bytes. Other architectures use the process group.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import socket
+import time
+import uuid
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ShmPipes", "shm_pipes"]
+
+_HEAD, _TAIL = 0, 8  # int64 indices: head at byte 0, tail at byte 64 (separate cache lines)
+_CONTROL = 128  # bytes before the ring
+
+
+class _Work:
+    """A send or receive in flight on a pipe; ``wait`` moves every pipe of this rank along."""
+
+    __slots__ = ("pipes", "data", "offset", "done")
+
+    def __init__(self, pipes: ShmPipes, data: torch.Tensor):
+        self.pipes, self.data, self.offset = pipes, data, 0
+        self.done = data.numel() == 0
+
+    def is_completed(self) -> bool:
+        if not self.done:
+            self.pipes.progress()
+        return self.done
+
+    def wait(self, timeout=None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        spins = 0
+        while not self.is_completed():
+            spins += 1
+            if spins > 64:  # after a short spin, yield the core (ranks may share cores)
+                time.sleep(0 if spins < 256 else 2e-5)
+                if deadline is not None and time.monotonic() > deadline:
+                    raise RuntimeError("shared-memory transfer timed out")
+        return True
+
+
+class _Pipe:
+    """A byte ring in a shared file mapping; this rank is either its writer or its reader."""
+
+    def __init__(self, path: str, capacity: int, create: bool):
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                # Reserve the pages now: writing to a mapping of a full tmpfs would kill the
+                # process (SIGBUS), a failed reservation only raises.
+                os.posix_fallocate(fd, 0, _CONTROL + capacity)  # zero-filled: head = tail = 0
+            self._map = mmap.mmap(fd, _CONTROL + capacity)
+        finally:
+            os.close(fd)
+        raw = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._control = raw[:_CONTROL].view(torch.int64)
+        self._ring = raw[_CONTROL:]
+        self.capacity = capacity
+        self.position = 0  # bytes this side has written (writer) or read (reader)
+        self.queue: deque[_Work] = deque()
+
+    def _copy(self, work: _Work, n: int, writing: bool) -> None:
+        at = self.position % self.capacity
+        first = min(n, self.capacity - at)
+        pieces = [(at, work.offset, first)]
+        if n > first:  # wrap around the end of the ring
+            pieces.append((0, work.offset + first, n - first))
+        for ring_at, data_at, size in pieces:
+            ring = self._ring[ring_at : ring_at + size]
+            data = work.data[data_at : data_at + size]
+            (ring if writing else data).copy_(data if writing else ring)
+
+    def push(self) -> None:
+        """Writer: copy queued sends in as far as there is room, then publish the new head."""
+        while self.queue:
+            work = self.queue[0]
+            room = self.capacity - (self.position - int(self._control[_TAIL]))
+            n = min(room, work.data.numel() - work.offset)
+            if n <= 0:
+                return
+            self._copy(work, n, writing=True)
+            self.position += n
+            self._control[_HEAD] = self.position
+            work.offset += n
+            if work.offset == work.data.numel():
+                work.done = True
+                self.queue.popleft()
+
+    def pull(self) -> None:
+        """Reader: copy arrived bytes out into posted receives, then publish the new tail."""
+        while self.queue:
+            work = self.queue[0]
+            n = min(int(self._control[_HEAD]) - self.position, work.data.numel() - work.offset)
+            if n <= 0:
+                return
+            self._copy(work, n, writing=False)
+            self.position += n
+            self._control[_TAIL] = self.position
+            work.offset += n
+            if work.offset == work.data.numel():
+                work.done = True
+                self.queue.popleft()
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class ShmPipes:
+    """This rank's pipes to and from its same-host neighbours (keyed by pipeline rank)."""
+
+    def __init__(self, outgoing: dict[int, _Pipe], incoming: dict[int, _Pipe]):
+        self.outgoing, self.incoming = outgoing, incoming
+
+    def peers(self) -> set[int]:
+        return set(self.outgoing)
+
+    def isend(self, tensor: torch.Tensor, peer: int) -> _Work:
+        work = _Work(self, _bytes(tensor))
+        if not work.done:
+            pipe = self.outgoing[peer]
+            pipe.queue.append(work)
+            pipe.push()
+        return work
+
+    def irecv(self, tensor: torch.Tensor, peer: int) -> _Work:
+        work = _Work(self, _bytes(tensor))
+        if not work.done:
+            pipe = self.incoming[peer]
+            pipe.queue.append(work)
+            pipe.pull()
+        return work
+
+    def progress(self) -> None:
+        for pipe in self.outgoing.values():
+            if pipe.queue:
+                pipe.push()
+        for pipe in self.incoming.values():
+            if pipe.queue:
+                pipe.pull()
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _eligible(device: torch.device, needed: int) -> bool:
+    if device.type != "cpu" or platform.machine().lower() not in ("x86_64", "amd64") or not os.path.isdir("/dev/shm"):
+        return False
+    stats = os.statvfs("/dev/shm")
+    return stats.f_bavail * stats.f_frsize >= 4 * needed  # leave room for everyone else
+
+
+def shm_pipes(group, rank: int, group_rank_of: dict[int, int], neighbours: set[int], device: torch.device,
+              capacity: int = 4 << 20) -> ShmPipes:
+    """Set up pipes to the same-host ``neighbours`` (pipeline ranks). Collective over ``group``.
+
+    Every rank learns every rank's host and eligibility, so both ends of a pair agree on whether
+    they talk through a pipe. The files are unlinked as soon as both ends have mapped them.
+    """
+    needed = len(neighbours) * (_CONTROL + capacity)
+    info = (rank, _host_id(), _eligible(device, needed), sorted(neighbours), uuid.uuid4().hex)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, info, group=group)
+    by_rank = {r: (host, ok, set(nb)) for r, host, ok, nb, _ in everyone}
+    token = min(everyone)[4]  # the same on every rank
+
+    def shared(a: int, b: int) -> bool:
+        return by_rank[a][1] and by_rank[b][1] and by_rank[a][0] == by_rank[b][0] and b in by_rank[a][2]
+
+    def path(src: int, dst: int) -> str:
+        return f"/dev/shm/twinpipe-{token}-{src}-{dst}"
+
+    peers = [p for p in sorted(neighbours) if p != rank and shared(rank, p) and shared(p, rank)]
+    outgoing = {p: _Pipe(path(rank, p), capacity, create=True) for p in peers}
+    dist.barrier(group=group)
+    incoming = {p: _Pipe(path(p, rank), capacity, create=False) for p in peers}
+    dist.barrier(group=group)
+    for p in peers:  # both ends are mapped; the memory lives until both unmap
+        os.unlink(path(rank, p))
+    return ShmPipes(outgoing, incoming)

@@ -1,6 +1,8 @@
 """twinpipe's DualPipeV against PyTorch's ScheduleDualPipeV: same model, same micro-batches.
 
-2 CPU ranks (gloo, one thread each). Timed blocks of BLOCK back-to-back steps of the two libraries
+2 CPU ranks (gloo process group, one thread each). twinpipe uses its default transport, which sends
+messages between CPU ranks on one host through shared memory (``--transport process-group`` makes
+it use gloo for them too); PyTorch sends them with gloo. Timed blocks of BLOCK back-to-back steps of the two libraries
 alternate, so both see the same machine load; we report the median step time of each and the
 median of the paired ratios (each twinpipe block over the torch block beside it), which cancels
 the slow drift of a shared machine.
@@ -46,7 +48,7 @@ def _stages(hidden: int, rank: int) -> list[nn.Module]:
     return [full[rank], full[2 * RANKS - 1 - rank]]
 
 
-def _worker(rank, port, hidden, rows, steps, queue):
+def _worker(rank, port, hidden, rows, steps, transport, queue):
     import twinpipe
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
@@ -58,7 +60,7 @@ def _worker(rank, port, hidden, rows, steps, queue):
     x = torch.randn(MICROBATCHES * rows, hidden)
     y = torch.randn(MICROBATCHES * rows, hidden)
 
-    ours = twinpipe.DualPipeV([twinpipe.defer_weight_grads(m) for m in _stages(hidden, rank)])
+    ours = twinpipe.DualPipeV([twinpipe.defer_weight_grads(m) for m in _stages(hidden, rank)], transport=transport)
     a, b = _stages(hidden, rank)
     theirs = ScheduleDualPipeV(
         [PipelineStage(a, rank, 2 * RANKS, device), PipelineStage(b, 2 * RANKS - 1 - rank, 2 * RANKS, device)],
@@ -105,10 +107,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(hidden: int, rows: int, steps: int) -> dict:
+def measure(hidden: int, rows: int, steps: int, transport: str = "auto") -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_worker, args=(_free_port(), hidden, rows, steps, queue), nprocs=RANKS, start_method="spawn")
+    mp.start_processes(_worker, args=(_free_port(), hidden, rows, steps, transport, queue), nprocs=RANKS, start_method="spawn")
     return queue.get(timeout=600)
 
 
@@ -117,13 +119,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed blocks per library")
     parser.add_argument("--hiddens", default="32,512")
     parser.add_argument("--rows", type=int, default=0, help="rows per micro-batch (default: 32 for hidden<128, else 256)")
+    parser.add_argument("--transport", choices=["auto", "process-group"], default="auto",
+                        help="twinpipe's transport (default auto: shared memory between CPU ranks on one host)")
     args = parser.parse_args()
-    print(f"DualPipeV, {RANKS} CPU ranks (gloo, 1 thread each), {2 * RANKS} stages of Linear-tanh-Linear, "
+    print(f"DualPipeV, {RANKS} CPU ranks (gloo, 1 thread each; twinpipe transport {args.transport}), {2 * RANKS} stages of Linear-tanh-Linear, "
           f"{MICROBATCHES} micro-batches, {args.steps} blocks of {BLOCK} steps each, medians")
     print(f"{'hidden':>6} {'rows/mb':>7} {'torch ms':>9} {'twinpipe ms':>11} {'ratio':>6}  (ratio: median of paired blocks)")
     for hidden in (int(h) for h in args.hiddens.split(",")):
         rows = args.rows or (32 if hidden < 128 else 256)
-        times = measure(hidden, rows, args.steps)
+        times = measure(hidden, rows, args.steps, args.transport)
         t_torch, t_ours = statistics.median(times["torch"]), statistics.median(times["twinpipe"])
         ratio = statistics.median(o / t for o, t in zip(times["twinpipe"], times["torch"]))
         print(f"{hidden:>6} {rows:>7} {t_torch * 1e3:>9.2f} {t_ours * 1e3:>11.2f} {ratio:>6.2f}", flush=True)

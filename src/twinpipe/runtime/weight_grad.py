@@ -75,6 +75,14 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
+def _accumulate_product(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``param.grad += a @ b``, accumulated inside the matrix product (no temporary, one pass)."""
+    if param.grad is None:
+        param.grad = a.mm(b)
+    else:
+        param.grad.addmm_(a, b)
+
+
 class _DeferredLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -100,7 +108,7 @@ class _DeferredLinearFunction(torch.autograd.Function):
             g = grad_out.reshape(-1, grad_out.shape[-1])
             with torch.no_grad():
                 if weight_needs:
-                    _accumulate(weight, g.t().mm(x.reshape(-1, x.shape[-1])))
+                    _accumulate_product(weight, g.t(), x.reshape(-1, x.shape[-1]))
                 if bias_needs:
                     _accumulate(bias, g.sum(0))
 

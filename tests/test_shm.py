@@ -50,7 +50,7 @@ def test_pipes_stream_both_ways_and_time_out():
     assert run_world(2, _exchange) == ["ok", "ok"]
 
 
-def test_process_group_transport_is_checked(tmp_path):
+def test_unknown_transport_is_refused():
     # A pipeline with an unknown transport is refused before any communication.
     assert run_world(1, _bad_transport) == ["ok"]
 

@@ -72,7 +72,7 @@ class _Pipe:
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
         self._control = raw[:_CONTROL].view(torch.int64)
         self._ring = raw[_CONTROL:]
-        self.capacity = capacity
+        self.capacity, self.writer = capacity, create  # the sender creates its outgoing pipe
         self.position = 0  # bytes this side has written (writer) or read (reader)
         self.queue: deque[_Work] = deque()
 
@@ -87,32 +87,21 @@ class _Pipe:
             data = work.data[data_at : data_at + size]
             (ring if writing else data).copy_(data if writing else ring)
 
-    def push(self) -> None:
-        """Writer: copy queued sends in as far as there is room, then publish the new head."""
+    def move(self) -> None:
+        """Writer: copy queued sends in as far as there is room, then publish the new head.
+        Reader: copy arrived bytes out into posted receives, then publish the new tail."""
         while self.queue:
             work = self.queue[0]
-            room = self.capacity - (self.position - int(self._control[_TAIL]))
-            n = min(room, work.data.numel() - work.offset)
+            if self.writer:
+                ready = self.capacity - (self.position - int(self._control[_TAIL]))
+            else:
+                ready = int(self._control[_HEAD]) - self.position
+            n = min(ready, work.data.numel() - work.offset)
             if n <= 0:
                 return
-            self._copy(work, n, writing=True)
+            self._copy(work, n, writing=self.writer)
             self.position += n
-            self._control[_HEAD] = self.position
-            work.offset += n
-            if work.offset == work.data.numel():
-                work.done = True
-                self.queue.popleft()
-
-    def pull(self) -> None:
-        """Reader: copy arrived bytes out into posted receives, then publish the new tail."""
-        while self.queue:
-            work = self.queue[0]
-            n = min(int(self._control[_HEAD]) - self.position, work.data.numel() - work.offset)
-            if n <= 0:
-                return
-            self._copy(work, n, writing=False)
-            self.position += n
-            self._control[_TAIL] = self.position
+            self._control[_HEAD if self.writer else _TAIL] = self.position
             work.offset += n
             if work.offset == work.data.numel():
                 work.done = True
@@ -128,6 +117,7 @@ class ShmPipes:
 
     def __init__(self, outgoing: dict[int, _Pipe], incoming: dict[int, _Pipe]):
         self.outgoing, self.incoming = outgoing, incoming
+        self._all = [*outgoing.values(), *incoming.values()]
 
     def peers(self) -> set[int]:
         return set(self.outgoing)
@@ -137,7 +127,7 @@ class ShmPipes:
         if not work.done:
             pipe = self.outgoing[peer]
             pipe.queue.append(work)
-            pipe.push()
+            pipe.move()
         return work
 
     def irecv(self, tensor: torch.Tensor, peer: int) -> _Work:
@@ -145,16 +135,13 @@ class ShmPipes:
         if not work.done:
             pipe = self.incoming[peer]
             pipe.queue.append(work)
-            pipe.pull()
+            pipe.move()
         return work
 
     def progress(self) -> None:
-        for pipe in self.outgoing.values():
+        for pipe in self._all:
             if pipe.queue:
-                pipe.push()
-        for pipe in self.incoming.values():
-            if pipe.queue:
-                pipe.pull()
+                pipe.move()
 
 
 def _host_id() -> str:

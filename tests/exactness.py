@@ -141,6 +141,12 @@ def _has_fb(placement, case, rank) -> bool:
     return any(op.kind.value == "FB" for op in build(case.schedule, case.ranks, case.chunks, **dict(case.options)).ops[rank])
 
 
+def assert_case(outcomes: list[dict], case: Case) -> None:
+    """Fail with every rank's problems for ``case`` (outcomes: what run_all returned per rank)."""
+    problems = {r: outcomes[r][case.id] for r in range(case.ranks) if outcomes[r][case.id]}
+    assert not problems, problems
+
+
 def run_all(rank: int, world: int, cases: list[Case]) -> dict[str, list[str]]:
     groups = {p: dist.new_group(list(range(p))) for p in range(1, world + 1)}
     results = {}

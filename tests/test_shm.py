@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 
-import pytest
 import torch
 import torch.distributed as dist
 

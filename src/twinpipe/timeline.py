@@ -27,10 +27,6 @@ class Slice:
     label: str = ""
 
     @property
-    def is_wait(self) -> bool:
-        return self.op is None
-
-    @property
     def duration(self) -> float:
         return self.end - self.start
 

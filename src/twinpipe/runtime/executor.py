@@ -96,17 +96,18 @@ class Executor:
         op = ops[self.op_index] if 0 <= self.op_index < len(ops) else "end of step"
         return f"rank {self.rank}, op {self.op_index} ({op})"
 
+    def _chunk(self, stage: int, mb: int) -> int:
+        """Which of its chain's chunks of the user's batch micro-batch ``mb`` is."""
+        chain = self.placement.chain_of_stage(stage)
+        return mb - self.placement.microbatches_of_chain(chain, self._num_mb)[0]
+
     def _inputs_for(self, stage: int, mb: int, data: StepData) -> tuple:
         if self.placement.is_first(stage):
-            chain = self.placement.chain_of_stage(stage)
-            first_mb = self.placement.microbatches_of_chain(chain, self._num_mb)[0]
-            return data.inputs[stage][mb - first_mb]
+            return data.inputs[stage][self._chunk(stage, mb)]
         return self.acts.pop((stage, mb))
 
     def _labels_for(self, stage: int, mb: int, data: StepData) -> tuple:
-        chain = self.placement.chain_of_stage(stage)
-        first_mb = self.placement.microbatches_of_chain(chain, self._num_mb)[0]
-        return data.labels[stage][mb - first_mb]
+        return data.labels[stage][self._chunk(stage, mb)]
 
     def _forward(self, stage: int, mb: int, data: StepData, outputs=None, loss=None, inputs=None) -> None:
         """Run (or, with ``outputs`` given, finish) the forward of ``stage`` on micro-batch ``mb``."""

@@ -123,17 +123,14 @@ class ShmPipes:
         return set(self.outgoing)
 
     def isend(self, tensor: torch.Tensor, peer: int) -> _Work:
-        work = _Work(self, _bytes(tensor))
-        if not work.done:
-            pipe = self.outgoing[peer]
-            pipe.queue.append(work)
-            pipe.move()
-        return work
+        return self._enqueue(self.outgoing[peer], tensor)
 
     def irecv(self, tensor: torch.Tensor, peer: int) -> _Work:
+        return self._enqueue(self.incoming[peer], tensor)
+
+    def _enqueue(self, pipe: _Pipe, tensor: torch.Tensor) -> _Work:
         work = _Work(self, _bytes(tensor))
         if not work.done:
-            pipe = self.incoming[peer]
             pipe.queue.append(work)
             pipe.move()
         return work

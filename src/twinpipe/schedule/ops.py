@@ -131,9 +131,6 @@ class Schedule:
     def num_ranks(self) -> int:
         return self.placement.num_ranks
 
-    def rank_ops(self, rank: int) -> tuple[Op, ...]:
-        return self.ops[rank]
-
     def to_strings(self) -> list[list[str]]:
         """Per rank, the string form of each op (handy in tests and messages)."""
         return [[str(op) for op in rank_ops] for rank_ops in self.ops]

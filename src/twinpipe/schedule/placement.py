@@ -63,10 +63,6 @@ class Placement:
     def rank_of(self, stage: int) -> int:
         return self.stage_ranks[stage]
 
-    def local_index(self, stage: int) -> int:
-        """Index of ``stage`` among its rank's modules."""
-        return self.stages_of(self.stage_ranks[stage]).index(stage)
-
     def prev_stage(self, stage: int) -> int | None:
         """The stage that feeds ``stage`` its inputs (None for a chain's first stage)."""
         return self._neighbours[stage][0]
@@ -88,9 +84,6 @@ class Placement:
         """Micro-batches are split evenly and contiguously across chains."""
         per_chain = num_microbatches // len(self.chains)
         return range(chain * per_chain, (chain + 1) * per_chain)
-
-    def chain_of_microbatch(self, microbatch: int, num_microbatches: int) -> int:
-        return microbatch // (num_microbatches // len(self.chains))
 
     def stage_chain_position(self, stage: int) -> int:
         """How many stages precede ``stage`` in its chain (0 for a first stage)."""

@@ -166,11 +166,14 @@ class Executor:
         else:
             roots, grads = self._graph_roots(stage, mb, outputs)
             del self.grads[(stage, mb)]
+        prev = self.placement.prev_stage(stage)
+        # A full backward whose input gradient goes to another rank sends it before computing the
+        # weight gradients: the peer waits only for B, and W runs while the message travels.
+        send_first = not defer_w and prev is not None and self.placement.rank_of(prev) != self.rank
         if run_graph:
-            self._backward_graph(roots, grads, defer_w, (stage, mb))
+            self._backward_graph(roots, grads, defer_w or send_first, (stage, mb))
         if loss is not None:
             loss.detach_()
-        prev = self.placement.prev_stage(stage)
         if prev is not None:
             in_grads = tuple(
                 t.grad if t.grad is not None else torch.zeros_like(t)
@@ -181,6 +184,8 @@ class Executor:
                 self.grads[(prev, mb)] = in_grads
             else:
                 self.transport.send(Message("grad", stage, prev, mb, self.rank, self.placement.rank_of(prev)), in_grads)
+        if send_first and run_graph:
+            WeightGradStore.pop((stage, mb))
         if not defer_w:
             self.live -= 1
 

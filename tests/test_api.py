@@ -105,11 +105,48 @@ def case_mirrored_weights(group):
     return torch.equal(own_first, theirs)
 
 
+def case_full_backward_sends_before_weight_grads(group):
+    import twinpipe
+    from twinpipe.runtime.transport import Transport
+    from twinpipe.runtime.weight_grad import WeightGradStore
+
+    rank = dist.get_rank(group)
+    model = models.make_model(models.MLPStage, 2, seed=3)
+    pipe = twinpipe.Pipeline([copy.deepcopy(model[rank])], "1f1b", process_group=group)
+    events = []
+    send, pop = Transport.send, WeightGradStore.pop.__func__
+
+    def logged_send(self, msg, tensors):
+        events.append(("send", msg.kind, msg.src_stage, msg.microbatch))
+        send(self, msg, tensors)
+
+    def logged_pop(cls, key=None):
+        events.append(("W", *key))
+        pop(cls, key)
+
+    Transport.send, WeightGradStore.pop = logged_send, classmethod(logged_pop)
+    try:
+        x = torch.randn(8, 3, models.HIDDEN, dtype=torch.float64)
+        y = torch.randn_like(x)
+        ref = _reference(model, torch.tensor_split(x, 4), torch.tensor_split(y, 4))
+        if rank == 0:
+            pipe.step(x, num_chunks=4)
+            return events.count(("send", "act", 0, 0)) == 1  # stage 0 has no input gradient to send
+        loss, _ = pipe.step(num_chunks=4, criterion=models.mse, labels=(y,))
+    finally:
+        Transport.send, WeightGradStore.pop = send, classmethod(pop)
+    # Stage 1's every BW: its input gradient leaves before its weight gradients are computed.
+    order = [e for e in events if e[0] == "W" or e[1] == "grad"]
+    expected = [e for j in range(4) for e in (("send", "grad", 1, j), ("W", 1, j))]
+    return torch.equal(loss, ref) and (order == expected or order)
+
+
 CASES = {
     "official_setters": (2, case_official_setters),
     "batch_dim_and_uneven_chunks": (2, case_batch_dim_and_uneven_chunks),
     "rank_mapping": (2, case_rank_mapping),
     "mirrored_weights": (4, case_mirrored_weights),
+    "full_backward_sends_before_weight_grads": (2, case_full_backward_sends_before_weight_grads),
 }
 
 

@@ -175,6 +175,14 @@ def test_case(out, name):
     assert all(out[r][name] is True for r in range(ranks)), [out[r][name] for r in range(ranks)]
 
 
+def test_official_utils_import_path():
+    from twinpipe.runtime.executor import run_backward
+    from twinpipe.runtime.weight_grad import WeightGradStore
+    from twinpipe.utils import WeightGradStore as store, run_backward as backward
+
+    assert (store, backward) == (WeightGradStore, run_backward)
+
+
 def test_defer_weight_grads_same_parameters_same_results():
     import twinpipe
     from twinpipe.runtime.weight_grad import WeightGradStore

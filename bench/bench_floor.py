@@ -49,8 +49,10 @@ def replay(rank: int, hidden: int, rows: int, steps: int) -> list[float]:
 
         def backward(s, j, defer):
             x, out, loss = saved.pop((s, j))
-            nxt = placement.next_stage(s)
-            root, grad = (loss, torch.ones_like(loss)) if loss is not None else (out, grads.pop((s, j)) if local(nxt) else made_up[j])
+            if loss is not None:
+                root, grad = loss, torch.ones_like(loss)
+            else:
+                root, grad = out, grads.pop((s, j)) if local(placement.next_stage(s)) else made_up[j]
             WeightGradStore.enabled = defer
             run_backward([root], [grad])
             WeightGradStore.enabled = False

@@ -62,3 +62,26 @@ def run_world(world_size: int, fn, *args, timeout: float = 600.0, backend: str =
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world_size)]
+
+
+def run_cases(rank: int, world_size: int, cases: dict) -> dict:
+    """Run named cases in one world; use as ``run_world(world, run_cases, cases)``.
+
+    ``cases`` maps a name to ``(ranks, fn)``: ``fn(group)`` runs on the first ``ranks`` ranks, in a
+    group of just those, after the same seed everywhere. An exception becomes the case's result as
+    text, so one broken case fails its own test and not the whole module.
+    """
+    import torch
+    import torch.distributed as dist
+
+    results = {}
+    for name, (ranks, fn) in cases.items():
+        group = dist.new_group(list(range(ranks)))
+        if rank < ranks:
+            torch.manual_seed(0)
+            try:
+                results[name] = fn(group)
+            except Exception as exc:
+                results[name] = f"{type(exc).__name__}: {exc}"
+        dist.barrier()
+    return results

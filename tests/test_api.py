@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import models
-from distributed import run_world
+from distributed import run_cases, run_world
 
 WORLD = 4
 
@@ -150,23 +150,9 @@ CASES = {
 }
 
 
-def _run_all(rank, world):
-    results = {}
-    for name, (ranks, fn) in CASES.items():
-        group = dist.new_group(list(range(ranks)))
-        if rank < ranks:
-            torch.manual_seed(0)
-            try:
-                results[name] = fn(group)
-            except Exception as exc:
-                results[name] = f"{type(exc).__name__}: {exc}"
-        dist.barrier()
-    return results
-
-
 @pytest.fixture(scope="module")
 def out():
-    return run_world(WORLD, _run_all)
+    return run_world(WORLD, run_cases, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import models
-from distributed import run_world
+from distributed import run_cases, run_world
 
 WORLD = 3
 TIMEOUT = 3.0
@@ -141,20 +141,9 @@ CASES = {
 }
 
 
-def _run_all(rank, world):
-    torch.manual_seed(0)
-    results = {}
-    for name, (ranks, fn) in CASES.items():
-        group = dist.new_group(list(range(ranks)))
-        if rank < ranks:
-            results[name] = fn(group)
-        dist.barrier()
-    return results
-
-
 @pytest.fixture(scope="module")
 def out():
-    return run_world(WORLD, _run_all)
+    return run_world(WORLD, run_cases, CASES)
 
 
 def test_bad_num_chunks(out):

@@ -150,3 +150,41 @@ def test_standalone_main(loads_files, capsys):
 
     assert main([str(loads_files["json"]), *LAYOUT, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["phy2log"] == README_PHY2LOG
+
+
+# --------------------------------------------------------------------------- CSV reading
+
+
+@pytest.mark.parametrize(
+    "text,fragment",
+    [
+        ("90,13x2,40\n20,107,104\n", "line 1, column 2: '13x2' is not a number"),  # typo in the first row
+        ("e0,e1,e2\n90,13x2,40\n", "line 2, column 2: '13x2'"),  # typo in the row after a header
+        ("e0,e1,e2\nload,load,load\n90,132,40\n", "line 2, column 1: 'load'"),  # a header is one line
+        ("1,2,3\n\n# note\n4,oops,6\n", "line 4, column 2"),
+        ("1,2,99999999999999999999\n", "line 1, column 3: 99999999999999999999 is outside the int64 range"),
+        ("90;132;40\n20;107;104\n", "line 1 is separated by ';'"),
+        ("90,5;132,5\n", "line 1 is separated by ';'"),  # decimal commas: refused, not misread
+        ("90\t132\t40\n", "line 1 is separated by tabs"),
+        ("1,2,3\n1,2\n", "line 2 has 2 values, line 1 has 3"),
+        ("# only a comment\ne0,e1\n", "no data rows"),
+        ("1,2,1e39\n", "float32"),
+    ],
+)
+def test_csv_errors_name_line_and_column(text, fragment, tmp_path, capsys):
+    path = tmp_path / "loads.csv"
+    path.write_text(text)
+    assert _run([path, "--replicas", "4", "--groups", "1", "--nodes", "1", "--gpus", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "argument LOADS" in err and fragment in err
+
+
+def test_csv_values_beyond_int64_written_as_floats_stay_floats(tmp_path):
+    from twinpipe.eplb.io import read_table
+
+    path = tmp_path / "loads.csv"
+    path.write_text("1e30,2.5e29,1\n")
+    table = read_table(path)
+    assert table.dtype == torch.float64 and table.tolist() == [[1e30, 2.5e29, 1.0]]
+    path.write_text("index_0,index_1\n3.0,1\n")  # whole numbers as floats still give int64 (phy2log files)
+    assert read_table(path).tolist() == [[3, 1]] and read_table(path).dtype == torch.int64

@@ -43,13 +43,22 @@ def check_weight(weight: object) -> torch.Tensor:
         )
     if weight.is_complex() or weight.dtype == torch.bool:
         raise EplbArgumentError("weight", f"weight has dtype {weight.dtype}; allowed: a real numeric dtype")
-    weight = weight.detach().float().cpu()
+    weight = weight.detach().cpu()
     if not bool(torch.isfinite(weight).all()):
         bad = (~torch.isfinite(weight)).nonzero()[0].tolist()
         raise EplbArgumentError(
             "weight",
             f"weight[{bad[0]}, {bad[1]}]={weight[bad[0], bad[1]].item()} is not allowed: loads must be finite",
         )
+    too_big = weight.abs() > torch.finfo(torch.float32).max
+    if bool(too_big.any()):
+        bad = too_big.nonzero()[0].tolist()
+        raise EplbArgumentError(
+            "weight",
+            f"weight[{bad[0]}, {bad[1]}]={weight[bad[0], bad[1]].item()} is not allowed: loads are computed "
+            f"in float32 and must be at most {torch.finfo(torch.float32).max:.4g}",
+        )
+    weight = weight.float()
     if bool((weight < 0).any()):
         bad = (weight < 0).nonzero()[0].tolist()
         raise EplbArgumentError(

@@ -296,7 +296,27 @@ def test_deadlock_names_stuck_ranks_and_ops():
 def test_missing_op_is_named():
     good = registry.build("1f1b", 2, 2)
     ops = [[op for op in good.ops[0] if str(op) != "0F1"], list(good.ops[1])]
-    with pytest.raises(ScheduleError, match=r"rank 1 op \d+ \(1F1\) waits for 0F1 \(no rank runs it\)"):
+    with pytest.raises(ScheduleError, match=r"rank 0: \[missing op\] no op runs 0F1"):
+        simulate(good.with_ops(ops))
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_schedule_missing_a_full_backward_is_refused(rank):
+    # Nothing waits on the first rank's last BW, and the last rank's are only waited on by
+    # other BWs: without the check the rest simulated as if the work had been done.
+    good = registry.build("1f1b", 4, 8)
+    last_bw = max(i for i, op in enumerate(good.ops[rank]) if str(op) == f"{rank}BW7")
+    ops = [list(r) for r in good.ops]
+    del ops[rank][last_bw]
+    with pytest.raises(ScheduleError, match=rf"rank {rank}: \[missing op\] no op runs {rank}B7 or {rank}BW7"):
+        simulate(good.with_ops(ops))
+
+
+def test_forward_work_in_the_wrong_chain_is_refused():
+    good = registry.build("dualpipe", 2, 4)  # chain 0 carries micro-batches 0, 1; chain 1 carries 2, 3
+    ops = [list(r) for r in good.ops]
+    ops[0][ops[0].index(F(0, 0))] = F(0, 2)
+    with pytest.raises(ScheduleError, match=r"micro-batch 2 does not travel through chain 0"):
         simulate(good.with_ops(ops))
 
 
@@ -305,7 +325,8 @@ def test_missing_op_is_named():
     [
         ([[F(1, 0), BW(1, 0)], [F(1, 0), BW(1, 0)]], r"rank 0, op 0: \[wrong rank\] 1F0 runs stage 1, which rank 1 holds"),
         ([[F(0, 0), F(0, 0)], []], r"\[repeated op\] 0F0"),
-        ([[F(0, 5)], []], r"\[range\] 0F5 is outside"),
+        ([[F(0, 5)], []], r"\[micro-batch\] 0F5 names micro-batch 5; there are 1"),
+        ([[F(0, 0), "0BW0"], [F(1, 0), BW(1, 0)]], r"rank 0, op 1: \[op\] '0BW0' is not an Op"),
     ],
 )
 def test_bad_ops_are_named(ops, message):

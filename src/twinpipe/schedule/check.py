@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from twinpipe.schedule.deps import WORK_DONE, Work, dependency_table, needs, required_work, work_done
 from twinpipe.schedule.ops import Op, OpKind, Schedule
 
-__all__ = ["ScheduleError", "validate", "dependencies", "execution_order"]
+__all__ = ["ScheduleError", "validate", "check_work", "dependencies", "execution_order"]
 
 
 class ScheduleError(ValueError):
@@ -20,75 +21,65 @@ class ScheduleError(ValueError):
         self.rule, self.rank, self.index = rule, rank, index
 
 
-# Dependency keys: ("F", s, j) forward done; ("B", s, j) input gradient done (by B or BW);
-# ("W", s, j) weight gradient done (by W or BW).
-Key = tuple[str, int, int]
-
-
-def _done_keys(op: Op) -> list[Key]:
-    keys: list[Key] = []
-    for part in op.parts():
-        if part.kind is OpKind.F:
-            keys.append(("F", part.stage, part.microbatch))
-        elif part.kind is OpKind.B:
-            keys.append(("B", part.stage, part.microbatch))
-        elif part.kind is OpKind.W:
-            keys.append(("W", part.stage, part.microbatch))
-        else:  # BW
-            keys += [("B", part.stage, part.microbatch), ("W", part.stage, part.microbatch)]
-    return keys
+Key = tuple[Work, int, int]  # (work, stage, micro-batch), see deps.py
 
 
 def dependencies(schedule: Schedule, op: Op) -> list[Key]:
     """What must have run before ``op`` can start (on any rank)."""
-    placement = schedule.placement
-    needs: list[Key] = []
-    for part in op.parts():
-        s, j = part.stage, part.microbatch
-        if part.kind is OpKind.F:
-            prev = placement.prev_stage(s)
-            if prev is not None:
-                needs.append(("F", prev, j))
-        elif part.kind in (OpKind.B, OpKind.BW):
-            needs.append(("F", s, j))
-            nxt = placement.next_stage(s)
-            if nxt is not None:
-                needs.append(("B", nxt, j))
-        else:  # W
-            needs.append(("B", s, j))
-    return needs
+    return needs(schedule.placement, op)
 
 
-def _check_membership(schedule: Schedule) -> None:
+def check_work(schedule: Schedule) -> None:
+    """Every op names a stage its rank holds and a micro-batch of that stage's chain, and the ops
+    together do every work item of the schedule exactly once (see ``deps.required_work``)."""
     placement, m = schedule.placement, schedule.num_microbatches
     if len(schedule.ops) != placement.num_ranks:
         raise ScheduleError("ranks", f"schedule has op lists for {len(schedule.ops)} ranks, placement has {placement.num_ranks}")
-    seen: dict[Key, tuple[int, int]] = {}
+    forward_only = bool(schedule.options.get("forward_only"))
+    num_stages, stage_ranks = placement.num_stages, placement.stage_ranks
+    chain_of = [placement.chain_of_stage(s) for s in range(num_stages)]
+    bounds = [placement.microbatches_of_chain(chain_of[s], m) for s in range(num_stages)]
+    lo, hi = [r.start for r in bounds], [r.stop for r in bounds]
+    n = num_stages * m
+    done = bytearray(len(Work) * n)  # work item (work, s, j) at work*n + s*m + j
+    bases = {kind: tuple(int(w) * n for w in works) for kind, works in WORK_DONE.items()}
+    count = 0
     for rank, ops in enumerate(schedule.ops):
         for index, op in enumerate(ops):
-            for part in op.parts():
-                s, j = part.stage, part.microbatch
-                if not 0 <= s < placement.num_stages:
-                    raise ScheduleError("stage", f"{op} names stage {s}; stages are 0..{placement.num_stages - 1}", rank, index)
-                if placement.rank_of(s) != rank:
-                    raise ScheduleError("wrong rank", f"{op} runs stage {s}, which rank {placement.rank_of(s)} holds", rank, index)
-                if not 0 <= j < m:
-                    raise ScheduleError("micro-batch", f"{op} names micro-batch {j}; there are {m}", rank, index)
-                chain = placement.chain_of_stage(s)
-                if j not in placement.microbatches_of_chain(chain, m):
-                    raise ScheduleError("micro-batch", f"{op}: micro-batch {j} does not travel through chain {chain}", rank, index)
-            for key in _done_keys(op):
-                if key in seen:
-                    r0, i0 = seen[key]
-                    raise ScheduleError("repeated op", f"{op} repeats work already done at rank {r0}, op {i0}", rank, index)
-                seen[key] = (rank, index)
-    for chain_index, chain in enumerate(placement.chains):
-        for s in chain:
-            for j in placement.microbatches_of_chain(chain_index, m):
-                for kind in ("F",) if schedule.options.get("forward_only") else ("F", "B", "W"):
-                    if (kind, s, j) not in seen:
-                        what = {"F": f"{s}F{j}", "B": f"{s}B{j} or {s}BW{j}", "W": f"{s}W{j} or {s}BW{j}"}[kind]
-                        raise ScheduleError("missing op", f"no op runs {what}", placement.rank_of(s))
+            if not isinstance(op, Op):
+                raise ScheduleError("op", f"{op!r} is not an Op (build ops with F, B, W, BW, FB or parse_op)", rank, index)
+            back = op.backward
+            parts = ((op.kind, op.stage, op.microbatch),) if back is None else ((OpKind.F, op.stage, op.microbatch), (back.kind, back.stage, back.microbatch))
+            for kind, s, j in parts:
+                if not 0 <= s < num_stages:
+                    raise ScheduleError("stage", f"{op} names stage {s}; stages are 0..{num_stages - 1}", rank, index)
+                if stage_ranks[s] != rank:
+                    raise ScheduleError("wrong rank", f"{op} runs stage {s}, which rank {stage_ranks[s]} holds", rank, index)
+                if not lo[s] <= j < hi[s]:
+                    if not 0 <= j < m:
+                        raise ScheduleError("micro-batch", f"{op} names micro-batch {j}; there are {m}", rank, index)
+                    raise ScheduleError("micro-batch", f"{op}: micro-batch {j} does not travel through chain {chain_of[s]}", rank, index)
+                if forward_only and kind is not OpKind.F:
+                    raise ScheduleError("forward only", f"{op} is backward work in a forward-only schedule", rank, index)
+                for base in bases[kind]:
+                    if done[base + s * m + j]:
+                        r0, i0 = _first_doing(schedule, (Work(base // n), s, j))
+                        raise ScheduleError("repeated op", f"{op} repeats work already done at rank {r0}, op {i0}", rank, index)
+                    done[base + s * m + j] = 1
+                    count += 1
+    # Every item done is a valid, distinct work item: the schedule is complete iff the counts match.
+    per_item = 1 if forward_only else len(Work)
+    if count == per_item * sum(len(chain) * len(bounds[chain[0]]) for chain in placement.chains):
+        return
+    for work, s, j in required_work(placement, m, forward_only):
+        if not done[int(work) * n + s * m + j]:
+            what = {Work.F: f"{s}F{j}", Work.B: f"{s}B{j} or {s}BW{j}", Work.W: f"{s}W{j} or {s}BW{j}"}[work]
+            raise ScheduleError("missing op", f"no op runs {what}", placement.rank_of(s))
+
+
+def _first_doing(schedule: Schedule, item: Key) -> tuple[int, int]:
+    """(rank, op index) of the first op that does work ``item`` (for error messages)."""
+    return next((rank, index) for rank, ops in enumerate(schedule.ops) for index, op in enumerate(ops) if item in work_done(op))
 
 
 def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
@@ -99,10 +90,11 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
     """
     ops = schedule.ops
     num_ranks = len(ops)
+    dependencies_of = dependency_table(schedule.placement).op_needs
     position = {}
     for rank, rank_ops in enumerate(ops):
         for index, op in enumerate(rank_ops):
-            for key in _done_keys(op):
+            for key in work_done(op):
                 position[key] = (rank, index)
     done: set[Key] = set()
     waiters: dict[Key, list[int]] = defaultdict(list)
@@ -114,7 +106,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
         while cursor[rank] < len(ops[rank]):
             index = cursor[rank]
             op = ops[rank][index]
-            missing = next((k for k in dependencies(schedule, op) if k not in done), None)
+            missing = next((k for k in dependencies_of(op) if k not in done), None)
             if missing is not None:
                 owner = position.get(missing)
                 if owner is not None and owner[0] == rank and owner[1] >= index:
@@ -126,7 +118,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
                     )
                 waiters[missing].append(rank)
                 break
-            for key in _done_keys(op):
+            for key in work_done(op):
                 done.add(key)
                 ready.extend(waiters.pop(key, ()))
             order.append((rank, index))
@@ -136,7 +128,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
         details = []
         for r in stuck:
             op = ops[r][cursor[r]]
-            missing = next(k for k in dependencies(schedule, op) if k not in done)
+            missing = next(k for k in dependencies_of(op) if k not in done)
             owner = position.get(missing)
             src = f"rank {owner[0]} op {owner[1]}" if owner else "no rank"
             details.append(f"rank {r} op {cursor[r]} ({op}) waits for {_key_str(missing)} ({src})")
@@ -145,14 +137,14 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
 
 
 def _key_str(key: Key) -> str:
-    kind, s, j = key
-    return f"{s}{kind}{j}"
+    work, s, j = key
+    return f"{s}{work.name}{j}"
 
 
 def validate(schedule: Schedule) -> list[tuple[int, int]]:
     """Check every rule; return a valid sequential execution order (used by the lowering)."""
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
-    _check_membership(schedule)
+    check_work(schedule)
     return execution_order(schedule)
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from twinpipe.schedule.check import ScheduleError, validate
-from twinpipe.schedule.ops import Op, OpKind, Schedule
+from twinpipe.schedule.deps import WORK_DONE, DependencyTable, Work, dependency_table
+from twinpipe.schedule.ops import Op, Schedule
 
 __all__ = ["Message", "Packet", "RankProgram", "LoweredSchedule", "lower", "forward_only", "check_channels"]
 
@@ -82,37 +83,39 @@ def forward_only(schedule: Schedule) -> Schedule:
     return Schedule(schedule.name, schedule.placement, schedule.num_microbatches, tuple(ops), options)
 
 
-def _messages_of(schedule: Schedule, op: Op) -> tuple[list[Message], list[Message]]:
-    """(needed, produced) cross-rank messages of one op."""
-    placement = schedule.placement
+_MESSAGE_KIND = {Work.F: "act", Work.B: "grad"}  # what a need across ranks carries
+
+
+def _messages_of(table: DependencyTable, op: Op) -> tuple[list[Message], list[Message]]:
+    """(needed, produced) cross-rank messages of one op: the needs across ranks (``deps.py``) into
+    the op, and those out of it."""
+    placement = table.placement
     needed, produced = [], []
     for part in op.parts():
         s, j = part.stage, part.microbatch
         rank = placement.rank_of(s)
-        if part.kind is OpKind.F:
-            prev, nxt = placement.prev_stage(s), placement.next_stage(s)
-            if prev is not None and placement.rank_of(prev) != rank:
-                needed.append(Message("act", prev, s, j, placement.rank_of(prev), rank))
-            if nxt is not None and placement.rank_of(nxt) != rank:
-                produced.append(Message("act", s, nxt, j, rank, placement.rank_of(nxt)))
-        elif part.kind in (OpKind.B, OpKind.BW):
-            prev, nxt = placement.prev_stage(s), placement.next_stage(s)
-            if nxt is not None and placement.rank_of(nxt) != rank:
-                needed.append(Message("grad", nxt, s, j, placement.rank_of(nxt), rank))
-            if prev is not None and placement.rank_of(prev) != rank:
-                produced.append(Message("grad", s, prev, j, rank, placement.rank_of(prev)))
+        for need in table.needs[part.kind][s]:
+            if not need.local:
+                needed.append(Message(_MESSAGE_KIND[need.work], need.stage, s, j, placement.rank_of(need.stage), rank))
+        targets = {}
+        for work in WORK_DONE[part.kind]:
+            for _, stage in table.consumers.get((work, s), ()):
+                if placement.rank_of(stage) != rank:
+                    targets.setdefault((work, stage), None)  # B and BW of one stage need the same message
+        produced += [Message(_MESSAGE_KIND[work], s, stage, j, rank, placement.rank_of(stage)) for work, stage in targets]
     return needed, produced
 
 
 def lower(schedule: Schedule) -> LoweredSchedule:
     """Validate ``schedule`` and derive each rank's program."""
     order = validate(schedule)
+    table = dependency_table(schedule.placement)
     num_ranks = schedule.num_ranks
     recvs = [[()] * len(ops) for ops in schedule.ops]
     sends = [[()] * len(ops) for ops in schedule.ops]
     channels: list[dict[int, list[Packet]]] = [{} for _ in range(num_ranks)]
     for rank, index in order:  # packets enter their channel in the order they are produced
-        needed, produced = _messages_of(schedule, schedule.ops[rank][index])
+        needed, produced = _messages_of(table, schedule.ops[rank][index])
         recvs[rank][index] = tuple(needed)
         sends[rank][index] = tuple(produced)
         for peer in dict.fromkeys(m.dst_rank for m in produced):

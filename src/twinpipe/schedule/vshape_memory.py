@@ -29,9 +29,11 @@ M_W = ``mw``·M_B; the authors count an activation as held whole until its W, wh
 from __future__ import annotations
 
 import heapq
+from functools import lru_cache
 
 from twinpipe.schedule._args import check_int, check_number, per_stage
-from twinpipe.schedule.ops import B, F, Schedule, W
+from twinpipe.schedule.deps import Work, dependency_table
+from twinpipe.schedule.ops import B, F, OpKind, Schedule, W
 from twinpipe.schedule.placement import vshape
 from twinpipe.schedule.registry import register
 
@@ -129,17 +131,31 @@ def _peak(lists: list[list[int]], mw: float) -> float:
     return top
 
 
+@lru_cache(maxsize=32)
+def _type_needs(p: int) -> tuple[tuple[tuple[tuple[int, int, bool], ...], ...], ...]:
+    """``[r][t]``: the (rank, type, local) ops of the same micro-batch that op type t (F0, F1, B1,
+    B0) on rank r needs: deps.py's rule on the V placement, in slot-plan terms."""
+    table = dependency_table(vshape(p)).needs
+
+    def rank_type(work: Work, stage: int) -> tuple[int, int]:
+        if stage < p:  # chunk 0 of rank ``stage``
+            return stage, _F0 if work is Work.F else _B0
+        return 2 * p - 1 - stage, _F1 if work is Work.F else _B1
+
+    out = []
+    for r in range(p):
+        kinds = ((OpKind.F, r), (OpKind.F, 2 * p - 1 - r), (OpKind.B, 2 * p - 1 - r), (OpKind.B, r))
+        out.append(tuple(tuple((*rank_type(n.work, n.stage), n.local) for n in table[kind][s]) for kind, s in kinds))
+    return tuple(out)
+
+
 def _dep_slots(plan, r: int, t: int, k: int) -> int:
     """The latest slot among what op (type t, micro-batch k) on rank r must wait for (-1: none)."""
-    p = len(plan)
     deps = -1
-    if t in (_F0, _B1) and r > 0:  # chunk-0 forwards and chunk-1 backwards come from rank r-1
-        deps = plan[r - 1][t][k]
-    if t in (_F1, _B0) and r + 1 < p:  # chunk-1 forwards and chunk-0 backwards from rank r+1
-        deps = max(deps, plan[r + 1][t][k])
-    if t in (_F1, _B1, _B0):  # the op before it in the block on this rank (F1 after F0: the V turn)
-        deps = max(deps, plan[r][t - 1][k])
-    if t == _W:  # the k-th W follows the k-th B of either chunk
+    if t < _W:
+        for dr, dt, _ in _type_needs(len(plan))[r][t]:
+            deps = max(deps, plan[dr][dt][k])
+    else:  # the k-th W follows the k-th B of either chunk
         deps = max(deps, sorted(plan[r][_B1] + plan[r][_B0])[k])
     if k > 0:
         deps = max(deps, plan[r][t][k - 1])
@@ -197,14 +213,12 @@ def _timed(plan, costs, comm: float):
     order: list[list[tuple[int, int]]] = [[] for _ in plan]
     free = [0.0] * p
     first = [None] * p
+    needs = _type_needs(p)
     for _, r, t, k in _ordered(plan):
         ready = free[r]
-        if t in (_F0, _B1) and r > 0:
-            ready = max(ready, end[(r - 1, t, k)] + comm)
-        if t in (_F1, _B0) and r + 1 < p:
-            ready = max(ready, end[(r + 1, t, k)] + comm)
-        if t in (_F1, _B1, _B0):
-            ready = max(ready, end[(r, t - 1, k)])
+        if t < _W:  # a W runs after its B in slot order: it waits for nothing else
+            for dr, dt, local in needs[r][t]:
+                ready = max(ready, end[(dr, dt, k)] + (0.0 if local else comm))
         start[r][t][k] = ready
         free[r] = end[(r, t, k)] = ready + costs[r][t]
         first[r] = ready if first[r] is None else first[r]

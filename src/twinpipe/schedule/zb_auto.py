@@ -1,8 +1,8 @@
 """The zero-bubble automatic scheduler (ZB-1p, ZB-2p): a greedy heuristic under a memory limit.
 
 Given per-stage T_F, T_B, T_W, T_comm and a per-rank activation limit, the heuristic places ops
-stage by stage while keeping an estimate of every op's end time (the same rules as the
-simulator: F waits for the previous stage's F, B for the next stage's B, plus T_comm). It runs
+stage by stage while keeping an estimate of every op's end time (the dependency rule of
+``deps.py``, as in the simulator, plus T_comm between ranks). It runs
 for each of the 8 settings of three switches and keeps the cheapest result:
 
 - H1 ``allow_bubble_before_first_b``: stop the warm-up before an F would delay the first B;
@@ -19,13 +19,17 @@ from __future__ import annotations
 from itertools import product
 
 from twinpipe.schedule._args import check_int, check_number, per_stage
-from twinpipe.schedule.ops import B, F, Op, Schedule, W
+from twinpipe.schedule.deps import dependency_table
+from twinpipe.schedule.ops import B, F, Op, OpKind, Schedule, W
 from twinpipe.schedule.placement import linear
 from twinpipe.schedule.registry import register
 
 __all__ = ["zb_auto"]
 
 _NAME = "zb-auto"
+
+
+_KINDS = {"F": OpKind.F, "B": OpKind.B, "W": OpKind.W}
 
 
 class _Infeasible(Exception):
@@ -42,6 +46,12 @@ class _Heuristic:
         self.comm, self.mw, self.limit = t_comm, mw, mem_limit
         self.count = {k: [0] * p for k in "FBW"}  # ops placed so far per stage
         self.end = {k: [[0.0] * m for _ in range(p)] for k in "FB"}  # estimated end times (0 until placed)
+        # inputs[kind][s]: (end times of what it needs, comm to add) per need, from deps.py's rule
+        needs = dependency_table(linear(p)).needs
+        self.inputs = {
+            kind: [tuple((self.end[str(n.work)][n.stage], 0.0 if n.local else t_comm) for n in needs[_KINDS[kind]][s]) for s in range(p)]
+            for kind in "FBW"
+        }
         self.w_end = [0.0] * p  # end of each stage's last W (its span ends there)
         self.free = [0.0] * p  # when each stage is next free
         self.mem = [0.0] * p
@@ -53,12 +63,10 @@ class _Heuristic:
         """Place the next micro-batch of ``kind`` on stage ``s``."""
         j = self.count[kind][s]
         duration = self.cost[kind][s]
-        no_wait = self.free[s] + duration
-        end = no_wait
-        if kind == "F" and s > 0:
-            end = max(end, self.end["F"][s - 1][j] + self.comm + duration)
-        elif kind == "B" and s < self.p - 1:
-            end = max(end, self.end["B"][s + 1][j] + self.comm + duration)
+        end = no_wait = self.free[s] + duration
+        for ends, comm in self.inputs[kind][s]:  # deps.py's rule
+            if ends[j] + comm + duration > end:
+                end = ends[j] + comm + duration
         if end > no_wait and self.count["F"][s] > 0:
             self.bubble[s] += end - no_wait
             self.max_bubble = max(self.max_bubble, self.bubble[s])
@@ -70,6 +78,15 @@ class _Heuristic:
         self.mem[s] += self.mem_delta[kind]
         self.count[kind][s] += 1
         self.order[s].append((kind, j))
+
+    def arrival(self, s: int, kind: str, j: int) -> float:
+        """When the inputs of stage ``s``'s ``kind`` on micro-batch ``j`` are there (deps.py's rule;
+        what it needs must be placed already)."""
+        t = 0.0
+        for ends, comm in self.inputs[kind][s]:
+            if ends[j] + comm > t:
+                t = ends[j] + comm
+        return t
 
     def pending_w(self, s: int) -> bool:
         return self.count["W"][s] < self.count["B"][s]
@@ -155,13 +172,12 @@ class _Heuristic:
                 continue
             self.free_memory_for(s, "F")
             if s > 0:
-                arrival = self.end["F"][s - 1][self.count["F"][s]] + self.comm
-                self.fill_with_w(s, arrival, no_bubble_greedy)
+                self.fill_with_w(s, self.arrival(s, "F", self.count["F"][s]), no_bubble_greedy)
             self.put(s, "F")
         for s in range(p - 1, -1, -1):
             self.free_memory_for(s, "B")
             if s + 1 < p:
-                self.fill_with_w(s, self.end["B"][s + 1][i] + self.comm, no_bubble_greedy)
+                self.fill_with_w(s, self.arrival(s, "B", i), no_bubble_greedy)
             if s == 0 and self.count["F"][0] == self.m:
                 while self.pending_w(0):  # the first stage has no forward left: flush its W's
                     self.put(0, "W")

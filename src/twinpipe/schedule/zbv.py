@@ -26,7 +26,8 @@ from collections import deque
 from itertools import product
 
 from twinpipe.schedule._args import check_int, check_number, per_stage
-from twinpipe.schedule.ops import B, F, Schedule, W
+from twinpipe.schedule.deps import dependency_table
+from twinpipe.schedule.ops import B, F, OpKind, Schedule, W
 from twinpipe.schedule.placement import vshape
 from twinpipe.schedule.registry import register
 
@@ -34,6 +35,7 @@ __all__ = ["zbv"]
 
 _NAME = "zbv"
 _INF = float("inf")
+_KINDS = {"F": OpKind.F, "B": OpKind.B}
 
 
 class _VListScheduler:
@@ -47,8 +49,8 @@ class _VListScheduler:
         self.alternate, self.balance = alternate, balance
         placement = vshape(p)
         self.rank_of = placement.stage_ranks
-        self.prev = [placement.prev_stage(s) for s in range(2 * p)]
-        self.next = [placement.next_stage(s) for s in range(2 * p)]
+        needs = dependency_table(placement).needs  # as (kind, stage, comm) per need of (kind, stage)
+        self.inputs = {k: [tuple((str(n.work), n.stage, 0.0 if n.local else t_comm) for n in ns) for ns in needs[_KINDS[k]]] for k in "FB"}
         self.end = {"F": [[_INF] * m for _ in range(2 * p)], "B": [[_INF] * m for _ in range(2 * p)]}
         self.count = {"F": [0] * (2 * p), "B": [0] * (2 * p)}  # next micro-batch per stage
         self.mem = [0.0] * p
@@ -60,18 +62,17 @@ class _VListScheduler:
         self.order: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]  # (kind, stage, micro-batch)
         self.now = 0.0  # time of the decision being made
 
-    def _arrival(self, kind: str, dep: int | None, stage: int, j: int) -> tuple[float, bool]:
-        """When the input of ``stage``'s next ``kind`` reaches its rank, and whether that is known.
-
-        If the op that makes it has not been placed yet: a lower bound, its rank's clock plus its cost.
-        """
-        if dep is None:
-            return 0.0, True
-        comm = self.comm if self.rank_of[dep] != self.rank_of[stage] else 0.0
-        t = self.end[kind][dep][j]
-        if t < _INF:
-            return t + comm, True
-        return max(self.now, self.free[self.rank_of[dep]]) + self.cost[kind][dep] + comm, False
+    def _ready(self, kind: str, stage: int, j: int) -> tuple[float, bool]:
+        """When the inputs of ``stage``'s ``kind`` on micro-batch ``j`` are on its rank (deps.py's
+        rule), and whether that is known. For a need not placed yet: a lower bound, its rank's
+        clock plus its cost."""
+        t, known = 0.0, True
+        for dep_kind, dep_stage, comm in self.inputs[kind][stage]:
+            end = self.end[dep_kind][dep_stage][j]
+            if end == _INF:
+                end, known = max(self.now, self.free[self.rank_of[dep_stage]]) + self.cost[dep_kind][dep_stage], False
+            t = max(t, end + comm)
+        return t, known
 
     def _candidates(self, rank: int) -> list[tuple[str, int, float, bool, bool]]:
         """(kind, stage, ready time, known, fits in memory) of the rank's next B's and F's."""
@@ -80,13 +81,13 @@ class _VListScheduler:
         for s in stages:
             j = self.count["B"][s]
             if j < self.count["F"][s]:  # its forward ran on this rank already
-                t, known = self._arrival("B", self.next[s], s, j)
-                out.append(("B", s, max(t, self.end["F"][s][j]), known, self.mem[rank] + self.mw - 1 <= self.limit))
+                t, known = self._ready("B", s, j)
+                out.append(("B", s, t, known, self.mem[rank] + self.mw - 1 <= self.limit))
         for s in stages:
             j = self.count["F"][s]
             if j < self.m:
                 reserve = 1 if s < self.p else 0  # room for the second stage (see module doc)
-                t, known = self._arrival("F", self.prev[s], s, j)
+                t, known = self._ready("F", s, j)
                 out.append(("F", s, t, known, self.mem[rank] + 1 + reserve <= self.limit))
         return out
 

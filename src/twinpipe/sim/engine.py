@@ -8,8 +8,9 @@ on it. Every op is started once, so the run is O(total ops).
 
 from __future__ import annotations
 
-from twinpipe.schedule.check import ScheduleError
-from twinpipe.schedule.ops import Op, OpKind, Schedule
+from twinpipe.schedule.check import ScheduleError, check_work
+from twinpipe.schedule.deps import Work, dependency_table, work_done
+from twinpipe.schedule.ops import OpKind, Schedule
 from twinpipe.sim.costs import CostModel
 from twinpipe.timeline import Slice, Timeline
 
@@ -21,75 +22,50 @@ _F, _B, _W, _BW, _FB = OpKind.F, OpKind.B, OpKind.W, OpKind.BW, OpKind.FB
 def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
     """Time ``schedule`` under ``costs`` (default: T_F = T_B = T_W = 1, no comm, M_W = 0.5 M_B).
 
-    Raises ScheduleError (rule "deadlock") naming the stuck ranks and ops if some rank would wait
-    forever, and for ops on a wrong rank, out-of-range ops and repeated work.
+    The schedule is checked first (``check.check_work``): an op on a wrong rank, out of range,
+    repeated or missing raises ScheduleError naming the rule, rank and op. So does a rank that
+    would wait forever (rule "deadlock", naming the stuck ranks and ops).
     """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
     costs = CostModel() if costs is None else costs
+    if not isinstance(costs, CostModel):
+        raise TypeError(f"costs must be a CostModel, got {type(costs).__name__}")
+    check_work(schedule)
     placement = schedule.placement
     num_ranks, num_stages, m = placement.num_ranks, placement.num_stages, schedule.num_microbatches
-    if len(schedule.ops) != num_ranks:
-        raise ScheduleError("ranks", f"schedule has op lists for {len(schedule.ops)} ranks, placement has {num_ranks}")
     per_stage = costs.per_stage(num_stages)
     t_f, t_b, t_w, m_b = per_stage["t_f"], per_stage["t_b"], per_stage["t_w"], per_stage["m_b"]
     t_bw = [b + w for b, w in zip(t_b, t_w)]
     t_fb = per_stage.get("t_fb")
     comm, mw = float(costs.t_comm), float(costs.mw)
-    rank_of = placement.stage_ranks
-    prev = [placement.prev_stage(s) for s in range(num_stages)]
-    nxt = [placement.next_stage(s) for s in range(num_stages)]
 
-    # End times by key s*m + j; -1 = not run yet. "grad" is the input gradient (from B or BW).
-    # A blocked rank waits on key k (forward) or n + k (grad).
+    # End time of work item (work, s, j) at ends[work*n + s*m + j]; -1 = not done yet. A blocked
+    # rank waits on the index of the item it needs. needs[kind][s]: (index base, local) per need.
     n = num_stages * m
-    f_end = [-1.0] * n
-    grad_end = [-1.0] * n
-    w_done = bytearray(n)
+    ends = [-1.0] * (len(Work) * n)
+    rule = dependency_table(placement).needs
+    needs = {kind: [tuple((int(d.work) * n + d.stage * m, d.local) for d in stage) for stage in rule[kind]] for kind in rule}
+    f_base, b_base, w_base = int(Work.F) * n, int(Work.B) * n, int(Work.W) * n
     waiters: dict[int, list[int]] = {}
 
-    def check(op: Op, s: int, j: int, rank: int, index: int) -> int:
-        if not (0 <= s < num_stages and 0 <= j < m):
-            raise ScheduleError("range", f"{op} is outside stages 0..{num_stages - 1} / micro-batches 0..{m - 1}", rank, index)
-        if rank_of[s] != rank:
-            raise ScheduleError("wrong rank", f"{op} runs stage {s}, which rank {rank_of[s]} holds", rank, index)
-        return s * m + j
-
-    def ready_at(kind: OpKind, s: int, j: int, rank: int, start: float) -> tuple[float, int]:
-        """Earliest start given the dependencies of one simple op, or (start, blocking key)."""
-        if kind is _F:
-            ps = prev[s]
-            if ps is not None:
-                t = f_end[ps * m + j]
-                if t < 0:
-                    return start, ps * m + j
-                t += comm if rank_of[ps] != rank else 0.0
-                if t > start:
-                    start = t
-            return start, -1
-        if kind is _W:
-            t = grad_end[s * m + j]
-            return (start, n + s * m + j) if t < 0 else (max(start, t), -1)
-        t = f_end[s * m + j]  # B or BW: own forward (same rank) ...
-        if t < 0:
-            return start, s * m + j
-        if t > start:
-            start = t
-        ns = nxt[s]  # ... and the gradient from the next stage
-        if ns is not None:
-            t = grad_end[ns * m + j]
+    def ready_at(kind: OpKind, s: int, j: int, start: float) -> tuple[float, int]:
+        """Earliest start given the needs of one simple op, or (start, index of a missing item)."""
+        for base, local in needs[kind][s]:
+            t = ends[base + j]
             if t < 0:
-                return start, n + ns * m + j
-            t += comm if rank_of[ns] != rank else 0.0
+                return start, base + j
+            if not local:
+                t += comm
             if t > start:
                 start = t
         return start, -1
 
-    def wake(key: int) -> None:
-        woken = waiters.pop(key, None)
+    def finish(index: int, end: float) -> None:
+        ends[index] = end
+        woken = waiters.pop(index, None)
         if woken:
             runnable.extend(woken)
-
-    def repeated(op: Op, rank: int, index: int):
-        return ScheduleError("repeated op", f"{op} repeats work that already ran", rank, index)
 
     cursor = [0] * num_ranks
     free = [0.0] * num_ranks
@@ -103,52 +79,45 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
         while i < len(ops):
             op = ops[i]
             kind, s, j = op.kind, op.stage, op.microbatch
-            k = check(op, s, j, rank, i)
+            k = s * m + j
             if kind is _FB:
                 back = op.backward
-                kb = check(op, back.stage, back.microbatch, rank, i)
-                start, blocked = ready_at(_F, s, j, rank, now)
+                bs = back.stage
+                kb = bs * m + back.microbatch
+                start, blocked = ready_at(_F, s, j, now)
                 if blocked < 0:
-                    start, blocked = ready_at(_BW, back.stage, back.microbatch, rank, start)
+                    start, blocked = ready_at(_BW, bs, back.microbatch, start)
             else:
-                start, blocked = ready_at(kind, s, j, rank, now)
+                start, blocked = ready_at(kind, s, j, now)
             if blocked >= 0:
                 waiters.setdefault(blocked, []).append(rank)
                 break
             if kind is _F:
                 end = start + t_f[s]
-                if f_end[k] >= 0:
-                    raise repeated(op, rank, i)
-                f_end[k] = end
                 mem += m_b[s]
                 top = max(top, mem)
-                wake(k)
-            elif kind is _B or kind is _BW:
-                end = start + (t_b[s] if kind is _B else t_bw[s])
-                if grad_end[k] >= 0:
-                    raise repeated(op, rank, i)
-                grad_end[k] = end
-                mem += (mw - 1.0) * m_b[s] if kind is _B else -m_b[s]
-                w_done[k] |= kind is _BW
-                wake(n + k)
+                finish(f_base + k, end)
+            elif kind is _B:
+                end = start + t_b[s]
+                mem += (mw - 1.0) * m_b[s]
+                finish(b_base + k, end)
+            elif kind is _BW:
+                end = start + t_bw[s]
+                mem -= m_b[s]
+                finish(b_base + k, end)
+                finish(w_base + k, end)
             elif kind is _W:
                 end = start + t_w[s]
-                if w_done[k]:
-                    raise repeated(op, rank, i)
-                w_done[k] = 1
                 mem -= mw * m_b[s]
+                finish(w_base + k, end)
             else:  # FB: the forward's activations are live before the backward's are freed
-                bs = op.backward.stage
                 end = start + (t_fb[s] if t_fb is not None else t_f[s] + t_bw[bs])
-                if f_end[k] >= 0 or grad_end[kb] >= 0:
-                    raise repeated(op, rank, i)
-                f_end[k] = grad_end[kb] = end
-                w_done[kb] = 1
                 mem += m_b[s]
                 top = max(top, mem)
                 mem -= m_b[bs]
-                wake(k)
-                wake(n + kb)
+                finish(f_base + k, end)
+                finish(b_base + kb, end)
+                finish(w_base + kb, end)
             if start > now and i > 0:
                 slices.append(Slice(rank, now, start, None, "wait"))
             slices.append(Slice(rank, start, end, op))
@@ -165,21 +134,19 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
 
 def _deadlock(schedule: Schedule, stuck: list[int], cursor: list[int], waiters: dict, n: int, m: int) -> ScheduleError:
     """Name every stuck rank, the op it is stuck at and what that op waits for (and who runs it)."""
-    owner: dict[tuple[str, int, int], tuple[int, int]] = {}
+    owner: dict[tuple[Work, int, int], tuple[int, int]] = {}
     for rank, ops in enumerate(schedule.ops):
         for index, op in enumerate(ops):
-            for part in op.parts():
-                kind = "F" if part.kind is _F else "B" if part.kind in (_B, _BW) else None
-                if kind:
-                    owner.setdefault((kind, part.stage, part.microbatch), (rank, index))
-    waiting_for = {r: key for key, ranks in waiters.items() for r in ranks}
+            for item in work_done(op):
+                owner.setdefault(item, (rank, index))
+    waiting_for = {r: index for index, ranks in waiters.items() for r in ranks}
     details = []
     for r in stuck:
-        key = waiting_for[r]
-        kind, rest = ("B", key - n) if key >= n else ("F", key)
+        work, rest = divmod(waiting_for[r], n)
         s, j = divmod(rest, m)
-        who = owner.get((kind, s, j))
+        work = Work(work)
+        who = owner.get((work, s, j))
         src = f"rank {who[0]} op {who[1]}" if who else "no rank runs it"
-        needed = f"{s}F{j}" if kind == "F" else f"{s}B{j} or {s}BW{j}"
+        needed = {Work.F: f"{s}F{j}", Work.B: f"{s}B{j} or {s}BW{j}", Work.W: f"{s}W{j} or {s}BW{j}"}[work]
         details.append(f"rank {r} op {cursor[r]} ({schedule.ops[r][cursor[r]]}) waits for {needed} ({src})")
     return ScheduleError("deadlock", "simulation stuck, ranks wait forever: " + "; ".join(details), stuck[0], cursor[stuck[0]])

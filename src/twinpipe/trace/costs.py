@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
+from twinpipe.schedule.deps import needs, work_done
 from twinpipe.schedule.ops import OpKind
 from twinpipe.sim import CostModel
 from twinpipe.timeline import Timeline
@@ -33,13 +34,12 @@ def estimate_comm(timeline: Timeline) -> float:
     placement = timeline.placement
     if placement is None:
         return 0.0
-    done: dict[tuple[str, int, int], tuple[int, float | None]] = {}  # ("F"|"B", stage, mb) -> (rank, end or None for FB)
+    done: dict[tuple, tuple[int, float | None]] = {}  # work item -> (rank, end or None for FB)
     for s in timeline.slices:
-        for part in s.op.parts() if s.op is not None else ():
+        if s.op is not None:
             end = None if s.op.kind is OpKind.FB else s.end
-            key = "F" if part.kind is OpKind.F else "B" if part.kind in (OpKind.B, OpKind.BW) else None
-            if key:
-                done[(key, part.stage, part.microbatch)] = (s.rank, end)
+            for item in work_done(s.op):
+                done[item] = (s.rank, end)
     gaps = []
     by_rank: list[list] = [[] for _ in range(timeline.num_ranks)]
     for s in timeline.slices:
@@ -50,21 +50,13 @@ def estimate_comm(timeline: Timeline) -> float:
             # The wait right before an op is its receive (measured) or its idle time (simulated).
             if s.op is None or wait.op is not None or wait.duration <= 0:
                 continue
-            producers = [done.get(k, (rank, 0.0)) for k in _needs(placement, s.op)]
+            producers = [done.get(k, (rank, 0.0)) for k in needs(placement, s.op)]
             ends = [end for r, end in producers if r != rank]
             if not ends or None in ends:
                 continue
             if max(ends) > wait.start:  # the op really waited for that message
                 gaps.append(max(0.0, s.start - max(ends)))
     return statistics.median(gaps) if gaps else 0.0
-
-
-def _needs(placement, op):
-    for part in op.parts():
-        if part.kind is OpKind.F and placement.prev_stage(part.stage) is not None:
-            yield ("F", placement.prev_stage(part.stage), part.microbatch)
-        elif part.kind in (OpKind.B, OpKind.BW) and placement.next_stage(part.stage) is not None:
-            yield ("B", placement.next_stage(part.stage), part.microbatch)
 
 
 def estimate_costs(timeline: Timeline, comm: bool = True) -> CostModel:

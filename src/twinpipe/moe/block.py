@@ -1,0 +1,198 @@
+"""A MoE transformer block with expert parallelism, declared as five parts for the overlap engine:
+
+    attn (compute)   x -> h = x + attention(norm(x)); route norm(h); sort token copies by expert
+    dispatch (comm)  exchange per-expert counts, then all-to-all the token copies to the experts' ranks
+    mlp (compute)    local experts on what arrived (grouped by expert); shared expert on local tokens
+    combine (comm)   all-to-all the expert outputs back
+    mix (compute)    out = h + shared + sum_j weight_j * expert_output_j
+
+Experts are sharded over ``ep_group`` (rank r holds experts ``r*E/ep .. (r+1)*E/ep - 1``); with no
+group (or one rank) nothing is communicated. Dropless: every token copy reaches its expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from twinpipe.moe.router import TopKRouter
+from twinpipe.overlap.comm import Then, all_to_all, exchange_counts, group_size
+from twinpipe.overlap.parts import Comm, Compute, Done
+from twinpipe.runtime.weight_grad import DeferredLinear
+
+__all__ = ["MoEBlock", "FeedForward"]
+
+
+class FeedForward(nn.Module):
+    """Linear -> GELU -> Linear without biases; weight gradients deferrable to W."""
+
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.up = DeferredLinear(hidden, inner, bias=False)
+        self.down = DeferredLinear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+@dataclass(frozen=True)
+class _Route:
+    """Where one micro-batch's token copies go (set by attn) and what came back (set by dispatch)."""
+
+    shape: tuple  # (batch, seq, hidden) of the block input
+    order: torch.Tensor  # token copies (token*k + slot) sorted by expert, stable
+    counts: torch.Tensor  # [E] copies this rank sends to each expert
+    send: list | None = None  # rows to each rank
+    recv: list | None = None  # rows from each rank
+    recv_counts: torch.Tensor | None = None  # [ep, local experts] rows from each rank for each local expert
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then a routed mixture of experts."""
+
+    def __init__(self, hidden: int, heads: int, num_experts: int, top_k: int, expert_hidden: int, *,
+                 shared_hidden: int = 0, score: str = "softmax", groups: int = 1, top_groups: int | None = None,
+                 normalize: bool | None = None, ep_group=None):
+        super().__init__()
+        if not isinstance(heads, int) or heads < 1 or hidden % heads:
+            raise ValueError(f"heads={heads!r}: must be a positive int dividing hidden ({hidden})")
+        self.router = TopKRouter(hidden, num_experts, top_k, score, groups, top_groups, normalize)
+        ep, rank = self._check_group(ep_group, num_experts)
+        self.hidden, self.heads, self.num_experts, self.top_k = hidden, heads, num_experts, top_k
+        self.norm1, self.norm2 = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
+        self.qkv = DeferredLinear(hidden, 3 * hidden, bias=False)
+        self.proj = DeferredLinear(hidden, hidden, bias=False)
+        self.shared = FeedForward(hidden, shared_hidden) if shared_hidden else None
+        self.ep_group, self.ep = ep_group, ep
+        self.local = num_experts // ep
+        self.experts = nn.ModuleList(FeedForward(hidden, expert_hidden) for _ in range(self.local))
+        self.first_expert = rank * self.local
+        # Token copies this rank routed to each (global) expert, and rows each local expert ran on,
+        # summed over forwards until reset_counts().
+        self.register_buffer("routed_tokens", torch.zeros(num_experts, dtype=torch.long), persistent=False)
+        self.register_buffer("expert_rows", torch.zeros(self.local, dtype=torch.long), persistent=False)
+
+    @staticmethod
+    def _check_group(ep_group, num_experts: int) -> tuple[int, int]:
+        if ep_group is None:
+            return 1, 0
+        ep = dist.get_world_size(ep_group)
+        if num_experts % ep:
+            raise ValueError(f"ep_group has {ep} ranks, which does not divide num_experts={num_experts}")
+        return ep, dist.get_rank(ep_group)
+
+    def shard_experts_(self, ep_group) -> "MoEBlock":
+        """Keep only this rank's experts of a block built with all of them (e.g. to match a reference)."""
+        if len(self.experts) != self.num_experts:
+            raise ValueError(f"shard_experts_: the block holds {len(self.experts)} of {self.num_experts} experts; it needs all of them")
+        ep, rank = self._check_group(ep_group, self.num_experts)
+        self.ep_group, self.ep, self.local, self.first_expert = ep_group, ep, self.num_experts // ep, rank * (self.num_experts // ep)
+        self.experts = nn.ModuleList(list(self.experts)[self.first_expert : self.first_expert + self.local])
+        self.expert_rows = self.expert_rows.new_zeros(self.local)
+        return self
+
+    def reset_counts(self) -> None:
+        self.routed_tokens.zero_()
+        self.expert_rows.zero_()
+
+    # ------------------------------------------------------------ pieces (shared with references)
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, hid = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, hid // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(a.transpose(1, 2).reshape(b, s, hid))
+
+    # ------------------------------------------------------------ parts
+    def parts(self) -> list:
+        return [
+            Compute("attn", self._attn),
+            Comm("dispatch", self._dispatch, self._dispatch_backward),
+            Compute("mlp", self._mlp),
+            Comm("combine", self._combine, self._combine_backward),
+            Compute("mix", self._mix),
+        ]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block alone, its parts in order (communication waited for at once)."""
+        from twinpipe.overlap.graph import run_parts
+
+        return run_parts(self.parts(), (x,), type(self).__name__)
+
+    def _attn(self, x):
+        h = self.attention(x)
+        tokens = self.norm2(h).reshape(-1, self.hidden)
+        experts, weights = self.router(tokens)
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        sent = tokens.index_select(0, order // self.top_k)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.routed_tokens += counts
+        return h, tokens, sent, weights, _Route(tuple(x.shape), order, counts)
+
+    def _dispatch(self, h, tokens, sent, weights, route):
+        received_counts = exchange_counts(route.counts, self.ep_group).view(self.ep, self.local)
+        route = replace(route, send=route.counts.view(self.ep, self.local).sum(1).tolist(),
+                        recv=received_counts.sum(1).tolist(), recv_counts=received_counts)
+        needs_grad = sent.requires_grad
+
+        def arrived(rows):
+            if rows is sent:  # one rank: the rows stay where they are
+                return (h, tokens, sent, weights, route), route
+            return (h, tokens, rows.requires_grad_(needs_grad), weights, route), route
+
+        return Then(all_to_all(sent.detach() if self.ep > 1 else sent, route.recv, route.send, self.ep_group), arrived)
+
+    def _dispatch_backward(self, route, grads):
+        g_h, g_tokens, g_rows, g_weights, _ = grads
+        g_rows = self._zeros(sum(route.recv)) if g_rows is None else g_rows
+        return Then(all_to_all(g_rows, route.send, route.recv, self.ep_group), lambda g_sent: (g_h, g_tokens, g_sent, g_weights, None))
+
+    def _zeros(self, rows: int) -> torch.Tensor:
+        w = self.proj.weight
+        return torch.zeros(rows, self.hidden, dtype=w.dtype, device=w.device)
+
+    def _expert_rows(self, route) -> list[torch.Tensor]:
+        """For each local expert, the indices of its rows in the received order (source-major)."""
+        counts = route.recv_counts  # [ep, local]
+        starts = torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)
+        starts, counts = starts.view(self.ep, self.local), counts.tolist()
+        return [torch.cat([torch.arange(int(starts[s, e]), int(starts[s, e]) + counts[s][e]) for s in range(self.ep)])
+                for e in range(self.local)]
+
+    def _mlp(self, h, tokens, rows, weights, route):
+        index = self._expert_rows(route)
+        outs = [expert(rows.index_select(0, idx.to(rows.device))) for expert, idx in zip(self.experts, index)]
+        self.expert_rows += torch.tensor([len(i) for i in index], device=self.expert_rows.device)
+        grouped = torch.cat(outs) if outs else rows[:0]
+        back = torch.argsort(torch.cat(index)).to(rows.device)  # expert-major -> received order
+        shared = self.shared(tokens) if self.shared is not None else None
+        return h, shared, grouped.index_select(0, back), weights, route
+
+    def _combine(self, h, shared, outs, weights, route):
+        needs_grad = outs.requires_grad
+
+        def arrived(rows):
+            if rows is outs:
+                return (h, shared, outs, weights, route), route
+            return (h, shared, rows.requires_grad_(needs_grad), weights, route), route
+
+        return Then(all_to_all(outs.detach() if self.ep > 1 else outs, route.send, route.recv, self.ep_group), arrived)
+
+    def _combine_backward(self, route, grads):
+        g_h, g_shared, g_rows, g_weights, _ = grads
+        g_rows = self._zeros(sum(route.send)) if g_rows is None else g_rows
+        return Then(all_to_all(g_rows, route.recv, route.send, self.ep_group), lambda g_outs: (g_h, g_shared, g_outs, g_weights, None))
+
+    def _mix(self, h, shared, rows, weights, route):
+        t, k = weights.shape
+        y = rows.index_select(0, torch.argsort(route.order)).view(t, k, self.hidden)
+        acc = y[:, 0] * weights[:, 0:1]
+        for j in range(1, k):
+            acc = acc + y[:, j] * weights[:, j : j + 1]
+        if shared is not None:
+            acc = acc + shared
+        return (h + acc.view(route.shape),)

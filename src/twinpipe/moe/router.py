@@ -1,0 +1,64 @@
+"""Top-k routing: softmax or sigmoid scores, optionally limited to the best expert groups."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from twinpipe.runtime.weight_grad import DeferredLinear
+
+__all__ = ["TopKRouter"]
+
+SCORES = ("softmax", "sigmoid")
+
+
+class TopKRouter(nn.Module):
+    """Picks ``top_k`` experts per token and their weights.
+
+    ``score``: ``"softmax"`` (weights are the chosen probabilities) or ``"sigmoid"`` (DeepSeek-V3:
+    the chosen scores normalised to sum 1). With ``groups > 1`` the experts form equal groups and
+    each token picks only among the ``top_groups`` groups with the highest sum of their two best
+    scores (DeepSeek-V3's node-limited routing). ``bias`` (a buffer, zeros) shifts the scores for
+    the choice only, not for the weights (DeepSeek-V3's auxiliary-loss-free balancing).
+    """
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, score: str = "softmax",
+                 groups: int = 1, top_groups: int | None = None, normalize: bool | None = None):
+        super().__init__()
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts={num_experts!r}: must be a positive int")
+        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k!r}: must be an int in 1..num_experts ({num_experts})")
+        if score not in SCORES:
+            raise ValueError(f"score={score!r}: allowed are {SCORES}")
+        if not isinstance(groups, int) or groups < 1 or num_experts % groups:
+            raise ValueError(f"groups={groups!r}: must be a positive int dividing num_experts ({num_experts})")
+        top_groups = groups if top_groups is None else top_groups
+        if not isinstance(top_groups, int) or not 1 <= top_groups <= groups:
+            raise ValueError(f"top_groups={top_groups!r}: must be an int in 1..groups ({groups})")
+        if top_k > top_groups * (num_experts // groups):
+            raise ValueError(f"top_k={top_k}: more than the {top_groups * (num_experts // groups)} experts "
+                             f"in top_groups={top_groups} groups of {num_experts // groups}")
+        self.num_experts, self.top_k, self.score = num_experts, top_k, score
+        self.groups, self.top_groups = groups, top_groups
+        self.normalize = (score == "sigmoid") if normalize is None else normalize
+        self.gate = DeferredLinear(hidden, num_experts, bias=False)
+        self.register_buffer("bias", torch.zeros(num_experts))
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tokens [T, hidden]`` -> ``(experts [T, k] int64, weights [T, k])``."""
+        logits = self.gate(tokens)
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        choice = scores.detach() + self.bias
+        if self.groups > 1:
+            per = self.num_experts // self.groups
+            by_group = choice.view(len(tokens), self.groups, per)
+            group_score = by_group.topk(min(2, per), dim=-1).values.sum(-1)
+            keep = group_score.topk(self.top_groups, dim=-1).indices
+            mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(per, dim=1), float("-inf"))
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return experts, weights

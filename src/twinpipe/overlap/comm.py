@@ -1,0 +1,88 @@
+"""Asynchronous all-to-all for comm parts: CPU through the process group's async work handles,
+CUDA on a side stream ordered by events.
+
+The CUDA path is small and untested here (no GPU in the test machine): the collective is
+launched on a side stream after that stream waits for the compute stream; ``wait()`` makes the
+compute stream wait for an event recorded after it, and ``record_stream`` keeps both buffers
+alive until the side stream is done with them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from twinpipe.overlap.parts import Done, Pending
+
+__all__ = ["all_to_all", "exchange_counts", "Then", "group_size"]
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class _Work(Pending):
+    def __init__(self, work, value):
+        self.work, self.value = work, value
+
+    def wait(self):
+        self.work.wait()
+        return self.value
+
+
+class _CudaWork(Pending):
+    def __init__(self, event, value):
+        self.event, self.value = event, value
+
+    def wait(self):
+        torch.cuda.current_stream(self.value.device).wait_event(self.event)
+        return self.value
+
+
+class Then(Pending):
+    """``pending`` followed by ``fn`` of its result, applied on ``wait()``."""
+
+    def __init__(self, pending: Pending, fn):
+        self.pending, self.fn = pending, fn
+
+    def wait(self):
+        return self.fn(self.pending.wait())
+
+
+_side_streams: dict = {}
+
+
+def _side_stream(device: torch.device):
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+def all_to_all(tensor: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> Pending:
+    """Start an all-to-all of ``tensor``'s rows (``in_splits`` rows to each rank, ``out_splits``
+    from each); ``wait()`` gives the received rows. With one rank it is the tensor itself."""
+    if group_size(group) == 1:
+        return Done(tensor)
+    tensor = tensor.contiguous()
+    out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
+    if tensor.is_cuda:
+        side = _side_stream(tensor.device)
+        side.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(side):
+            dist.all_to_all_single(out, tensor, out_splits, in_splits, group=group)
+            event = torch.cuda.Event()
+            event.record(side)
+        tensor.record_stream(side)
+        out.record_stream(side)
+        return _CudaWork(event, out)
+    work = dist.all_to_all_single(out, tensor, out_splits, in_splits, group=group, async_op=True)
+    return _Work(work, out)
+
+
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """Every rank sends ``counts`` split evenly over the ranks; returns what it received (blocking)."""
+    if group_size(group) == 1:
+        return counts
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out

@@ -1,0 +1,84 @@
+"""The overlapped F&B op: one micro-batch's forward parts against another's backward parts.
+
+The order comes from ``twinpipe.sim.overlap.fb_order`` (the parts' kinds only, so every rank of
+an expert-parallel group issues its collectives in the same sequence). B parts defer their
+weight gradients to ``WeightGradStore`` under a key of their own; W steps run them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from twinpipe.overlap.graph import Record, accumulate_input_grads, capture_backward
+from twinpipe.overlap.parts import check_parts
+from twinpipe.runtime.weight_grad import WeightGradStore
+from twinpipe.sim.overlap import fb_order
+
+__all__ = ["forward_backward", "FBEvent"]
+
+FBEvent = tuple  # (action, stream, part name, start seconds, end seconds)
+
+
+def _backward_record(module1, loss1, outputs1, output_grads1) -> Record | None:
+    """Run the criterion's backward (if any) up to module1's ``_Join`` and return its record,
+    holding the gradients of the stage outputs."""
+    if loss1 is not None:
+        roots, grads = [loss1], [torch.ones_like(loss1)]
+    else:
+        roots, grads = list(outputs1), list(output_grads1)
+    captured = capture_backward(roots, grads)
+    if not captured:
+        return None
+    if len(captured) != 1:
+        raise ValueError(f"{type(module1).__name__}: the backward reached {len(captured)} part-declaring stages; expected one")
+    record, out_grads = captured[0]
+    record.state = out_grads
+    return record
+
+
+def forward_backward(module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1, overlap: bool = True):
+    """F of ``module0`` on ``inputs0`` with the full backward of ``module1``'s micro-batch.
+
+    Returns ``(outputs0, loss0, events)``; gradients are accumulated into ``.grad`` (weights
+    and module1's stage inputs), as the executor expects of ``overlapped_forward_backward``.
+    """
+    owner = type(module0).__name__
+    fwd = Record(check_parts(module0.parts(), owner), tuple(inputs0), owner)
+    bwd = _backward_record(module1, loss1, outputs1, output_grads1)
+    b_parts = list(reversed(bwd.parts)) if bwd is not None else []
+    n_b = len(b_parts)
+    order = fb_order([p.kind for p in fwd.parts], [p.kind for p in b_parts], overlap)
+    events: list[FBEvent] = []
+    clock = time.perf_counter
+    enabled = WeightGradStore.enabled
+    try:
+        for step in order:
+            t0 = clock()
+            if step.stream == "F":
+                k, name = step.index, fwd.parts[step.index].name
+                getattr(fwd, step.action)(k)
+            else:
+                k = n_b - 1 - step.index
+                name = bwd.parts[k].name
+                key = ("overlap", id(bwd), k)
+                if step.stream == "W":
+                    WeightGradStore.pop(key)
+                elif step.action == "run":
+                    WeightGradStore.enabled = True
+                    try:
+                        bwd.run_back(k)
+                    finally:
+                        WeightGradStore.enabled = enabled
+                    WeightGradStore.flush(key)
+                else:
+                    getattr(bwd, {"start": "start_back", "wait": "wait_back"}[step.action])(k)
+            events.append((step.action, step.stream, name, t0, clock()))
+    finally:
+        WeightGradStore.enabled = enabled
+    if bwd is not None:
+        accumulate_input_grads(bwd)
+    outputs0 = fwd.outputs()
+    loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
+    return list(outputs0), loss0, events

@@ -1,0 +1,184 @@
+"""One micro-batch's forward kept part by part, so its backward can run part by part.
+
+Each compute part runs on detached copies of its inputs (leaves), so its autograd graph stands
+alone and ``run_backward`` can run it by itself. The stage's outputs come out of ``_Join``, an
+autograd function over the stage inputs: an ordinary backward (the executor's B or BW op, or
+``loss.backward()``) reaches ``_Join.backward``, which runs the parts' backwards in reverse order,
+one after the other. The overlap engine instead *captures* the output gradients at ``_Join`` and
+runs the same per-part steps itself, interleaved with another micro-batch's forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from twinpipe.overlap.parts import Comm, check_state
+from twinpipe.runtime.executor import run_backward
+
+__all__ = ["Record", "run_parts", "capture_backward"]
+
+_captured: list | None = None  # set while the engine captures gradients at _Join
+
+
+def _leaf(value):
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        return value.detach().requires_grad_()
+    return value
+
+
+class Record:
+    """The parts of one micro-batch's forward, what each saved, and the state between steps."""
+
+    def __init__(self, parts: list, inputs: tuple, owner: str):
+        self.parts, self.inputs, self.owner = parts, tuple(inputs), owner
+        self.state = self.inputs  # forward: the next part's input; backward: the gradients of it
+        self.saved: list = []
+        self.pending = None
+        self.keep = torch.is_grad_enabled()
+
+    # ------------------------------------------------------------ forward
+    def run(self, k: int) -> None:
+        part = self.parts[k]
+        if self.keep:
+            leaves = tuple(_leaf(v) for v in self.state)
+            out = check_state(part.fn(*leaves), part, "its result")
+            self.saved.append((leaves, out))
+        else:
+            out = check_state(part.fn(*self.state), part, "its result")
+        self.state = out
+
+    def start(self, k: int) -> None:
+        self.pending = self.parts[k].start(*self.state)
+
+    def wait(self, k: int) -> None:
+        part = self.parts[k]
+        result = self.pending.wait()
+        self.pending = None
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise ValueError(f"part {part.name!r}: start(...).wait() must give (state, ctx)")
+        out, ctx = result
+        if self.keep:
+            self.saved.append((len(self.state), ctx))
+        self.state = check_state(out, part, "its state")
+
+    def step_forward(self, k: int) -> None:
+        """Run part ``k`` to the end (a comm part is started and waited for at once)."""
+        if isinstance(self.parts[k], Comm):
+            self.start(k)
+            self.wait(k)
+        else:
+            self.run(k)
+
+    def outputs(self) -> tuple:
+        """The stage outputs: the last state, joined to the stage inputs for autograd."""
+        bad = [type(v).__name__ for v in self.state if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise ValueError(f"{self.owner}: the last part must return tensors only, got a {bad[0]}")
+        if not self.keep:
+            return self.state
+        anchor = torch.empty(0, requires_grad=True)  # so _Join is in the graph even without grad inputs
+        return _Join.apply(self, anchor, *self.inputs)
+
+    # ------------------------------------------------------------ backward
+    def run_back(self, k: int) -> None:
+        """Backward of compute part ``k``: ``self.state`` holds its output gradients."""
+        leaves, outs = self.saved[k]
+        self.saved[k] = None
+        position = {id(v): i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)}
+        roots, grads, through = [], [], []
+        for o, g in zip(outs, self.state):
+            if g is None or not isinstance(o, torch.Tensor) or not o.requires_grad:
+                continue
+            if id(o) in position:  # an input handed on unchanged
+                through.append((leaves[position[id(o)]], g))
+            elif o.grad_fn is not None:
+                roots.append(o)
+                grads.append(g)
+        if roots:
+            run_backward(roots, grads)
+        for leaf, g in through:
+            leaf.grad = g if leaf.grad is None else leaf.grad + g
+        self.state = tuple(v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in leaves)
+
+    def start_back(self, k: int) -> None:
+        ctx = self.saved[k][1]
+        self.pending = self.parts[k].start_backward(ctx, self.state)
+
+    def wait_back(self, k: int) -> None:
+        part = self.parts[k]
+        n_in = self.saved[k][0]
+        grads = check_state(self.pending.wait(), part, "start_backward(...).wait()")
+        self.pending, self.saved[k] = None, None
+        if len(grads) != n_in:
+            raise ValueError(f"part {part.name!r}: start_backward gave {len(grads)} gradients for {n_in} input entries")
+        self.state = grads
+
+    def step_backward(self, k: int) -> None:
+        if isinstance(self.parts[k], Comm):
+            self.start_back(k)
+            self.wait_back(k)
+        else:
+            self.run_back(k)
+
+    def input_grads(self) -> tuple:
+        """After every part's backward: one gradient (or None) per stage input."""
+        return tuple(g if isinstance(x, torch.Tensor) and x.requires_grad else None for x, g in zip(self.inputs, self.state))
+
+
+class _Join(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, record: Record, anchor, *inputs):
+        ctx.record = record
+        ctx.set_materialize_grads(False)
+        outs = tuple(t.detach() for t in record.state)
+        ctx.mark_non_differentiable(*[o for o in outs if not (o.is_floating_point() or o.is_complex())])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        record, n = ctx.record, len(ctx.needs_input_grad)
+        if _captured is not None:
+            _captured.append((record, grads))
+            return (None,) * n
+        record.state = grads
+        for k in reversed(range(len(record.parts))):
+            record.step_backward(k)
+        return (None, None, *record.input_grads())
+
+
+def run_parts(parts: list, inputs: tuple, owner: str):
+    """A stage's plain forward: every part in order; returns a tensor or a tuple of tensors."""
+    record = Record(parts, inputs, owner)
+    for k in range(len(parts)):
+        record.step_forward(k)
+    outs = record.outputs()
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def capture_backward(roots: list, grads: list) -> list[tuple[Record, tuple]]:
+    """Backward from ``roots`` that stops at every ``_Join`` it reaches and returns, for each, the
+    record and its output gradients (the parts themselves are left to the caller)."""
+    global _captured
+    if not roots:
+        return []
+    _captured = []
+    try:
+        run_backward(roots, grads)
+        return _captured
+    finally:
+        _captured = None
+
+
+def accumulate_input_grads(record: Record) -> None:
+    """Hand the stage-input gradients on: into ``.grad`` of leaf inputs, through the graph otherwise."""
+    roots, grads = [], []
+    for x, g in zip(record.inputs, record.input_grads()):
+        if g is None:
+            continue
+        if x.is_leaf:
+            x.grad = g if x.grad is None else x.grad + g
+        else:
+            roots.append(x)
+            grads.append(g)
+    if roots:
+        run_backward(roots, grads)

@@ -1,0 +1,179 @@
+"""Tiny MoE stages and a single-process reference with all experts local, for the MoE tests.
+
+The reference follows expert parallelism's arithmetic without its machinery: each EP rank's tokens
+go through attention, router and shared expert on their own (as on that rank); each expert runs
+once on the rows routed to it from every rank, rank by rank in token order (the order in which
+the all-to-all delivers them); the outputs are mixed back per token. Plain autograd, no parts.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from twinpipe.moe import MoEBlock, MoEStage
+
+HIDDEN, SEQ = 8, 3
+
+VARIANTS = {
+    "softmax": dict(score="softmax"),
+    "shared": dict(score="softmax", shared_hidden=6),
+    "grouped": dict(score="sigmoid", groups=2, top_groups=1, shared_hidden=4),
+}
+
+
+def make_stage(variant: str = "shared", blocks: int = 1, experts: int = 4, top_k: int = 2, uneven: bool = False) -> MoEStage:
+    """One stage with all experts (float64). ``uneven``: expert 0 takes most token copies, the
+    last expert none (through the router's choice bias)."""
+    made = []
+    for _ in range(blocks):
+        block = MoEBlock(HIDDEN, 2, experts, top_k, 6, **VARIANTS[variant])
+        if uneven:
+            bias = torch.zeros(experts)
+            bias[0], bias[-1] = 4.0, -4.0
+            block.router.bias.copy_(bias)
+        made.append(block)
+    return MoEStage(made).double()
+
+
+def sharded(stage: MoEStage, ep_group) -> MoEStage:
+    return copy.deepcopy(stage).shard_experts_(ep_group)
+
+
+def reference_block(block: MoEBlock, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``block`` (all experts) on the inputs of every EP rank at once; returns each rank's output."""
+    k, hid = block.top_k, block.hidden
+    hs, tokens, picks, weights = [], [], [], []
+    for x in xs:
+        h = block.attention(x)
+        t = block.norm2(h).reshape(-1, hid)
+        experts, w = block.router(t)
+        hs.append(h)
+        tokens.append(t)
+        picks.append(experts.reshape(-1))
+        weights.append(w)
+    outs = [torch.zeros(len(p), hid, dtype=xs[0].dtype) for p in picks]
+    for e, expert in enumerate(block.experts):
+        where = [torch.nonzero(p == e).reshape(-1) for p in picks]  # copies token*k+slot, in order
+        y = expert(torch.cat([t.index_select(0, w // k) for t, w in zip(tokens, where)]))
+        for r, chunk in enumerate(torch.split(y, [len(w) for w in where])):
+            outs[r] = outs[r].index_copy(0, where[r], chunk)
+    results = []
+    for x, h, t, w, y in zip(xs, hs, tokens, weights, outs):
+        y = y.view(-1, k, hid)
+        acc = y[:, 0] * w[:, 0:1]
+        for j in range(1, k):
+            acc = acc + y[:, j] * w[:, j : j + 1]
+        if block.shared is not None:
+            acc = acc + block.shared(t)
+        results.append(h + acc.view(x.shape))
+    return results
+
+
+def reference_stages(stages: list[MoEStage], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    for stage in stages:
+        for block in stage.blocks:
+            xs = reference_block(block, xs)
+    return xs
+
+
+def mse(out, label):
+    return F.mse_loss(out, label).clone()
+
+
+# ---------------------------------------------------------------- pipelines on a (pp, ep) mesh
+def interleaved(events) -> bool:
+    """True when, in one F&B op's steps, a compute part of one stream ran while a comm part of
+    the other stream was in flight (started, not yet waited for), in both directions."""
+    seen = set()
+    flying: dict[str, set] = {"F": set(), "B": set()}
+    for action, stream, name, *_ in events:
+        if action == "start":
+            flying[stream].add(name)
+        elif action == "wait":
+            flying[stream].discard(name)
+        elif stream in ("F", "B"):
+            other = "B" if stream == "F" else "F"
+            if flying[other]:
+                seen.add(other)  # other's comm hidden behind this compute
+    return seen == {"F", "B"}
+
+
+def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: bool, chunks: int = 4) -> list[str]:
+    """One training step of ``schedule`` over the mesh's pp dimension with MoE stages sharded over
+    its ep dimension, against the reference; returns what differs."""
+    import torch.distributed as dist
+
+    import twinpipe
+    from exactness import TOL
+    from models import grad_error, model_stage
+    from twinpipe.schedule.registry import placement_for
+
+    pp_group, ep_group = mesh["pp"].get_group(), mesh["ep"].get_group()
+    pp, ep = mesh["pp"].size(), mesh["ep"].size()
+    pp_rank, ep_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
+    placement = placement_for(schedule, pp)
+    torch.manual_seed(11)
+    model = [make_stage(variant, uneven=uneven) for _ in range(pp if placement.kind == "dual" else placement.num_stages)]
+    modules = [sharded(model[model_stage(placement, s)], ep_group) for s in placement.stages_of(pp_rank)]
+    for m in modules:
+        m.overlap = overlap
+    xs = [torch.randn(chunks * 2, SEQ, HIDDEN, dtype=torch.float64) for _ in range(ep)]
+    ys = [torch.randn(chunks * 2, SEQ, HIDDEN, dtype=torch.float64) for _ in range(ep)]
+    x_mb = [torch.tensor_split(x, chunks) for x in xs]
+    y_mb = [torch.tensor_split(y, chunks) for y in ys]
+
+    ref_loss = {}
+    for c, chain in enumerate(placement.chains):
+        for j in placement.microbatches_of_chain(c, chunks):
+            outs = reference_stages([model[model_stage(placement, s)] for s in chain], [x[j] for x in x_mb])
+            losses = [mse(o, y[j]) for o, y in zip(outs, y_mb)]
+            sum(losses).backward()
+            ref_loss[j] = losses[ep_rank].detach()
+
+    if schedule == "dualpipe":
+        pipe = twinpipe.DualPipe(modules, process_group=pp_group)
+    elif schedule == "dualpipev":
+        pipe = twinpipe.DualPipeV(modules, process_group=pp_group)
+    else:
+        pipe = twinpipe.Pipeline(modules, schedule, process_group=pp_group)
+    args, labels, mine = (), (), None
+    for c, chain in enumerate(placement.chains):
+        mbs = list(placement.microbatches_of_chain(c, chunks))
+        if chain[0] in pipe.stages:
+            args = (torch.cat([x_mb[ep_rank][j] for j in mbs]),)
+        if chain[-1] in pipe.stages:
+            labels, mine = (torch.cat([y_mb[ep_rank][j] for j in mbs]),), mbs
+    loss, _ = pipe.step(*args, num_chunks=chunks, criterion=mse, labels=labels)
+
+    problems = []
+    if mine is not None:
+        expected = torch.stack([ref_loss[j] for j in mine])
+        if not torch.equal(loss, expected):
+            problems.append(f"loss {loss.tolist()} != reference {expected.tolist()}")
+    if schedule == "dualpipe":
+        pipe.sync_mirrored_grads()
+    for s, module in zip(placement.stages_of(pp_rank), modules):
+        ref = dict(model[model_stage(placement, s)].named_parameters())
+        for name, p in module.named_parameters():
+            got = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            parts = name.split(".")
+            if "experts" in parts:
+                i = parts.index("experts") + 1
+                parts[i] = str(int(parts[i]) + module.blocks[int(parts[1])].first_expert)
+            else:  # data-parallel over ep: the reference saw every ep rank's tokens
+                dist.all_reduce(got, group=ep_group)
+            want = ref[".".join(parts)].grad
+            want = want if want is not None else torch.zeros_like(got)
+            err = grad_error(got, want)
+            if not err <= TOL:
+                problems.append(f"stage {s} {name}: gradient error {err:.3g} > {TOL}")
+    logs = [m.last_fb_events for m in modules if getattr(m, "last_fb_events", None)]
+    has_fb = any(op.kind.value == "FB" for op in pipe.schedule_for(chunks).ops[pp_rank])
+    if has_fb and not logs:
+        problems.append("no F&B op ran through the overlap engine")
+    if logs and interleaved(logs[-1]) != overlap:
+        problems.append(f"F&B parts interleaved={not overlap} with overlap={overlap}")
+    return problems

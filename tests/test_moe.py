@@ -1,0 +1,128 @@
+"""MoE blocks with expert parallelism: EP=2 (2 gloo processes) against a single-process reference
+with all experts local; PP=1 x EP=2 pipelines; bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_models as mm
+from distributed import run_world
+from exactness import TOL
+from models import grad_error
+
+LAYER_CASES = [(v, u) for v in mm.VARIANTS for u in (False, True)]
+PIPE_CASES = [("dualpipev", True, "grouped", True), ("dualpipev", False, "shared", False), ("1f1b", False, "softmax", True)]
+
+
+def _layer_case(group, variant: str, uneven: bool) -> list[str]:
+    """Two MoE blocks, EP=2: outputs bitwise, gradients within TOL, counts as the reference's."""
+    rank = dist.get_rank(group)
+    torch.manual_seed(3)
+    full = mm.make_stage(variant, blocks=2, uneven=uneven)
+    stage = mm.sharded(full, group)
+    xs = [torch.randn(2, mm.SEQ, mm.HIDDEN, dtype=torch.float64) for _ in range(2)]
+    labels = [torch.randn_like(x) for x in xs]
+    outs = mm.reference_stages([full], xs)
+    sum(mm.mse(o, y) for o, y in zip(outs, labels)).backward()
+    x = xs[rank].clone().requires_grad_()
+    out = stage(x)
+    mm.mse(out, labels[rank]).backward()
+    problems = [] if torch.equal(out, outs[rank].detach()) else ["output differs from the reference"]
+    ref = dict(full.named_parameters())
+    for name, p in stage.named_parameters():
+        got = p.grad.clone()
+        parts = name.split(".")
+        if "experts" in parts:
+            parts[3] = str(int(parts[3]) + stage.blocks[int(parts[1])].first_expert)
+        else:
+            dist.all_reduce(got, group=group)
+        err = grad_error(got, ref[".".join(parts)].grad)
+        if not err <= TOL:
+            problems.append(f"{name}: gradient error {err:.3g}")
+    rows = stage.blocks[0].expert_rows
+    routed = sum(torch.bincount(full.blocks[0].router(full.blocks[0].norm2(full.blocks[0].attention(x)).reshape(-1, mm.HIDDEN))[0].reshape(-1), minlength=4) for x in xs)
+    if not torch.equal(rows, routed[2 * rank : 2 * rank + 2]):
+        problems.append(f"expert rows {rows.tolist()} != routed {routed.tolist()}")
+    if uneven and (routed[-1] != 0 or routed[0] < routed.sum() // 2):
+        problems.append(f"routing is not uneven: {routed.tolist()}")
+    return problems
+
+
+def _errors_case(group) -> list[str]:
+    with pytest.raises(ValueError, match="ep_group"):
+        mm.MoEBlock(8, 2, 3, 1, 4, ep_group=group)
+    stage = mm.sharded(mm.make_stage(), group)
+    with pytest.raises(ValueError, match="shard_experts_"):
+        stage.shard_experts_(group)
+    return []
+
+
+def _world(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    group = dist.new_group([0, 1])
+    results = {}
+    for variant, uneven in LAYER_CASES:
+        results[("layer", variant, uneven)] = _layer_case(group, variant, uneven)
+    results["errors"] = _errors_case(group)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "ep"))
+    for case in PIPE_CASES:
+        try:
+            results[case] = mm.run_pipeline_case(mesh, *case)
+        except Exception as exc:
+            results[case] = [f"{type(exc).__name__}: {exc}"]
+        dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_world(2, _world, timeout=300)
+
+
+@pytest.mark.parametrize("variant,uneven", LAYER_CASES)
+def test_ep2_layer_matches_reference(outcomes, variant, uneven):
+    assert [o[("layer", variant, uneven)] for o in outcomes] == [[], []]
+
+
+@pytest.mark.parametrize("case", PIPE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_pp1_ep2_pipeline_matches_reference(outcomes, case):
+    assert [o[case] for o in outcomes] == [[], []]
+
+
+def test_ep_errors(outcomes):
+    assert [o["errors"] for o in outcomes] == [[], []]
+
+
+@pytest.mark.parametrize("kwargs,arg", [
+    (dict(top_k=5), "top_k"), (dict(score="relu"), "score"), (dict(groups=3), "groups"),
+    (dict(groups=2, top_groups=3), "top_groups"), (dict(groups=4, top_groups=1, top_k=2), "top_k"),
+])
+def test_router_rejects_bad_arguments(kwargs, arg):
+    args = dict(hidden=8, heads=2, num_experts=4, top_k=2, expert_hidden=4) | kwargs
+    with pytest.raises(ValueError, match=arg):
+        mm.MoEBlock(**args)
+
+
+def test_heads_must_divide_hidden():
+    with pytest.raises(ValueError, match="heads"):
+        mm.MoEBlock(8, 3, 4, 2, 4)
+
+
+def test_one_rank_block_equals_reference_bitwise():
+    torch.manual_seed(0)
+    stage = mm.make_stage("grouped", blocks=2, uneven=True)
+    ref = copy.deepcopy(stage)
+    x = torch.randn(2, mm.SEQ, mm.HIDDEN, dtype=torch.float64)
+    label = torch.randn_like(x)
+    out = stage(x)
+    want = mm.reference_stages([ref], [x])[0]
+    assert torch.equal(out, want)
+    mm.mse(out, label).backward()
+    mm.mse(want, label).backward()
+    for (name, p), q in zip(stage.named_parameters(), ref.parameters()):
+        assert grad_error(p.grad, q.grad) <= TOL, name

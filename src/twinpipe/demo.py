@@ -19,7 +19,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block", "add_demo_parser", "run_demo", "main"]
+__all__ = ["Block", "add_demo_parser", "run_demo", "main", "grad_tolerance", "exactness_line",
+           "cpu_cores", "oversubscription_warning", "GRAD_TOLERANCE", "TRACE_FILES"]
+
+_DESCRIPTION = ("Train a small transformer on a pipeline schedule and check every step against a single "
+                "process: losses bitwise, gradients within a tolerance per dtype. Launches its own ranks "
+                "(CPU processes with gloo by default), or runs under torchrun.")
 
 
 class Block(nn.Module):
@@ -128,7 +133,7 @@ def _run_rank(args) -> None:
             exact &= torch.equal(loss.cpu(), torch.stack([ref_losses[j] for j in my_mbs]).cpu())
         for s, module in zip(mine, pipe.module):
             for p, q in zip(module.parameters(), reference[_model_stage(placement, s)].parameters()):
-                exact &= _grad_error(p.grad, q.grad) <= (1e-13 if p.dtype == torch.float64 else 1e-6)
+                exact &= _grad_error(p.grad, q.grad) <= grad_tolerance(p.dtype)
         flag = torch.tensor([1.0 if exact else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         exact = bool(flag.item())
@@ -142,8 +147,7 @@ def _run_rank(args) -> None:
     if args.trace:
         _write_trace(pipe, chunks, args, rank)
     if rank == 0:
-        print(f"exact: {'yes' if all_exact else 'no'} (losses bitwise equal to a single process, "
-              "gradients within 1e-13)", flush=True)
+        print(exactness_line(all_exact, _dtype(args)), flush=True)
     if not all_exact:
         raise SystemExit(1)
 
@@ -190,7 +194,7 @@ def _write_trace(pipe, chunks, args, rank) -> None:
     timeline = gather_timeline(pipe, chunks, name=args.schedule)
     if rank == 0:
         report = write_run_report(args.trace, timeline, pipe.schedule_for(chunks))
-        print(f"trace: {args.trace}/trace.json (open in https://ui.perfetto.dev), measured.png, predicted.png; "
+        print(f"trace: {', '.join(report['files'].values())} (open trace.json in https://ui.perfetto.dev); "
               f"bubble rate measured {report['measured_bubble_rate']:.3f}, predicted {report['predicted_bubble_rate']:.3f}",
               flush=True)
 
@@ -213,55 +217,126 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+TRACE_FILES = {
+    "trace.json": "Chrome/Perfetto trace of the last step",
+    "measured.png": "its timeline",
+    "predicted.png": "the simulator's timeline from the measured op times",
+    "compare.png": "both on one time axis",
+}
+
+# Gradient check: relative squared error |a-b|^2 / (|a|^2+|b|^2) against one process, per dtype.
+GRAD_TOLERANCE = {"float64": 1e-13, "float32": 1e-6}
+
+
+def grad_tolerance(dtype: torch.dtype) -> float:
+    """The largest gradient error the demo accepts for ``dtype``."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in GRAD_TOLERANCE:
+        raise ValueError(f"dtype={dtype}: the demo checks {', '.join(GRAD_TOLERANCE)}")
+    return GRAD_TOLERANCE[name]
+
+
+def exactness_line(exact: bool, dtype: torch.dtype) -> str:
+    """The verdict, naming the tolerance that was checked."""
+    return (f"exact: {'yes' if exact else 'no'} (losses bitwise equal to a single process, gradients "
+            f"within {grad_tolerance(dtype):g} relative squared error in {str(dtype).removeprefix('torch.')})")
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity where the OS says, else all)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def oversubscription_warning(ranks: int, threads: int, cores: int) -> str | None:
+    """A warning when CPU ranks x threads exceed the cores: ranks then wait for a core, not for each other."""
+    if ranks * threads <= cores:
+        return None
+    return (f"warning: {ranks} CPU rank(s) x {threads} thread(s) on {cores} core(s): ranks wait for a core, "
+            "so step times and the measured bubble say little about the schedule")
+
+
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("demo", help="train a small model on a pipeline and check it against one process")
+    p = subparsers.add_parser("demo", help="train a small model on a pipeline and check it against one process",
+                              description=_DESCRIPTION)
     _add_options(p)
     return p
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed; must be an integer >= 1")
+    return value
+
+
 def _add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=4, help="pipeline ranks to launch (default 4)")
-    p.add_argument("--schedule", default="dualpipev", help="dualpipe, dualpipev or any schedule name (default dualpipev)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--chunks", type=int, default=0, help="micro-batches per step (default 2 x ranks)")
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--microbatch-size", type=int, default=2)
-    p.add_argument("--blocks-per-stage", type=int, default=1)
-    p.add_argument("--stages-per-rank", type=int, default=None, help="for interleaved-1f1b")
-    p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
-    p.add_argument("--trace", metavar="DIR", default=None, help="write trace.json, measured.png, predicted.png here")
-
-
-def _check(args) -> str | None:
     from twinpipe.schedule import registry
 
-    if args.ranks < 1:
-        return f"--ranks={args.ranks}: must be >= 1"
+    p.add_argument("--ranks", type=_positive_int, default=4,
+                   help="pipeline ranks to launch; under torchrun, its world size instead (default: %(default)s)")
+    p.add_argument("--schedule", default="dualpipev",
+                   help=f"one of {', '.join(registry.names())} (default: %(default)s)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: gloo, one process per rank; cuda: NCCL, one GPU per rank (default: %(default)s)")
+    p.add_argument("--steps", type=_positive_int, default=3, help="training steps (default: %(default)s)")
+    p.add_argument("--chunks", type=_positive_int, default=None, help="micro-batches per step (default: 2 x ranks)")
+    p.add_argument("--hidden", type=_positive_int, default=64, help="model width (default: %(default)s)")
+    p.add_argument("--heads", type=_positive_int, default=4,
+                   help="attention heads; must divide --hidden (default: %(default)s)")
+    p.add_argument("--seq", type=_positive_int, default=16, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--microbatch-size", type=_positive_int, default=2,
+                   help="sequences per micro-batch (default: %(default)s)")
+    p.add_argument("--blocks-per-stage", type=_positive_int, default=1,
+                   help="transformer blocks in each pipeline stage (default: %(default)s)")
+    p.add_argument("--stages-per-rank", type=_positive_int, default=None,
+                   help="stages per rank, for interleaved-1f1b (default: the schedule's own)")
+    p.add_argument("--dtype", choices=list(GRAD_TOLERANCE), default="float64",
+                   help="parameter and activation dtype; gradients must match one process within "
+                        + ", ".join(f"{t:g} ({d})" for d, t in GRAD_TOLERANCE.items()) + " (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: %(default)s)")
+    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads per CPU rank (default: %(default)s)")
+    p.add_argument("--trace", metavar="DIR", default=None,
+                   help="record the last step and write "
+                        + ", ".join(f"{name} ({what})" for name, what in TRACE_FILES.items())
+                        + " into DIR (default: no trace)")
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _check(args, ranks: int) -> str | None:
+    from twinpipe.schedule import registry
+
     if args.hidden % args.heads:
         return f"--hidden={args.hidden} must be divisible by --heads={args.heads}"
+    if not math.isfinite(args.lr):
+        return f"--lr={args.lr}: must be a finite number"
     try:
-        registry.build(args.schedule, args.ranks, args.chunks or 2 * args.ranks, **_schedule_options(args))
+        registry.build(args.schedule, ranks, args.chunks or 2 * ranks, **_schedule_options(args))
     except ValueError as exc:
         return str(exc)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             return "--device=cuda: CUDA is not available on this machine; use --device cpu"
-        if args.ranks > torch.cuda.device_count() and "RANK" not in os.environ:
+        if ranks > torch.cuda.device_count() and not _under_torchrun():
             return f"--ranks={args.ranks}: NCCL needs one GPU per rank and this machine has {torch.cuda.device_count()}"
     return None
 
 
 def run_demo(args) -> int:
-    problem = _check(args)
+    ranks = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.ranks
+    problem = _check(args, ranks)
     if problem:
         print(f"twinpipe demo: error: {problem}", file=sys.stderr)
         return 2
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+    if args.device == "cpu" and os.environ.get("LOCAL_RANK", "0") == "0":
+        warning = oversubscription_warning(int(os.environ.get("LOCAL_WORLD_SIZE", ranks)), args.threads, cpu_cores())
+        if warning:
+            print(f"twinpipe demo: {warning}", file=sys.stderr, flush=True)
+    if _under_torchrun():
         torch.set_num_threads(args.threads)
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
         try:
@@ -280,7 +355,7 @@ def run_demo(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m twinpipe.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m twinpipe.demo", description=_DESCRIPTION)
     _add_options(parser)
     return run_demo(parser.parse_args(argv))
 

@@ -1,0 +1,97 @@
+"""``twinpipe demo``: every option explained with its default, one tolerance per dtype printed as
+checked, a warning when ranks outnumber cores, and the trace files its help names."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from twinpipe import demo
+
+
+def _demo_parser() -> argparse.ArgumentParser:
+    return demo.add_demo_parser(argparse.ArgumentParser().add_subparsers())
+
+
+def test_every_option_has_help_and_its_default():
+    options = [a for a in _demo_parser()._actions if a.option_strings and a.dest != "help"]
+    assert len(options) >= 15
+    for action in options:
+        assert action.help and "(default: " in action.help, action.option_strings
+    text = _demo_parser().format_help()
+    assert "(default: dualpipev)" in text and "(default: 2 x ranks)" in text and "(default: 0.05)" in text
+
+
+def test_both_entry_points_show_the_same_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        demo.main(["--help"])
+    assert exit_.value.code == 0
+    own = capsys.readouterr().out
+    assert own.split("options:", 1)[1] == _demo_parser().format_help().split("options:", 1)[1]
+    for name in demo.TRACE_FILES:
+        assert name in own
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_verdict_names_the_tolerance_checked(dtype):
+    tolerance = demo.grad_tolerance(dtype)
+    assert tolerance == demo.GRAD_TOLERANCE[str(dtype).removeprefix("torch.")]
+    line = demo.exactness_line(True, dtype)
+    assert line.startswith("exact: yes") and f"within {tolerance:g} " in line and str(dtype)[6:] in line
+    others = [t for d, t in demo.GRAD_TOLERANCE.items() if t != tolerance]
+    assert others and not any(f"{t:g}" in line for t in others)
+    assert demo.exactness_line(False, dtype).startswith("exact: no")
+
+
+def test_float32_is_checked_looser_than_float64_and_other_dtypes_are_refused():
+    assert demo.grad_tolerance(torch.float32) > demo.grad_tolerance(torch.float64)
+    with pytest.raises(ValueError, match=r"dtype=torch.float16: the demo checks float64, float32"):
+        demo.grad_tolerance(torch.float16)
+
+
+def test_oversubscription_warning():
+    assert demo.oversubscription_warning(ranks=2, threads=1, cores=2) is None
+    assert demo.oversubscription_warning(ranks=1, threads=4, cores=4) is None
+    warning = demo.oversubscription_warning(ranks=4, threads=1, cores=2)
+    assert "4 CPU rank(s) x 1 thread(s) on 2 core(s)" in warning and "bubble" in warning
+    assert demo.oversubscription_warning(ranks=2, threads=2, cores=2) is not None
+    assert 1 <= demo.cpu_cores() <= (os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "argument --steps: 0 is not allowed; must be an integer >= 1"),
+    (["--chunks", "-2"], "argument --chunks: -2 is not allowed"),
+])
+def test_bad_options_are_refused_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        demo.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_a_learning_rate_that_is_not_finite_fails_before_launching(capsys):
+    assert demo.main(["--lr", "nan"]) == 2
+    assert "--lr=nan: must be a finite number" in capsys.readouterr().err
+
+
+def test_float32_run_warns_checks_its_tolerance_and_writes_the_trace_files_it_names(tmp_path, capfd, monkeypatch):
+    monkeypatch.setattr(demo, "cpu_cores", lambda: 1)  # 2 ranks on "1 core"
+    argv = ["--ranks", "2", "--steps", "1", "--hidden", "8", "--heads", "2", "--seq", "4",
+            "--dtype", "float32", "--trace", str(tmp_path)]
+    assert demo.main(argv) == 0
+    out, err = capfd.readouterr()
+    assert "warning: 2 CPU rank(s) x 1 thread(s) on 1 core(s)" in err
+    assert demo.exactness_line(True, torch.float32) in out, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(demo.TRACE_FILES)
+    for name in demo.TRACE_FILES:
+        assert str(tmp_path / name) in out
+
+
+def test_the_readme_quickstart_names_every_trace_file():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    quickstart = readme.split("\n## Quickstart\n", 1)[1].split("\n## ", 1)[0]
+    for name in demo.TRACE_FILES:
+        assert f"`{name}`" in quickstart, name

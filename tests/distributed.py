@@ -7,7 +7,9 @@ outcome comes back as data so that pytest can report it as its own test.
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -41,8 +43,12 @@ def _worker(rank, world_size, port, fn, args, queue, backend="gloo"):
                 pass
 
 
-def run_world(world_size: int, fn, *args, timeout: float = 600.0, backend: str = "gloo") -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the per-rank results."""
+def run_world(world_size: int, fn, *args, timeout: float = 600.0, backend: str = "gloo", allow_deaths: bool = False) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the per-rank results.
+
+    With ``allow_deaths``, a process that exits without reporting gives ``("died", exit code)``
+    instead of failing the run (fault-injection tests kill ranks on purpose).
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -50,9 +56,20 @@ def run_world(world_size: int, fn, *args, timeout: float = 600.0, backend: str =
     for p in procs:
         p.start()
     results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
+        while len(results) < world_size:
+            try:
+                rank, status, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                for r, p in enumerate(procs):
+                    if r not in results and p.exitcode is not None and queue.empty():
+                        if not allow_deaths:
+                            raise RuntimeError(f"rank {r} died (exit code {p.exitcode}) without reporting") from None
+                        results[r] = ("died", p.exitcode)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the world did not finish within {timeout:g} s") from None
+                continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = value

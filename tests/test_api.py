@@ -4,6 +4,7 @@ rank_mapping, DualPipe's mirrored weights, and defer_weight_grads."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -108,23 +109,22 @@ def case_mirrored_weights(group):
 def case_full_backward_sends_before_weight_grads(group):
     import twinpipe
     from twinpipe.runtime.transport import Transport
-    from twinpipe.runtime.weight_grad import WeightGradStore
 
     rank = dist.get_rank(group)
     model = models.make_model(models.MLPStage, 2, seed=3)
     pipe = twinpipe.Pipeline([copy.deepcopy(model[rank])], "1f1b", process_group=group)
     events = []
-    send, pop = Transport.send, WeightGradStore.pop.__func__
+    send, pop = Transport.send, pipe.store.pop
 
     def logged_send(self, msg, tensors):
         events.append(("send", msg.kind, msg.src_stage, msg.microbatch))
         send(self, msg, tensors)
 
-    def logged_pop(cls, key=None):
+    def logged_pop(key=None):
         events.append(("W", *key))
-        pop(cls, key)
+        pop(key)
 
-    Transport.send, WeightGradStore.pop = logged_send, classmethod(logged_pop)
+    Transport.send, pipe.store.pop = logged_send, logged_pop
     try:
         x = torch.randn(8, 3, models.HIDDEN, dtype=torch.float64)
         y = torch.randn_like(x)
@@ -134,11 +134,83 @@ def case_full_backward_sends_before_weight_grads(group):
             return events.count(("send", "act", 0, 0)) == 1  # stage 0 has no input gradient to send
         loss, _ = pipe.step(num_chunks=4, criterion=models.mse, labels=(y,))
     finally:
-        Transport.send, WeightGradStore.pop = send, classmethod(pop)
+        Transport.send = send
     # Stage 1's every BW: its input gradient leaves before its weight gradients are computed.
     order = [e for e in events if e[0] == "W" or e[1] == "grad"]
     expected = [e for j in range(4) for e in (("send", "grad", 1, j), ("W", 1, j))]
     return torch.equal(loss, ref) and (order == expected or order)
+
+
+def _containers_case(group, make):
+    """DualPipeV takes this rank's two stages in any of the official API's containers."""
+    import twinpipe
+
+    rank = dist.get_rank(group)
+    model = models.make_model(models.MLPStage, 4, seed=9)
+    pipe = twinpipe.DualPipeV(make(copy.deepcopy(model[rank]), copy.deepcopy(model[3 - rank])), process_group=group)
+    x = torch.randn(8, 3, models.HIDDEN, dtype=torch.float64)
+    y = torch.randn_like(x)
+    ref = _reference(model, torch.tensor_split(x, 4), torch.tensor_split(y, 4))
+    if rank == 0:
+        loss, _ = pipe.step(x, num_chunks=4, criterion=models.mse, labels=(y,))
+        if not torch.equal(loss, ref):
+            return "loss differs"
+    else:
+        pipe.step(num_chunks=4)
+    mine = [model[rank], model[3 - rank]]
+    for got, want in zip(pipe.module, mine):
+        for p, q in zip(got.parameters(), want.parameters()):
+            if not models.grad_error(p.grad, q.grad) <= 1e-13:
+                return "gradients differ"
+    return True
+
+
+def _as_tuple(a, b):
+    return (a, b)
+
+
+def _as_list(a, b):
+    return [a, b]
+
+
+def _as_module_list(a, b):
+    return nn.ModuleList([a, b])
+
+
+def _as_sequential(a, b):
+    return nn.Sequential(a, b)
+
+
+CONTAINERS = {"tuple": _as_tuple, "list": _as_list, "ModuleList": _as_module_list, "Sequential": _as_sequential}
+
+
+def case_loss_is_a_view(group):
+    """A criterion may return a one-element view (e.g. ``loss.view(1)`` or ``losses[0:1]``)."""
+    model, pipe = _v_pipeline(group, 2, seed=4)
+    x = torch.randn(8, 3, models.HIDDEN, dtype=torch.float64)
+    y = torch.randn_like(x)
+    ref = _reference(model, torch.tensor_split(x, 4), torch.tensor_split(y, 4))
+
+    def view_loss(out, label):
+        return models.mse(out, label).view(1)
+
+    if dist.get_rank(group) == 0:
+        loss, _ = pipe.step(x, num_chunks=4, criterion=view_loss, labels=(y,))
+        return torch.equal(loss.reshape(-1), ref)
+    pipe.step(num_chunks=4)
+    return True
+
+
+def case_bool_num_chunks(group):
+    _, pipe = _v_pipeline(group, 2)
+    x = torch.randn(8, 3, models.HIDDEN, dtype=torch.float64)
+    try:
+        pipe.step(x, num_chunks=True, criterion=models.mse, labels=(x,))
+    except ValueError as exc:
+        return "num_chunks=True" in str(exc)
+    except Exception as exc:  # the other rank learns of the rejection
+        return type(exc).__name__ == "PipelineAbortedError" and "num_chunks=True" in str(exc)
+    return "accepted"
 
 
 CASES = {
@@ -147,6 +219,9 @@ CASES = {
     "rank_mapping": (2, case_rank_mapping),
     "mirrored_weights": (4, case_mirrored_weights),
     "full_backward_sends_before_weight_grads": (2, case_full_backward_sends_before_weight_grads),
+    **{f"containers_{name}": (2, functools.partial(_containers_case, make=make)) for name, make in CONTAINERS.items()},
+    "loss_is_a_view": (2, case_loss_is_a_view),
+    "bool_num_chunks": (2, case_bool_num_chunks),
 }
 
 
@@ -203,3 +278,45 @@ def test_defer_weight_grads_keeps_parameter_objects_and_other_layers():
     assert model[0].weight is weight and isinstance(model[1], nn.LayerNorm)
     no_linear = nn.Sequential(nn.Tanh())
     assert twinpipe.defer_weight_grads(no_linear) is no_linear
+
+
+def test_each_pipeline_has_its_own_weight_grad_store():
+    """The class-level API acts on the store active in the calling thread, never another thread's."""
+    import threading
+
+    from twinpipe.runtime.weight_grad import GradStore, WeightGradStore
+
+    store, seen = GradStore(), {}
+    inside, done = threading.Event(), threading.Event()
+
+    def pipeline_thread():
+        with store.active():
+            WeightGradStore.enabled = True
+            WeightGradStore.put(lambda: None)
+            inside.set()
+            done.wait(10)
+
+    worker = threading.Thread(target=pipeline_thread)
+    worker.start()
+    inside.wait(10)
+    seen["enabled"], seen["cache"] = WeightGradStore.enabled, len(WeightGradStore.cache)
+    done.set()
+    worker.join()
+    assert seen == {"enabled": False, "cache": 0}
+    assert store.enabled and len(store.cache) == 1
+
+
+def test_official_class_level_store_api_still_works():
+    """Code written for the official WeightGradStore (class attributes, FIFO flush/pop) runs unchanged."""
+    from twinpipe.runtime.weight_grad import WeightGradStore
+
+    ran = []
+    WeightGradStore.clear()
+    WeightGradStore.enabled = True
+    assert WeightGradStore.enabled is True
+    WeightGradStore.put(lambda: ran.append(1))
+    WeightGradStore.flush()
+    WeightGradStore.enabled = False
+    assert WeightGradStore.funcs_queue.qsize() == 1
+    WeightGradStore.pop()
+    assert ran == [1] and WeightGradStore.pending() == 0

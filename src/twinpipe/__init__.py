@@ -12,8 +12,9 @@ from twinpipe.schedule.registry import stages_of_rank
 __version__ = "0.1.0"
 
 _RUNTIME = {
-    "Pipeline", "DualPipe", "DualPipeV", "WeightGradStore", "DeferredLinear", "defer_weight_grads",
-    "set_p2p_tensor_shapes", "set_p2p_tensor_dtype", "PipelineTimeoutError", "run_backward",
+    "Pipeline", "DualPipe", "DualPipeV", "WeightGradStore", "GradStore", "DeferredLinear", "defer_weight_grads",
+    "set_p2p_tensor_shapes", "set_p2p_tensor_dtype", "run_backward",
+    "PipelineCommError", "PipelineTimeoutError", "PipelineMismatchError", "PipelineAbortedError", "PipelineBrokenError",
 }
 
 __all__ = ["Op", "OpKind", "Schedule", "build_schedule", "schedule_names", "stages_of_rank", "simulate", *sorted(_RUNTIME)]

@@ -1,11 +1,15 @@
 """The torch layer: P2P messages, deferred weight gradients, the executor and the pipelines."""
 
-from twinpipe.runtime.comm import PipelineTimeoutError, set_p2p_tensor_dtype, set_p2p_tensor_shapes
+from twinpipe.runtime.comm import set_p2p_tensor_dtype, set_p2p_tensor_shapes
+from twinpipe.runtime.errors import (
+    PipelineAbortedError, PipelineBrokenError, PipelineCommError, PipelineMismatchError, PipelineTimeoutError,
+)
 from twinpipe.runtime.executor import run_backward
 from twinpipe.runtime.pipeline import DualPipe, DualPipeV, Pipeline
-from twinpipe.runtime.weight_grad import DeferredLinear, WeightGradStore, defer_weight_grads
+from twinpipe.runtime.weight_grad import DeferredLinear, GradStore, WeightGradStore, defer_weight_grads
 
 __all__ = [
-    "Pipeline", "DualPipe", "DualPipeV", "WeightGradStore", "DeferredLinear", "defer_weight_grads",
-    "set_p2p_tensor_shapes", "set_p2p_tensor_dtype", "PipelineTimeoutError", "run_backward",
+    "Pipeline", "DualPipe", "DualPipeV", "WeightGradStore", "GradStore", "DeferredLinear", "defer_weight_grads",
+    "set_p2p_tensor_shapes", "set_p2p_tensor_dtype", "run_backward",
+    "PipelineCommError", "PipelineTimeoutError", "PipelineMismatchError", "PipelineAbortedError", "PipelineBrokenError",
 ]

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from twinpipe.runtime.errors import PipelineCommError, PipelineTimeoutError
+
 __all__ = [
     "Layout",
     "set_p2p_tensor_shapes",
@@ -165,16 +167,15 @@ def unpack(buffers: list[torch.Tensor], shapes) -> list[torch.Tensor]:
     return out
 
 
-class PipelineTimeoutError(RuntimeError):
-    """A wait for a peer did not finish in time (the peer failed, hung, or never sent)."""
-
-
 def wait_work(work, timeout: float, what: str) -> None:
-    """Wait for a P2P request, raising PipelineTimeoutError with ``what`` after ``timeout`` s."""
+    """Wait for a P2P request or collective, raising PipelineTimeoutError with ``what`` after
+    ``timeout`` s, or PipelineCommError if it failed (e.g. the peer's process died)."""
     try:
         done = work.wait(datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:
-        raise PipelineTimeoutError(f"{what}: did not complete within {timeout:g} s ({exc})") from exc
+        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            raise PipelineTimeoutError(f"{what}: did not complete within {timeout:g} s ({exc})") from exc
+        raise PipelineCommError(f"{what}: failed ({exc}); the peer may have died") from exc
     if done is False:
         raise PipelineTimeoutError(f"{what}: did not complete within {timeout:g} s")
 

@@ -1,8 +1,8 @@
 """Runs one rank's lowered program on real tensors. One executor serves every schedule.
 
 Per op: receive what it needs (``Transport``), compute, hand the results on. Outputs that were
-sent are freed at once (autograd keeps only what backward needs). B defers weight gradients to
-``WeightGradStore`` under the op's (stage, micro-batch); W runs them.
+sent are freed at once (autograd keeps only what backward needs). B defers weight gradients to the
+pipeline's ``GradStore`` under the op's (stage, micro-batch); W runs them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch.autograd import Variable
 from twinpipe.runtime.comm import Layout
 from twinpipe.runtime.recorder import Recorder
 from twinpipe.runtime.transport import Transport
-from twinpipe.runtime.weight_grad import WeightGradStore
+from twinpipe.runtime.weight_grad import GradStore
 from twinpipe.schedule.lower import Message, RankProgram
 from twinpipe.schedule.ops import Op, OpKind
 from twinpipe.schedule.placement import Placement
@@ -78,13 +78,15 @@ class Executor:
         layouts: dict,
         declared: Layout | None,
         timeout: float,
+        store: GradStore,
         recorder: Recorder | None = None,
         overlap_fn=None,
+        before_first_message=None,
     ):
         self.program, self.placement, self.modules = program, placement, modules
-        self.rank = program.rank
+        self.rank, self.store = program.rank, store
         self.recorder, self.overlap_fn = recorder, overlap_fn
-        self.transport = Transport(program, p2p, device, layouts, declared, timeout, self._where)
+        self.transport = Transport(program, p2p, device, layouts, declared, timeout, self._where, before_first_message)
         self.acts: dict[tuple[int, int], tuple] = {}  # inputs waiting for a forward
         self.grads: dict[tuple[int, int], tuple] = {}  # output gradients waiting for a backward
         self.saved: dict[tuple[int, int], tuple] = {}  # (inputs, outputs, loss) kept for backward
@@ -134,20 +136,21 @@ class Executor:
             else:
                 self.transport.send(Message("act", stage, nxt, mb, self.rank, self.placement.rank_of(nxt)), handed)
                 if data.training and not data.return_outputs:
-                    self._free(stage, outputs)
+                    self._free(outputs, inputs)
         if data.training:
             self.saved[(stage, mb)] = (inputs, outputs, loss)
             self.live += 1
             self.result.peak_live = max(self.result.peak_live, self.live)
 
-    def _free(self, stage: int, outputs: tuple) -> None:
+    @staticmethod
+    def _free(outputs: tuple, inputs: tuple) -> None:
+        """Drop the data of sent outputs the stage computed; backward needs only their graph nodes.
+
+        Leaves (the stage's inputs passed through, the user's tensors) and views (their memory
+        belongs to another tensor, often an input) are kept as they are."""
+        kept = {id(t) for t in inputs}
         for o in outputs:
-            if o._base is not None:
-                raise ValueError(
-                    f"stage {stage} returned a view of another tensor; return a fresh tensor "
-                    "(e.g. .clone() or .contiguous()) so its memory can be freed after sending"
-                )
-            if o.grad_fn is not None:  # never free the user's own leaf tensors
+            if o.grad_fn is not None and o._base is None and id(o) not in kept:
                 o.data = torch.empty(0, dtype=o.dtype, device=o.device)
 
     def _graph_roots(self, stage: int, mb: int, outputs: tuple) -> tuple[list, list]:
@@ -172,8 +175,6 @@ class Executor:
         send_first = not defer_w and prev is not None and self.placement.rank_of(prev) != self.rank
         if run_graph:
             self._backward_graph(roots, grads, defer_w or send_first, (stage, mb))
-        if loss is not None:
-            loss.detach_()
         if prev is not None:
             in_grads = tuple(
                 t.grad if t.grad is not None else torch.zeros_like(t)
@@ -185,22 +186,23 @@ class Executor:
             else:
                 self.transport.send(Message("grad", stage, prev, mb, self.rank, self.placement.rank_of(prev)), in_grads)
         if send_first and run_graph:
-            WeightGradStore.pop((stage, mb))
+            self.store.pop((stage, mb))
         if not defer_w:
             self.live -= 1
 
     def _backward_graph(self, roots, grads, defer_w: bool, key) -> None:
         if roots:
-            WeightGradStore.enabled = defer_w
+            self.store.enabled = defer_w
             try:
-                run_backward(roots, grads)
+                with self.store.running_backward():
+                    run_backward(roots, grads)
             finally:
-                WeightGradStore.enabled = False
+                self.store.enabled = False
         if defer_w:
-            WeightGradStore.flush(key)
+            self.store.flush(key)
 
     def _weight(self, stage: int, mb: int) -> None:
-        WeightGradStore.pop((stage, mb))
+        self.store.pop((stage, mb))
         self.live -= 1
 
     def _forward_backward(self, op: Op, data: StepData) -> None:
@@ -232,7 +234,6 @@ class Executor:
         self._num_mb = num_microbatches
         self.result = StepResult()
         program, rec = self.program, self.recorder
-        self.transport.start()
         for index, op in enumerate(program.ops):
             self.op_index = index
             if program.recvs[index]:

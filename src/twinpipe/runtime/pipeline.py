@@ -9,17 +9,22 @@ steps. Training runs when grad mode is on; under ``torch.no_grad()`` only forwar
 
 from __future__ import annotations
 
+import uuid
+import zlib
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinpipe.runtime.comm import PointToPoint, declared_layout
+from twinpipe.runtime.agreement import AgreementRound, Claim
+from twinpipe.runtime.collectives import checked_timeout, cpu_group, gather_objects
+from twinpipe.runtime.comm import PointToPoint, declared_layout, wait_work
+from twinpipe.runtime.errors import PipelineAbortedError, PipelineBrokenError, PipelineCommError, PipelineMismatchError
 from twinpipe.runtime.executor import Executor, StepData
 from twinpipe.runtime.recorder import Recorder
 from twinpipe.runtime.shm import shm_pipes
-from twinpipe.runtime.weight_grad import WeightGradStore
+from twinpipe.runtime.weight_grad import GradStore
 from twinpipe.schedule import registry
 from twinpipe.schedule.lower import LoweredSchedule, forward_only, lower
 from twinpipe.schedule.ops import Schedule
@@ -34,17 +39,47 @@ def _device_of(modules: Sequence[nn.Module]) -> torch.device:
     return torch.device("cpu")
 
 
+def _stage_modules(modules, count: int) -> list[nn.Module]:
+    """This rank's ``count`` stage modules from what the user passed (the official API's containers)."""
+    if isinstance(modules, nn.Sequential) and count > 1:
+        modules = list(modules)  # the stages, in order (with one stage, a Sequential is the stage)
+    elif isinstance(modules, (nn.ModuleList, list, tuple)):
+        modules = list(modules)
+    elif isinstance(modules, nn.Module):
+        modules = [modules]
+    else:
+        raise ValueError(f"modules={type(modules).__name__}: pass this rank's stage module(s) as an nn.Module, "
+                         "a tuple, a list, an nn.ModuleList or an nn.Sequential")
+    for i, m in enumerate(modules):
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"modules[{i}] is a {type(m).__name__}; every stage must be an nn.Module")
+    return modules
+
+
+def _describe_schedule(spec, options: dict) -> str:
+    opts = ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
+    if isinstance(spec, str):
+        name = registry.get(spec).name
+    elif isinstance(spec, Schedule):
+        name = f"fixed schedule #{zlib.crc32(repr(spec.ops).encode()):08x}"
+    else:
+        name = f"{getattr(spec, '__module__', '?')}.{getattr(spec, '__qualname__', repr(spec))}"
+    return f"{name}({opts})" if opts else name
+
+
 class Pipeline(nn.Module):
     """Runs ``schedule`` over the ranks of ``process_group`` with this rank's stage ``modules``.
 
-    ``modules`` holds this rank's stages in ascending stage order (see
-    ``twinpipe.stages_of_rank``). ``schedule`` is a registered name, a generator
-    ``fn(num_ranks, num_microbatches, **options) -> Schedule``, or a fixed ``Schedule``.
-    Message shapes come from ``tensor_shapes``/``tensor_dtype``, the process-wide setters, or are
-    discovered on the first step (``dynamic_shapes=True`` rediscovers them every step).
-    ``timeout`` bounds every wait for a peer, in seconds. ``transport="auto"`` sends CPU messages
-    between ranks on one host through shared memory and everything else through the process group;
-    ``"process-group"`` always uses the group. Pass the same value on every rank.
+    ``modules`` holds this rank's stages in ascending stage order (see ``twinpipe.stages_of_rank``):
+    one module, or a tuple, list, ``nn.ModuleList`` or ``nn.Sequential`` of them. ``schedule`` is a
+    registered name, a generator ``fn(num_ranks, num_microbatches, **options) -> Schedule``, or a
+    fixed ``Schedule``. Message shapes come from ``tensor_shapes``/``tensor_dtype``, the
+    process-wide setters, or are discovered on the first step (``dynamic_shapes=True``
+    rediscovers them every step). ``timeout`` bounds every wait for a peer, in seconds, collectives
+    included. ``transport="auto"`` sends CPU messages between ranks on one host through shared
+    memory and everything else through the process group; ``"process-group"`` always uses the
+    group. Construction is collective, and ranks that disagree on how they built the pipeline
+    (schedule, options, transport, declared layouts) all raise ``PipelineMismatchError``.
     """
 
     def __init__(
@@ -63,50 +98,32 @@ class Pipeline(nn.Module):
         **schedule_options,
     ):
         super().__init__()
-        if isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
-            modules = [modules]  # a single stage
-        self.module = nn.ModuleList(modules)
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group() first (or use torchrun)")
+        self.timeout = checked_timeout(timeout)
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.num_ranks = dist.get_world_size(self.group)
         group_rank = dist.get_rank(self.group)
-        if rank_mapping is None:
-            rank_mapping = list(range(self.num_ranks))
-        if sorted(rank_mapping) != list(range(self.num_ranks)):
-            raise ValueError(f"rank_mapping={list(rank_mapping)!r}: must be a permutation of 0..{self.num_ranks - 1}")
-        self.rank = rank_mapping[group_rank]
-        self.global_rank_of = {pp: dist.get_global_rank(self.group, g) for g, pp in enumerate(rank_mapping)}
-        self.group_rank_of = {pp: g for g, pp in enumerate(rank_mapping)}
-        if not isinstance(batch_dim, int):
-            raise ValueError(f"batch_dim={batch_dim!r}: must be an int")
-        if not timeout or timeout <= 0:
-            raise ValueError(f"timeout={timeout!r}: must be a positive number of seconds")
-        self.batch_dim, self.timeout, self.dynamic_shapes = batch_dim, float(timeout), dynamic_shapes
-        self._schedule_spec, self._schedule_options = schedule, schedule_options
-        self._tensor_shapes, self._tensor_dtype = tensor_shapes, tensor_dtype
-        declared_layout(tensor_shapes, tensor_dtype)  # reject bad shapes/dtypes now, not mid-step
-        self._layouts: dict = {}
-        self._layout_key = None
-        self._lowered: dict[tuple[int, bool], LoweredSchedule] = {}
-        self.device = _device_of(self.module)
-        self.last_trace: list | None = None
-        self.last_peak_live = 0
-        placement = self._placement()
-        self.stages = placement.stages_of(self.rank)
-        if len(self.stages) != len(self.module):
-            raise ValueError(
-                f"rank {self.rank} holds stages {list(self.stages)} under this schedule, so it needs "
-                f"{len(self.stages)} module(s); got {len(self.module)}"
-            )
-        self._by_stage = dict(zip(self.stages, self.module))
-        if transport not in ("auto", "process-group"):
-            raise ValueError(f"transport={transport!r}: allowed are 'auto' and 'process-group'")
+        self._agree_group = cpu_group(self.group, self.timeout)
+        self.store = GradStore()  # this pipeline's deferred weight gradients
+        self._rounds = 0  # steps begun (agreement rounds); equal on every rank
+        self._broken: str | None = None
+        error = None
+        try:
+            self._configure(modules, schedule, batch_dim, rank_mapping, group_rank, tensor_shapes, tensor_dtype,
+                            dynamic_shapes, transport, schedule_options)
+        except Exception as exc:  # tell the other ranks before raising, so that none of them waits
+            error = exc
+        self._agree_on_construction(group_rank, error, schedule, schedule_options, rank_mapping, tensor_shapes,
+                                    tensor_dtype, dynamic_shapes, transport)
+        if error is not None:
+            raise error
         pipes = None
         if transport == "auto":  # collective: every rank of the group takes part
+            placement = self._placement()
             neighbours = {placement.rank_of(n) for s in self.stages
                           for n in (placement.prev_stage(s), placement.next_stage(s)) if n is not None}
-            pipes = shm_pipes(self.group, self.rank, self.group_rank_of, neighbours - {self.rank}, self.device)
+            pipes = shm_pipes(self.group, self.rank, self.group_rank_of, neighbours - {self.rank}, self.device, self.timeout)
         self._p2p = PointToPoint(self.group, self.group_rank_of, pipes)
         # Like the official DualPipe: the user's overlapped F&B runs when all of this rank's stage
         # modules are of one class that defines it.
@@ -114,6 +131,79 @@ class Pipeline(nn.Module):
         self._overlap = None
         if len(kinds) == 1 and hasattr(kinds.pop(), "overlapped_forward_backward"):
             self._overlap = type(self.module[0]).overlapped_forward_backward
+
+    def _configure(self, modules, schedule, batch_dim, rank_mapping, group_rank, tensor_shapes, tensor_dtype,
+                   dynamic_shapes, transport, schedule_options) -> None:
+        """Everything construction checks on this rank alone."""
+        if rank_mapping is None:
+            rank_mapping = list(range(self.num_ranks))
+        if sorted(rank_mapping) != list(range(self.num_ranks)):
+            raise ValueError(f"rank_mapping={list(rank_mapping)!r}: must be a permutation of 0..{self.num_ranks - 1}")
+        self.rank = rank_mapping[group_rank]
+        self.global_rank_of = {pp: dist.get_global_rank(self.group, g) for g, pp in enumerate(rank_mapping)}
+        self.group_rank_of = {pp: g for g, pp in enumerate(rank_mapping)}
+        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int):
+            raise ValueError(f"batch_dim={batch_dim!r}: must be an int")
+        if transport not in ("auto", "process-group"):
+            raise ValueError(f"transport={transport!r}: allowed are 'auto' and 'process-group'")
+        self.batch_dim, self.dynamic_shapes = batch_dim, bool(dynamic_shapes)
+        self._schedule_spec, self._schedule_options = schedule, schedule_options
+        self._tensor_shapes, self._tensor_dtype = tensor_shapes, tensor_dtype
+        declared_layout(tensor_shapes, tensor_dtype)  # reject bad shapes/dtypes now, not mid-step
+        self._layouts: dict = {}
+        self._layout_key = None
+        self._lowered: dict[tuple[int, bool], LoweredSchedule] = {}
+        self.last_trace: list | None = None
+        self.last_peak_live = 0
+        placement = self._placement()
+        self.stages = placement.stages_of(self.rank)
+        self.module = nn.ModuleList(_stage_modules(modules, len(self.stages)))
+        if len(self.stages) != len(self.module):
+            raise ValueError(
+                f"rank {self.rank} holds stages {list(self.stages)} under this schedule, so it needs "
+                f"{len(self.stages)} module(s); got {len(self.module)}"
+            )
+        self.device = _device_of(self.module)
+        self._by_stage = dict(zip(self.stages, self.module))
+
+    @property
+    def _declared(self):
+        """Declared message layout: this pipeline's, else the process-wide setters' (read every step)."""
+        return declared_layout(self._tensor_shapes, self._tensor_dtype)
+
+    def _agree_on_construction(self, group_rank, error, schedule, options, rank_mapping, shapes, dtype, dynamic, transport):
+        """Every rank checks that all built the same pipeline, and learns of any rank that failed to."""
+        where = f"rank {getattr(self, 'rank', group_rank)}: building the pipeline"
+        facts = {}
+        if error is None:
+            facts = {
+                "schedule": _describe_schedule(schedule, options),
+                "rank_mapping": "identity" if rank_mapping is None else str(list(rank_mapping)),
+                "transport": transport,
+                "message layouts": f"declared [{self._declared}]" if self._declared else
+                                   ("discovered every step" if dynamic else "discovered on the first step"),
+            }
+        claim = (group_rank, facts, "ready" if error is None else "rejected",
+                 "" if error is None else f"{type(error).__name__}: {error}", uuid.uuid4().hex)
+        claims = gather_objects(self._agree_group, claim, self.timeout, f"{where}: waiting for every rank to build it")
+        self._identity = f"#{min(c[4] for c in claims)[:8]}"
+        if error is not None:
+            return
+        rejected = [c for c in claims if c[2] == "rejected"]
+        if rejected:
+            reasons = "; ".join(f"group rank {c[0]}: {c[3]}" for c in rejected)
+            raise PipelineAbortedError(f"{where}: construction failed on another rank ({reasons})")
+        problems = []
+        for key, mine in facts.items():
+            values: dict[str, list[int]] = {}
+            for c in claims:
+                values.setdefault(c[1][key], []).append(c[0])
+            if len(values) > 1:
+                said = "; ".join(f"group ranks {r}: {v}" for v, r in values.items())
+                problems.append(f"{key} ({said})")
+        if problems:
+            raise PipelineMismatchError(f"{where}: ranks built it differently: " + ", and ".join(problems))
+        self._identity = f"{facts['schedule']} pipeline #{min(c[4] for c in claims)[:8]}"
 
     @property
     def shared_memory_peers(self) -> set[int]:
@@ -152,10 +242,90 @@ class Pipeline(nn.Module):
 
     # ------------------------------------------------------------------ step
     def step(self, *inputs, num_chunks: int = 0, criterion=None, labels=(), return_outputs: bool = False, trace: bool = False):
-        """Run one pipelined step over ``num_chunks`` micro-batches. Returns ``(loss, outputs)``."""
-        if not isinstance(num_chunks, int) or num_chunks < 1:
-            raise ValueError(f"num_chunks={num_chunks!r}: must be a positive int (micro-batches per step, all chains together)")
+        """Run one pipelined step over ``num_chunks`` micro-batches. Returns ``(loss, outputs)``.
+
+        Before any message moves, every rank checks that all run the same step (see
+        ``twinpipe.runtime.agreement``); a rank that rejects its inputs makes the others raise
+        ``PipelineAbortedError``, and the pipeline stays usable for the next step.
+        """
         training = torch.is_grad_enabled()
+        round_index = self._rounds
+        self._rounds += 1
+        where = f"rank {self.rank}, step {round_index}"
+        error = None
+        try:
+            lowered, data = self._prepare(inputs, num_chunks, criterion, labels, return_outputs, training)
+        except Exception as exc:  # reported to every rank before raising
+            error = exc
+        if self._broken is not None:
+            status, reason = "broken", self._broken
+        elif error is not None:
+            status, reason = "rejected", f"{type(error).__name__}: {error}"
+        else:
+            status, reason = "ready", ""
+        declared = self._declared
+        discovering = declared is None and (self.dynamic_shapes or self._layout_key != num_chunks)
+        facts = {
+            "pipeline": self._identity,
+            "step": str(round_index),
+            "mode": "training" if training else "forward-only (torch.no_grad())",
+            "num_chunks": repr(num_chunks),
+            "message layouts": f"declared [{declared}]" if declared is not None else
+                               "to discover" if discovering else f"discovered for num_chunks={self._layout_key}",
+        }
+        agreement = None
+        if self.num_ranks > 1:
+            agreement = AgreementRound(self._agree_group, Claim(self.rank, facts, status, reason), self.timeout, where)
+        if status != "ready":
+            if agreement is not None:
+                try:
+                    agreement.confirm()  # let the others know; hear from them
+                except PipelineBrokenError:
+                    raise
+                except PipelineCommError as exc:  # the others never started this step
+                    if status == "rejected":
+                        self._broken = f"rank {self.rank}: step {round_index} never started on every rank ({exc})"
+                except (PipelineMismatchError, PipelineAbortedError):
+                    pass  # this rank's own error says more
+            if status == "broken":
+                raise PipelineBrokenError(f"{where}: this pipeline cannot run again ({reason}). Build a new pipeline on every rank.")
+            raise error
+
+        def before_first_message() -> None:
+            if agreement is not None:
+                agreement.confirm()
+            if discovering:
+                self._layouts.clear()
+                self._layout_key = num_chunks
+
+        recorder = Recorder(self.device) if trace else None
+        executor = Executor(
+            lowered.programs[self.rank], lowered.schedule.placement, self._by_stage, self._p2p, self.device,
+            self._layouts, declared, self.timeout, self.store, recorder, self._overlap, before_first_message,
+        )
+        self.store.clear()
+        try:
+            with self.store.active():
+                result = executor.run(data, num_chunks)
+            if training and self.store.pending():
+                raise RuntimeError(f"rank {self.rank}: {self.store.pending()} deferred weight gradients never ran")
+        except BaseException as exc:
+            # Once messages may have moved, or the ranks' rounds fell out of step, it cannot be undone.
+            if isinstance(exc, PipelineCommError) or (
+                executor.transport.opened and not isinstance(exc, (PipelineMismatchError, PipelineAbortedError, PipelineBrokenError))
+            ):
+                self._broken = f"rank {self.rank} failed during step {round_index}: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self.store.clear()
+        self.last_peak_live = result.peak_live
+        self.last_trace = recorder.events if recorder else None
+        return self._collect(result)
+
+    def _prepare(self, inputs, num_chunks, criterion, labels, return_outputs, training) -> tuple[LoweredSchedule, StepData]:
+        """Check this rank's arguments and split its batch; raises before anything is sent."""
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ValueError(f"num_chunks={num_chunks!r}: must be a positive int (micro-batches per step, all chains together)")
         lowered = self._lowered_for(num_chunks, training)
         placement = lowered.schedule.placement
         labels = tuple(labels) if isinstance(labels, (list, tuple)) else (labels,)
@@ -172,23 +342,7 @@ class Pipeline(nn.Module):
                     raise ValueError(f"rank {self.rank} holds stage {stage}, a last stage: training needs criterion= here")
                 if criterion is not None:
                     data.labels[stage] = self._split(labels, count, "labels") if labels else [()] * count
-        if self.dynamic_shapes or self._layout_key != num_chunks:
-            self._layouts, self._layout_key = {}, num_chunks
-        recorder = Recorder(self.device) if trace else None
-        executor = Executor(
-            lowered.programs[self.rank], placement, self._by_stage, self._p2p,
-            self.device, self._layouts, declared_layout(self._tensor_shapes, self._tensor_dtype), self.timeout, recorder, self._overlap,
-        )
-        WeightGradStore.clear()
-        try:
-            result = executor.run(data, num_chunks)
-            if training and WeightGradStore.pending():
-                raise RuntimeError(f"rank {self.rank}: {WeightGradStore.pending()} deferred weight gradients never ran")
-        finally:
-            WeightGradStore.clear()
-        self.last_peak_live = result.peak_live
-        self.last_trace = recorder.events if recorder else None
-        return self._collect(result)
+        return lowered, data
 
     def _split(self, tensors: tuple, count: int, what: str) -> list[tuple]:
         chunks = []
@@ -233,21 +387,23 @@ class DualPipe(Pipeline):
     """
 
     def __init__(self, modules, batch_dim: int = 0, process_group=None, rank_mapping=None, **options):
+        if dist.is_initialized():
+            ranks = dist.get_world_size(process_group if process_group is not None else dist.group.WORLD)
+            if ranks % 2:
+                raise ValueError(f"DualPipe needs an even number of ranks; the process group has {ranks}")
         super().__init__(modules, "dualpipe", batch_dim, process_group, rank_mapping, **options)
-        if self.num_ranks % 2:
-            raise ValueError(f"DualPipe needs an even number of ranks; the process group has {self.num_ranks}")
 
     def _mirror_peer(self) -> int:
         return self.global_rank_of[self.num_ranks - 1 - self.rank]
 
-    def _exchange(self, mine: torch.Tensor) -> torch.Tensor:
+    def _exchange(self, mine: torch.Tensor, what: str) -> torch.Tensor:
         theirs = torch.empty_like(mine)
         peer = self._mirror_peer()
         if peer == dist.get_rank():
             return mine.clone()
         works = [dist.isend(mine, dst=peer, group=self.group), dist.irecv(theirs, src=peer, group=self.group)]
         for w in works:
-            w.wait()
+            wait_work(w, self.timeout, f"rank {self.rank}: {what} waiting for rank {self.num_ranks - 1 - self.rank}")
         return theirs
 
     def sync_mirrored_grads(self) -> None:
@@ -258,7 +414,7 @@ class DualPipe(Pipeline):
                 p.grad = torch.zeros_like(p)
         # Send our second copy's grads then our first's: they pair with the peer's first and second.
         mine = torch.cat([p.grad.reshape(-1) for p in second + first])
-        theirs = self._exchange(mine)
+        theirs = self._exchange(mine, "sync_mirrored_grads()")
         offset = 0
         for p in first + second:
             n = p.numel()
@@ -269,7 +425,7 @@ class DualPipe(Pipeline):
         """Make both copies' weights identical (the lower rank's copy wins), in place."""
         first, second = [list(m.parameters()) for m in self.module]
         mine = torch.cat([p.detach().reshape(-1) for p in second + first])
-        theirs = self._exchange(mine)
+        theirs = self._exchange(mine, "sync_mirrored_weights()")
         if self.rank < self.num_ranks - 1 - self.rank:
             return
         offset = 0

@@ -22,7 +22,8 @@ import uuid
 from collections import deque
 
 import torch
-import torch.distributed as dist
+
+from twinpipe.runtime.collectives import gather_objects
 
 __all__ = ["ShmPipes", "shm_pipes"]
 
@@ -67,6 +68,10 @@ class _Pipe:
                 # process (SIGBUS), a failed reservation only raises.
                 os.posix_fallocate(fd, 0, _CONTROL + capacity)  # zero-filled: head = tail = 0
             self._map = mmap.mmap(fd, _CONTROL + capacity)
+        except OSError:
+            if create:
+                _unlink(path)
+            raise
         finally:
             os.close(fd)
         raw = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -141,6 +146,9 @@ class ShmPipes:
                 pipe.move()
 
 
+_SHM_DIR = "/dev/shm"
+
+
 def _host_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -151,23 +159,33 @@ def _host_id() -> str:
 
 
 def _eligible(device: torch.device, needed: int) -> bool:
-    if device.type != "cpu" or platform.machine().lower() not in ("x86_64", "amd64") or not os.path.isdir("/dev/shm"):
+    if device.type != "cpu" or platform.machine().lower() not in ("x86_64", "amd64") or not os.path.isdir(_SHM_DIR):
         return False
-    stats = os.statvfs("/dev/shm")
+    stats = os.statvfs(_SHM_DIR)
     return stats.f_bavail * stats.f_frsize >= 4 * needed  # leave room for everyone else
 
 
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def shm_pipes(group, rank: int, group_rank_of: dict[int, int], neighbours: set[int], device: torch.device,
-              capacity: int = 4 << 20) -> ShmPipes:
+              timeout: float = 60.0, capacity: int = 4 << 20) -> ShmPipes:
     """Set up pipes to the same-host ``neighbours`` (pipeline ranks). Collective over ``group``.
 
     Every rank learns every rank's host and eligibility, so both ends of a pair agree on whether
-    they talk through a pipe. The files are unlinked as soon as both ends have mapped them.
+    they try a pipe. A pair whose files cannot be created or opened (a full /dev/shm, or ranks that
+    share a host name and boot but not /dev/shm, as containers with host networking do) falls back
+    to the process group, on both ends. Files are unlinked as soon as both ends have mapped them,
+    and whatever happens (a failure, a peer dying), before this returns or raises.
     """
     needed = len(neighbours) * (_CONTROL + capacity)
     info = (rank, _host_id(), _eligible(device, needed), sorted(neighbours), uuid.uuid4().hex)
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, info, group=group)
+    what = f"rank {rank}: setting up shared-memory pipes"
+    everyone = gather_objects(group, info, timeout, what)
     by_rank = {r: (host, ok, set(nb)) for r, host, ok, nb, _ in everyone}
     token = min(everyone)[4]  # the same on every rank
 
@@ -175,13 +193,35 @@ def shm_pipes(group, rank: int, group_rank_of: dict[int, int], neighbours: set[i
         return by_rank[a][1] and by_rank[b][1] and by_rank[a][0] == by_rank[b][0] and b in by_rank[a][2]
 
     def path(src: int, dst: int) -> str:
-        return f"/dev/shm/twinpipe-{token}-{src}-{dst}"
+        return os.path.join(_SHM_DIR, f"twinpipe-{token}-{src}-{dst}")
 
     peers = [p for p in sorted(neighbours) if p != rank and shared(rank, p) and shared(p, rank)]
-    outgoing = {p: _Pipe(path(rank, p), capacity, create=True) for p in peers}
-    dist.barrier(group=group)
-    incoming = {p: _Pipe(path(p, rank), capacity, create=False) for p in peers}
-    dist.barrier(group=group)
-    for p in peers:  # both ends are mapped; the memory lives until both unmap
-        os.unlink(path(rank, p))
-    return ShmPipes(outgoing, incoming)
+    if not any(shared(a, b) for a in by_rank for b in by_rank if a != b):
+        return ShmPipes({}, {})
+    outgoing, incoming, failed = {}, {}, set()
+    try:
+        for p in peers:
+            try:
+                outgoing[p] = _Pipe(path(rank, p), capacity, create=True)
+            except OSError:
+                failed.add(p)
+        failed = _agree_on_failures(group, rank, failed, timeout, what)
+        for p in peers:
+            if p not in failed:
+                try:
+                    incoming[p] = _Pipe(path(p, rank), capacity, create=False)
+                except OSError:
+                    failed.add(p)
+        failed = _agree_on_failures(group, rank, failed, timeout, what)
+    finally:  # both ends are mapped (or never will be): the memory lives until both unmap
+        for p in peers:
+            _unlink(path(rank, p))
+            _unlink(path(p, rank))
+    usable = [p for p in peers if p not in failed]
+    return ShmPipes({p: outgoing[p] for p in usable}, {p: incoming[p] for p in usable})
+
+
+def _agree_on_failures(group, rank: int, failed: set[int], timeout: float, what: str) -> set[int]:
+    """Peers this rank must not use a pipe with: its own failures and those its peers report."""
+    reports = gather_objects(group, (rank, sorted(failed)), timeout, what)
+    return set(failed) | {r for r, theirs in reports if rank in theirs}

@@ -1,7 +1,8 @@
 """Moving packets between pipeline ranks, in the per-pair order the lowering fixed.
 
-Receives are posted as early as that order allows, so transfers overlap compute; sends are
-asynchronous and retired when done. Layouts are declared or discovered (a header precedes a packet
+Nothing is posted before ``before_first_message`` (the step agreement) has returned: a step the
+ranks disagree on must not move a single byte. From then on receives are posted as early as that
+order allows, so transfers overlap compute; sends are asynchronous and retired when done. Layouts are declared or discovered (a header precedes a packet
 whose layout the receiver does not know yet); senders check what they send against them.
 """
 
@@ -39,6 +40,7 @@ class Transport:
         declared: Layout | None,
         timeout: float,
         where: Callable[[], str],
+        before_first_message: Callable[[], None] | None = None,
     ):
         self.rank, self.p2p, self.device = program.rank, p2p, device
         self.layouts, self.declared, self.timeout, self.where = layouts, declared, timeout, where
@@ -48,14 +50,22 @@ class Transport:
         self.arrived: dict[Message, list[torch.Tensor]] = {}  # unpacked, waiting for their op
         self.outbox: dict[Message, tuple[torch.Tensor, ...]] = {}
         self.in_flight: list[tuple[list, list, Packet]] = []
+        self.before_first_message = before_first_message
+        self.opened = False  # whether anything may have been posted (the step then cannot be undone)
 
-    def start(self) -> None:
-        """Post what can be posted before the first op."""
+    def _open(self) -> None:
+        """Before the first message: pass the agreement, then post what can be posted."""
+        if self.opened:
+            return
+        if self.before_first_message is not None:
+            self.before_first_message()
+        self.opened = True
         for channel in self.channels.values():
             self.pump(channel)
 
     def finish(self) -> None:
         """Post everything left and wait until every send is delivered."""
+        self._open()
         for channel in self.channels.values():
             self.pump(channel, drain=True)
         self.retire(wait=True)
@@ -128,6 +138,7 @@ class Transport:
         return f"{self.where()}: waiting for {thing} from/to rank {peer}"
 
     def receive(self, msg: Message) -> list[torch.Tensor]:
+        self._open()
         if msg in self.arrived:
             return self.arrived.pop(msg)
         packet = self.packet_of[msg]
@@ -146,6 +157,7 @@ class Transport:
         return self.arrived.pop(msg)
 
     def send(self, msg: Message, tensors: tuple) -> None:
+        self._open()
         self.outbox[msg] = tensors
         self.pump(self.channels[msg.dst_rank])
 

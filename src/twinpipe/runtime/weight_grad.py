@@ -1,71 +1,150 @@
 """Deferred weight gradients (the "W" of zero bubble).
 
 A layer that supports deferral computes its input gradient during backward at once, and hands
-the weight-gradient computation to ``WeightGradStore`` as a closure. The executor turns the store
-on for a B op, files the closures under that op's (stage, micro-batch), and runs them at the
+the weight-gradient computation to the weight-gradient store as a closure. The executor turns the
+store on for a B op, files the closures under that op's (stage, micro-batch), and runs them at the
 matching W op. Layers that do not defer simply compute their weight gradients during B.
 
-``WeightGradStore`` keeps the official DualPipe's class-level API (``enabled``, ``put``, ``flush``,
-``pop``, ``clear``) so layers written for it work unchanged; ``flush``/``pop`` also take a key.
+Each pipeline has its own ``GradStore``, so two pipelines in one process (two models, or two
+threads) never see each other's closures. ``WeightGradStore`` keeps the official DualPipe's
+class-level API (``enabled``, ``put``, ``flush``, ``pop``, ``clear``) so layers written for it work
+unchanged: it acts on the store of the pipeline whose step runs in the calling thread (or whose
+backward autograd is running, for backward functions autograd calls from its own device threads),
+else on one process-wide store. ``flush``/``pop`` also take a key.
 """
 
 from __future__ import annotations
 
 import queue
+import threading
+from contextlib import contextmanager
 from typing import Callable, Hashable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WeightGradStore", "DeferredLinear", "defer_weight_grads"]
+__all__ = ["GradStore", "WeightGradStore", "DeferredLinear", "defer_weight_grads", "current_store"]
 
 
-class WeightGradStore:
-    """Process-wide store of deferred weight-gradient closures."""
+class GradStore:
+    """One pipeline's deferred weight-gradient closures."""
 
-    enabled: bool = False
-    cache: list[Callable[[], None]] = []
-    funcs_queue: queue.Queue = queue.Queue()
-    _by_key: dict[Hashable, list[Callable[[], None]]] = {}
+    def __init__(self):
+        self.enabled = False
+        self.cache: list[Callable[[], None]] = []
+        self.funcs_queue: queue.Queue = queue.Queue()
+        self._by_key: dict[Hashable, list[Callable[[], None]]] = {}
 
-    @classmethod
-    def put(cls, func: Callable[[], None]) -> None:
-        cls.cache.append(func)
+    def put(self, func: Callable[[], None]) -> None:
+        self.cache.append(func)
 
-    @classmethod
-    def flush(cls, key: Hashable | None = None) -> None:
+    def flush(self, key: Hashable | None = None) -> None:
         """File the closures gathered since the last flush: under ``key``, or FIFO if None."""
         if key is None:
-            cls.funcs_queue.put(cls.cache)
+            self.funcs_queue.put(self.cache)
         else:
-            cls._by_key[key] = cls.cache
-        cls.cache = []
+            self._by_key[key] = self.cache
+        self.cache = []
 
-    @classmethod
-    def pop(cls, key: Hashable | None = None) -> None:
+    def pop(self, key: Hashable | None = None) -> None:
         """Run the closures filed under ``key`` (or the oldest FIFO entry if None)."""
         if key is None:
             try:
-                funcs = cls.funcs_queue.get_nowait()
+                funcs = self.funcs_queue.get_nowait()
             except queue.Empty:
                 raise RuntimeError("WeightGradStore.pop(): nothing was flushed") from None
         else:
-            funcs = cls._by_key.pop(key, [])
+            funcs = self._by_key.pop(key, [])
         for func in funcs:
             func()
 
+    def clear(self) -> None:
+        self.enabled = False
+        self.cache = []
+        self.funcs_queue = queue.Queue()
+        self._by_key = {}
+
+    def pending(self) -> int:
+        """How many filed entries still wait for their W."""
+        return len(self._by_key) + self.funcs_queue.qsize()
+
+    @contextmanager
+    def active(self):
+        """Make this the store the class-level API acts on, in this thread."""
+        previous = getattr(_local, "store", None)
+        _local.store = self
+        try:
+            yield self
+        finally:
+            _local.store = previous
+
+    @contextmanager
+    def running_backward(self):
+        """Mark a backward in progress for this store (autograd may call layers from other threads)."""
+        key = threading.get_ident()
+        with _lock:
+            _in_backward[key] = self
+        try:
+            yield
+        finally:
+            with _lock:
+                _in_backward.pop(key, None)
+
+
+_PROCESS_STORE = GradStore()
+_local = threading.local()
+_lock = threading.Lock()
+_in_backward: dict[int, GradStore] = {}
+
+
+def current_store() -> GradStore:
+    """The store the class-level ``WeightGradStore`` API acts on here and now."""
+    store = getattr(_local, "store", None)
+    if store is not None:
+        return store
+    with _lock:
+        running = {id(s): s for s in _in_backward.values()}
+    if len(running) == 1:  # a backward function called from one of autograd's device threads
+        return next(iter(running.values()))
+    if len(running) > 1:
+        raise RuntimeError(
+            "WeightGradStore was used from a thread that runs no pipeline step while several pipelines "
+            "run backward at once, so it cannot tell which pipeline the weight gradient belongs to"
+        )
+    return _PROCESS_STORE
+
+
+class _CurrentStoreAttributes(type):
+    """Class-level attributes of ``WeightGradStore`` read and write the current store."""
+
+    enabled = property(lambda cls: current_store().enabled, lambda cls, v: setattr(current_store(), "enabled", bool(v)))
+    cache = property(lambda cls: current_store().cache, lambda cls, v: setattr(current_store(), "cache", v))
+    funcs_queue = property(lambda cls: current_store().funcs_queue, lambda cls, v: setattr(current_store(), "funcs_queue", v))
+
+
+class WeightGradStore(metaclass=_CurrentStoreAttributes):
+    """The official class-level API, acting on the current pipeline's store (see module docs)."""
+
+    @classmethod
+    def put(cls, func: Callable[[], None]) -> None:
+        current_store().put(func)
+
+    @classmethod
+    def flush(cls, key: Hashable | None = None) -> None:
+        current_store().flush(key)
+
+    @classmethod
+    def pop(cls, key: Hashable | None = None) -> None:
+        current_store().pop(key)
+
     @classmethod
     def clear(cls) -> None:
-        cls.enabled = False
-        cls.cache = []
-        cls.funcs_queue = queue.Queue()
-        cls._by_key = {}
+        current_store().clear()
 
     @classmethod
     def pending(cls) -> int:
-        """How many keyed entries still wait for their W."""
-        return len(cls._by_key) + cls.funcs_queue.qsize()
+        return current_store().pending()
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:

@@ -1,0 +1,102 @@
+"""Step agreement: before any message of a step moves, every rank states what it is about to run,
+and a mismatch raises a clear error on every rank instead of silently pairing different steps.
+
+Each rank's claim is a few named facts (which pipeline, how many rounds so far, training or
+forward-only, micro-batches, schedule, message layouts) plus its status (ready, rejected its own
+inputs, or broken by an earlier failure). Claims travel in one fixed-size all-gather per step,
+started when ``step()`` begins and awaited only before the rank's first message, so on the ranks
+that compute first its latency hides behind that computation.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import torch
+
+from twinpipe.runtime.collectives import Gathering
+from twinpipe.runtime.errors import PipelineAbortedError, PipelineBrokenError, PipelineMismatchError
+
+__all__ = ["Claim", "AgreementRound", "short"]
+
+CLAIM_BYTES = 1536
+FACT_CHARS = 96  # longer facts are shortened, keeping a checksum so differences still show
+
+
+def short(text: str, limit: int = FACT_CHARS) -> str:
+    """``text``, or its start and a checksum of the whole when it is longer than ``limit``."""
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 14]}… #{zlib.crc32(text.encode()):08x}"
+
+
+class Claim:
+    """What one rank is about to run. ``facts`` must be equal on every rank; ``status`` is
+    ``"ready"``, ``"rejected"`` or ``"broken"`` with ``reason`` saying why."""
+
+    def __init__(self, rank: int, facts: dict[str, str], status: str = "ready", reason: str = ""):
+        self.rank, self.facts, self.status, self.reason = rank, facts, status, reason
+
+    def encode(self) -> torch.Tensor:
+        facts = {k: short(str(v)) for k, v in self.facts.items()}
+        reason = self.reason
+        while True:
+            data = json.dumps([self.rank, facts, self.status, reason]).encode()
+            if len(data) <= CLAIM_BYTES:
+                break
+            reason = reason[: max(0, len(reason) - (len(data) - CLAIM_BYTES) - 8)] + "…"
+        buffer = torch.zeros(CLAIM_BYTES, dtype=torch.uint8)
+        buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return buffer
+
+    @classmethod
+    def decode(cls, buffer: torch.Tensor) -> Claim:
+        data = bytes(buffer.tolist()).rstrip(b"\0")
+        rank, facts, status, reason = json.loads(data.decode())
+        return cls(rank, facts, status, reason)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+class AgreementRound:
+    """One step's exchange of claims over ``group`` (a CPU-capable group of the pipeline's ranks)."""
+
+    def __init__(self, group, claim: Claim, timeout: float, where: str):
+        self.claim, self.where = claim, where
+        self.gathering = Gathering(group, claim.encode(), timeout, f"{where}: waiting for every rank to start the step")
+        self.checked = False
+
+    def confirm(self) -> None:
+        """Wait for every rank's claim; raise if any rank disagrees, rejected the step or is broken."""
+        if self.checked:
+            return
+        claims = [Claim.decode(part) for part in self.gathering.result()]
+        self.checked = True
+        broken = [c for c in claims if c.status == "broken"]
+        if broken:
+            reasons = "; ".join(f"rank {c.rank}: {c.reason}" for c in broken)
+            raise PipelineBrokenError(
+                f"{self.where}: this pipeline cannot run again, an earlier step failed half-way ({reasons}). "
+                "Build a new pipeline on every rank."
+            )
+        rejected = [c for c in claims if c.status == "rejected" and c.rank != self.claim.rank]
+        if rejected and self.claim.status != "rejected":
+            reasons = "; ".join(f"rank {c.rank} rejected it: {c.reason}" for c in rejected)
+            raise PipelineAbortedError(f"{self.where}: step aborted on every rank before any message moved ({reasons})")
+        problems = []
+        for key in self.claim.facts:
+            values: dict[str, list[int]] = {}
+            for c in claims:
+                values.setdefault(c.facts.get(key, "?"), []).append(c.rank)
+            if len(values) > 1:
+                said = "; ".join(f"{_ranks(sorted(r))}: {v}" for v, r in sorted(values.items(), key=lambda kv: min(kv[1])))
+                problems.append(f"{key} ({said})")
+        if problems:
+            raise PipelineMismatchError(
+                f"{self.where}: ranks disagree on " + ", and on ".join(problems)
+                + ". Every rank must call step() the same number of times, in the same mode, with the same "
+                "num_chunks, on pipelines built alike. Nothing was sent; the pipeline is still usable."
+            )

@@ -1,0 +1,199 @@
+"""The part-level F&B overlap: its order, its prediction, the part protocol, and PP=2 x EP=2
+pipelines (4 gloo processes) with overlap on and off against the single-process reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import moe_models as mm
+from distributed import run_world
+from exactness import TOL
+from models import grad_error
+from twinpipe.overlap import Comm, Compute, Done, PartedStage, fb_order, forward_backward, predict_fb
+
+LAYER_F = ["attn", "dispatch", "mlp", "combine", "mix"]
+KIND = {"attn": "compute", "dispatch": "comm", "mlp": "compute", "combine": "comm", "mix": "compute"}
+
+
+def _named_order(layers: int, overlap: bool = True) -> list[str]:
+    f = LAYER_F * layers
+    b = list(reversed(f))
+    names = {"F": f, "B": b, "W": b}
+    return [f"{s.action} {names[s.stream][s.index]}({s.stream})"
+            for s in fb_order([KIND[n] for n in f], [KIND[n] for n in b], overlap)]
+
+
+def test_order_hides_every_comm_behind_the_other_stream():
+    """DeepSeek's layer order, as steps: each comm of one micro-batch is in flight while the
+    other micro-batch computes, and W fills the time when both wait."""
+    order = _named_order(2)
+    flying, hidden = {"F": set(), "B": set()}, set()
+    for step in order:
+        action, rest = step.split(" ")
+        name, stream = rest[:-3], rest[-2]
+        if action == "start":
+            flying[stream].add(name + str(len(hidden)))
+        elif action == "wait":
+            flying[stream] = {n for n in flying[stream] if not n.startswith(name)}
+        elif stream != "W" and flying["B" if stream == "F" else "F"]:
+            hidden.add(("B" if stream == "F" else "F"))
+    assert hidden == {"F", "B"}
+    # DeepSeek: combine(B) attn(F) mlp(B) dispatch(F) dispatch(B) mlp(W) mlp(F) attn(B) attn(W) combine(F)
+    first = [s for s in order if not s.startswith("wait")][:9]
+    assert first == ["run mix(B)", "start combine(B)", "run attn(F)", "start dispatch(F)", "run mix(W)",
+                     "run mlp(B)", "start dispatch(B)", "run mlp(W)", "run mlp(F)"]
+
+
+def test_order_without_overlap_is_f_then_b():
+    order = _named_order(1, overlap=False)
+    assert order[:7] == ["run attn(F)", "start dispatch(F)", "wait dispatch(F)", "run mlp(F)",
+                         "start combine(F)", "wait combine(F)", "run mix(F)"]
+    assert all("(F)" not in s for s in order[7:])
+
+
+def test_fb_order_rejects_unknown_kinds():
+    with pytest.raises(ValueError, match="forward"):
+        fb_order(["compute", "gemm"], [])
+
+
+def test_prediction():
+    f = [(KIND[n], 1.0) for n in LAYER_F]
+    b = [(KIND[n], 1.0) for n in reversed(LAYER_F)]
+    assert predict_fb(f, b, overlap=False) == 10.0
+    assert predict_fb(f, b) < 10.0
+    no_comm = [(k, 0.0 if k == "comm" else t) for k, t in f]
+    assert predict_fb(no_comm, [(k, 0.0 if k == "comm" else t) for k, t in b], [0.5] * 5) == 6 + 3 * 0.5  # W follows compute parts only
+    with pytest.raises(ValueError, match="weight"):
+        predict_fb(f, b, [1.0])
+
+
+# ---------------------------------------------------------------- the protocol, on one process
+class _Shift(PartedStage):
+    """A user's own stage: scale, a 'send' that adds a constant (no real comm), a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+        self.scale = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+
+    def parts(self):
+        return [
+            Compute("scale", lambda x: (x * self.scale, x)),
+            Comm("send", lambda y, x: Done(((y + 1.0, x), None)), lambda ctx, g: Done(g)),
+            Compute("lin", lambda y, x: (self.lin(y) + x,)),
+        ]
+
+
+def _plain(stage, x):
+    return stage.lin(x * stage.scale + 1.0) + x
+
+
+def test_user_stage_gradients_equal_plain_autograd():
+    torch.manual_seed(0)
+    stage = _Shift()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out = stage(x)
+    ref = copy.deepcopy(stage)
+    want = _plain(ref, x2)
+    assert torch.equal(out, want)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    assert grad_error(x.grad, x2.grad) <= TOL
+    for p, q in zip(stage.parameters(), ref.parameters()):
+        assert grad_error(p.grad, q.grad) <= TOL
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_engine_on_one_rank_equals_f_then_bw(overlap):
+    """F&B through the engine: outputs, loss and every gradient as F then a full backward."""
+    torch.manual_seed(1)
+    stages = [mm.make_stage("grouped", blocks=2, uneven=True) for _ in range(2)]
+    refs = copy.deepcopy(stages)
+    x0, x1 = (torch.randn(2, mm.SEQ, mm.HIDDEN, dtype=torch.float64) for _ in range(2))
+    label = torch.randn_like(x0)
+    inputs1 = x1.clone().requires_grad_()
+    out1 = stages[1](inputs1)
+    g1 = torch.randn_like(out1)
+    outputs0, loss0, events = forward_backward(stages[0], [x0], mm.mse, [label], stages[1], None, [out1], [g1], overlap=overlap)
+    r_in1 = x1.clone().requires_grad_()
+    r_out1 = refs[1](r_in1)
+    r_out0 = refs[0](x0)
+    r_loss0 = mm.mse(r_out0, label)
+    r_out1.backward(g1)
+    assert torch.equal(outputs0[0], r_out0) and torch.equal(loss0, r_loss0)
+    assert grad_error(inputs1.grad, r_in1.grad) <= TOL
+    for stage, ref in zip(stages, refs):
+        for (name, p), q in zip(stage.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                assert grad_error(p.grad, q.grad) <= TOL, name
+    assert mm.interleaved(events) == overlap
+
+
+class _Bad(PartedStage):
+    def __init__(self, parts):
+        super().__init__()
+        self._parts = parts
+
+    def parts(self):
+        return self._parts
+
+
+@pytest.mark.parametrize("parts,match", [
+    ([], "non-empty"),
+    ([lambda x: x], "allowed are Compute and Comm"),
+    ([Compute("a", lambda x: x * 2)], "must be a tuple"),
+    ([Compute("a", lambda x: (x, "meta"))], "tensors only"),
+    ([Comm("c", lambda x: Done((x,)), lambda ctx, g: Done(g))], r"\(state, ctx\)"),
+])
+def test_inconsistent_parts_are_rejected(parts, match):
+    with pytest.raises(ValueError, match=match):
+        _Bad(parts)(torch.randn(2, requires_grad=True))
+
+
+def test_comm_backward_must_give_one_gradient_per_input():
+    stage = _Bad([Compute("a", lambda x: (x * 2, x * 3)),
+                  Comm("c", lambda y, z: Done(((y + z,), None)), lambda ctx, g: Done(g)),
+                  Compute("b", lambda y: (y * 1,))])
+    out = stage(torch.randn(2, requires_grad=True))
+    with pytest.raises(ValueError, match="gave 1 gradients for 2 input entries"):
+        out.sum().backward()
+
+
+# ---------------------------------------------------------------- PP=2 x EP=2
+PIPE_CASES = [
+    ("dualpipev", True, "grouped", True), ("dualpipev", False, "grouped", True),
+    ("dualpipe", True, "shared", False), ("dualpipe", False, "softmax", True),
+    ("1f1b", True, "shared", True), ("1f1b", False, "grouped", False),
+]
+
+
+def _world(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+    results = {}
+    for case in PIPE_CASES:
+        try:
+            results[case] = mm.run_pipeline_case(mesh, *case)
+        except Exception as exc:
+            results[case] = [f"{type(exc).__name__}: {exc}"]
+        dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_world(4, _world, timeout=300)
+
+
+@pytest.mark.parametrize("case", PIPE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_pp2_ep2_pipeline_matches_reference(outcomes, case):
+    """Losses bitwise, gradients within 1e-13; with overlap the F&B parts interleave, without not."""
+    assert {r: o[case] for r, o in enumerate(outcomes) if o[case]} == {}

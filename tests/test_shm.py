@@ -62,3 +62,46 @@ def _bad_transport(rank, world):
     except ValueError as exc:
         return "ok" if "transport='tcp'" in str(exc) else str(exc)
     return "accepted"
+
+
+def _setups_that_fail(rank, world):
+    """Ranks that share a host id but not /dev/shm, then a /dev/shm that fills up: both fall back."""
+    import errno
+    import glob
+    import os
+    import tempfile
+
+    import models
+    import twinpipe
+    from twinpipe.runtime import shm
+
+    out = {}
+    before = set(glob.glob("/dev/shm/twinpipe-*"))
+    private = tempfile.mkdtemp()
+    default_dir, fallocate = shm._SHM_DIR, os.posix_fallocate
+    for name in ("separate_dirs", "full"):
+        if name == "separate_dirs" and rank == 1:
+            shm._SHM_DIR = private  # as a container with its own /dev/shm sees it
+        if name == "full" and rank == 0:
+            def no_space(fd, offset, length):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            os.posix_fallocate = no_space
+        try:
+            pipe = twinpipe.Pipeline([models.MLPStage().double()], "1f1b", timeout=10)
+            x = torch.randn(4, 3, models.HIDDEN, dtype=torch.float64)
+            loss, _ = pipe.step(*((x,) if rank == 0 else ()), num_chunks=2, criterion=models.mse, labels=(x,) if rank else ())
+            out[name] = (sorted(pipe.shared_memory_peers), rank == 0 or loss.shape == (2,))
+        except Exception as exc:  # reported, so the test shows it
+            out[name] = f"{type(exc).__name__}: {exc}"
+        finally:
+            shm._SHM_DIR, os.posix_fallocate = default_dir, fallocate
+    dist.barrier()
+    out["leftovers"] = sorted(set(glob.glob("/dev/shm/twinpipe-*")) - before) + os.listdir(private)
+    return out
+
+
+def test_failed_shared_memory_setup_falls_back_to_the_process_group():
+    for rank, out in enumerate(run_world(2, _setups_that_fail)):
+        assert out["separate_dirs"] == ([], True), (rank, out)
+        assert out["full"] == ([], True), (rank, out)
+        assert out["leftovers"] == [], (rank, out)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -183,11 +184,11 @@ BAD = [
     ("interleaved-1f1b", 4, 8, {"stages_per_rank": 0}, r"stages_per_rank=0 is not allowed"),
     ("zb-auto", 4, 8, {"mem_limit": 0.5}, r"mem_limit=0.5 is not allowed; every rank needs at least max\(1, mw\) = 1"),
     ("zb-auto", 4, 8, {"mem_limit": 1.5, "mw": 2.0}, r"mem_limit=1.5 is not allowed; .* = 2"),
-    ("zb-auto", 4, 8, {"t_f": -1}, r"t_f=-1 is not allowed; it must be a number > 0"),
+    ("zb-auto", 4, 8, {"t_f": -1}, r"t_f=-1 is not allowed; it must be a finite number > 0"),
     ("zb-auto", 4, 8, {"t_b": [1, 2]}, r"t_b has 2 entries; it must be one number or 4"),
     ("zb-auto", 4, 8, {"t_comm": -0.5}, r"t_comm=-0.5 is not allowed"),
     ("zbv", 4, 8, {"mem_limit": 1}, r"zbv: mem_limit=1 is not allowed; a rank needs at least"),
-    ("zbv", 4, 8, {"t_w": 0}, r"t_w=0 is not allowed; it must be a number > 0"),
+    ("zbv", 4, 8, {"t_w": 0}, r"t_w=0 is not allowed; it must be a finite number > 0"),
 ]
 
 
@@ -197,14 +198,59 @@ def test_bad_input_names_argument_value_and_allowed(name, p, m, options, message
         registry.build(name, p, m, **options)
 
 
-def test_unknown_option_is_refused():
-    with pytest.raises(TypeError, match="mem_limit"):
-        registry.build("1f1b", 4, 8, mem_limit=4)
+@pytest.mark.parametrize(
+    "name,options,allowed",
+    [
+        ("1f1b", {"mem_limit": 4}, "1f1b takes no options"),
+        ("dualpipev", {"mem_limit": 4}, "dualpipev takes no options"),
+        ("dualpipe", {"stages_per_rank": 2}, "dualpipe takes no options"),
+        ("zbv", {"mem_limt": 9}, "zbv takes mem_limit, t_f, t_b, t_w, t_comm, mw"),
+        ("interleaved", {"stages": 2}, "interleaved-1f1b takes stages_per_rank"),
+    ],
+)
+def test_unknown_option_is_refused_the_same_way_by_every_schedule(name, options, allowed):
+    (key, value), = options.items()
+    for call in (lambda: registry.build(name, 4, 8, **options), lambda: registry.placement_for(name, 4, **options)):
+        with pytest.raises(ValueError, match=rf"option {key}={value!r} is not allowed; {allowed}$"):
+            call()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_bool_is_not_a_count(name):
+    with pytest.raises(ValueError, match=r"num_microbatches=True is not allowed"):
+        registry.build(name, 2, True)
+    with pytest.raises(ValueError, match=r"num_ranks=True is not allowed"):
+        registry.build(name, True, 4)
+    with pytest.raises(ValueError, match=r"num_ranks=True"):
+        registry.placement_for(name, True)
+
+
+@pytest.mark.parametrize(
+    "name,p,m,message",
+    [
+        ("dualpipev", 4, 10**5, r"num_microbatches=100000 is not allowed; it must be an integer >= 1 and <= 16384"),
+        ("1f1b", 10**6, 8, r"num_ranks=1000000 is not allowed; it must be an integer >= 1 and <= 1024"),
+        ("dualpipe", 64, 2048, r"128 stages x num_microbatches=2048 = 262144 .* at most 131072"),
+    ],
+)
+def test_absurd_sizes_fail_fast(name, p, m, message):
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=message):
+        registry.build(name, p, m)
+    assert time.perf_counter() - start < 0.5
+
+
+def test_the_registry_is_an_explicit_table():
+    # No import side effects: the table lists every built-in, and generator modules do not know the registry.
+    assert [info.name for info in registry.BUILTIN] == registry.names()[: len(registry.BUILTIN)]
+    for path in (Path(__file__).resolve().parents[1] / "src" / "twinpipe" / "schedule").glob("*.py"):
+        if path.name != "registry.py":
+            assert not re.search(r"import .*registry|from twinpipe.schedule.registry", path.read_text()), path.name
 
 
 def test_importing_schedule_and_sim_does_not_import_torch():
     code = (
-        "import sys, twinpipe.schedule.generators, twinpipe.schedule.registry as r, twinpipe.sim, twinpipe.sim.cli;"
+        "import sys, twinpipe.schedule.registry as r, twinpipe.sim, twinpipe.sim.cli;"
         "r.build('zb-auto', 4, 8); r.build('dualpipev', 2, 4);"
         "assert 'torch' not in sys.modules, 'torch was imported'; assert 'rich' not in sys.modules"
     )
@@ -219,7 +265,6 @@ def test_importing_schedule_and_sim_does_not_import_torch():
 @pytest.fixture
 def scratch_registry(monkeypatch):
     """Let a test register schedules without leaving them behind."""
-    registry.names()  # load the built-ins into the real registry first
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     monkeypatch.setattr(registry, "_ALIASES", dict(registry._ALIASES))
 

@@ -136,7 +136,7 @@ def test_fb_needs_a_full_backward_half():
 
 @pytest.mark.parametrize("name,p,m", [("dualpipe", 3, 6), ("dualpipe", 4, 5), ("dualpipe", 0, 4), ("dualpipev", 2, 0)])
 def test_bad_counts(name, p, m):
-    with pytest.raises(ValueError, match="num_ranks|num_chunks"):
+    with pytest.raises(ValueError, match="num_ranks|num_chunks|num_microbatches"):
         build(name, p, m)
 
 

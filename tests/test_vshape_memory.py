@@ -118,7 +118,7 @@ def test_per_stage_times():
 BAD = [
     ("v-min", 0, 4, {}, r"v-min: num_ranks=0 is not allowed; it must be an integer >= 1"),
     ("v-half", 4, 0, {}, r"v-half: num_microbatches=0 is not allowed"),
-    ("v-half", 4, 8, {"t_f": 0}, r"v-half: t_f=0 is not allowed; it must be a number > 0"),
+    ("v-half", 4, 8, {"t_f": 0}, r"v-half: t_f=0 is not allowed; it must be a finite number > 0"),
     ("v-min", 4, 8, {"t_b": [1, 2]}, r"v-min: t_b has 2 entries; it must be one number or 8"),
     ("v-min", 4, 8, {"t_comm": -1}, r"v-min: t_comm=-1 is not allowed"),
     ("v-half", 4, 8, {"mw": -0.5}, r"v-half: mw=-0.5 is not allowed"),

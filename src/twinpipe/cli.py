@@ -1,30 +1,51 @@
-"""The ``twinpipe`` command: ``demo | simulate | draw | eplb``. Each subcommand lives with its layer."""
+"""The ``twinpipe`` command: ``demo | simulate | draw | eplb``. Each subcommand lives with its layer.
+
+Only the module of the subcommand that runs is imported: ``simulate`` and ``draw`` need neither
+torch nor the runtime, so they work where torch is not installed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from twinpipe import __version__
 
+# name -> (module, function adding its parser, function running it, one-line help for the listing)
+_COMMANDS = {
+    "demo": ("twinpipe.demo", "add_demo_parser", "run_demo", "train a small model on a pipeline and check it against one process"),
+    "simulate": ("twinpipe.sim.cli", "add_simulate_parser", "run_simulate", "simulate a schedule: bubble, per-rank idle time, peak activation memory"),
+    "draw": ("twinpipe.viz.cli", "add_draw_parser", "run_draw", "draw a simulated schedule (or several, stacked) as PNG/SVG/PDF"),
+    "eplb": ("twinpipe.eplb.cli", "add_eplb_parser", "run_eplb", "balance MoE expert replicas across GPUs (DeepSeek EPLB)"),
+}
 
-def _parser() -> argparse.ArgumentParser:
-    from twinpipe.demo import add_demo_parser, run_demo
-    from twinpipe.eplb.cli import add_eplb_parser, run_eplb
-    from twinpipe.sim.cli import add_simulate_parser, run_simulate
-    from twinpipe.viz.cli import add_draw_parser, run_draw
 
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand named on the command line (the first word that is not an option)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with ``command``'s full options; the other subcommands are listed by name only."""
     parser = argparse.ArgumentParser(prog="twinpipe", description="DualPipe, DualPipeV and friends: run, simulate, draw.")
     parser.add_argument("--version", action="version", version=f"twinpipe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add, run in ((add_demo_parser, run_demo), (add_simulate_parser, run_simulate),
-                     (add_draw_parser, run_draw), (add_eplb_parser, run_eplb)):
-        add(sub).set_defaults(run=run)
+    for name, (module, add, run, summary) in _COMMANDS.items():
+        if name == command:
+            try:
+                mod = importlib.import_module(module)
+            except ModuleNotFoundError as error:  # e.g. demo without torch
+                parser.exit(2, f"twinpipe {name}: error: it needs the package {error.name!r}, which is not installed\n")
+            getattr(mod, add)(sub).set_defaults(run=getattr(mod, run))
+        else:
+            sub.add_parser(name, help=summary)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser(_command_of(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
         parser.print_help()

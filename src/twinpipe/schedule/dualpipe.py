@@ -31,7 +31,6 @@ from collections import deque
 
 from twinpipe.schedule.ops import BW, FB, Op, Schedule, W, B, F
 from twinpipe.schedule.placement import dual, vshape
-from twinpipe.schedule.registry import register
 
 __all__ = ["dualpipe", "dualpipev"]
 
@@ -112,17 +111,19 @@ def _drop_missing(ops: list[Op], exists) -> list[Op]:
     return kept
 
 
-def _check_counts(name: str, num_ranks: int, num_microbatches: int, even_ranks: bool, even_chunks: bool) -> None:
-    if not isinstance(num_ranks, int) or num_ranks < 1 or (even_ranks and num_ranks % 2):
+def _check_counts(name: str, num_ranks, num_microbatches, even_ranks: bool, even_chunks: bool) -> None:
+    def is_count(value) -> bool:  # a bool is not a count
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    if not is_count(num_ranks) or (even_ranks and num_ranks % 2):
         allowed = "an even integer >= 2" if even_ranks else "an integer >= 1"
         raise ValueError(f"{name}: num_ranks={num_ranks!r} is not allowed; it must be {allowed}")
-    if not isinstance(num_microbatches, int) or num_microbatches < 1 or (even_chunks and num_microbatches % 2):
+    if not is_count(num_microbatches) or (even_chunks and num_microbatches % 2):
         allowed = "an even integer >= 2 (half per direction)" if even_chunks else "an integer >= 1"
         raise ValueError(f"{name}: num_chunks={num_microbatches!r} is not allowed; it must be {allowed}")
 
 
-@register("dualpipev", placement=lambda num_ranks, **_: vshape(num_ranks), summary="DeepSeek DualPipeV: V-shaped cut-in-half DualPipe, one weight copy")
-def dualpipev(num_ranks: int, num_microbatches: int, **_options) -> Schedule:
+def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
     """DualPipeV on ``num_ranks`` ranks (2P stages) for any ``num_microbatches`` >= 1.
 
     With ``num_microbatches >= 2 * num_ranks`` the op order equals the official DualPipeV's.
@@ -138,8 +139,7 @@ def dualpipev(num_ranks: int, num_microbatches: int, **_options) -> Schedule:
     return Schedule("dualpipev", vshape(p), n, tuple(ops))
 
 
-@register("dualpipe", placement=lambda num_ranks, **_: dual(num_ranks), summary="DeepSeek DualPipe: bidirectional, two mirrored weight copies")
-def dualpipe(num_ranks: int, num_microbatches: int, **_options) -> Schedule:
+def dualpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     """DualPipe on an even ``num_ranks`` for an even ``num_microbatches`` (half per direction).
 
     With ``num_microbatches >= 2 * num_ranks`` the op order equals the official DualPipe's.

@@ -5,12 +5,10 @@ from __future__ import annotations
 from twinpipe.schedule._args import check_int
 from twinpipe.schedule.ops import BW, F, Schedule
 from twinpipe.schedule.placement import linear
-from twinpipe.schedule.registry import register
 
 __all__ = ["gpipe"]
 
 
-@register("gpipe", placement=lambda num_ranks, **_: linear(num_ranks), summary="GPipe: all forwards, then all full backwards")
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     """GPipe on any ``num_ranks`` >= 1 and ``num_microbatches`` >= 1; holds all m activations."""
     p = check_int("gpipe", "num_ranks", num_ranks)

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from twinpipe.schedule._args import check_int
 from twinpipe.schedule.ops import BW, F, Schedule
-from twinpipe.schedule.placement import looped
-from twinpipe.schedule.registry import register
+from twinpipe.schedule.placement import Placement, looped
 
-__all__ = ["interleaved_1f1b"]
+__all__ = ["interleaved_1f1b", "placement"]
+
+_NAME = "interleaved-1f1b"
 
 
-def _placement(num_ranks: int, stages_per_rank: int = 2, **_) -> object:
-    return looped(num_ranks, stages_per_rank)
+def placement(num_ranks: int, stages_per_rank: int = 2) -> Placement:
+    """The looped placement: rank r holds stages r, r+p, ..., r+(v-1)p."""
+    return looped(num_ranks, check_int(_NAME, "stages_per_rank", stages_per_rank))
 
 
 def _walk(k: int, p: int, v: int, backward: bool) -> tuple[int, int]:
@@ -27,14 +29,13 @@ def _walk(k: int, p: int, v: int, backward: bool) -> tuple[int, int]:
     return chunk, (k // (p * v)) * p + k % p
 
 
-@register("interleaved-1f1b", placement=_placement, summary="Megatron interleaved 1F1B: v stages per rank, bubble / v", aliases=("interleaved",))
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> Schedule:
     """Interleaved 1F1B with ``stages_per_rank`` = v >= 1 on p ranks (v*p stages).
 
     ``num_microbatches`` must be a multiple of ``num_ranks`` (as in Megatron-LM): the walk takes
     micro-batches in groups of p.
     """
-    name = "interleaved-1f1b"
+    name = _NAME
     p = check_int(name, "num_ranks", num_ranks)
     v = check_int(name, "stages_per_rank", stages_per_rank)
     m = check_int(name, "num_microbatches", num_microbatches, minimum=p, multiple_of=p)

@@ -7,7 +7,6 @@ from typing import Iterator
 from twinpipe.schedule._args import check_int
 from twinpipe.schedule.ops import BW, F, Schedule
 from twinpipe.schedule.placement import linear
-from twinpipe.schedule.registry import register
 
 __all__ = ["one_f_one_b", "one_f_one_b_order"]
 
@@ -26,7 +25,6 @@ def one_f_one_b_order(num_microbatches: int, warmup: int) -> Iterator[tuple[str,
         yield "B", j
 
 
-@register("1f1b", placement=lambda num_ranks, **_: linear(num_ranks), summary="1F1B: one forward, one full backward", aliases=("one-f-one-b",))
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
     """1F1B on any ``num_ranks`` >= 1 and ``num_microbatches`` >= 1.
 

@@ -90,8 +90,12 @@ class Placement:
         return self.chains[self.chain_of_stage(stage)].index(stage)
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1  # a bool is not a count
+
+
 def _check_ranks(num_ranks: int) -> None:
-    if not isinstance(num_ranks, int) or num_ranks < 1:
+    if not _is_count(num_ranks):
         raise ValueError(f"num_ranks={num_ranks!r}: must be an integer >= 1")
 
 
@@ -102,7 +106,7 @@ def linear(num_ranks: int) -> Placement:
 
 def looped(num_ranks: int, stages_per_rank: int) -> Placement:
     _check_ranks(num_ranks)
-    if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+    if not _is_count(stages_per_rank):
         raise ValueError(f"stages_per_rank={stages_per_rank!r}: must be an integer >= 1")
     n = num_ranks * stages_per_rank
     return Placement("looped", num_ranks, tuple(s % num_ranks for s in range(n)), (tuple(range(n)),))

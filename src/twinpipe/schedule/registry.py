@@ -1,59 +1,92 @@
 """Schedule names -> generators, so that every tool can ask for a schedule by name.
 
-A generator is ``fn(num_ranks, num_microbatches, **options) -> Schedule``; its placement function
+The built-in schedules are one explicit table (``BUILTIN``); ``register`` adds your own. A
+generator is ``fn(num_ranks, num_microbatches, **options) -> Schedule``; its placement function
 ``placement(num_ranks, **options) -> Placement`` tells users which stages each rank holds before
-they build anything.
+they build anything. ``build`` and ``placement_for`` check what every schedule shares: the counts
+(integers within ``limits.py``) and the option names (a ValueError lists the allowed ones); the
+generator checks the option values.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
+from twinpipe.schedule import dualpipe, gpipe, interleaved, one_f_one_b, vshape_memory, zb_auto, zbv, zero_bubble
+from twinpipe.schedule.limits import MAX_PLANNED_STAGE_MICROBATCHES as _PLANNED
+from twinpipe.schedule.limits import MAX_STAGE_MICROBATCHES, check_counts, check_size
 from twinpipe.schedule.ops import Schedule
-from twinpipe.schedule.placement import Placement
+from twinpipe.schedule.placement import Placement, dual, linear, vshape
 
-__all__ = ["ScheduleInfo", "register", "get", "names", "build", "placement_for", "stages_of_rank"]
+__all__ = ["ScheduleInfo", "BUILTIN", "register", "get", "names", "build", "placement_for", "stages_of_rank"]
+
+
+def _keywords(fn: Callable, skip: int) -> tuple[str, ...] | None:
+    """Names of the keyword options ``fn`` takes after its first ``skip`` parameters (None: any)."""
+    params = list(inspect.signature(fn).parameters.values())[skip:]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 @dataclass(frozen=True)
 class ScheduleInfo:
+    """One schedule: its generator, placement function, a one-line summary and aliases."""
+
     name: str
     generator: Callable[..., Schedule]
     placement: Callable[..., Placement]
     summary: str
     aliases: tuple[str, ...] = ()
+    max_pairs: int = MAX_STAGE_MICROBATCHES  # stages x micro-batches (limits.py)
+
+    @cached_property
+    def options(self) -> tuple[str, ...] | None:
+        """The keyword options the generator takes (None: it takes any)."""
+        return _keywords(self.generator, 2)
 
 
-_REGISTRY: dict[str, ScheduleInfo] = {}
-_ALIASES: dict[str, str] = {}
+BUILTIN: tuple[ScheduleInfo, ...] = (
+    ScheduleInfo("gpipe", gpipe.gpipe, linear, "GPipe: all forwards, then all full backwards"),
+    ScheduleInfo("1f1b", one_f_one_b.one_f_one_b, linear, "1F1B: one forward, one full backward", ("one-f-one-b",)),
+    ScheduleInfo("interleaved-1f1b", interleaved.interleaved_1f1b, interleaved.placement,
+                 "Megatron interleaved 1F1B: v stages per rank, bubble / v", ("interleaved",)),
+    ScheduleInfo("zb-h1", zero_bubble.zb_h1, linear, "ZB-H1: 1F1B memory, bubble (p-1)(T_F+T_B-T_W)", ("zb1p",)),
+    ScheduleInfo("zb-h2", zero_bubble.zb_h2, linear, "ZB-H2: ~2x 1F1B memory, bubble (p-1)(T_F+T_B-2T_W)"),
+    ScheduleInfo("zb-auto", zb_auto.zb_auto, linear, "Zero-bubble automatic scheduler (ZB-1p at mem_limit=p, ZB-2p at 2p)", ("zb",), _PLANNED),
+    ScheduleInfo("zbv", zbv.zbv, vshape, "ZB-V: zero bubble on a V placement at 1F1B memory", ("zb-v",), _PLANNED),
+    ScheduleInfo("v-half", vshape_memory.v_half, vshape, "V-Half: V placement, half of 1F1B's activation memory, bubble about p/(2m)", (), _PLANNED),
+    ScheduleInfo("v-min", vshape_memory.v_min, vshape, "V-Min: V placement, a third of 1F1B's activation memory, bubble about 2p/(3m)", (), _PLANNED),
+    ScheduleInfo("dualpipe", dualpipe.dualpipe, dual, "DeepSeek DualPipe: bidirectional, two mirrored weight copies"),
+    ScheduleInfo("dualpipev", dualpipe.dualpipev, vshape, "DeepSeek DualPipeV: V-shaped cut-in-half DualPipe, one weight copy"),
+)
+
+_REGISTRY: dict[str, ScheduleInfo] = {info.name: info for info in BUILTIN}
+_ALIASES: dict[str, str] = {alias: info.name for info in BUILTIN for alias in info.aliases}
 
 
-def register(name: str, placement: Callable[..., Placement], summary: str, aliases: tuple[str, ...] = ()):
-    """Decorator: make a generator available under ``name`` (and ``aliases``)."""
-
-    def wrap(generator: Callable[..., Schedule]) -> Callable[..., Schedule]:
-        _REGISTRY[name] = ScheduleInfo(name, generator, placement, summary, aliases)
-        for alias in aliases:
-            _ALIASES[alias] = name
-        return generator
-
-    return wrap
-
-
-def _load_builtin() -> None:
-    # Importing the generator modules registers them.
-    from twinpipe.schedule import generators  # noqa: F401
+def register(name: str, generator: Callable[..., Schedule], placement: Callable[..., Placement], summary: str,
+             aliases: tuple[str, ...] = (), max_pairs: int = MAX_STAGE_MICROBATCHES) -> ScheduleInfo:
+    """Make your own ``generator`` available under ``name`` (and ``aliases``) to every tool."""
+    taken = [n for n in (name, *aliases) if n.lower() in _REGISTRY or n.lower() in _ALIASES]
+    if taken:
+        raise ValueError(f"schedule name(s) {', '.join(map(repr, taken))} already registered; choose another")
+    info = ScheduleInfo(name.lower(), generator, placement, summary, tuple(a.lower() for a in aliases), max_pairs)
+    _REGISTRY[info.name] = info
+    _ALIASES.update({alias: info.name for alias in info.aliases})
+    return info
 
 
 def names() -> list[str]:
     """Registered schedule names (aliases not included)."""
-    _load_builtin()
     return list(_REGISTRY)
 
 
 def get(name: str) -> ScheduleInfo:
-    _load_builtin()
+    """The schedule called ``name`` (or one of its aliases, any case); ValueError lists the allowed names."""
     key = _ALIASES.get(name.lower(), name.lower()) if isinstance(name, str) else name
     if key not in _REGISTRY:
         allowed = ", ".join(sorted(_REGISTRY) + sorted(_ALIASES))
@@ -61,18 +94,39 @@ def get(name: str) -> ScheduleInfo:
     return _REGISTRY[key]
 
 
+def _check_options(info: ScheduleInfo, options: dict) -> None:
+    allowed = info.options
+    unknown = [key for key in options if allowed is not None and key not in allowed]
+    if unknown:
+        given = ", ".join(f"{key}={options[key]!r}" for key in unknown)
+        raise ValueError(f"{info.name}: option {given} is not allowed; {info.name} takes {', '.join(allowed) if allowed else 'no options'}")
+
+
+def _placement(info: ScheduleInfo, num_ranks: int, options: dict) -> Placement:
+    takes = _keywords(info.placement, 1)
+    return info.placement(num_ranks, **{k: v for k, v in options.items() if takes is None or k in takes})
+
+
 def build(name: str, num_ranks: int, num_microbatches: int, **options) -> Schedule:
     """Generate the schedule ``name`` for ``num_ranks`` ranks and ``num_microbatches`` micro-batches."""
-    return get(name).generator(num_ranks, num_microbatches, **options)
+    info = get(name)
+    _check_options(info, options)
+    p, m = check_counts(info.name, num_ranks, num_microbatches)
+    check_size(info.name, _placement(info, p, options).num_stages, m, info.max_pairs)
+    return info.generator(p, m, **options)
 
 
 def placement_for(name: str, num_ranks: int, **options) -> Placement:
-    return get(name).placement(num_ranks, **options)
+    """Which rank holds which stage under schedule ``name`` (same checks as ``build``)."""
+    info = get(name)
+    _check_options(info, options)
+    p, _ = check_counts(info.name, num_ranks, 1)
+    return _placement(info, p, options)
 
 
 def stages_of_rank(name: str, num_ranks: int, rank: int, **options) -> tuple[int, ...]:
     """Which global stages ``rank`` holds under schedule ``name`` (its modules, in order)."""
     placement = placement_for(name, num_ranks, **options)
-    if not 0 <= rank < num_ranks:
-        raise ValueError(f"rank={rank!r}: must lie in 0..{num_ranks - 1}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
+        raise ValueError(f"rank={rank!r}: must be an integer in 0..{num_ranks - 1}")
     return placement.stages_of(rank)

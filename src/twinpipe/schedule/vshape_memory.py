@@ -35,7 +35,6 @@ from twinpipe.schedule._args import check_int, check_number, per_stage
 from twinpipe.schedule.deps import Work, dependency_table
 from twinpipe.schedule.ops import B, F, OpKind, Schedule, W
 from twinpipe.schedule.placement import vshape
-from twinpipe.schedule.registry import register
 
 __all__ = ["v_half", "v_min", "block_offsets"]
 
@@ -248,7 +247,6 @@ def _build(name: str, variant: str, num_ranks, num_microbatches, t_f, t_b, t_w, 
     return Schedule(name, vshape(p), m, ops, options)
 
 
-@register("v-half", placement=lambda num_ranks, **_: vshape(num_ranks), summary="V-Half: V placement, half of 1F1B's activation memory, bubble about p/(2m)")
 def v_half(num_ranks: int, num_microbatches: int, t_f=1.0, t_b=1.0, t_w=1.0, t_comm: float = 0.0, mw: float = 0.5) -> Schedule:
     """V-Half on any ``num_ranks`` >= 1 and ``num_microbatches`` >= 1.
 
@@ -258,7 +256,6 @@ def v_half(num_ranks: int, num_microbatches: int, t_f=1.0, t_b=1.0, t_w=1.0, t_c
     return _build("v-half", "half", num_ranks, num_microbatches, t_f, t_b, t_w, t_comm, mw)
 
 
-@register("v-min", placement=lambda num_ranks, **_: vshape(num_ranks), summary="V-Min: V placement, a third of 1F1B's activation memory, bubble about 2p/(3m)")
 def v_min(num_ranks: int, num_microbatches: int, t_f=1.0, t_b=1.0, t_w=1.0, t_comm: float = 0.0, mw: float = 0.5) -> Schedule:
     """V-Min on any ``num_ranks`` >= 1 and ``num_microbatches`` >= 1.
 

@@ -22,7 +22,6 @@ from twinpipe.schedule._args import check_int, check_number, per_stage
 from twinpipe.schedule.deps import dependency_table
 from twinpipe.schedule.ops import B, F, Op, OpKind, Schedule, W
 from twinpipe.schedule.placement import linear
-from twinpipe.schedule.registry import register
 
 __all__ = ["zb_auto"]
 
@@ -212,7 +211,6 @@ def _auto_order(p: int, m: int, t_f, t_b, t_w, t_comm: float, mw: float, mem_lim
     return order, best[1], best[2]
 
 
-@register("zb-auto", placement=lambda num_ranks, **_: linear(num_ranks), summary="Zero-bubble automatic scheduler (ZB-1p at mem_limit=p, ZB-2p at 2p)", aliases=("zb",))
 def zb_auto(
     num_ranks: int,
     num_microbatches: int,

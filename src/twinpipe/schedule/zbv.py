@@ -29,7 +29,6 @@ from twinpipe.schedule._args import check_int, check_number, per_stage
 from twinpipe.schedule.deps import dependency_table
 from twinpipe.schedule.ops import B, F, OpKind, Schedule, W
 from twinpipe.schedule.placement import vshape
-from twinpipe.schedule.registry import register
 
 __all__ = ["zbv"]
 
@@ -165,7 +164,6 @@ class _VListScheduler:
         return max(self.free[r] - self.first_start[r] for r in range(p))
 
 
-@register("zbv", placement=lambda num_ranks, **_: vshape(num_ranks), summary="ZB-V: zero bubble on a V placement at 1F1B memory", aliases=("zb-v",))
 def zbv(
     num_ranks: int,
     num_microbatches: int,

@@ -14,7 +14,6 @@ from twinpipe.schedule._args import check_int
 from twinpipe.schedule.one_f_one_b import one_f_one_b_order
 from twinpipe.schedule.ops import B, F, Op, Schedule, W
 from twinpipe.schedule.placement import linear
-from twinpipe.schedule.registry import register
 
 __all__ = ["zb_h1", "zb_h2"]
 
@@ -40,13 +39,11 @@ def _handcrafted(name: str, num_ranks: int, num_microbatches: int, factor: int) 
     return Schedule(name, linear(p), m, tuple(ops))
 
 
-@register("zb-h1", placement=lambda num_ranks, **_: linear(num_ranks), summary="ZB-H1: 1F1B memory, bubble (p-1)(T_F+T_B-T_W)", aliases=("zb1p",))
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-H1 on any ``num_ranks`` >= 1 and ``num_microbatches`` >= 1 (the bubble formula needs m >= p)."""
     return _handcrafted("zb-h1", num_ranks, num_microbatches, 1)
 
 
-@register("zb-h2", placement=lambda num_ranks, **_: linear(num_ranks), summary="ZB-H2: ~2x 1F1B memory, bubble (p-1)(T_F+T_B-2T_W)")
 def zb_h2(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-H2 on any ``num_ranks`` >= 1 and ``num_microbatches`` >= 1 (the bubble formula needs m >= 2p-1)."""
     return _handcrafted("zb-h2", num_ranks, num_microbatches, 2)

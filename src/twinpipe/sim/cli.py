@@ -10,7 +10,6 @@ Times are per stage (V-shaped and interleaved schedules have more, smaller stage
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import sys
 
@@ -125,20 +124,19 @@ def _costs(args) -> CostModel:
 def _build(name: str, args, costs: CostModel, strict: bool):
     """Build ``name`` with the options its generator takes; in single mode an option it does not take is an error."""
     info = registry.get(name)
-    params = inspect.signature(info.generator).parameters
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    allowed = info.options  # None: the generator takes any option
     options = {}
     for key, flag in _OPTIONS.items():
         value = getattr(args, key)
         if value is None:
             continue
-        if key in params or takes_any:
+        if allowed is None or key in allowed:
             options[key] = value
         elif strict:
-            users = [n for n in registry.names() if key in inspect.signature(registry.get(n).generator).parameters]
+            users = [n for n in registry.names() if key in (registry.get(n).options or ())]
             raise ValueError(f"{flag}={value:g} does not apply to schedule {info.name!r}; it applies to: {', '.join(users)}")
     for key in _COST_OPTIONS:  # heuristics plan with the same costs we simulate
-        if key in params:
+        if allowed is not None and key in allowed:
             options[key] = getattr(costs, key)
     return registry.build(info.name, args.ranks, args.microbatches, **options)
 

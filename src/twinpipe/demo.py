@@ -76,6 +76,7 @@ def _grad_error(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def _run_rank(args) -> None:
     import twinpipe
+    from twinpipe.runtime.batches import batch_layout
     from twinpipe.schedule.registry import placement_for
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -95,6 +96,7 @@ def _run_rank(args) -> None:
     chunks = args.chunks or 2 * world
     gen = torch.Generator().manual_seed(0)
     shape = (chunks * args.microbatch_size, args.seq, args.hidden)
+    layout = batch_layout(args.schedule, world, rank, chunks, **_schedule_options(args))
     piped = torch.tensor([float(bool(pipe.shared_memory_peers))])
     dist.all_reduce(piped)
     via = dist.get_backend() + (", messages through shared memory" if piped.item() else "")
@@ -109,15 +111,7 @@ def _run_rank(args) -> None:
         reference = _reference_model(pipe, placement, num_model_stages, args, device)
         ref_losses = _reference_losses(reference, placement, x, target, chunks)
 
-        inputs, labels = (), ()
-        for c, chain in enumerate(placement.chains):
-            mbs = placement.microbatches_of_chain(c, chunks)
-            rows = slice(mbs[0] * args.microbatch_size, (mbs[-1] + 1) * args.microbatch_size)
-            if chain[0] in mine:
-                inputs = (x[rows],)
-            if chain[-1] in mine:
-                labels = (target[rows],)
-                my_mbs = list(mbs)
+        inputs, labels = layout.inputs(x), layout.labels(target)
         dist.barrier()
         start = time.perf_counter()
         loss, _ = pipe.step(*inputs, num_chunks=chunks, criterion=_criterion, labels=labels,
@@ -130,7 +124,7 @@ def _run_rank(args) -> None:
             pipe.sync_mirrored_grads()  # both copies of a stage now hold its full gradient
         exact = True
         if loss is not None:
-            exact &= torch.equal(loss.cpu(), torch.stack([ref_losses[j] for j in my_mbs]).cpu())
+            exact &= torch.equal(loss.cpu(), torch.stack([ref_losses[j] for j in layout.label_microbatches]).cpu())
         for s, module in zip(mine, pipe.module):
             for p, q in zip(module.parameters(), reference[_model_stage(placement, s)].parameters()):
                 exact &= _grad_error(p.grad, q.grad) <= grad_tolerance(p.dtype)

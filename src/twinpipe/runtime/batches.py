@@ -99,7 +99,9 @@ def _chain_ends(placement: Placement, rank: int, end: int, what: str) -> int | N
 def batch_layout(schedule: str | Schedule, num_ranks: int, rank: int, num_chunks: int, **options) -> BatchLayout:
     """Which micro-batches ``rank`` passes inputs and labels for (and gets losses of) under ``schedule``.
 
-    ``schedule`` is a registered name (with its ``options``, as for ``Pipeline``) or a ``Schedule``.
+    ``schedule`` is a registered name (with its ``options``, as for ``Pipeline``) or a ``Schedule``;
+    ``rank`` is the pipeline rank. For any pipeline: ``batch_layout(pipe.schedule_for(n),
+    pipe.num_ranks, pipe.rank, n)``.
     """
     for name, value, low in (("num_ranks", num_ranks, 1), ("num_chunks", num_chunks, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:

@@ -157,7 +157,7 @@ class MoEBlock(nn.Module):
 
     def _expert_rows(self, route) -> list[torch.Tensor]:
         """For each local expert, the indices of its rows in the received order (source-major)."""
-        counts = route.recv_counts  # [ep, local]
+        counts = route.recv_counts.cpu()  # [ep, local]
         starts = torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)
         starts, counts = starts.view(self.ep, self.local), counts.tolist()
         return [torch.cat([torch.arange(int(starts[s, e]), int(starts[s, e]) + counts[s][e]) for s in range(self.ep)])

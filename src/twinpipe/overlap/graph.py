@@ -76,8 +76,15 @@ class Record:
             raise ValueError(f"{self.owner}: the last part must return tensors only, got a {bad[0]}")
         if not self.keep:
             return self.state
-        anchor = torch.empty(0, requires_grad=True)  # so _Join is in the graph even without grad inputs
-        return _Join.apply(self, anchor, *self.inputs)
+        # The anchor puts _Join in the graph even when no input needs a gradient (a first stage).
+        anchor = torch.empty(0, device=self.state[0].device if self.state else None, requires_grad=True)
+        outs = _Join.apply(self, anchor, *self.inputs)
+        for o in self.state:
+            # The backward needs these only as roots (their grad_fn): let the returned aliases own
+            # the data, so that a pipeline that frees sent outputs frees it.
+            if o.grad_fn is not None and o._base is None and not any(o is x for x in self.inputs):
+                o.data = torch.empty(0, dtype=o.dtype, device=o.device)
+        return outs
 
     # ------------------------------------------------------------ backward
     def run_back(self, k: int) -> None:

@@ -360,3 +360,38 @@ def test_import_needs_only_torch():
     code = "import sys, twinpipe.eplb; print(sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'rich'}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- size limits
+
+
+@pytest.mark.parametrize(
+    "shape,layout,options,argument,fragment",
+    [
+        ((1, 12), (10**8, 4, 2, 8), {}, "num_replicas", "at most 65536"),
+        ((2000, 4096), (4608, 8, 3, 64), {}, "weight", "greedy work"),
+        ((2000, 4096), (4096, 8, 8, 64), {"refine": True}, "refine", "swap search"),
+        ((58, 256), (2048, 8, 4, 256), {"previous_phy2log": torch.zeros(58, 2048, dtype=torch.int64)},
+         "previous_phy2log", "migration work"),
+    ],
+)
+def test_absurd_sizes_fail_at_once(shape, layout, options, argument, fragment):
+    with pytest.raises(EplbArgumentError) as info:
+        rebalance_experts(torch.ones(shape), *layout, **options)
+    assert info.value.argument == argument and fragment in str(info.value) and "allowed" in str(info.value)
+
+
+def test_a_too_large_log2phy_is_refused():
+    # All-zero loads: all 64 copies go to expert 0, so log2phy would be [1024, 1024, 65] (0.5 GiB).
+    with pytest.raises(EplbArgumentError, match="log2phy would have 1024 x 1024 x 65") as info:
+        rebalance_experts(torch.zeros(1024, 1024), 1088, 1, 1, 1)
+    assert info.value.argument == "num_replicas"
+
+
+def test_refine_searches_rows_in_chunks_with_the_same_result(monkeypatch):
+    import twinpipe.eplb.refine as refine
+
+    weight = torch.rand(6, 64, generator=torch.Generator().manual_seed(3)) * 100
+    whole = rebalance_experts(weight, 96, 4, 3, 8, refine=True)
+    monkeypatch.setattr(refine, "_MAX_PAIRS", 1)  # one row at a time
+    assert all(torch.equal(a, b) for a, b in zip(rebalance_experts(weight, 96, 4, 3, 8, refine=True), whole))

@@ -188,3 +188,12 @@ def test_csv_values_beyond_int64_written_as_floats_stay_floats(tmp_path):
     assert table.dtype == torch.float64 and table.tolist() == [[1e30, 2.5e29, 1.0]]
     path.write_text("index_0,index_1\n3.0,1\n")  # whole numbers as floats still give int64 (phy2log files)
     assert read_table(path).tolist() == [[3, 1]] and read_table(path).dtype == torch.int64
+
+
+def test_refine_on_a_huge_problem_is_refused_by_flag(tmp_path, capsys):
+    path = tmp_path / "big.pt"
+    torch.save(torch.ones(100, 4096), path)
+    argv = [path, "--replicas", "4096", "--groups", "8", "--nodes", "3", "--gpus", "64", "--refine"]
+    assert _run(argv) == 2
+    err = capsys.readouterr().err
+    assert "argument --refine" in err and "swap search" in err and "allowed: at most" in err

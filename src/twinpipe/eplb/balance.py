@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .checks import EplbArgumentError, check_layout, check_previous, check_weight
+from .limits import check_log2phy_size, check_size
 from .migrate import align_to_previous
 from .packing import greedy_pack, inverse_permutation, ranks_in_pack, replicate
 from .refine import refine_swaps
@@ -36,6 +37,9 @@ def rebalance_experts(
     refine: swap replicas between the max-loaded GPU and the others (within a node in hierarchical
         mode, and groups between nodes) while that lowers the max; per layer the result is never
         worse than without.
+
+    Sizes are limited per call (``limits.py``): beyond them EplbArgumentError says which cost is
+    too large; layers are independent, so split them into several calls.
     distinct_per_gpu: never two replicas of one expert on one GPU. An expert then gets at most
         GPUs-per-node (hierarchical) or num_gpus (global) replicas; ValueError when the slots cannot
         be filled that way.
@@ -49,6 +53,10 @@ def rebalance_experts(
     hierarchical = check_layout(num_experts, num_replicas, num_groups, num_nodes, num_gpus)
     if not hierarchical:
         num_groups = num_nodes = 1
+    check_size(
+        num_layers, num_experts, num_replicas, num_nodes, num_gpus,
+        refine=refine, previous=previous_phy2log is not None,
+    )
     if previous_phy2log is not None:
         previous_phy2log = check_previous(previous_phy2log, num_layers, num_experts, num_replicas)
     gpus_per_node = num_gpus // num_nodes
@@ -76,6 +84,7 @@ def rebalance_experts(
         )
     logcnt = torch.zeros(num_layers, num_experts, dtype=torch.int64)
     logcnt.scatter_add_(1, phy2log, torch.ones_like(phy2log))
+    check_log2phy_size(num_layers, num_experts, int(logcnt.max()))
     return phy2log, build_log2phy(phy2log, phyrank, logcnt), logcnt
 
 

@@ -21,6 +21,7 @@ _FLAGS = {
     "num_nodes": "--nodes",
     "num_gpus": "--gpus",
     "distinct_per_gpu": "--distinct",
+    "refine": "--refine",
     "previous_phy2log": "--previous",
     "plot": "--plot",
 }

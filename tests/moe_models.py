@@ -153,6 +153,10 @@ def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: 
         expected = torch.stack([ref_loss[j] for j in mine])
         if not torch.equal(loss, expected):
             problems.append(f"loss {loss.tolist()} != reference {expected.tolist()}")
+    with torch.no_grad():  # forward only: the same losses
+        again, _ = pipe.step(*args, num_chunks=chunks, criterion=mse, labels=labels)
+    if mine is not None and not torch.equal(again, expected):
+        problems.append(f"forward-only loss {again.tolist()} != reference {expected.tolist()}")
     if schedule == "dualpipe":
         pipe.sync_mirrored_grads()
     for s, module in zip(placement.stages_of(pp_rank), modules):

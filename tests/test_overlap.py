@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import moe_models as mm
@@ -135,6 +136,28 @@ def test_engine_on_one_rank_equals_f_then_bw(overlap):
     assert mm.interleaved(events) == overlap
 
 
+class _Checkpointed(_Shift):
+    """The same stage with its last part under activation checkpointing (recomputed in backward)."""
+
+    def parts(self):
+        first, send, last = super().parts()
+        return [first, send, Compute("lin", lambda y, x: torch.utils.checkpoint.checkpoint(last.fn, y, x, use_reentrant=False))]
+
+
+def test_engine_composes_with_activation_checkpointing():
+    torch.manual_seed(2)
+    stages = [_Checkpointed(), _Checkpointed()]
+    refs = copy.deepcopy(stages)
+    x0, x1, g1 = (torch.randn(3, 4, dtype=torch.float64) for _ in range(3))
+    out1 = stages[1](x1)
+    outputs0, _, events = forward_backward(stages[0], [x0], None, [], stages[1], None, [out1], [g1])
+    assert torch.equal(outputs0[0], _plain(refs[0], x0))
+    _plain(refs[1], x1).backward(g1)
+    for p, q in zip(stages[1].parameters(), refs[1].parameters()):
+        assert grad_error(p.grad, q.grad) <= TOL
+    assert [e[2] for e in events if e[0] == "run" and e[1] == "B"] == ["lin", "scale"]
+
+
 class _Bad(PartedStage):
     def __init__(self, parts):
         super().__init__()
@@ -197,3 +220,12 @@ def outcomes():
 def test_pp2_ep2_pipeline_matches_reference(outcomes, case):
     """Losses bitwise, gradients within 1e-13; with overlap the F&B parts interleave, without not."""
     assert {r: o[case] for r, o in enumerate(outcomes) if o[case]} == {}
+
+
+def test_comm_hidden_counts_compute_under_comm_in_flight():
+    from twinpipe.overlap import comm_hidden
+
+    events = [("start", "B", "c", 0.0, 0.1), ("run", "F", "a", 0.1, 0.6), ("wait", "B", "c", 0.6, 1.0),
+              ("start", "F", "d", 1.0, 1.0), ("wait", "F", "d", 1.0, 1.5)]
+    in_flight, hidden = comm_hidden(events)
+    assert in_flight == pytest.approx(1.5) and hidden == pytest.approx(0.5)

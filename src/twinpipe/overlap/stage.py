@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from torch import nn
 
 from twinpipe.overlap.engine import forward_backward
@@ -17,11 +19,21 @@ class PartedStage(nn.Module):
     Subclasses implement ``parts()``; ``forward`` runs them in order. In schedules with F&B ops
     (DualPipe, DualPipeV) the pipeline calls ``overlapped_forward_backward``, which interleaves
     one micro-batch's forward parts with another's backward parts. Set ``overlap = False`` (on the
-    forward module of the pair) to run F then B instead. ``last_fb_events`` holds the steps of the
-    latest F&B op this module ran the forward of: ``(action, stream, part, start, end)``.
+    forward module of the pair) to run F then B instead. ``fb_events`` holds, per F&B op this module
+    ran the forward of (the latest 64), its steps: ``(action, stream, part, start, end)``.
     """
 
     overlap: bool = True
+
+    @property
+    def fb_events(self) -> deque:
+        if "_fb_events" not in self.__dict__:
+            self.__dict__["_fb_events"] = deque(maxlen=64)
+        return self.__dict__["_fb_events"]
+
+    @property
+    def last_fb_events(self) -> list | None:
+        return self.fb_events[-1] if self.fb_events else None
 
     def parts(self) -> list:
         raise NotImplementedError(f"{type(self).__name__} must define parts()")
@@ -35,5 +47,5 @@ class PartedStage(nn.Module):
         outputs0, loss0, events = forward_backward(
             module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1, overlap=module0.overlap
         )
-        module0.last_fb_events = events
+        module0.fb_events.append(events)
         return outputs0, loss0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -263,7 +264,11 @@ def test_timeline_numbers_add_up():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(t_f=-1), r"t_f=-1: must be a number >= 0"),
+        (dict(t_f=-1), r"t_f=-1: must be a finite number >= 0"),
+        (dict(t_f=math.inf), r"t_f=inf: must be a finite number >= 0"),
+        (dict(t_fb=math.nan), r"t_fb=nan: must be a finite number >= 0"),
+        (dict(t_b=[1, True]), r"t_b\[1\]=True: must be a finite number >= 0"),
+        (dict(t_comm=math.inf), r"t_comm=inf"),
         (dict(t_comm=-0.1), r"t_comm=-0.1"),
         (dict(mw="x"), r"mw='x'"),
         (dict(t_b=[]), r"t_b=\[\]"),
@@ -350,7 +355,7 @@ def test_cli_json_one_schedule(capsys):
     code, out, _ = cli(capsys, "zb-h1", "--ranks", "4", "--microbatches", "8", "--json")
     data = json.loads(out)
     assert code == 0
-    assert set(data) == {"schedule", "ranks", "microbatches", "makespan", "bubble_rate", "per_rank"}
+    assert set(data) == {"schedule", "ranks", "microbatches", "held_equal", "stage_size", "makespan", "bubble_rate", "per_rank"}
     assert (data["schedule"], data["ranks"], data["microbatches"], data["makespan"]) == ("zb-h1", 4, 8, 27.0)
     assert data["bubble_rate"] == pytest.approx(1 / 9)
     assert data["per_rank"][1] == {"rank": 1, "start": 1.0, "end": 27.0, "busy": 24.0, "idle": 2.0, "peak_activation": 3.5}
@@ -361,8 +366,10 @@ def test_cli_costs_reach_the_simulator_and_the_planners(capsys):
     assert json.loads(out)["per_rank"][0]["idle"] == pytest.approx(3 * 3.5)
     _, out, _ = cli(capsys, "zb-auto", "-p", "4", "-m", "8", "--mem-limit", "8", "--mw", "1", "--json")
     assert json.loads(out)["bubble_rate"] == 0 and json.loads(out)["per_rank"][0]["peak_activation"] == 8
+    _, out, _ = cli(capsys, "interleaved-1f1b", "-p", "2", "-m", "4", "--stages-per-rank", "3", "--hold", "stage", "--json")
+    assert json.loads(out)["per_rank"][0]["busy"] == 3 * 4 * 3  # 3 stages of T_F+T_B+T_W = 3 each
     _, out, _ = cli(capsys, "interleaved-1f1b", "-p", "2", "-m", "4", "--stages-per-rank", "3", "--json")
-    assert json.loads(out)["per_rank"][0]["busy"] == 3 * 4 * 3
+    assert json.loads(out)["per_rank"][0]["busy"] == pytest.approx(3 * 4)  # the same model: 3 stages of a third each
 
 
 def test_cli_compare_json_and_table(capsys):
@@ -378,15 +385,59 @@ def test_cli_table(capsys):
     assert code == 0 and "zb-h2" in out and "bubble rate" in out
 
 
+SAME_MODEL = "1f1b,zbv,dualpipev,dualpipe,interleaved-1f1b,v-half"
+
+
+def test_cli_compares_the_same_model_by_default(capsys):
+    # Every rank does one model's worth of work per micro-batch, T_F+T_B+T_W of a 1F1B stage, in
+    # every schedule (DualPipe: two full-size stages, half the micro-batches each).
+    p, m = 4, 8
+    _, out, _ = cli(capsys, "--compare", SAME_MODEL, "-p", str(p), "-m", str(m), "--f", "1", "--b", "2", "--w", "0.5", "--json")
+    rows = {row["schedule"]: row for row in json.loads(out)}
+    for name, row in rows.items():
+        assert row["held_equal"] == "model"
+        assert [st["busy"] for st in row["per_rank"]] == [pytest.approx(m * 3.5)] * p, name
+    assert {name: row["stage_size"] for name, row in rows.items()} == {
+        "1f1b": "1", "zbv": "1/2", "dualpipev": "1/2", "dualpipe": "1", "interleaved-1f1b": "1/2", "v-half": "1/2"}
+    # ZB-V holds 1F1B's activations (p M_B of 1F1B stages) and has no bubble: it beats 1F1B.
+    assert max(st["peak_activation"] for st in rows["zbv"]["per_rank"]) == p
+    assert rows["zbv"]["makespan"] < rows["1f1b"]["makespan"]
+
+
+def test_cli_hold_stage_keeps_the_costs_as_given(capsys):
+    _, out, _ = cli(capsys, "--compare", "1f1b,zbv", "-p", "4", "-m", "8", "--hold", "stage", "--json")
+    rows = {row["schedule"]: row for row in json.loads(out)}
+    assert rows["zbv"]["per_rank"][0]["busy"] == 2 * rows["1f1b"]["per_rank"][0]["busy"]  # two full stages per rank
+    assert rows["zbv"]["held_equal"] == "stage" and rows["zbv"]["stage_size"] is None
+
+
+def test_cli_mem_limit_counts_1f1b_stages(capsys):
+    # --mem-limit 3 (1F1B stages) lets ZB-V hold 6 of its half-size stages: 3 M_B, not 1.5.
+    _, out, _ = cli(capsys, "zbv", "-p", "4", "-m", "8", "--mem-limit", "3", "--json")
+    peak = max(st["peak_activation"] for st in json.loads(out)["per_rank"])
+    assert 2.5 < peak <= 3
+
+
+def test_cli_table_says_what_was_held_equal(capsys):
+    code, out, _ = cli(capsys, "--compare", "1f1b,zbv", "-p", "4", "-m", "8")
+    text = " ".join(out.split())
+    assert code == 0 and "size" in text and "│ 1/2 │" in text and "same model: T_F=1, T_B=1, T_W=1 and M_B per 1F1B stage" in text
+    code, out, _ = cli(capsys, "zbv", "-p", "4", "-m", "8", "--hold", "stage")
+    assert code == 0 and "same per-stage costs" in " ".join(out.split())
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
+        (["1f1b", "-p", "4", "-m", "8", "--f", "inf"], "--f=inf: must be a finite number >= 0"),
+        (["1f1b", "-p", "4", "-m", "8", "--fb", "nan"], "--fb=nan: must be a finite number >= 0"),
+        (["1f1b", "-p", "4", "-m", str(10**6)], "num_microbatches=1000000 is not allowed; it must be an integer >= 1 and <= 16384"),
         (["nope", "-p", "4", "-m", "8"], "schedule='nope' is unknown; allowed:"),
         (["1f1b", "-p", "0", "-m", "8"], "num_ranks=0 is not allowed"),
         (["1f1b", "-p", "4", "-m", "8", "--mem-limit", "4"], "--mem-limit=4 does not apply to schedule '1f1b'; it applies to: zb-auto, zbv"),
         (["interleaved-1f1b", "-p", "4", "-m", "6"], "num_microbatches=6 is not allowed"),
         (["zb-auto", "-p", "4", "-m", "8", "--mem-limit", "0.5"], "mem_limit=0.5 is not allowed"),
-        (["1f1b", "-p", "4", "-m", "8", "--comm", "-1"], "--comm=-1: must be a number >= 0"),
+        (["1f1b", "-p", "4", "-m", "8", "--comm", "-1"], "--comm=-1.0: must be a finite number >= 0"),
         (["-p", "4", "-m", "8"], "missing SCHEDULE"),
         (["1f1b", "--compare", "zb-h1", "-p", "4", "-m", "8"], "not both"),
         (["--compare", ",", "-p", "4", "-m", "8"], "--compare=','"),

@@ -175,12 +175,42 @@ def test_cli_draws_one_and_compare(tmp_path, capsys):
         (("--compare", "1f1b,dualpipe", "--ranks", "3", "--microbatches", "4"), "dualpipe"),
         (("1f1b", "--ranks", "2", "--microbatches", "4", "--f", "-1"), "--f"),
         (("1f1b", "--ranks", "2", "--microbatches", "4", "--dpi", "0"), "--dpi"),
+        (("1f1b", "--ranks", "2", "--microbatches", "4", "--dpi", "100000"), "--dpi=100000: must be an integer from 1 to 2400"),
+        (("1f1b", "--ranks", "2", "--microbatches", "4", "--dpi", "2400"), "pixels; at most 50,000,000 pixels"),
+        (("1f1b", "--ranks", "2", "--microbatches", "4", "--width", "1e6"), "pixels; at most 50,000,000 pixels"),
     ],
 )
 def test_cli_errors_name_the_argument(tmp_path, capsys, argv, words):
     assert _cli(*argv, "-o", str(tmp_path / "x.png")) == 2
     err = capsys.readouterr().err
     assert err.startswith("twinpipe draw: error:") and words in err
+
+
+def test_huge_pictures_fail_before_allocating(tmp_path):
+    timeline = simulate(build("1f1b", 2, 4))
+    with pytest.raises(ValueError, match=r"dpi=100000 is not allowed; it must be a number > 0 and <= 2400"):
+        draw_timeline(timeline, tmp_path / "x.png", dpi=100000)
+    with pytest.raises(ValueError, match=r"at dpi=2000 is \d+ x \d+ pixels; at most 50,000,000"):
+        draw_timeline(timeline, tmp_path / "x.png", dpi=2000)
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_picture_says_what_was_held_equal(tmp_path, monkeypatch):
+    import twinpipe.viz.draw as draw
+
+    seen = {}
+    real = draw.draw_timelines
+
+    def spy(timelines, path, **options):
+        seen["fig"] = real(timelines, path, **options)
+        seen["titles"] = [draw.timeline_title(t) for t in timelines]
+        return seen["fig"]
+
+    monkeypatch.setattr(draw, "draw_timelines", spy)
+    assert _cli("--compare", "1f1b,dualpipev", "--ranks", "2", "--microbatches", "4", "--dpi", str(DPI), "-o", str(tmp_path / "c.png")) == 0
+    texts = [t.get_text() for t in seen["fig"].texts]
+    assert any(t.startswith("same model: T_F=1, T_B=1, T_W=1 and M_B per 1F1B stage") for t in texts)
+    assert seen["titles"][1].endswith("stage = 1/2 of a 1F1B stage")
 
 
 def test_cli_bad_output_suffix(tmp_path, capsys):

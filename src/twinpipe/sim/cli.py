@@ -3,8 +3,10 @@
     twinpipe simulate zb-h1 --ranks 4 --microbatches 8 --w 0.5
     twinpipe simulate --compare 1f1b,zb-h1,dualpipe --ranks 8 --microbatches 32 --json
 
-Times are per stage (V-shaped and interleaved schedules have more, smaller stages per rank).
-``rich`` is imported only to print the table.
+By default every schedule runs the same model: the times (and M_B) are those of one 1F1B stage,
+1/p of the model, and a schedule's stages get their share of them (``--hold model``; a V or
+interleaved rank's stages are 1/v of that, DualPipe's two stages are full-size copies).
+``--hold stage`` gives every stage the costs as given. ``rich`` is imported only to print the table.
 """
 
 from __future__ import annotations
@@ -12,18 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from fractions import Fraction
 
 from twinpipe.schedule import registry
-from twinpipe.sim.costs import CostModel
+from twinpipe.sim.costs import CostModel, check_cost, for_model, stage_sizes
 from twinpipe.sim.engine import simulate
 from twinpipe.timeline import Timeline
 
-__all__ = ["add_simulate_parser", "run_simulate", "summarize"]
+__all__ = ["add_simulate_parser", "run_simulate", "summarize", "simulate_from_args", "held_equal"]
 
 # CLI flag -> generator keyword, for the options some generators take.
 _OPTIONS = {"mem_limit": "--mem-limit", "stages_per_rank": "--stages-per-rank"}
 # CostModel fields that are also generator keywords (heuristics that plan with the costs).
 _COST_OPTIONS = ("t_f", "t_b", "t_w", "t_comm", "mw")
+HOLD = ("model", "stage")
 
 
 def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
@@ -38,14 +42,21 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--compare", metavar="S1,S2,...", help="compare several schedules (comma-separated) instead of one")
     parser.add_argument("--ranks", "-p", type=int, required=True, metavar="P", help="pipeline ranks")
     parser.add_argument("--microbatches", "-m", type=int, required=True, metavar="M", help="micro-batches")
-    parser.add_argument("--f", type=float, default=1.0, metavar="TF", help="forward time T_F (default 1)")
+    parser.add_argument("--f", type=float, default=1.0, metavar="TF", help="forward time T_F of one stage (see --hold; default 1)")
     parser.add_argument("--b", type=float, default=1.0, metavar="TB", help="input-gradient backward time T_B only (default 1)")
     parser.add_argument("--w", type=float, default=1.0, metavar="TW", help="weight-gradient time T_W (default 1); a full backward takes TB+TW")
     parser.add_argument("--fb", type=float, default=None, metavar="TFB", help="overlapped forward+full backward (DualPipe F&B); default TF+TB+TW")
-    parser.add_argument("--comm", type=float, default=0.0, metavar="TC", help="time of one message between ranks (default 0)")
+    parser.add_argument("--comm", type=float, default=0.0, metavar="TC", help="time of one message between ranks, any schedule (default 0)")
     parser.add_argument("--mw", type=float, default=0.5, metavar="RATIO", help="M_W/M_B: memory kept from B until W (default 0.5)")
-    parser.add_argument("--mem-limit", type=float, default=None, metavar="X", help="activation limit per rank in units of M_B (zb-auto: default p; zbv: default 2p)")
+    parser.add_argument("--mem-limit", type=float, default=None, metavar="X",
+                        help="activation limit per rank (zb-auto, zbv), in M_B of a 1F1B stage (with --hold stage: of the "
+                        "schedule's own stages); default: 1F1B's peak, p M_B of 1F1B stages")
     parser.add_argument("--stages-per-rank", type=int, default=None, metavar="V", help="stages per rank (interleaved-1f1b; default 2)")
+    parser.add_argument("--hold", choices=HOLD, default="model",
+                        help="what is the same for every schedule: 'model' (default): the times and M_B are those of one "
+                        "1F1B stage (1/p of the model) and each schedule's stages get their share (1/v for V-shaped and "
+                        "interleaved ranks, 1 for DualPipe's two full-size copies); 'stage': every stage of every "
+                        "schedule gets the costs as given (a V then models a model twice as large)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
@@ -56,6 +67,8 @@ def summarize(timeline: Timeline) -> dict:
         "schedule": timeline.name,
         "ranks": timeline.num_ranks,
         "microbatches": timeline.num_microbatches,
+        "held_equal": timeline.meta.get("held_equal"),
+        "stage_size": timeline.meta.get("stage_size"),
         "makespan": timeline.makespan,
         "bubble_rate": timeline.bubble_rate,
         "per_rank": [
@@ -75,10 +88,36 @@ def simulate_from_args(args: argparse.Namespace) -> list[Timeline]:
     timelines = []
     for name in names:
         try:
-            timelines.append(simulate(_build(name, args, costs, strict=len(names) == 1), costs))
+            timelines.append(_simulate_one(name, args, costs, strict=len(names) == 1))
         except ValueError as error:
             raise ValueError(f"{name}: {error}" if len(names) > 1 else str(error)) from None
     return timelines
+
+
+def held_equal(args: argparse.Namespace) -> str:
+    """One line saying what every schedule shares under ``--hold`` (for tables and pictures)."""
+    times = f"T_F={args.f:g}, T_B={args.b:g}, T_W={args.w:g}" + (f", T_FB={args.fb:g}" if args.fb is not None else "")
+    times += f", T_comm={args.comm:g}" if args.comm else ""
+    if args.hold == "model":
+        return (f"same model: {times} and M_B per 1F1B stage (1/p of the model); a stage of size 1/v gets 1/v of them "
+                "(V and interleaved ranks), DualPipe's stages are full-size copies")
+    return f"same per-stage costs: {times} and M_B on every stage, whatever its size"
+
+
+def _simulate_one(name: str, args, costs: CostModel, strict: bool) -> Timeline:
+    """Scale the costs to ``name``'s stages (``--hold model``), build it and simulate it."""
+    info = registry.get(name)
+    size = Fraction(1)
+    if args.hold == "model":
+        # Only the placement's shape matters here; _build checks the options.
+        options = {k: getattr(args, k) for k in _OPTIONS if getattr(args, k) is not None and (info.options is None or k in info.options)}
+        placement = registry.placement_for(info.name, args.ranks, **options)
+        sizes = set(stage_sizes(placement))
+        size = sizes.pop() if len(sizes) == 1 else None
+        costs = for_model(costs, placement)
+    timeline = simulate(_build(name, args, costs, strict, size), costs)
+    timeline.meta.update(held_equal=args.hold, stage_size=None if size is None or args.hold == "stage" else str(size))
+    return timeline
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -92,9 +131,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         summaries = [summarize(t) for t in timelines]
         print(json.dumps(summaries if args.compare else summaries[0], indent=2))
     elif args.compare:
-        _print_comparison(timelines)
+        _print_comparison(timelines, held_equal(args))
     else:
-        _print_ranks(timelines[0])
+        _print_ranks(timelines[0], held_equal(args))
     return 0
 
 
@@ -116,13 +155,17 @@ def _schedule_names(args) -> list[str]:
 
 def _costs(args) -> CostModel:
     for flag, value in (("--f", args.f), ("--b", args.b), ("--w", args.w), ("--fb", args.fb), ("--comm", args.comm), ("--mw", args.mw)):
-        if value is not None and not value >= 0:
-            raise ValueError(f"{flag}={value:g}: must be a number >= 0")
+        if value is not None:
+            check_cost(flag, value)
     return CostModel(t_f=args.f, t_b=args.b, t_w=args.w, t_fb=args.fb, t_comm=args.comm, mw=args.mw)
 
 
-def _build(name: str, args, costs: CostModel, strict: bool):
-    """Build ``name`` with the options its generator takes; in single mode an option it does not take is an error."""
+def _build(name: str, args, costs: CostModel, strict: bool, size: Fraction | None = Fraction(1)):
+    """Build ``name`` with the options its generator takes; in single mode an option it does not take is an error.
+
+    ``size``: the schedule's stage size in 1F1B stages (``--hold model``), by which ``--mem-limit``
+    (in M_B of a 1F1B stage) is divided for generators counting in their own stages' M_B.
+    """
     info = registry.get(name)
     allowed = info.options  # None: the generator takes any option
     options = {}
@@ -130,6 +173,8 @@ def _build(name: str, args, costs: CostModel, strict: bool):
         value = getattr(args, key)
         if value is None:
             continue
+        if key == "mem_limit" and size is not None and size != 1:
+            value = float(value / size)
         if allowed is None or key in allowed:
             options[key] = value
         elif strict:
@@ -141,12 +186,14 @@ def _build(name: str, args, costs: CostModel, strict: bool):
     return registry.build(info.name, args.ranks, args.microbatches, **options)
 
 
-def _print_ranks(timeline: Timeline) -> None:
+def _print_ranks(timeline: Timeline, note: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    size = timeline.meta.get("stage_size")
     table = Table(title=f"{timeline.name}: p={timeline.num_ranks}, m={timeline.num_microbatches}, "
-                        f"makespan {timeline.makespan:g}, bubble rate {timeline.bubble_rate:.2%}")
+                        f"makespan {timeline.makespan:g}, bubble rate {timeline.bubble_rate:.2%}"
+                        + (f", stage size {size} (1F1B stages)" if size else ""), caption=note)
     for column in ("rank", "start", "end", "busy", "idle", "peak activation (M_B)"):
         table.add_column(column, justify="right")
     for st in timeline.per_rank():
@@ -154,16 +201,16 @@ def _print_ranks(timeline: Timeline) -> None:
     Console().print(table)
 
 
-def _print_comparison(timelines: list[Timeline]) -> None:
+def _print_comparison(timelines: list[Timeline], note: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     first = timelines[0]
-    table = Table(title=f"p={first.num_ranks}, m={first.num_microbatches}")
-    for column in ("schedule", "stages", "makespan", "bubble rate", "max idle", "peak activation (M_B)"):
+    table = Table(title=f"p={first.num_ranks}, m={first.num_microbatches}", caption=note)
+    for column in ("schedule", "stages", "stage size", "makespan", "bubble rate", "max idle", "peak activation (M_B)"):
         table.add_column(column, justify="right")
     for t in timelines:
         stats = t.per_rank()
-        table.add_row(t.name, str(t.placement.num_stages), f"{t.makespan:g}", f"{t.bubble_rate:.2%}",
+        table.add_row(t.name, str(t.placement.num_stages), t.meta.get("stage_size") or "-", f"{t.makespan:g}", f"{t.bubble_rate:.2%}",
                       f"{max(st.idle for st in stats):g}", f"{max(t.peak_activation):g}")
     Console().print(table)

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import Sequence, Union
 
-__all__ = ["CostModel"]
+from twinpipe.schedule.placement import Placement
+
+__all__ = ["CostModel", "check_cost", "stage_sizes", "for_model"]
 
 Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
+
+
+def check_cost(name: str, value) -> float:
+    """``value`` as a finite float >= 0, else ValueError naming ``name`` (a bool is not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}={value!r}: must be a finite number >= 0")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -20,7 +31,7 @@ class CostModel:
     back, ``t_f + t_b + t_w`` (a per-stage ``t_fb`` is indexed by the forward half's stage).
     ``t_comm`` is paid on every dependency between *different* ranks; a hand-off inside one rank
     (the turn of a V) is free. Memory: F holds ``m_b``; B turns it into ``mw * m_b`` (the inputs
-    W still needs); W frees that; BW frees ``m_b`` at once.
+    W still needs); W frees that; BW frees ``m_b`` at once. Every value is finite and >= 0.
     """
 
     t_f: PerStage = 1.0
@@ -32,17 +43,19 @@ class CostModel:
     mw: Number = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("t_f", "t_b", "t_w", "t_fb", "m_b"):
+        for name in _PER_STAGE:
             value = getattr(self, name)
             if value is None:
                 continue
-            values = value if isinstance(value, (list, tuple)) else (value,)
-            if not values or any(not isinstance(v, (int, float)) or v < 0 for v in values):
-                raise ValueError(f"{name}={value!r}: must be a number >= 0 or a non-empty sequence of them")
+            if isinstance(value, (list, tuple)):
+                if not value:
+                    raise ValueError(f"{name}={value!r}: must be a finite number >= 0 or a non-empty sequence of them")
+                for i, v in enumerate(value):
+                    check_cost(f"{name}[{i}]", v)
+            else:
+                check_cost(name, value)
         for name in ("t_comm", "mw"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name}={value!r}: must be a number >= 0")
+            check_cost(name, getattr(self, name))
 
     def per_stage(self, num_stages: int) -> dict[str, list[float]]:
         """Every per-stage quantity as a list of ``num_stages`` floats (``t_fb`` filled in)."""
@@ -58,3 +71,38 @@ class CostModel:
                 raise ValueError(f"{name} has {len(value)} entries; the schedule has {num_stages} stages (give one per stage or a single number)")
             return [float(v) for v in value]
         return [float(value)] * num_stages
+
+
+_PER_STAGE = ("t_f", "t_b", "t_w", "t_fb", "m_b")  # what grows with a stage's share of the model
+
+
+def stage_sizes(placement: Placement) -> list[Fraction]:
+    """Each stage's share of the model, in units of a 1F1B stage (1/p of the model).
+
+    Every chain carries one whole copy of the model, so a stage of a chain of L stages is p/L of
+    a 1F1B stage: 1 on a linear placement and for DualPipe's two full-size copies, 1/2 on a V,
+    1/v when interleaving v stages per rank.
+    """
+    sizes = [Fraction(0)] * placement.num_stages
+    for chain in placement.chains:
+        for stage in chain:
+            sizes[stage] = Fraction(placement.num_ranks, len(chain))
+    return sizes
+
+
+def for_model(costs: CostModel, placement: Placement) -> CostModel:
+    """``costs`` of one 1F1B stage, as the per-stage costs of ``placement``'s stages for the same model.
+
+    Times and activation memory scale with each stage's share (``stage_sizes``); ``t_comm`` (one
+    message between stages) and ``mw`` (a ratio) do not. So schedules compare on one model.
+    """
+    sizes = stage_sizes(placement)
+    scaled = {}
+    for name in _PER_STAGE:
+        value = getattr(costs, name)
+        if value is None:
+            continue
+        if isinstance(value, (list, tuple)):
+            raise ValueError(f"{name}={value!r}: scaling to a model needs one number per cost (the time of a 1F1B stage), not one per stage")
+        scaled[name] = [float(value * size) for size in sizes] if len(set(sizes)) > 1 else float(value * sizes[0])
+    return replace(costs, **scaled)

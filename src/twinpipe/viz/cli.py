@@ -35,20 +35,21 @@ def add_draw_parser(subparsers) -> argparse.ArgumentParser:
         add_help=False,
         help="draw a simulated schedule (or several, stacked) as PNG/SVG/PDF",
         description="Simulate pipeline schedules under a cost model and draw their timelines: one row per rank, "
-        "one colour per op kind, light/dark for DualPipe's two directions.",
+        "one colour per op kind, light/dark for DualPipe's two directions. The line above the panels says what "
+        "every schedule shares (see --hold).",
         allow_abbrev=False,
     )
     parser.add_argument("--output", "-o", required=True, metavar="FILE", help=f"picture to write; the suffix picks the format ({', '.join('.' + f for f in FORMATS)})")
     parser.add_argument("--width", type=float, default=None, metavar="INCHES", help="figure width (default: from the number of cells, 7..36)")
-    parser.add_argument("--dpi", type=int, default=100, help="resolution of PNG output (default 100)")
+    parser.add_argument("--dpi", type=int, default=100, help="resolution of PNG output (default 100; the picture may have at most 50 million pixels)")
     parser.add_argument("--no-labels", action="store_true", help="leave micro-batch numbers out of the cells")
     return parser
 
 
 def run_draw(args: argparse.Namespace) -> int:
     """Run ``twinpipe draw``; 0 on success, 2 (message on stderr) on bad input."""
-    from twinpipe.sim.cli import simulate_from_args, summarize
-    from twinpipe.viz.draw import FORMATS, draw_timelines
+    from twinpipe.sim.cli import held_equal, simulate_from_args, summarize
+    from twinpipe.viz.draw import FORMATS, MAX_DPI, draw_timelines
 
     try:
         suffix = Path(args.output).suffix.lower().lstrip(".")
@@ -56,10 +57,10 @@ def run_draw(args: argparse.Namespace) -> int:
             raise ValueError(f"--output={args.output!r}: the suffix must be one of {', '.join('.' + f for f in FORMATS)}")
         if args.width is not None and not args.width > 2:
             raise ValueError(f"--width={args.width:g}: must be more than 2 (inches)")
-        if not args.dpi > 0:
-            raise ValueError(f"--dpi={args.dpi}: must be a positive integer")
+        if not 0 < args.dpi <= MAX_DPI:
+            raise ValueError(f"--dpi={args.dpi}: must be an integer from 1 to {MAX_DPI}")
         timelines = simulate_from_args(args)
-        draw_timelines(timelines, args.output, width=args.width, dpi=args.dpi, labels=not args.no_labels)
+        draw_timelines(timelines, args.output, width=args.width, dpi=args.dpi, labels=not args.no_labels, caption=held_equal(args))
     except ValueError as error:
         print(f"twinpipe draw: error: {error}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ from twinpipe.timeline import Timeline
 from twinpipe.viz.cells import Cells, time_axis, timeline_cells
 from twinpipe.viz.style import KIND_COLOURS, KIND_NAMES, WAIT_COLOUR, WAIT_EDGE, direction_names, text_colour
 
-__all__ = ["draw_timeline", "draw_timelines", "timeline_title", "FORMATS"]
+__all__ = ["draw_timeline", "draw_timelines", "timeline_title", "FORMATS", "MAX_DPI", "MAX_PIXELS", "MAX_SIDE"]
 
 FORMATS = ("png", "svg", "pdf")
 _EDGE = "#262626"
@@ -24,6 +24,11 @@ _MIN_FONT = 4.5  # points
 _LEFT, _RIGHT, _TOP, _TITLE, _GAP, _XAXIS = 0.85, 0.25, 0.1, 0.32, 0.25, 0.42  # inches
 _LEGEND_PAD, _LEGEND_ROW, _LEGEND_TITLE = 0.1, 0.22, 0.16  # inches
 _LEGEND_FONT = 7.5  # points
+_CAPTION = 0.3  # inches
+# Limits (docs/limits.md): a 36-inch-wide picture at 600 dpi fits; an Agg canvas of 50 MP takes 200 MB.
+MAX_DPI = 2400
+MAX_PIXELS = 50_000_000
+MAX_SIDE = 2**15
 
 
 def timeline_title(timeline: Timeline) -> str:
@@ -34,6 +39,8 @@ def timeline_title(timeline: Timeline) -> str:
     parts.append(f"bubble {timeline.bubble_rate:.1%}")
     if timeline.peak_activation:
         parts.append(f"peak memory {max(timeline.peak_activation):g} M_B")
+    if timeline.meta.get("stage_size"):  # set by `twinpipe simulate/draw --hold model`
+        parts.append(f"stage = {timeline.meta['stage_size']} of a 1F1B stage")
     return " · ".join(parts)
 
 
@@ -50,11 +57,13 @@ def draw_timelines(
     width: float | None = None,
     dpi: int = 100,
     labels: bool = True,
+    caption: str | None = None,
 ):
     """Stack timelines one above the other on one time axis (for comparisons); see ``draw_timeline``.
 
     ``width`` is the figure width in inches (default: from the number of cells across, about 7..35);
-    ``labels=False`` leaves micro-batch numbers out.
+    ``labels=False`` leaves micro-batch numbers out; ``caption`` is a line of text above the panels
+    (what the timelines have in common). The picture may have at most ``MAX_PIXELS`` pixels.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -77,11 +86,16 @@ def draw_timelines(
     legend = _legend_entries(timelines, cells)
     legend_cols, legend_rows = _legend_shape(legend, fig_w)
     legend_h = _LEGEND_PAD + legend_rows * _LEGEND_ROW + (_LEGEND_TITLE if legend[2] else 0.0)
-    height = _TOP + sum(_TITLE + h + _XAXIS for h in panel_h) + _GAP * (len(rows) - 1) + legend_h
+    caption_h = _CAPTION if caption else 0.0
+    height = _TOP + caption_h + sum(_TITLE + h + _XAXIS for h in panel_h) + _GAP * (len(rows) - 1) + legend_h
+    _check_pixels(fig_w, height, dpi)
     fig = Figure(figsize=(fig_w, height), dpi=dpi)
     FigureCanvasAgg(fig)
     px_per_unit = axes_w * dpi / span
     top = height - _TOP
+    if caption:
+        fig.text(_LEFT / fig_w, (top - 0.05) / height, caption, fontsize=8, ha="left", va="top", wrap=False)
+        top -= caption_h
     for i, (timeline, c) in enumerate(zip(timelines, cells)):
         top -= _TITLE
         bottom = top - panel_h[i]
@@ -95,6 +109,18 @@ def draw_timelines(
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, format=fmt, dpi=dpi)
     return fig
+
+
+def _check_pixels(width_in: float, height_in: float, dpi) -> None:
+    """Refuse a picture larger than MAX_PIXELS before any memory is allocated for it."""
+    if isinstance(dpi, bool) or not isinstance(dpi, (int, float)) or not 0 < dpi <= MAX_DPI:
+        raise ValueError(f"dpi={dpi!r} is not allowed; it must be a number > 0 and <= {MAX_DPI}")
+    w, h = round(width_in * dpi), round(height_in * dpi)
+    if w * h > MAX_PIXELS or max(w, h) > MAX_SIDE:
+        raise ValueError(
+            f"a {width_in:.1f} x {height_in:.1f} inch picture at dpi={dpi} is {w} x {h} pixels; at most {MAX_PIXELS:,} pixels "
+            f"and {MAX_SIDE} on a side are allowed (lower the dpi or the width; see docs/limits.md)"
+        )
 
 
 def _format_of(path) -> str:

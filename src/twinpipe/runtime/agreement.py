@@ -10,18 +10,17 @@ that compute first its latency hides behind that computation.
 
 from __future__ import annotations
 
-import json
 import zlib
 
 import torch
 
-from twinpipe.runtime.collectives import Gathering
+from twinpipe.runtime.collectives import Gathering, decode_frame, encode_frame
 from twinpipe.runtime.errors import PipelineAbortedError, PipelineBrokenError, PipelineMismatchError
 
 __all__ = ["Claim", "AgreementRound", "short"]
 
-CLAIM_BYTES = 1536
 FACT_CHARS = 96  # longer facts are shortened, keeping a checksum so differences still show
+REASON_CHARS = 600
 
 
 def short(text: str, limit: int = FACT_CHARS) -> str:
@@ -40,20 +39,12 @@ class Claim:
 
     def encode(self) -> torch.Tensor:
         facts = {k: short(str(v)) for k, v in self.facts.items()}
-        reason = self.reason
-        while True:
-            data = json.dumps([self.rank, facts, self.status, reason]).encode()
-            if len(data) <= CLAIM_BYTES:
-                break
-            reason = reason[: max(0, len(reason) - (len(data) - CLAIM_BYTES) - 8)] + "…"
-        buffer = torch.zeros(CLAIM_BYTES, dtype=torch.uint8)
-        buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return buffer
+        reason = short(self.reason, REASON_CHARS)
+        return encode_frame([self.rank, facts, self.status, reason])
 
     @classmethod
-    def decode(cls, buffer: torch.Tensor) -> Claim:
-        data = bytes(buffer.tolist()).rstrip(b"\0")
-        rank, facts, status, reason = json.loads(data.decode())
+    def decode(cls, frame: torch.Tensor, what: str) -> Claim:
+        rank, facts, status, reason = decode_frame(frame, what)
         return cls(rank, facts, status, reason)
 
 
@@ -73,14 +64,14 @@ class AgreementRound:
         """Wait for every rank's claim; raise if any rank disagrees, rejected the step or is broken."""
         if self.checked:
             return
-        claims = [Claim.decode(part) for part in self.gathering.result()]
+        claims = [Claim.decode(part, self.where) for part in self.gathering.result()]
         self.checked = True
         broken = [c for c in claims if c.status == "broken"]
         if broken:
             reasons = "; ".join(f"rank {c.rank}: {c.reason}" for c in broken)
             raise PipelineBrokenError(
                 f"{self.where}: this pipeline cannot run again, an earlier step failed half-way ({reasons}). "
-                "Build a new pipeline on every rank."
+                "Build a new pipeline on every rank, on a new process group (gloo closes a connection whose wait timed out)."
             )
         rejected = [c for c in claims if c.status == "rejected" and c.rank != self.claim.rank]
         if rejected and self.claim.status != "rejected":

@@ -3,15 +3,16 @@ than the pipeline's ``timeout`` (the process group's own default is 30 minutes).
 
 from __future__ import annotations
 
+import json
 import math
-import pickle
 
 import torch
 import torch.distributed as dist
 
 from twinpipe.runtime import comm
+from twinpipe.runtime.errors import PipelineMismatchError
 
-__all__ = ["checked_timeout", "Gathering", "gather_objects", "barrier", "cpu_group"]
+__all__ = ["checked_timeout", "Gathering", "encode_frame", "decode_frame", "gather_objects", "barrier", "cpu_group"]
 
 MIN_TIMEOUT = 1e-3  # gloo counts whole milliseconds, and reads 0 as "wait forever"
 
@@ -43,20 +44,41 @@ class Gathering:
         return self.parts
 
 
+FRAME_BYTES = 2048
+
+
+def encode_frame(obj) -> torch.Tensor:
+    """``obj`` (JSON-able) as one fixed-size byte frame.
+
+    Every collective twinpipe runs on a group moves frames of this one size, so ranks that fall out
+    of step pair frames that fail to decode (a clear error) instead of buffers of different sizes
+    (which gloo answers by aborting the process)."""
+    data = json.dumps(obj).encode()
+    if len(data) > FRAME_BYTES:
+        raise ValueError(f"a {len(data)}-byte agreement message exceeds the {FRAME_BYTES}-byte frame")
+    frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+    frame[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return frame
+
+
+def decode_frame(frame: torch.Tensor, what: str):
+    try:
+        return json.loads(bytes(frame.tolist()).rstrip(b"\0").decode())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise PipelineMismatchError(
+            f"{what}: a rank sent something else than this exchange expects, so the ranks' collectives on "
+            "this process group are out of step (one rank called step() or built a pipeline that the others did not)"
+        ) from None
+
+
 def gather_objects(group, obj, timeout: float, what: str) -> list:
-    """Every rank's picklable ``obj``, in group-rank order; bounded by ``timeout``."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = Gathering(group, torch.tensor([data.numel()], dtype=torch.int64), timeout, what).result()
-    longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    parts = Gathering(group, padded, timeout, what).result()
-    return [pickle.loads(bytes(p[: int(n)].tolist())) for p, n in zip(parts, sizes)]
+    """Every rank's JSON-able ``obj`` (tuples come back as lists), in group-rank order; bounded by ``timeout``."""
+    return [decode_frame(f, what) for f in Gathering(group, encode_frame(obj), timeout, what).result()]
 
 
 def barrier(group, timeout: float, what: str) -> None:
     """Wait until every rank of ``group`` arrives, or raise after ``timeout``."""
-    Gathering(group, torch.zeros(1, dtype=torch.int64), timeout, what).result()
+    gather_objects(group, None, timeout, what)
 
 
 def cpu_group(group, timeout: float):

@@ -185,15 +185,15 @@ class PointToPoint:
     two ranks (same host, CPU), else with the process group's own calls (NCCL, gloo), which skip
     the torch.distributed wrappers' per-call cost."""
 
-    def __init__(self, group, group_rank_of: dict[int, int], pipes=None):
-        self.group, self.group_rank_of = group, group_rank_of
+    def __init__(self, group, group_rank_of: dict[int, int], pipes=None, tag: int = 0):
+        self.group, self.group_rank_of, self.tag = group, group_rank_of, tag
         self.pipes = pipes
         self.piped = pipes.peers() if pipes is not None else set()
 
     def isend(self, tensor: torch.Tensor, peer: int):
         if peer in self.piped:
             return self.pipes.isend(tensor, peer)
-        return self.group.send([tensor], self.group_rank_of[peer], 0)
+        return self.group.send([tensor], self.group_rank_of[peer], self.tag)
 
     def flattens(self, peer: int) -> bool:
         """Whether packets to and from ``peer`` travel as one flat buffer (both ends agree)."""
@@ -202,4 +202,4 @@ class PointToPoint:
     def irecv(self, tensor: torch.Tensor, peer: int):
         if peer in self.piped:
             return self.pipes.irecv(tensor, peer)
-        return self.group.recv([tensor], self.group_rank_of[peer], 0)
+        return self.group.recv([tensor], self.group_rank_of[peer], self.tag)

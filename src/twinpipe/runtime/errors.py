@@ -35,4 +35,5 @@ class PipelineAbortedError(RuntimeError):
 
 class PipelineBrokenError(RuntimeError):
     """A rank failed in the middle of an earlier step, so messages may be left half-way: this
-    pipeline cannot run again. Build a new one on every rank."""
+    pipeline cannot run again. Build a new one on every rank, on a new process group: gloo closes a
+    connection whose wait timed out."""

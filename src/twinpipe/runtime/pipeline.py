@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinpipe.runtime.agreement import AgreementRound, Claim
+from twinpipe.runtime.agreement import AgreementRound, Claim, short
 from twinpipe.runtime.collectives import checked_timeout, cpu_group, gather_objects
 from twinpipe.runtime.comm import PointToPoint, declared_layout, wait_work
 from twinpipe.runtime.errors import PipelineAbortedError, PipelineBrokenError, PipelineCommError, PipelineMismatchError
@@ -124,7 +124,7 @@ class Pipeline(nn.Module):
             neighbours = {placement.rank_of(n) for s in self.stages
                           for n in (placement.prev_stage(s), placement.next_stage(s)) if n is not None}
             pipes = shm_pipes(self.group, self.rank, self.group_rank_of, neighbours - {self.rank}, self.device, self.timeout)
-        self._p2p = PointToPoint(self.group, self.group_rank_of, pipes)
+        self._p2p = PointToPoint(self.group, self.group_rank_of, pipes, self._tag)
         # Like the official DualPipe: the user's overlapped F&B runs when all of this rank's stage
         # modules are of one class that defines it.
         kinds = {type(m) for m in self.module}
@@ -184,9 +184,13 @@ class Pipeline(nn.Module):
                                    ("discovered every step" if dynamic else "discovered on the first step"),
             }
         claim = (group_rank, facts, "ready" if error is None else "rejected",
-                 "" if error is None else f"{type(error).__name__}: {error}", uuid.uuid4().hex)
+                 "" if error is None else short(f"{type(error).__name__}: {error}", 600), uuid.uuid4().hex)
         claims = gather_objects(self._agree_group, claim, self.timeout, f"{where}: waiting for every rank to build it")
-        self._identity = f"#{min(c[4] for c in claims)[:8]}"
+        token = min(c[4] for c in claims)  # the same on every rank, new for every pipeline
+        self._identity = f"#{token[:8]}"
+        # Point-to-point tag of this pipeline's messages (gloo): whatever a broken pipeline left
+        # posted on the group can never match a message of a pipeline built after it.
+        self._tag = 1 + int(token[:5], 16)
         if error is not None:
             return
         rejected = [c for c in claims if c[2] == "rejected"]
@@ -203,7 +207,7 @@ class Pipeline(nn.Module):
                 problems.append(f"{key} ({said})")
         if problems:
             raise PipelineMismatchError(f"{where}: ranks built it differently: " + ", and ".join(problems))
-        self._identity = f"{facts['schedule']} pipeline #{min(c[4] for c in claims)[:8]}"
+        self._identity = f"{facts['schedule']} pipeline #{token[:8]}"
 
     @property
     def shared_memory_peers(self) -> set[int]:
@@ -288,7 +292,7 @@ class Pipeline(nn.Module):
                 except (PipelineMismatchError, PipelineAbortedError):
                     pass  # this rank's own error says more
             if status == "broken":
-                raise PipelineBrokenError(f"{where}: this pipeline cannot run again ({reason}). Build a new pipeline on every rank.")
+                raise PipelineBrokenError(f"{where}: this pipeline cannot run again ({reason}). Build a new pipeline on every rank, on a new process group (gloo closes a connection whose wait timed out).")
             raise error
 
         def before_first_message() -> None:

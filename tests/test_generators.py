@@ -240,6 +240,15 @@ def test_absurd_sizes_fail_fast(name, p, m, message):
     assert time.perf_counter() - start < 0.5
 
 
+def test_limits_doc_states_the_limits_in_the_code():
+    from twinpipe.schedule import limits
+
+    text = (DOCS / "limits.md").read_text()
+    for name in ("MAX_RANKS", "MAX_MICROBATCHES", "MAX_STAGE_MICROBATCHES", "MAX_PLANNED_STAGE_MICROBATCHES"):
+        stated = re.search(rf"(\d[\d,]*) \(`{name}`\)", text)
+        assert stated and int(stated.group(1).replace(",", "")) == getattr(limits, name), name
+
+
 def test_the_registry_is_an_explicit_table():
     # No import side effects: the table lists every built-in, and generator modules do not know the registry.
     assert [info.name for info in registry.BUILTIN] == registry.names()[: len(registry.BUILTIN)]

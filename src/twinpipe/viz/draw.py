@@ -25,7 +25,7 @@ _LEFT, _RIGHT, _TOP, _TITLE, _GAP, _XAXIS = 0.85, 0.25, 0.1, 0.32, 0.25, 0.42  #
 _LEGEND_PAD, _LEGEND_ROW, _LEGEND_TITLE = 0.1, 0.22, 0.16  # inches
 _LEGEND_FONT = 7.5  # points
 _CAPTION = 0.3  # inches
-# Limits (docs/limits.md): a 36-inch-wide picture at 600 dpi fits; an Agg canvas of 50 MP takes 200 MB.
+# Limits (docs/limits.md): a 36 x 10 inch picture fits at 300 dpi; an Agg canvas of 50 MP takes 200 MB.
 MAX_DPI = 2400
 MAX_PIXELS = 50_000_000
 MAX_SIDE = 2**15

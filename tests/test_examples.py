@@ -7,7 +7,6 @@ import ast
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,12 +30,9 @@ def _load(name: str):
 
 
 def _run(command: str) -> str:
-    """Run a README command from the repository root; ``torchrun`` as the installed one."""
-    argv = command.split()
-    if argv[0] == "torchrun" and not shutil.which("torchrun"):
-        argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
-    elif argv[0] == "python":
-        argv[0] = sys.executable
+    """Run a README command from the repository root with this interpreter (torchrun is its module)."""
+    program, *rest = command.split()
+    argv = [sys.executable, *(["-m", "torch.distributed.run"] if program == "torchrun" else []), *rest]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr

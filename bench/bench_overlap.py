@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 # (tokens per micro-batch, hidden, expert width): communication grows with tokens*hidden,
 # expert compute with tokens*hidden*width.
-POINTS = [(256, 64, 64), (256, 64, 512), (1024, 64, 128), (1024, 128, 512), (2048, 128, 128), (2048, 256, 1024)]
+POINTS = [(8192, 32, 8), (4096, 32, 16), (2048, 64, 32), (1024, 64, 128), (1024, 128, 512), (2048, 128, 512)]
 SEQ, EXPERTS, TOP_K, HEADS, BLOCKS = 16, 8, 2, 4, 2
 
 
@@ -108,7 +108,7 @@ def _sweep(rank: int, reps: int, draw: str | None):
                 comm.append(_comm_time(ev_s))
                 alone.append(_a2a_alone(tokens, hidden, group))
                 preds.append(predict_fb(*_part_times(ev_s)))
-                if draw and (tokens, hidden, width) == POINTS[-1]:
+                if draw and (tokens, hidden, width) == POINTS[3]:
                     drawn = ev_o
         m = statistics.median
         rows.append((tokens, hidden, width, m(seq), m(ovl), m(comm), m(alone), m(preds)))
@@ -204,7 +204,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--e2e", action="store_true", help="also a DualPipeV step on PP=2 x EP=2 (4 processes)")
-    ap.add_argument("--draw", help="PNG of rank 0's steps in one overlapped F&B op (last sweep point)")
+    ap.add_argument("--draw", help="PNG of rank 0's steps in one overlapped F&B op (the 1024-token, hidden-128, width-512 point)")
     args = ap.parse_args()
     results = _run(2, "sweep", args.reps, args.draw)
     print(f"F&B op of a {BLOCKS}-block MoE stage, EP=2 on 2 gloo processes, {os.cpu_count()} CPU cores, "

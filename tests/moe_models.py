@@ -181,3 +181,31 @@ def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: 
     if logs and interleaved(logs[-1]) != overlap:
         problems.append(f"F&B parts interleaved={not overlap} with overlap={overlap}")
     return problems
+
+
+# ---------------------------------------------------------------- the docs' example of a user stage
+from twinpipe.overlap import Comm, Compute, PartedStage, Then, all_to_all  # noqa: E402
+
+
+class ExchangeStage(PartedStage):
+    """docs/moe-overlap.md section 4, verbatim but for the sizes."""
+
+    def __init__(self, group, width: int = 8):
+        super().__init__()
+        self.group, self.pre, self.post = group, torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def parts(self):
+        return [
+            Compute("pre", lambda x: (self.pre(x), x)),
+            Comm("exchange", self._send, self._send_backward),
+            Compute("post", lambda y, x: (self.post(y) + x,)),
+        ]
+
+    def _send(self, y, x):
+        n = [len(y) // 2] * 2
+        sent = all_to_all(y.detach(), n, n, self.group)
+        return Then(sent, lambda got: ((got.requires_grad_(y.requires_grad), x), n))
+
+    def _send_backward(self, n, grads):
+        g_y, g_x = grads
+        return Then(all_to_all(g_y, n, n, self.group), lambda g: (g, g_x))

@@ -60,6 +60,32 @@ def _errors_case(group) -> list[str]:
     return []
 
 
+def _user_stage_case(group) -> list[str]:
+    """The docs' user-declared stage on two ranks: an overlapped F&B op gives what F then BW gives."""
+    from twinpipe.overlap import forward_backward
+
+    torch.manual_seed(5)
+    runs = {}
+    for overlap in (True, False):
+        stages = [mm.ExchangeStage(group).double() for _ in range(2)]
+        for st in stages:  # same weights in both runs
+            torch.manual_seed(6)
+            for p in st.parameters():
+                p.data.copy_(torch.randn_like(p))
+        x0, x1, g1 = (torch.randn(4, 8, dtype=torch.float64) for _ in range(3))
+        x1.requires_grad_()
+        out1 = stages[1](x1)
+        outs, _, events = forward_backward(stages[0], [x0], None, [], stages[1], None, [out1], [g1], overlap=overlap)
+        runs[overlap] = (outs[0], x1.grad, [p.grad for p in stages[1].parameters()], mm.interleaved(events))
+    (o1, gx1, gp1, inter1), (o2, gx2, gp2, inter2) = runs[True], runs[False]
+    problems = []
+    if not (torch.equal(o1, o2) and torch.equal(gx1, gx2) and all(torch.equal(a, b) for a, b in zip(gp1, gp2))):
+        problems.append("overlapped F&B differs from F then BW")
+    if (inter1, inter2) != (True, False):
+        problems.append(f"interleaved with overlap on/off: {inter1}/{inter2}")
+    return problems
+
+
 def _world(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -68,6 +94,7 @@ def _world(rank, world):
     for variant, uneven in LAYER_CASES:
         results[("layer", variant, uneven)] = _layer_case(group, variant, uneven)
     results["errors"] = _errors_case(group)
+    results["user"] = _user_stage_case(group)
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "ep"))
     for case in PIPE_CASES:
         try:
@@ -125,3 +152,7 @@ def test_one_rank_block_equals_reference_bitwise():
     mm.mse(want, label).backward()
     for (name, p), q in zip(stage.named_parameters(), ref.parameters()):
         assert grad_error(p.grad, q.grad) <= TOL, name
+
+
+def test_user_declared_stage_on_two_ranks(outcomes):
+    assert [o["user"] for o in outcomes] == [[], []]

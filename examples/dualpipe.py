@@ -8,7 +8,6 @@ import os, sys
 import torch, torch.distributed as dist
 from torch import nn
 import twinpipe
-from twinpipe.runtime.batches import batch_layout
 
 
 def make_stage(i):                          # your model, cut into P stages
@@ -32,7 +31,7 @@ def main():
     pipe = twinpipe.DualPipe(modules)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.01)
     num_chunks = 2 * P                      # P micro-batches per direction
-    mine = batch_layout("dualpipe", P, rank, num_chunks)  # this rank's part of the batch
+    mine = twinpipe.batch_layout("dualpipe", P, rank, num_chunks)  # this rank's part of the batch
     x, y = batch()
     for step in range(3):
         loss, _ = pipe.step(*mine.inputs(x), num_chunks=num_chunks, criterion=loss_fn,

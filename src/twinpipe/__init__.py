@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 _RUNTIME = {
     "Pipeline", "DualPipe", "DualPipeV", "WeightGradStore", "GradStore", "DeferredLinear", "defer_weight_grads",
-    "set_p2p_tensor_shapes", "set_p2p_tensor_dtype", "run_backward",
+    "set_p2p_tensor_shapes", "set_p2p_tensor_dtype", "run_backward", "batch_layout", "BatchLayout",
     "PipelineCommError", "PipelineTimeoutError", "PipelineMismatchError", "PipelineAbortedError", "PipelineBrokenError",
 }
 

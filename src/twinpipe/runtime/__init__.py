@@ -1,5 +1,6 @@
 """The torch layer: P2P messages, deferred weight gradients, the executor and the pipelines."""
 
+from twinpipe.runtime.batches import BatchLayout, batch_layout
 from twinpipe.runtime.comm import set_p2p_tensor_dtype, set_p2p_tensor_shapes
 from twinpipe.runtime.errors import (
     PipelineAbortedError, PipelineBrokenError, PipelineCommError, PipelineMismatchError, PipelineTimeoutError,
@@ -10,6 +11,6 @@ from twinpipe.runtime.weight_grad import DeferredLinear, GradStore, WeightGradSt
 
 __all__ = [
     "Pipeline", "DualPipe", "DualPipeV", "WeightGradStore", "GradStore", "DeferredLinear", "defer_weight_grads",
-    "set_p2p_tensor_shapes", "set_p2p_tensor_dtype", "run_backward",
+    "set_p2p_tensor_shapes", "set_p2p_tensor_dtype", "run_backward", "batch_layout", "BatchLayout",
     "PipelineCommError", "PipelineTimeoutError", "PipelineMismatchError", "PipelineAbortedError", "PipelineBrokenError",
 ]

@@ -156,3 +156,20 @@ def test_one_rank_block_equals_reference_bitwise():
 
 def test_user_declared_stage_on_two_ranks(outcomes):
     assert [o["user"] for o in outcomes] == [[], []]
+
+
+@pytest.mark.parametrize("names", [("dp", "ep"), ("pp",), None])
+def test_mesh_needs_pp_and_ep_dimensions(names):
+    from types import SimpleNamespace
+
+    from twinpipe.moe import pp_ep_groups
+
+    with pytest.raises(ValueError, match="mesh has dimensions"):
+        pp_ep_groups(SimpleNamespace(mesh_dim_names=names))
+
+
+def test_stage_blocks_must_share_one_group():
+    a, b = mm.MoEBlock(8, 2, 4, 2, 4), mm.MoEBlock(8, 2, 4, 2, 4)
+    b.ep_group = object()  # as if built on another mesh
+    with pytest.raises(ValueError, match="blocks"):
+        mm.MoEStage([a, b])

@@ -49,7 +49,7 @@ def _check(args) -> None:
 def _rank(rank: int, world: int, port: int, args, queue) -> None:
     import twinpipe
     from torch.distributed.device_mesh import init_device_mesh
-    from twinpipe.moe import MoEBlock, MoEStage
+    from twinpipe.moe import MoEBlock, MoEStage, pp_ep_groups
     from twinpipe.overlap import comm_hidden
 
     torch.set_num_threads(1)
@@ -57,7 +57,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (args.pp, args.ep), mesh_dim_names=("pp", "ep"))
-        ep_group = mesh["ep"].get_group()
+        pp_group, ep_group = pp_ep_groups(mesh)
         pp_rank = mesh.get_local_rank("pp")
         stages = twinpipe.stages_of_rank("dualpipev", args.pp, pp_rank)
         modules = []
@@ -66,7 +66,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
             modules.append(MoEStage([MoEBlock(args.hidden, 4 if args.hidden % 4 == 0 else 1, args.experts, args.top_k,
                                               args.expert_hidden, shared_hidden=args.expert_hidden, score="sigmoid",
                                               ep_group=ep_group) for _ in range(args.blocks)]))
-        pipe = twinpipe.DualPipeV(modules, process_group=mesh["pp"].get_group())
+        pipe = twinpipe.DualPipeV(modules, process_group=pp_group)
         torch.manual_seed(7 + mesh.get_local_rank("ep"))
         x = torch.randn(args.chunks * args.tokens // 16, 16, args.hidden)
         label = torch.randn_like(x)

@@ -16,6 +16,7 @@ else on one process-wide store. ``flush``/``pop`` also take a key.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Callable, Hashable
@@ -192,11 +193,43 @@ class _DeferredLinearFunction(torch.autograd.Function):
                     _accumulate(bias, g.sum(0))
 
         if weight_needs or bias_needs:
-            if WeightGradStore.enabled:
-                WeightGradStore.put(weight_grad)
-            else:
-                weight_grad()
+            _defer_or_run(weight_grad)
         return grad_in, None, None
+
+
+def _file_or_run(weight_grad: Callable[[], None]) -> None:
+    if WeightGradStore.enabled:
+        WeightGradStore.put(weight_grad)
+        return
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    if compiled_autograd is not None and getattr(compiled_autograd, "in_compiled_autograd_region", False):
+        # Compiled autograd owns .grad during its backward and would silently drop this gradient.
+        raise RuntimeError(
+            "DeferredLinear cannot compute its weight gradient during a backward run by compiled autograd "
+            "(torch._dynamo.config.compiled_autograd): it would be lost. Run this backward with the "
+            "WeightGradStore enabled (a pipeline's B op), or without compiled autograd."
+        )
+    weight_grad()
+
+
+_file_or_run_untraced = None
+
+
+def _defer_or_run(weight_grad: Callable[[], None]) -> None:
+    """File ``weight_grad`` for W if the current store is on, else run it now.
+
+    The store is read when backward runs, never by a tracer: under torch.compile the call is
+    excluded from graphs (``torch._dynamo.disable``), so dynamo runs the layer's autograd Function
+    eagerly and no compiled graph can bake in the on/off decision it saw while tracing.
+    """
+    global _file_or_run_untraced
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:  # nothing can be tracing: torch.compile was never used in this process
+        _file_or_run(weight_grad)
+        return
+    if _file_or_run_untraced is None:
+        _file_or_run_untraced = dynamo.disable(_file_or_run)
+    _file_or_run_untraced(weight_grad)
 
 
 class DeferredLinear(nn.Linear):

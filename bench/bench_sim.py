@@ -5,16 +5,25 @@ m=512 each under 1 s.
 
     PYTHONPATH=src python bench/bench_sim.py            # 5 repeats
     PYTHONPATH=src python bench/bench_sim.py --repeats 11
+
+Against another version of the code (e.g. before a change), measured in the same run: child
+processes alternate between the two source trees, and each case prints the median of the
+per-round ratios this tree / baseline.
+
+    git archive HEAD~3 src | tar -x -C /tmp/base
+    PYTHONPATH=src python bench/bench_sim.py --baseline /tmp/base/src --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
-
-from twinpipe.schedule.registry import build
-from twinpipe.sim import simulate
+from pathlib import Path
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -26,20 +35,58 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+def _cases():
+    """(label, function, target seconds or None); uses only APIs every version has."""
+    from twinpipe.schedule.registry import build
+    from twinpipe.sim import simulate
 
     dualpipe = build("dualpipe", 64, 512)
-    cases = [
+    return [
         ("zb-auto p=32 m=256: build (grid over 8 heuristics)", lambda: build("zb-auto", 32, 256), 1.0),
         ("dualpipe p=64 m=512: simulate", lambda: simulate(dualpipe), 1.0),
         ("dualpipe p=64 m=512: build", lambda: build("dualpipe", 64, 512), None),
         ("zbv p=16 m=64: build (grid over 4 settings)", lambda: build("zbv", 16, 64), None),
+        ("v-min p=8 m=64: build", lambda: build("v-min", 8, 64), None),
         ("1f1b p=64 m=512: build + simulate", lambda: simulate(build("1f1b", 64, 512)), None),
-    ]
-    ops = sum(len(rank_ops) for rank_ops in dualpipe.ops)
+    ], sum(len(rank_ops) for rank_ops in dualpipe.ops)
+
+
+def _run_child(repeats: int) -> None:
+    cases, _ = _cases()
+    print(json.dumps({label: _median_seconds(fn, repeats) for label, fn, _ in cases}))
+
+
+def _compare(baseline: str, rounds: int, repeats: int) -> None:
+    here = str(Path(__file__).resolve().parents[1] / "src")
+    results: dict[str, list[dict]] = {"this": [], "baseline": []}
+    for _ in range(rounds):
+        for tag, tree in (("this", here), ("baseline", baseline)):
+            env = dict(os.environ, PYTHONPATH=tree)
+            out = subprocess.run([sys.executable, __file__, "--child", "--repeats", str(repeats)], env=env,
+                                 capture_output=True, text=True, check=True).stdout
+            results[tag].append(json.loads(out))
+    print(f"{rounds} alternating rounds, median of {repeats} runs each; baseline {baseline}")
+    for label in results["this"][0]:
+        ratios = [a[label] / b[label] for a, b in zip(results["this"], results["baseline"])]
+        this = statistics.median(r[label] for r in results["this"])
+        base = statistics.median(r[label] for r in results["baseline"])
+        print(f"  {label:55s} {this * 1000:8.1f} ms vs {base * 1000:8.1f} ms   this/baseline {statistics.median(ratios):.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--baseline", metavar="SRC", help="another source tree (its src/ folder) to compare with")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds with --baseline (default 5)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _run_child(args.repeats)
+        return
+    if args.baseline:
+        _compare(args.baseline, args.rounds, args.repeats)
+        return
+    cases, ops = _cases()
     print(f"median of {args.repeats} runs (dualpipe p=64 m=512 has {ops} ops)")
     for label, fn, target in cases:
         seconds = _median_seconds(fn, args.repeats)

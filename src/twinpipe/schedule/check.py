@@ -36,45 +36,55 @@ def check_work(schedule: Schedule) -> None:
     if len(schedule.ops) != placement.num_ranks:
         raise ScheduleError("ranks", f"schedule has op lists for {len(schedule.ops)} ranks, placement has {placement.num_ranks}")
     forward_only = bool(schedule.options.get("forward_only"))
-    num_stages, stage_ranks = placement.num_stages, placement.stage_ranks
-    chain_of = [placement.chain_of_stage(s) for s in range(num_stages)]
-    bounds = [placement.microbatches_of_chain(chain_of[s], m) for s in range(num_stages)]
-    lo, hi = [r.start for r in bounds], [r.stop for r in bounds]
-    n = num_stages * m
-    done = bytearray(len(Work) * n)  # work item (work, s, j) at work*n + s*m + j
-    bases = {kind: tuple(int(w) * n for w in works) for kind, works in WORK_DONE.items()}
+    chain_of = [placement.chain_of_stage(s) for s in range(placement.num_stages)]
+    chain_mbs = [placement.microbatches_of_chain(c, m) for c in chain_of]
+    # stage -> (its rank, first and past-last micro-batch of its chain, s*m)
+    stage_info = {s: (r, mbs.start, mbs.stop, s * m) for s, (r, mbs) in enumerate(zip(placement.stage_ranks, chain_mbs))}
+    done = {work: bytearray(placement.num_stages * m) for work in Work}  # done[work][s*m + j]
+    marks = {kind: tuple(done[w] for w in works) for kind, works in WORK_DONE.items()}
+    if forward_only:
+        marks = {OpKind.F: marks[OpKind.F]}
     count = 0
     for rank, ops in enumerate(schedule.ops):
         for index, op in enumerate(ops):
             if not isinstance(op, Op):
                 raise ScheduleError("op", f"{op!r} is not an Op (build ops with F, B, W, BW, FB or parse_op)", rank, index)
             back = op.backward
-            parts = ((op.kind, op.stage, op.microbatch),) if back is None else ((OpKind.F, op.stage, op.microbatch), (back.kind, back.stage, back.microbatch))
-            for kind, s, j in parts:
-                if not 0 <= s < num_stages:
-                    raise ScheduleError("stage", f"{op} names stage {s}; stages are 0..{num_stages - 1}", rank, index)
-                if stage_ranks[s] != rank:
-                    raise ScheduleError("wrong rank", f"{op} runs stage {s}, which rank {stage_ranks[s]} holds", rank, index)
-                if not lo[s] <= j < hi[s]:
-                    if not 0 <= j < m:
-                        raise ScheduleError("micro-batch", f"{op} names micro-batch {j}; there are {m}", rank, index)
-                    raise ScheduleError("micro-batch", f"{op}: micro-batch {j} does not travel through chain {chain_of[s]}", rank, index)
-                if forward_only and kind is not OpKind.F:
-                    raise ScheduleError("forward only", f"{op} is backward work in a forward-only schedule", rank, index)
-                for base in bases[kind]:
-                    if done[base + s * m + j]:
-                        r0, i0 = _first_doing(schedule, (Work(base // n), s, j))
+            for kind, s, j in ((op.kind, op.stage, op.microbatch),) if back is None else ((OpKind.F, op.stage, op.microbatch), (back.kind, back.stage, back.microbatch)):
+                info, targets = stage_info.get(s), marks.get(kind)
+                if info is None or info[0] != rank or not info[1] <= j < info[2] or targets is None:
+                    _refuse_part(schedule, op, kind, s, j, rank, index, forward_only)
+                k = info[3] + j
+                for flags in targets:
+                    if flags[k]:
+                        work = next(w for w in Work if done[w] is flags)
+                        r0, i0 = _first_doing(schedule, (work, s, j))
                         raise ScheduleError("repeated op", f"{op} repeats work already done at rank {r0}, op {i0}", rank, index)
-                    done[base + s * m + j] = 1
+                    flags[k] = 1
                     count += 1
     # Every item done is a valid, distinct work item: the schedule is complete iff the counts match.
     per_item = 1 if forward_only else len(Work)
-    if count == per_item * sum(len(chain) * len(bounds[chain[0]]) for chain in placement.chains):
+    if count == per_item * sum(len(chain) * len(chain_mbs[chain[0]]) for chain in placement.chains):
         return
     for work, s, j in required_work(placement, m, forward_only):
-        if not done[int(work) * n + s * m + j]:
+        if not done[work][s * m + j]:
             what = {Work.F: f"{s}F{j}", Work.B: f"{s}B{j} or {s}BW{j}", Work.W: f"{s}W{j} or {s}BW{j}"}[work]
             raise ScheduleError("missing op", f"no op runs {what}", placement.rank_of(s))
+
+
+def _refuse_part(schedule: Schedule, op: Op, kind: OpKind, s: int, j: int, rank: int, index: int, forward_only: bool):
+    """Raise the ScheduleError for a part of ``op`` that is out of place (the slow path of check_work)."""
+    placement, m = schedule.placement, schedule.num_microbatches
+    if not isinstance(s, int) or not 0 <= s < placement.num_stages:
+        raise ScheduleError("stage", f"{op} names stage {s}; stages are 0..{placement.num_stages - 1}", rank, index)
+    if placement.rank_of(s) != rank:
+        raise ScheduleError("wrong rank", f"{op} runs stage {s}, which rank {placement.rank_of(s)} holds", rank, index)
+    if not 0 <= j < m:
+        raise ScheduleError("micro-batch", f"{op} names micro-batch {j}; there are {m}", rank, index)
+    if forward_only and kind is not OpKind.F:
+        raise ScheduleError("forward only", f"{op} is backward work in a forward-only schedule", rank, index)
+    chain = placement.chain_of_stage(s)
+    raise ScheduleError("micro-batch", f"{op}: micro-batch {j} does not travel through chain {chain}", rank, index)
 
 
 def _first_doing(schedule: Schedule, item: Key) -> tuple[int, int]:

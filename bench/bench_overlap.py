@@ -6,7 +6,8 @@ medians: T_seq, T_overlap, T_comm (the same all-to-alls run alone, each after an
 barrier: the communication there is to hide), comm/cmp (T_comm over the sequential run's compute),
 the fraction of T_comm hidden, (T_seq - T_overlap) / T_comm, the step-time ratio T_overlap / T_seq,
 "in-run" (the comm parts' time inside the sequential run, waits for the slower peer included) and
-the time ``twinpipe.sim.overlap.predict_fb`` predicts from the sequential run's per-part times. ``--e2e`` adds a DualPipeV step on PP=2 x EP=2 (4 processes), overlap on
+the F&B time ``twinpipe.sim.overlap.predict_fb`` predicts from the sequential run's compute part
+times with, for the comm parts, their in-run times or their times alone. ``--e2e`` adds a DualPipeV step on PP=2 x EP=2 (4 processes), overlap on
 vs off. ``--draw PATH`` draws rank 0's steps of one overlapped F&B op (matplotlib).
 
     python bench/bench_overlap.py [--reps 9] [--e2e] [--draw docs/img/moe-overlap-pair.png]
@@ -43,8 +44,6 @@ def _comm_time(events) -> float:
 
 def _part_times(events):
     """(kind, seconds) per F part and per B part, and the W times, from a sequential run."""
-    from twinpipe.sim.overlap import predict_fb  # noqa: F401  (same module the engine orders by)
-
     f, b, w, started = [], [], {}, {}
     for a, s, n, t0, t1 in events:
         if a == "start":
@@ -58,21 +57,28 @@ def _part_times(events):
     return f, b, [w.get(i, 0.0) for i in range(len(b))]
 
 
-def _a2a_alone(tokens: int, hidden: int, group) -> float:
+def _a2a_alone(tokens: int, hidden: int, group) -> list[float]:
     """The all-to-alls of one F&B op run alone (same sizes, even splits), each after a barrier
-    that is not timed: the communication time there is to hide, without waits for a slower peer."""
+    that is not timed: the communication there is to hide, without waits for a slower peer.
+    Seconds per call, per block: dispatch(F) with its counts, combine(F), combine(B), dispatch(B)."""
     rows = tokens * TOP_K
     payload, counts = torch.randn(rows, hidden), torch.zeros(EXPERTS, dtype=torch.long)
     out, got = torch.empty_like(payload), torch.empty_like(counts)
-    total = 0.0
-    for i in range(4 * BLOCKS):  # per block: dispatch(F) with its counts, combine(F), combine(B), dispatch(B)
+    times = []
+    for i in range(4 * BLOCKS):
         dist.barrier(group)
         t0 = time.perf_counter()
         if i % 4 == 0:
             dist.all_to_all_single(got, counts, group=group)
         dist.all_to_all_single(out, payload, group=group)
-        total += time.perf_counter() - t0
-    return total
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _with_comm(parts, comm_times):
+    """``parts`` with its comm parts' times replaced, in order, by ``comm_times``."""
+    it = iter(comm_times)
+    return [(k, next(it) if k == "comm" else t) for k, t in parts]
 
 
 def _fb_once(stages, x0, x1, g1, overlap: bool, group):
@@ -106,12 +112,16 @@ def _sweep(rank: int, reps: int, draw: str | None):
                 seq.append(t_s)
                 ovl.append(t_o)
                 comm.append(_comm_time(ev_s))
-                alone.append(_a2a_alone(tokens, hidden, group))
-                preds.append(predict_fb(*_part_times(ev_s)))
+                calls = _a2a_alone(tokens, hidden, group)
+                alone.append(sum(calls))
+                f, b, w = _part_times(ev_s)
+                f_comm = [t for i, t in enumerate(calls) if i % 4 in (0, 1)]
+                b_comm = [t for i, t in enumerate(calls) if i % 4 in (2, 3)]
+                preds.append((predict_fb(f, b, w), predict_fb(_with_comm(f, f_comm), _with_comm(b, b_comm), w)))
                 if draw and (tokens, hidden, width) == POINTS[3]:
                     drawn = ev_o
         m = statistics.median
-        rows.append((tokens, hidden, width, m(seq), m(ovl), m(comm), m(alone), m(preds)))
+        rows.append((tokens, hidden, width, m(seq), m(ovl), m(comm), m(alone), m(p[0] for p in preds), m(p[1] for p in preds)))
     return rows, drawn
 
 
@@ -210,13 +220,13 @@ def main() -> None:
     print(f"F&B op of a {BLOCKS}-block MoE stage, EP=2 on 2 gloo processes, {os.cpu_count()} CPU cores, "
           f"1 compute thread each; medians of {args.reps}; times in ms")
     print(f"{'tokens':>6} {'hidden':>6} {'width':>5} | {'T_seq':>7} {'T_ovl':>7} {'T_comm':>7} {'comm/cmp':>8} | "
-          f"{'hidden%':>7} {'T_ovl/T_seq':>11} | {'in-run':>7} {'predicted':>9}")
+          f"{'hidden%':>7} {'T_ovl/T_seq':>11} | {'in-run':>7} {'pred(in-run)':>12} {'pred(alone)':>11}")
     for rank in sorted(results):
         rows, _ = results[rank]
-        for tokens, hidden, width, seq, ovl, in_run, comm, pred in rows:
+        for tokens, hidden, width, seq, ovl, in_run, comm, pred, pred_alone in rows:
             print(f"{tokens:>6} {hidden:>6} {width:>5} | {seq * 1e3:7.2f} {ovl * 1e3:7.2f} {comm * 1e3:7.2f} "
                   f"{comm / max(seq - in_run, 1e-9):8.2f} | {100 * (seq - ovl) / comm:6.0f}% {ovl / seq:11.3f} | "
-                  f"{in_run * 1e3:7.2f} {pred * 1e3:9.2f}   (rank {rank})")
+                  f"{in_run * 1e3:7.2f} {pred * 1e3:12.2f} {pred_alone * 1e3:11.2f}   (rank {rank})")
     if args.draw:
         _draw(results[0][1], args.draw)
         print(f"drew {args.draw}")

@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--expert-hidden", type=int, default=128)
     parser.add_argument("--blocks", type=int, default=2, help="MoE blocks per stage")
+    parser.add_argument("--trace", metavar="PATH", help="write the last step's overlapped F&B ops as Chrome trace JSON")
     return parser
 
 
@@ -71,7 +72,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
         x = torch.randn(args.chunks * args.tokens // 16, 16, args.hidden)
         label = torch.randn_like(x)
         first = 0 in pipe.stages
-        out = {"times": {False: [], True: []}, "same_loss": True, "in_flight": 0.0, "hidden": 0.0}
+        out = {"times": {False: [], True: []}, "same_loss": True, "in_flight": 0.0, "hidden": 0.0, "events": []}
         for step in range(args.steps):
             losses = {}
             for overlap in (False, True):
@@ -91,6 +92,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
             if step == args.steps - 1:
                 for m in modules:
                     for events in m.fb_events:
+                        out["events"].append(events)
                         flying, hid = comm_hidden(events)
                         out["in_flight"] += flying
                         out["hidden"] += hid
@@ -130,6 +132,14 @@ def main(argv=None) -> int:
     if flying:
         print(f"overlapped F&B ops of the last step: all-to-alls in flight {flying * 1e3:.1f} ms (all ranks), "
               f"{hidden * 1e3:.1f} ms of it ({100 * hidden / flying:.0f}%) with a compute part of the other micro-batch running")
+    if args.trace:
+        import json
+
+        from twinpipe.overlap import fb_chrome_trace
+
+        with open(args.trace, "w") as f:
+            json.dump(fb_chrome_trace({r: results[r]["events"] for r in results}), f)
+        print(f"wrote {args.trace}: the overlapped F&B ops of the last step, per rank (open in https://ui.perfetto.dev)")
     print(f"this machine has {os.cpu_count()} cores for {world} ranks: gloo's all-to-all is copying done by the same "
           "cores, so it hides only where cores are to spare")
     return 0

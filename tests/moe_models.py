@@ -24,15 +24,19 @@ VARIANTS = {
 }
 
 
-def make_stage(variant: str = "shared", blocks: int = 1, experts: int = 4, top_k: int = 2, uneven: bool = False) -> MoEStage:
-    """One stage with all experts (float64). ``uneven``: expert 0 takes most token copies, the
-    last expert none (through the router's choice bias)."""
+def make_stage(variant: str = "shared", blocks: int = 1, experts: int = 4, top_k: int = 2, uneven=False) -> MoEStage:
+    """One stage with all experts (float64). ``uneven=True``: expert 0 takes most token copies,
+    the last expert none; ``"starved"``: the second half of the experts (EP rank 1's) get none
+    (through the router's choice bias)."""
     made = []
     for _ in range(blocks):
         block = MoEBlock(HIDDEN, 2, experts, top_k, 6, **VARIANTS[variant])
         if uneven:
             bias = torch.zeros(experts)
-            bias[0], bias[-1] = 4.0, -4.0
+            if uneven == "starved":
+                bias[: experts // 2], bias[experts // 2 :] = 5.0, -5.0
+            else:
+                bias[0], bias[-1] = 4.0, -4.0
             block.router.bias.copy_(bias)
         made.append(block)
     return MoEStage(made).double()

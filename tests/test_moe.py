@@ -15,7 +15,7 @@ from exactness import TOL
 from models import grad_error
 from twinpipe.moe import reduce_dense_grads
 
-LAYER_CASES = [(v, u) for v in mm.VARIANTS for u in (False, True)]
+LAYER_CASES = [(v, u) for v in mm.VARIANTS for u in (False, True)] + [("softmax", "starved")]
 PIPE_CASES = [("dualpipev", True, "grouped", True), ("dualpipev", False, "shared", False), ("1f1b", False, "softmax", True)]
 
 
@@ -46,8 +46,10 @@ def _layer_case(group, variant: str, uneven: bool) -> list[str]:
     routed = sum(torch.bincount(full.blocks[0].router(full.blocks[0].norm2(full.blocks[0].attention(x)).reshape(-1, mm.HIDDEN))[0].reshape(-1), minlength=4) for x in xs)
     if not torch.equal(rows, routed[2 * rank : 2 * rank + 2]):
         problems.append(f"expert rows {rows.tolist()} != routed {routed.tolist()}")
-    if uneven and (routed[-1] != 0 or routed[0] < routed.sum() // 2):
+    if uneven is True and (routed[-1] != 0 or routed[0] < routed.sum() // 2):
         problems.append(f"routing is not uneven: {routed.tolist()}")
+    if uneven == "starved" and routed[2:].any():
+        problems.append(f"rank 1's experts were routed tokens: {routed.tolist()}")
     return problems
 
 

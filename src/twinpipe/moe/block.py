@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinpipe.moe.router import TopKRouter
-from twinpipe.overlap.comm import Then, all_to_all, exchange_counts, group_size
+from twinpipe.overlap.comm import Then, all_to_all, exchange_counts
+from twinpipe.overlap.graph import run_parts
 from twinpipe.overlap.parts import Comm, Compute, Done
 from twinpipe.runtime.weight_grad import DeferredLinear
 
@@ -118,8 +119,6 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block alone, its parts in order (communication waited for at once)."""
-        from twinpipe.overlap.graph import run_parts
-
         return run_parts(self.parts(), (x,), type(self).__name__)
 
     def _attn(self, x):

@@ -1,0 +1,65 @@
+"""The device mesh training runs on: data-parallel x pipeline ranks (``("dp", "pp")``).
+
+Pipeline ranks are the inner dimension (global rank = dp_rank * pp + pp_rank), so a pipeline's
+neighbours are neighbouring processes. An expert-parallel dimension would be a third name here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["TrainMesh", "build_mesh"]
+
+DIMS = ("dp", "pp")
+
+
+@dataclass
+class TrainMesh:
+    mesh: DeviceMesh
+    dp: int
+    pp: int
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.get_local_rank("dp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh.get_local_rank("pp")
+
+    @property
+    def dp_group(self):
+        return self.mesh.get_group("dp")
+
+    @property
+    def pp_group(self):
+        return self.mesh.get_group("pp")
+
+    @property
+    def is_first(self) -> bool:
+        """The rank that prints and writes files (dp 0, pp 0)."""
+        return self.dp_rank == 0 and self.pp_rank == 0
+
+
+def build_mesh(dp: int, pp: int, device_type: str = "cpu", first_rank: int = 0) -> TrainMesh:
+    """A (dp, pp) mesh over global ranks ``first_rank .. first_rank + dp*pp - 1``.
+
+    Collective: every rank of the world calls it. ``dp * pp`` must equal the world size (or, with
+    ``first_rank``, fit inside it).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group() first (or use torchrun)")
+    for name, value in (("dp", dp), ("pp", pp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be an int >= 1")
+    world = dist.get_world_size()
+    if first_rank == 0 and dp * pp != world:
+        raise ValueError(f"dp={dp} x pp={pp} = {dp * pp} ranks, but the world has {world}: the mesh sizes must multiply to the world size")
+    if not 0 <= first_rank or first_rank + dp * pp > world:
+        raise ValueError(f"first_rank={first_rank}: ranks {first_rank}..{first_rank + dp * pp - 1} do not fit a world of {world}")
+    ranks = torch.arange(first_rank, first_rank + dp * pp).view(dp, pp)
+    return TrainMesh(DeviceMesh(device_type, ranks, mesh_dim_names=DIMS), dp, pp)

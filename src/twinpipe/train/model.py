@@ -1,0 +1,122 @@
+"""A small GPT-style byte-level language model, laid out as a sequence of layers.
+
+``GPT`` is written for ``split``: its children run in registration order (``embed``, then every
+block of ``blocks``, then ``head``), each taking and returning one tensor, so any contiguous run
+of them is a pipeline stage. Linear layers defer their weight gradients to W (zero bubble).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from twinpipe.runtime.weight_grad import DeferredLinear
+
+__all__ = ["GPTConfig", "GPT", "lm_loss"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the model: ``vocab`` 256 for bytes."""
+
+    vocab: int = 256
+    seq_len: int = 64
+    dim: int = 64
+    heads: int = 4
+    layers: int = 4
+
+    def __post_init__(self):
+        for name in ("vocab", "seq_len", "dim", "heads", "layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be an int >= 1")
+        if self.dim % self.heads:
+            raise ValueError(f"dim={self.dim}: must be a multiple of heads={self.heads}")
+
+
+class Embed(nn.Module):
+    """Token ids (batch, seq) -> hidden states (batch, seq, dim): token plus position embeddings."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.tokens = nn.Embedding(cfg.vocab, cfg.dim)
+        self.positions = nn.Embedding(cfg.seq_len, cfg.dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.positions.weight[: ids.shape[1]]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = DeferredLinear(cfg.dim, 3 * cfg.dim)
+        self.proj = DeferredLinear(cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention and a 4x MLP, each with a residual."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.dim)
+        self.attn = Attention(cfg)
+        self.norm2 = nn.LayerNorm(cfg.dim)
+        self.up = DeferredLinear(cfg.dim, 4 * cfg.dim)
+        self.down = DeferredLinear(4 * cfg.dim, cfg.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class Head(nn.Module):
+    """Hidden states -> next-byte logits (batch, seq, vocab)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.dim)
+        self.out = DeferredLinear(cfg.dim, cfg.vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = Embed(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.head = Head(cfg)
+        self.apply(_init)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _init(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross entropy (nats) of one micro-batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

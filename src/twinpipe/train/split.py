@@ -1,0 +1,146 @@
+"""Split a model into pipeline stages, and give each rank the stage modules it holds.
+
+A splittable model is a sequence of layers, each taking and returning one tensor: an
+``nn.Sequential``, or a module whose children run in registration order with one
+``nn.ModuleList`` of blocks among them (an embedding before it, a head after it, as in
+``twinpipe.train.model.GPT``). Stages keep the model's own parameter names, so checkpoints are
+stored by those names and load under any split.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from twinpipe.schedule import registry
+from twinpipe.schedule.placement import Placement
+from twinpipe.train.balance import param_weights, partition, time_weights
+
+__all__ = ["Stage", "model_layers", "split", "num_model_stages", "model_stage", "is_mirror_copy", "stage_modules"]
+
+BALANCE = ("params", "time")
+
+
+class Stage(nn.Module):
+    """A contiguous run of a model's layers; ``names`` are the layers' names in the model."""
+
+    def __init__(self, names: Sequence[str], layers: Sequence[nn.Module]):
+        super().__init__()
+        self.names = tuple(names)
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def named_model_parameters(self):
+        """``(name in the unsplit model, parameter)`` pairs, in model order."""
+        for name, layer in zip(self.names, self.layers):
+            for sub, p in layer.named_parameters():
+                yield f"{name}.{sub}", p
+
+    def extra_repr(self) -> str:
+        return f"layers {self.names[0]}..{self.names[-1]}" if len(self.names) > 1 else f"layer {self.names[0]}"
+
+
+def model_layers(model: nn.Module, blocks: str | None = None) -> list[tuple[str, nn.Module]]:
+    """The model's layers in run order, with their names (``blocks`` names the block list)."""
+    if isinstance(model, nn.Sequential):
+        return list(model.named_children())
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={type(model).__name__}: must be an nn.Module (an nn.Sequential or a model with a block list)")
+    children = list(model.named_children())
+    lists = [name for name, child in children if isinstance(child, nn.ModuleList)]
+    if blocks is None:
+        if len(lists) != 1:
+            raise ValueError(
+                f"model={type(model).__name__}: has {len(lists)} nn.ModuleList children ({', '.join(lists) or 'none'}); "
+                "it must be an nn.Sequential or have exactly one block list (else name it with blocks=)"
+            )
+        blocks = lists[0]
+    elif blocks not in lists:
+        raise ValueError(f"blocks={blocks!r}: {type(model).__name__} has no nn.ModuleList child of that name; it has {lists}")
+    layers = []
+    for name, child in children:
+        if name == blocks:
+            layers += [(f"{name}.{i}", block) for i, block in enumerate(child)]
+        else:
+            layers.append((name, child))
+    return layers
+
+
+def split(model: nn.Module, num_stages: int, balance: str | Sequence[int] = "params", *, sample: torch.Tensor | None = None,
+          blocks: str | None = None) -> list[Stage]:
+    """Cut ``model`` into ``num_stages`` contiguous stages (sharing its parameters).
+
+    ``balance``: ``"params"`` (equal parameter counts, as far as whole layers allow), ``"time"``
+    (equal measured forward+backward time on ``sample``, the model's input) or a list of layer
+    counts per stage.
+    """
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages={num_stages!r}: must be an int >= 1")
+    layers = model_layers(model, blocks)
+    names = [n for n, _ in layers]
+    if len(layers) < num_stages:
+        raise ValueError(
+            f"num_stages={num_stages}: the model has only {len(layers)} layers ({', '.join(names)}), and a stage "
+            "needs at least one; use fewer stages or a model with more blocks"
+        )
+    if isinstance(balance, str):
+        if balance == "params":
+            counts = partition(param_weights([m for _, m in layers]), num_stages)
+        elif balance == "time":
+            if not isinstance(sample, torch.Tensor):
+                raise ValueError("balance='time' measures each layer: pass sample= (one input batch of the model)")
+            counts = partition(time_weights([m for _, m in layers], sample), num_stages)
+        else:
+            raise ValueError(f"balance={balance!r}: allowed are {', '.join(map(repr, BALANCE))} or a list of layer counts per stage")
+    else:
+        counts = list(balance)
+        if (len(counts) != num_stages or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts)
+                or sum(counts) != len(layers)):
+            raise ValueError(
+                f"balance={balance!r}: a list must give {num_stages} layer counts (ints >= 1) summing to the "
+                f"model's {len(layers)} layers"
+            )
+    stages, start = [], 0
+    for count in counts:
+        chunk = layers[start : start + count]
+        stages.append(Stage([n for n, _ in chunk], [m for _, m in chunk]))
+        start += count
+    return stages
+
+
+def num_model_stages(placement: Placement) -> int:
+    """How many stages the model must be cut into for ``placement`` (DualPipe: one per rank)."""
+    return placement.num_ranks if placement.kind == "dual" else placement.num_stages
+
+
+def model_stage(placement: Placement, stage: int) -> int:
+    """The model stage a pipeline stage runs (DualPipe's second chain runs copies of the first's)."""
+    return stage % placement.num_ranks if placement.kind == "dual" else stage
+
+
+def is_mirror_copy(placement: Placement, stage: int) -> bool:
+    """True for DualPipe's second copy of a model stage (left out of norms and checkpoints)."""
+    return placement.kind == "dual" and stage >= placement.num_ranks
+
+
+def stage_modules(stages: Sequence[nn.Module], schedule: str, num_ranks: int, rank: int, **options) -> list[nn.Module]:
+    """The modules pipeline ``rank`` passes to ``Pipeline`` under ``schedule``, in its local order.
+
+    ``stages`` is the split model (``split(model, num_model_stages(...))``); see
+    ``twinpipe.stages_of_rank`` for the stage numbers.
+    """
+    placement = registry.placement_for(schedule, num_ranks, **options)
+    needed = num_model_stages(placement)
+    if len(stages) != needed:
+        raise ValueError(
+            f"stages: {len(stages)} given, but {schedule!r} on {num_ranks} ranks runs a model cut into {needed} stages"
+        )
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
+        raise ValueError(f"rank={rank!r}: must be an int in 0..{num_ranks - 1}")
+    return [stages[model_stage(placement, s)] for s in placement.stages_of(rank)]

@@ -1,0 +1,198 @@
+"""One training step on a (dp, pp) mesh: pipeline step, gradient reductions, clipping, optimizer.
+
+Per step, in this order (the order the single-process reference follows, so results are exact):
+1. ``Pipeline.step`` on this replica's rows: gradients summed over micro-batches into ``.grad``;
+2. DualPipe: the two copies of each stage add their gradients (one exchange with rank P-1-r);
+3. data parallel: gradients summed across replicas (bucketed all-reduce), then divided by the
+   number of micro-batches in the global batch;
+4. one all-reduce over the pipeline carries every parameter's squared gradient norm (each model
+   parameter counted once: DualPipe's second copy is left out) and the micro-batch losses;
+5. clipping (if ``max_norm``), then the optimizer.
+The reductions run after ``step()`` returns: deferred weight gradients bypass autograd hooks, and the
+runtime has no per-stage "gradients ready" signal, so they are not overlapped with W.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from twinpipe.runtime.batches import batch_layout
+from twinpipe.runtime.collectives import checked_timeout
+from twinpipe.runtime.comm import wait_work
+from twinpipe.runtime.pipeline import DualPipe, Pipeline
+from twinpipe.runtime.weight_grad import defer_weight_grads
+from twinpipe.schedule import registry
+from twinpipe.train.data import BatchSampler, replica_rows
+from twinpipe.train.grads import (
+    DataParallelReducer, clip_coefficient, clip_grads, scale_grads, squared_norms, sum_across,
+)
+from twinpipe.train.mesh import TrainMesh
+from twinpipe.train.split import is_mirror_copy, model_layers, num_model_stages, model_stage, split
+
+__all__ = ["TrainConfig", "StepResult", "Trainer", "model_parameter_names"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What a run trains with. ``batch_size`` rows per step in all, ``microbatch_size`` per micro-batch."""
+
+    schedule: str = "dualpipev"
+    batch_size: int = 32
+    microbatch_size: int = 4
+    max_norm: float | None = None
+    balance: str | tuple[int, ...] = "params"
+    seed: int = 0
+    timeout: float = 60.0
+    schedule_options: tuple = ()  # (name, value) pairs
+
+    def num_microbatches(self, dp: int) -> int:
+        """Micro-batches per pipeline per step."""
+        for name in ("batch_size", "microbatch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be an int >= 1")
+        if self.batch_size % (dp * self.microbatch_size):
+            raise ValueError(
+                f"batch_size={self.batch_size}: must be a multiple of dp={dp} x microbatch_size={self.microbatch_size}"
+            )
+        return self.batch_size // (dp * self.microbatch_size)
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float  # mean over every micro-batch of the global batch
+    losses: torch.Tensor  # per global micro-batch, in order
+    grad_norm: float | None
+    times: dict[str, float] = field(default_factory=dict)
+
+
+def model_parameter_names(model: nn.Module) -> list[tuple[str, torch.Size]]:
+    """Every parameter of a splittable model, by name in the unsplit model, in run order."""
+    return [(f"{name}.{sub}", p.shape) for name, layer in model_layers(model) for sub, p in layer.named_parameters()]
+
+
+class Trainer:
+    """Trains ``model_fn()`` (built on every rank with ``config.seed``) on ``mesh``.
+
+    ``optimizer_fn(params)`` builds any ``torch.optim`` optimizer over this rank's parameters;
+    ``criterion(output, labels)`` is one micro-batch's mean loss.
+    """
+
+    def __init__(self, model_fn: Callable[[], nn.Module], sampler: BatchSampler, criterion, optimizer_fn,
+                 mesh: TrainMesh, config: TrainConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+        self.config, self.mesh, self.sampler, self.criterion = config, mesh, sampler, criterion
+        self.timeout = checked_timeout(config.timeout, "config.timeout")
+        options = dict(config.schedule_options)
+        self.placement = registry.placement_for(config.schedule, mesh.pp, **options)
+        self.num_chunks = config.num_microbatches(mesh.dp)
+        self.layout = batch_layout(config.schedule, mesh.pp, mesh.pp_rank, self.num_chunks, **options)
+        torch.manual_seed(config.seed)
+        model = model_fn()
+        self.parameter_names = model_parameter_names(model)
+        index = {name: i for i, (name, _) in enumerate(self.parameter_names)}
+        stages = split(model, num_model_stages(self.placement), config.balance)
+        self.stage_names = [s.names for s in stages]
+        pipeline_stages = self.placement.stages_of(mesh.pp_rank)
+        modules = [defer_weight_grads(stages[model_stage(self.placement, s)]).to(device=device, dtype=dtype) for s in pipeline_stages]
+        # (model parameter name, parameter, owned): owned parameters count in norms and checkpoints.
+        self.held = [(name, p, not is_mirror_copy(self.placement, s))
+                     for s, m in zip(pipeline_stages, modules) for name, p in m.named_model_parameters()]
+        self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned], dtype=torch.long)
+        self.params = [p for _, p, _ in self.held]
+        kind = DualPipe if self.placement.kind == "dual" else Pipeline
+        args = () if kind is DualPipe else (config.schedule,)
+        self.pipe = kind(modules, *args, process_group=mesh.pp_group, timeout=self.timeout, **options)
+        self.optimizer = optimizer_fn(self.params)
+        self.reducer = DataParallelReducer(self.params, mesh.dp_group, self.timeout)
+        self._sync_start()
+
+    @property
+    def is_dual(self) -> bool:
+        return self.placement.kind == "dual"
+
+    def _where(self, what: str) -> str:
+        return f"rank dp={self.mesh.dp_rank} pp={self.mesh.pp_rank}: {what}"
+
+    def _sync_start(self) -> None:
+        """Every replica and mirrored copy starts from dp replica 0's (lower rank's) weights."""
+        if self.mesh.dp > 1:
+            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+            src = dist.get_global_rank(self.mesh.dp_group, 0)
+            wait_work(dist.broadcast(flat, src=src, group=self.mesh.dp_group, async_op=True), self.timeout,
+                      self._where("broadcasting the initial weights across data-parallel replicas"))
+            self._unflatten(flat, grads=False)
+        if self.is_dual:
+            self.pipe.sync_mirrored_weights()
+
+    def _unflatten(self, flat: torch.Tensor, grads: bool) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                target = p.grad if grads else p
+                target.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def step(self, step: int) -> StepResult:
+        """Train on global batch ``step`` (from the sampler)."""
+        times = {}
+        start = time.perf_counter()
+        dp, m = self.mesh.dp, self.num_chunks
+        x, y = self.sampler.batch(step, self.config.batch_size)
+        rows = replica_rows(self.config.batch_size, dp, self.mesh.dp_rank)
+        device = self.pipe.device
+        x, y = x[rows].to(device), y[rows].to(device)
+        for p in self.params:
+            p.grad = None
+        loss, _ = self.pipe.step(*self.layout.inputs(x), num_chunks=m, criterion=self.criterion, labels=self.layout.labels(y))
+        times["pipeline"] = time.perf_counter() - start
+        mark = time.perf_counter()
+        if self.is_dual:
+            self.pipe.sync_mirrored_grads()
+        times["mirror"] = time.perf_counter() - mark
+        mark = time.perf_counter()
+        self.reducer.all_reduce(self._where(f"step {step}"))
+        times["dp"] = time.perf_counter() - mark
+        mark = time.perf_counter()
+        scale_grads(self.params, m * dp)
+        # One vector over the pipeline: squared norms by model parameter (if clipping), then losses.
+        clip = self.config.max_norm is not None
+        n_norms = len(self.parameter_names) if clip else 0
+        vec = torch.zeros(n_norms + dp * m, dtype=torch.float64)
+        if clip:
+            vec[self._owned_index] = squared_norms([p for _, p, owned in self.held if owned])
+        if loss is not None:
+            idx = torch.tensor(list(self.layout.label_microbatches)) + self.mesh.dp_rank * m
+            vec[n_norms + idx] = loss.detach().to("cpu", torch.float64)
+        sum_across(vec, self.mesh.pp_group, self.timeout, self._where(f"step {step}: norms and losses over the pipeline"))
+        losses = vec[n_norms:].clone()
+        sum_across(losses, self.mesh.dp_group, self.timeout, self._where(f"step {step}: losses over data-parallel replicas"))
+        norm = None
+        if clip:
+            norm, factor = clip_coefficient(vec[:n_norms], self.config.max_norm)
+            clip_grads(self.params, factor)
+        self.optimizer.step()
+        times["update"] = time.perf_counter() - mark
+        times["total"] = time.perf_counter() - start
+        return StepResult(step, float(losses.mean()), losses, norm, times)
+
+    def mirrors_equal(self) -> bool:
+        """DualPipe: whether this rank's two copies are bitwise equal to their mirrors' (collective)."""
+        if not self.is_dual:
+            return True
+        first, second = [list(mod.parameters()) for mod in self.pipe.module]
+        mine = torch.cat([p.detach().reshape(-1) for p in second + first])
+        theirs = torch.empty_like(mine)
+        pp, r = self.mesh.pp, self.mesh.pp_rank
+        peer = dist.get_global_rank(self.mesh.pp_group, pp - 1 - r)
+        works = [dist.isend(mine, dst=peer, group=self.mesh.pp_group), dist.irecv(theirs, src=peer, group=self.mesh.pp_group)]
+        for w in works:
+            wait_work(w, self.timeout, self._where("comparing weights with the mirrored copy"))
+        ours = torch.cat([p.detach().reshape(-1) for p in first + second])
+        return bool(torch.equal(ours, theirs))

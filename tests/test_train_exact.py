@@ -1,0 +1,132 @@
+"""Training on a (dp, pp) mesh against one process: 30 steps, every loss bitwise, final weights <= 1e-12.
+
+One 4-process gloo world runs every case (PP=4 alone, PP=2 x DP=2), SGD with momentum or AdamW,
+clipping active in some; DualPipe's mirrored copies are compared bitwise after every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from distributed import run_world
+
+WORLD = 4
+STEPS = 30
+TOL = 1e-12
+
+
+@dataclass(frozen=True)
+class Case:
+    schedule: str
+    pp: int
+    dp: int
+    optimizer: str  # "sgd" (momentum) | "adamw"
+    max_norm: float | None = None
+
+    @property
+    def id(self) -> str:
+        clip = f"-clip{self.max_norm}" if self.max_norm is not None else ""
+        return f"{self.schedule}-pp{self.pp}-dp{self.dp}-{self.optimizer}{clip}"
+
+
+CASES = [
+    Case("1f1b", 4, 1, "sgd"),
+    Case("1f1b", 2, 2, "adamw", max_norm=0.3),
+    Case("zb-h1", 4, 1, "adamw"),
+    Case("zb-h1", 2, 2, "sgd"),
+    Case("dualpipev", 4, 1, "sgd", max_norm=0.3),
+    Case("dualpipev", 2, 2, "adamw"),
+    Case("dualpipe", 4, 1, "adamw", max_norm=0.3),
+    Case("dualpipe", 2, 2, "sgd"),
+]
+
+
+def tiny_setup(schedule: str, seed: int = 0, max_norm=None, optimizer: str = "sgd"):
+    """Model factory, sampler, criterion, optimizer factory and config shared by the train tests."""
+    import torch
+
+    from twinpipe.train.data import BatchSampler
+    from twinpipe.train.model import GPT, GPTConfig, lm_loss
+    from twinpipe.train.trainer import TrainConfig
+
+    cfg = GPTConfig(vocab=32, seq_len=8, dim=8, heads=2, layers=6)
+    corpus = torch.randint(0, cfg.vocab, (4096,), generator=torch.Generator().manual_seed(5))
+    sampler = BatchSampler(corpus, cfg.seq_len, seed=seed)
+
+    def make_optimizer(params):
+        if optimizer == "sgd":
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+    config = TrainConfig(schedule=schedule, batch_size=8, microbatch_size=2, max_norm=max_norm, seed=seed)
+    return (lambda: GPT(cfg)), sampler, lm_loss, make_optimizer, config
+
+
+def _run_case(rank: int, case: Case) -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    from twinpipe.train.mesh import build_mesh
+    from twinpipe.train.reference import ReferenceTrainer
+    from twinpipe.train.trainer import Trainer
+    from models import grad_error
+
+    model_fn, sampler, criterion, make_opt, config = tiny_setup(case.schedule, max_norm=case.max_norm, optimizer=case.optimizer)
+    expected = [None]
+    if rank == 0:  # one reference run, shared (the ranks share two cores)
+        ref = ReferenceTrainer(model_fn, sampler, criterion, make_opt, config, case.dp, case.pp, dtype=torch.float64)
+        steps = [ref.step(step) for step in range(STEPS)]
+        expected = [(steps, {k: v.detach() for k, v in ref.named_parameters().items()})]
+    dist.broadcast_object_list(expected, src=0)
+    steps, final = expected[0]
+    mesh = build_mesh(case.dp, case.pp)
+    trainer = Trainer(model_fn, sampler, criterion, make_opt, mesh, config, dtype=torch.float64)
+    problems, clipped = [], 0
+    for step in range(STEPS):
+        got = trainer.step(step)
+        loss, losses, norm = steps[step]
+        if not torch.equal(got.losses, losses):
+            problems.append(f"step {step}: losses {got.losses.tolist()} != reference {losses.tolist()}")
+        if got.loss != loss:
+            problems.append(f"step {step}: mean loss {got.loss!r} != reference {loss!r}")
+        if got.grad_norm != norm:
+            problems.append(f"step {step}: gradient norm {got.grad_norm!r} != reference {norm!r}")
+        if norm is not None and norm > case.max_norm:
+            clipped += 1
+        if not trainer.mirrors_equal():
+            problems.append(f"step {step}: DualPipe's mirrored copies differ")
+        if problems:
+            break
+    if case.max_norm is not None and clipped == 0:
+        problems.append("clipping never acted: lower max_norm")
+    for name, p, _ in trainer.held:
+        err = grad_error(p.detach(), final[name])
+        if not err <= TOL:
+            problems.append(f"{name}: final parameter error {err:.3g} > {TOL}")
+    return problems
+
+
+def _world(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    results = {}
+    for case in CASES:
+        try:
+            results[case.id] = _run_case(rank, case)
+        except Exception as exc:
+            results[case.id] = [f"{type(exc).__name__}: {exc}"]
+        dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_world(WORLD, _world, timeout=300)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_train_matches_one_process(outcomes, case):
+    problems = {r: outcomes[r][case.id] for r in range(WORLD) if outcomes[r][case.id]}
+    assert not problems, problems

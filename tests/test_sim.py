@@ -418,6 +418,11 @@ def test_cli_mem_limit_counts_1f1b_stages(capsys):
     assert 2.5 < peak <= 3
 
 
+def test_cli_compare_names_the_failing_schedule_once(capsys):
+    code, _, err = cli(capsys, "--compare", "1f1b,dualpipe", "-p", "3", "-m", "4")
+    assert code == 2 and err == "twinpipe simulate: error: dualpipe: num_ranks=3 is not allowed; it must be an even integer >= 2\n"
+
+
 def test_cli_table_says_what_was_held_equal(capsys):
     code, out, _ = cli(capsys, "--compare", "1f1b,zbv", "-p", "4", "-m", "8")
     text = " ".join(out.split())

@@ -90,7 +90,8 @@ def simulate_from_args(args: argparse.Namespace) -> list[Timeline]:
         try:
             timelines.append(_simulate_one(name, args, costs, strict=len(names) == 1))
         except ValueError as error:
-            raise ValueError(f"{name}: {error}" if len(names) > 1 else str(error)) from None
+            named = len(names) == 1 or str(error).startswith(f"{registry.get(name).name}:")
+            raise ValueError(str(error) if named else f"{name}: {error}") from None
     return timelines
 
 

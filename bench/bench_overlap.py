@@ -25,16 +25,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# (tokens per micro-batch, hidden, expert width): communication grows with tokens*hidden,
-# expert compute with tokens*hidden*width.
-POINTS = [(8192, 32, 8), (4096, 32, 16), (2048, 64, 32), (1024, 64, 128), (1024, 128, 512), (2048, 128, 512)]
-SEQ, EXPERTS, TOP_K, HEADS, BLOCKS = 16, 8, 2, 4, 2
+# (tokens per micro-batch, hidden, expert width, top-k): communication grows with
+# tokens*hidden*top_k, expert compute with tokens*hidden*width*top_k, attention with tokens*hidden^2.
+# The last two points send 8 copies of each token to 4-wide experts: as comm-heavy as this model gets.
+POINTS = [(4096, 32, 16, 2), (2048, 64, 32, 2), (1024, 64, 128, 2), (1024, 128, 512, 2), (2048, 128, 512, 2),
+          (1024, 256, 4, 8), (2048, 256, 4, 8)]
+SEQ, EXPERTS, HEADS, BLOCKS = 16, 8, 4, 2
 
 
-def _stage(tokens: int, hidden: int, width: int, group):
+def _stage(hidden: int, width: int, top_k: int, group):
     from twinpipe.moe import MoEBlock, MoEStage
 
-    return MoEStage([MoEBlock(hidden, HEADS, EXPERTS, TOP_K, width, shared_hidden=width, ep_group=group) for _ in range(BLOCKS)])
+    return MoEStage([MoEBlock(hidden, HEADS, EXPERTS, top_k, width, shared_hidden=width, ep_group=group) for _ in range(BLOCKS)])
 
 
 def _comm_time(events) -> float:
@@ -57,11 +59,11 @@ def _part_times(events):
     return f, b, [w.get(i, 0.0) for i in range(len(b))]
 
 
-def _a2a_alone(tokens: int, hidden: int, group) -> list[float]:
+def _a2a_alone(tokens: int, hidden: int, top_k: int, group) -> list[float]:
     """The all-to-alls of one F&B op run alone (same sizes, even splits), each after a barrier
     that is not timed: the communication there is to hide, without waits for a slower peer.
     Seconds per call, per block: dispatch(F) with its counts, combine(F), combine(B), dispatch(B)."""
-    rows = tokens * TOP_K
+    rows = tokens * top_k
     payload, counts = torch.randn(rows, hidden), torch.zeros(EXPERTS, dtype=torch.long)
     out, got = torch.empty_like(payload), torch.empty_like(counts)
     times = []
@@ -97,9 +99,9 @@ def _sweep(rank: int, reps: int, draw: str | None):
     group = dist.group.WORLD
     rows = []
     drawn = None
-    for tokens, hidden, width in POINTS:
+    for tokens, hidden, width, top_k in POINTS:
         torch.manual_seed(rank)
-        stages = [_stage(tokens, hidden, width, group) for _ in range(2)]
+        stages = [_stage(hidden, width, top_k, group) for _ in range(2)]
         x0, x1 = (torch.randn(tokens // SEQ, SEQ, hidden) for _ in range(2))
         g1 = torch.randn(tokens // SEQ, SEQ, hidden)
         seq, ovl, comm, alone, preds = [], [], [], [], []
@@ -112,16 +114,16 @@ def _sweep(rank: int, reps: int, draw: str | None):
                 seq.append(t_s)
                 ovl.append(t_o)
                 comm.append(_comm_time(ev_s))
-                calls = _a2a_alone(tokens, hidden, group)
+                calls = _a2a_alone(tokens, hidden, top_k, group)
                 alone.append(sum(calls))
                 f, b, w = _part_times(ev_s)
                 f_comm = [t for i, t in enumerate(calls) if i % 4 in (0, 1)]
                 b_comm = [t for i, t in enumerate(calls) if i % 4 in (2, 3)]
                 preds.append((predict_fb(f, b, w), predict_fb(_with_comm(f, f_comm), _with_comm(b, b_comm), w)))
-                if draw and (tokens, hidden, width) == POINTS[3]:
+                if draw and (tokens, hidden, width, top_k) == POINTS[3]:
                     drawn = ev_o
         m = statistics.median
-        rows.append((tokens, hidden, width, m(seq), m(ovl), m(comm), m(alone), m(p[0] for p in preds), m(p[1] for p in preds)))
+        rows.append((tokens, hidden, width, top_k, m(seq), m(ovl), m(comm), m(alone), m(p[0] for p in preds), m(p[1] for p in preds)))
     return rows, drawn
 
 
@@ -133,7 +135,7 @@ def _e2e(rank: int, reps: int):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
     tokens, hidden, width = 1024, 128, 512
     torch.manual_seed(0)
-    modules = [_stage(tokens, hidden, width, mesh["ep"].get_group()) for _ in range(2)]
+    modules = [_stage(hidden, width, 2, mesh["ep"].get_group()) for _ in range(2)]
     pipe = twinpipe.DualPipeV(modules, process_group=mesh["pp"].get_group())
     chunks = 8
     x = torch.randn(chunks * tokens // SEQ, SEQ, hidden)
@@ -219,12 +221,12 @@ def main() -> None:
     results = _run(2, "sweep", args.reps, args.draw)
     print(f"F&B op of a {BLOCKS}-block MoE stage, EP=2 on 2 gloo processes, {os.cpu_count()} CPU cores, "
           f"1 compute thread each; medians of {args.reps}; times in ms")
-    print(f"{'tokens':>6} {'hidden':>6} {'width':>5} | {'T_seq':>7} {'T_ovl':>7} {'T_comm':>7} {'comm/cmp':>8} | "
+    print(f"{'tokens':>6} {'hidden':>6} {'width':>5} {'k':>3} | {'T_seq':>7} {'T_ovl':>7} {'T_comm':>7} {'comm/cmp':>8} | "
           f"{'hidden%':>7} {'T_ovl/T_seq':>11} | {'in-run':>7} {'pred(in-run)':>12} {'pred(alone)':>11}")
     for rank in sorted(results):
         rows, _ = results[rank]
-        for tokens, hidden, width, seq, ovl, in_run, comm, pred, pred_alone in rows:
-            print(f"{tokens:>6} {hidden:>6} {width:>5} | {seq * 1e3:7.2f} {ovl * 1e3:7.2f} {comm * 1e3:7.2f} "
+        for tokens, hidden, width, top_k, seq, ovl, in_run, comm, pred, pred_alone in rows:
+            print(f"{tokens:>6} {hidden:>6} {width:>5} {top_k:>3} | {seq * 1e3:7.2f} {ovl * 1e3:7.2f} {comm * 1e3:7.2f} "
                   f"{comm / max(seq - in_run, 1e-9):8.2f} | {100 * (seq - ovl) / comm:6.0f}% {ovl / seq:11.3f} | "
                   f"{in_run * 1e3:7.2f} {pred * 1e3:12.2f} {pred_alone * 1e3:11.2f}   (rank {rank})")
     if args.draw:

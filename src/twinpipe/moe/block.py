@@ -52,6 +52,24 @@ class _Route:
     recv_counts: torch.Tensor | None = None  # [ep, local experts] rows from each rank for each local expert
 
 
+class _Permute(torch.autograd.Function):
+    """Rows reordered by a permutation; the backward gathers with the inverse (no zero fill, no
+    scatter-add as ``index_select``'s backward would do)."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.inverse = inverse
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(0, ctx.inverse), None, None
+
+
+def _permute(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    return _Permute.apply(x, perm, inverse)
+
+
 class MoEBlock(nn.Module):
     """Pre-norm transformer block: causal self-attention, then a routed mixture of experts."""
 
@@ -164,12 +182,17 @@ class MoEBlock(nn.Module):
 
     def _mlp(self, h, tokens, rows, weights, route):
         index = self._expert_rows(route)
-        outs = [expert(rows.index_select(0, idx.to(rows.device))) for expert, idx in zip(self.experts, index)]
-        self.expert_rows += torch.tensor([len(i) for i in index], device=self.expert_rows.device)
-        grouped = torch.cat(outs) if outs else rows[:0]
-        back = torch.argsort(torch.cat(index)).to(rows.device)  # expert-major -> received order
+        order = torch.cat(index).to(rows.device)  # received order -> grouped by expert
+        sizes = [len(i) for i in index]
+        # One gather for all experts (its backward is one scatter); each expert then gets its rows
+        # as a fresh tensor, as a single process holding every expert would (BLAS results may
+        # depend on the alignment of a slice).
+        back = torch.argsort(order)  # grouped by expert -> received order
+        chunks = _permute(rows, order, back).split(sizes)
+        outs = [expert(chunk.clone()) for expert, chunk in zip(self.experts, chunks)]
+        self.expert_rows += torch.tensor(sizes, device=self.expert_rows.device)
         shared = self.shared(tokens) if self.shared is not None else None
-        return h, shared, grouped.index_select(0, back), weights, route
+        return h, shared, _permute(torch.cat(outs), back, order), weights, route
 
     def _combine(self, h, shared, outs, weights, route):
         needs_grad = outs.requires_grad
@@ -188,10 +211,12 @@ class MoEBlock(nn.Module):
 
     def _mix(self, h, shared, rows, weights, route):
         t, k = weights.shape
-        y = rows.index_select(0, torch.argsort(route.order)).view(t, k, self.hidden)
-        acc = y[:, 0] * weights[:, 0:1]
+        # unbind, not y[:, j]: the backward of k selections would zero-fill k full-size tensors.
+        ys = _permute(rows, torch.argsort(route.order), route.order).view(t, k, self.hidden).unbind(1)
+        ws = [w.unsqueeze(1) for w in weights.unbind(1)]
+        acc = ys[0] * ws[0]
         for j in range(1, k):
-            acc = acc + y[:, j] * weights[:, j : j + 1]
+            acc = acc + ys[j] * ws[j]
         if shared is not None:
             acc = acc + shared
         return (h + acc.view(route.shape),)

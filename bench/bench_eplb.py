@@ -2,10 +2,11 @@
 
 The baseline below is the reference algorithm written the plain way, structured like the reference:
 the greedy packing loops in Python over layers and items with one small torch op per step;
-replication loops over rounds with all layers at once (stable sort, so its output is deterministic). For each load
-pattern and layout it checks that the fast version gives identical phy2log/logcnt (tie-free float
-loads), reports median times and the speedup, and the balance (GPU max/mean averaged over layers,
-worst layer in brackets) without EPLB, with the greedy, and with refine=True.
+replication loops over rounds with all layers at once; items are ordered by torch's default sort,
+as in the reference. For each load pattern and layout it checks that the fast version gives
+identical phy2log, log2phy and logcnt, reports median times and the speedup, and the balance (GPU
+max/mean averaged over layers, worst layer in brackets) without EPLB, with the greedy, and with
+refine=True.
 
     PYTHONPATH=src python bench/bench_eplb.py            # 58 x 256, R=288, P=32
     PYTHONPATH=src python bench/bench_eplb.py --quick    # fewer repeats
@@ -33,7 +34,7 @@ def baseline_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor
         return torch.arange(n).repeat(rows, 1), torch.zeros(rows, n, dtype=torch.int64)
     pack_index = torch.full((rows, n), -1, dtype=torch.int64)
     rank_in_pack = torch.full((rows, n), -1, dtype=torch.int64)
-    order = weight.sort(dim=-1, descending=True, stable=True).indices
+    order = weight.sort(dim=-1, descending=True).indices  # the reference's sort, ties in its order
     for r in range(rows):
         loads = [0] * num_packs  # becomes float32 0-d tensors, as in the reference
         counts = [0] * num_packs

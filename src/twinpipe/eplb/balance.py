@@ -27,12 +27,12 @@ def rebalance_experts(
 
     weight: [layers, experts] loads (any real dtype, computed in float32).
     Returns int64 ``phy2log`` [layers, num_replicas] (slot s is on GPU s // (num_replicas/num_gpus)),
-    ``log2phy`` [layers, experts, max_count] (slots of each expert's replicas in creation order,
-    padded with -1) and ``logcnt`` [layers, experts].
+    ``log2phy`` [layers, experts, max_count] (log2phy[l, e, k] = slot of expert e's replica of
+    rank k, the number of replicas e had when it was created; padded with -1) and ``logcnt`` [layers, experts].
 
     Hierarchical policy when num_nodes divides num_groups (groups -> nodes, replicate within each
     node, copies -> GPUs of the node), else global (replicate, copies -> any GPU). With all options
-    off the result equals the reference's wherever the reference is deterministic.
+    off the three outputs equal the reference's, ties included (docs/eplb.md).
 
     refine: swap replicas between the max-loaded GPU and the others (within a node in hierarchical
         mode, and groups between nodes) while that lowers the max; per layer the result is never

@@ -19,8 +19,13 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
 
 
 def sort_order(weight: torch.Tensor) -> torch.Tensor:
-    """Item indices by weight, heaviest first; equal weights keep index order (stable sort)."""
-    return weight.sort(dim=1, descending=True, stable=True).indices
+    """Item indices by weight, heaviest first, ties in the order of torch's default sort.
+
+    That is the reference's own sort call, so equal weights (copies of one expert always tie) come
+    in the reference's order: index order for rows of up to 16 items on torch 2.13 CPU, a fixed
+    permutation of the tied items, which depends on the whole row, for longer rows.
+    """
+    return weight.sort(dim=1, descending=True).indices
 
 
 def replicate(
@@ -53,7 +58,7 @@ def greedy_pack(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Largest-first greedy packing with equal pack sizes; returns ``pack`` and ``rank`` [rows, n].
 
-    Items go, heaviest first (stable order), to the lightest pack that still has room, ties to
+    Items go, heaviest first (``sort_order``), to the lightest pack that still has room, ties to
     the lowest pack index; pack loads accumulate in float32 like the reference. ``rank`` is the
     item's place in its pack (heaviest first). With ``labels`` (non-negative int ids, [rows, n]) an
     item never joins a pack that already holds its label; when every open pack does, a swap with an
@@ -79,7 +84,7 @@ def greedy_pack(
 
 
 def ranks_in_pack(weight: torch.Tensor, pack: torch.Tensor, num_packs: int) -> torch.Tensor:
-    """Slot of each item inside its pack: heaviest first, stable (what greedy insertion gives)."""
+    """Slot of each item inside its pack: in ``sort_order`` (what greedy insertion gives)."""
     rows, n = weight.shape
     per_pack = n // num_packs
     position = inverse_permutation(sort_order(weight))

@@ -45,21 +45,15 @@ class TrainMesh:
         return self.dp_rank == 0 and self.pp_rank == 0
 
 
-def build_mesh(dp: int, pp: int, device_type: str = "cpu", first_rank: int = 0) -> TrainMesh:
-    """A (dp, pp) mesh over global ranks ``first_rank .. first_rank + dp*pp - 1``.
-
-    Collective: every rank of the world calls it. ``dp * pp`` must equal the world size (or, with
-    ``first_rank``, fit inside it).
-    """
+def build_mesh(dp: int, pp: int, device_type: str = "cpu") -> TrainMesh:
+    """A (dp, pp) mesh over every rank of the world (collective: every rank calls it)."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group() first (or use torchrun)")
     for name, value in (("dp", dp), ("pp", pp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: must be an int >= 1")
     world = dist.get_world_size()
-    if first_rank == 0 and dp * pp != world:
+    if dp * pp != world:
         raise ValueError(f"dp={dp} x pp={pp} = {dp * pp} ranks, but the world has {world}: the mesh sizes must multiply to the world size")
-    if not 0 <= first_rank or first_rank + dp * pp > world:
-        raise ValueError(f"first_rank={first_rank}: ranks {first_rank}..{first_rank + dp * pp - 1} do not fit a world of {world}")
-    ranks = torch.arange(first_rank, first_rank + dp * pp).view(dp, pp)
+    ranks = torch.arange(world).view(dp, pp)
     return TrainMesh(DeviceMesh(device_type, ranks, mesh_dim_names=DIMS), dp, pp)

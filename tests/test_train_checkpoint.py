@@ -1,0 +1,136 @@
+"""Checkpoints: resume bitwise, load under another schedule and pipeline size, refuse other models.
+
+One 4-process gloo world: DualPipe on PP=4 trains 30 steps and saves after 10; a new trainer
+resumes from it (steps 11-30 bitwise as the run that never stopped) and 1F1B on PP=2 x DP=2 loads it
+(its next loss bitwise as DualPipe's).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_world
+from test_train_exact import tiny_setup
+
+WORLD = 4
+
+
+def _world(rank: int, world: int, root: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from twinpipe.train.checkpoint import load_checkpoint, save_checkpoint
+    from twinpipe.train.mesh import build_mesh
+    from twinpipe.train.model import GPT, GPTConfig
+    from twinpipe.train.trainer import Trainer
+
+    results = {}
+
+    def case(name, fn):
+        try:
+            results[name] = fn()
+        except Exception as exc:
+            results[name] = f"{type(exc).__name__}: {exc}"
+        dist.barrier()
+
+    def make(schedule, dp, pp, optimizer="adamw", model_fn=None):
+        fn, sampler, criterion, make_opt, config = tiny_setup(schedule, optimizer=optimizer)
+        return Trainer(model_fn or fn, sampler, criterion, make_opt, build_mesh(dp, pp), config, dtype=torch.float64)
+
+    path = f"{root}/dualpipe-step10"
+    straight: dict = {}
+
+    def uninterrupted():
+        trainer = make("dualpipe", 1, 4)
+        losses = []
+        for step in range(30):
+            if step == 10:
+                save_checkpoint(trainer, path, step)
+            losses.append(trainer.step(step).loss)
+        straight["losses"] = losses
+        straight["params"] = {name: p.detach().clone() for name, p, _ in trainer.held}
+        return "ok"
+
+    def resumed():
+        trainer = make("dualpipe", 1, 4)
+        start = load_checkpoint(trainer, path)
+        if start != 10:
+            return f"resumed at step {start}, saved at 10"
+        losses = [trainer.step(step).loss for step in range(start, 30)]
+        if losses != straight["losses"][10:]:
+            return f"losses after resuming {losses} != uninterrupted {straight['losses'][10:]}"
+        if not trainer.mirrors_equal():
+            return "mirrored copies differ after resuming"
+        differ = [n for n, p, _ in trainer.held if not torch.equal(p.detach(), straight["params"][n])]
+        return f"final parameters differ: {differ}" if differ else "ok"
+
+    def other_schedule():
+        trainer = make("1f1b", 2, 2)
+        start = load_checkpoint(trainer, path)
+        loss = trainer.step(start).loss
+        return "ok" if loss == straight["losses"][10] else f"1f1b PP=2xDP=2 next loss {loss!r} != dualpipe PP=4's {straight['losses'][10]!r}"
+
+    def sgd_resume():
+        trainer = make("zb-h1", 2, 2, optimizer="sgd")
+        losses = [trainer.step(s).loss for s in range(3)]
+        save_checkpoint(trainer, f"{root}/sgd", 3)
+        losses += [trainer.step(s).loss for s in range(3, 6)]
+        again = make("dualpipev", 1, 4, optimizer="sgd")
+        start = load_checkpoint(again, f"{root}/sgd")
+        more = [again.step(s).loss for s in range(start, 6)]
+        return "ok" if more == losses[3:] else f"SGD momentum resumed losses {more} != {losses[3:]}"
+
+    def other_model():
+        bigger = tiny_setup("1f1b")[0]().config
+        wide = GPTConfig(vocab=bigger.vocab, seq_len=bigger.seq_len, dim=2 * bigger.dim, heads=bigger.heads, layers=bigger.layers)
+        trainer = make("1f1b", 1, 4, model_fn=lambda: GPT(wide))
+        load_checkpoint(trainer, path)
+        return "loaded a checkpoint of another model"
+
+    def other_optimizer():
+        trainer = make("dualpipe", 1, 4, optimizer="sgd")
+        load_checkpoint(trainer, path)
+        return "loaded AdamW state into SGD"
+
+    def bad_mesh():
+        build_mesh(3, 1)
+        return "built a 3x1 mesh on 4 ranks"
+
+    case("uninterrupted", uninterrupted)
+    case("resumed", resumed)
+    case("other_schedule", other_schedule)
+    case("sgd_resume", sgd_resume)
+    case("other_model", other_model)
+    case("other_optimizer", other_optimizer)
+    case("bad_mesh", bad_mesh)
+    return results
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    return run_world(WORLD, _world, str(tmp_path_factory.mktemp("ckpt")), timeout=300)
+
+
+def _all(outcomes, name):
+    return {r: outcomes[r][name] for r in range(WORLD)}
+
+
+@pytest.mark.parametrize("name", ["uninterrupted", "resumed", "other_schedule", "sgd_resume"])
+def test_checkpoint_round_trip(outcomes, name):
+    assert all(v == "ok" for v in _all(outcomes, name).values()), _all(outcomes, name)
+
+
+def test_checkpoint_of_another_model_is_refused(outcomes):
+    for message in _all(outcomes, "other_model").values():
+        assert message.startswith("ValueError: checkpoint") and "holds a different model" in message, message
+        assert "shapes differ: blocks.0.attn.proj.bias [8] in the checkpoint vs [16]" in message, message
+
+
+def test_checkpoint_of_another_optimizer_is_refused(outcomes):
+    for message in _all(outcomes, "other_optimizer").values():
+        assert message.startswith("ValueError:") and "optimizer AdamW, this run uses SGD" in message, message
+
+
+def test_mesh_sizes_must_multiply_to_the_world(outcomes):
+    for message in _all(outcomes, "bad_mesh").values():
+        assert message == "ValueError: dp=3 x pp=1 = 3 ranks, but the world has 4: the mesh sizes must multiply to the world size"

@@ -1,0 +1,117 @@
+"""Splitting a model into stages, the stages each rank holds, the data sampler (one process)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from twinpipe.train.balance import partition
+from twinpipe.train.data import BatchSampler, replica_rows, stdlib_corpus
+from twinpipe.train.model import GPT, GPTConfig
+from twinpipe.train.split import model_layers, split, stage_modules
+from twinpipe.train.trainer import TrainConfig
+
+
+def _gpt(layers=4):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab=32, seq_len=8, dim=8, heads=2, layers=layers)).double()
+
+
+def test_gpt_layers_are_embedding_blocks_head():
+    assert [n for n, _ in model_layers(_gpt(3))] == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 6])
+def test_stages_run_the_model_bitwise_and_keep_its_parameter_names(stages):
+    model = _gpt(4)
+    ids = torch.randint(0, 32, (3, 8))
+    parts = split(model, stages)
+    x = ids
+    for part in parts:
+        x = part(x)
+    assert torch.equal(x, model(ids))
+    names = [n for part in parts for n, _ in part.named_model_parameters()]
+    assert names == [n for n, _ in model.named_parameters()]
+
+
+def test_params_balance_equalises_parameter_counts():
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 40), nn.Linear(40, 10), nn.Linear(10, 10))
+    counts = [sum(p.numel() for p in s.parameters()) for s in split(model, 3)]
+    assert counts == [220, 440, 520]  # [L0 L1] [L2] [L3 L4]: the heaviest stage (410+110) as light as possible
+
+
+def test_partition_is_optimal_against_brute_force():
+    rng = random.Random(3)
+    for _ in range(200):
+        n = rng.randint(1, 7)
+        k = rng.randint(1, n)
+        w = [rng.randint(1, 9) for _ in range(n)]
+        got = partition(w, k)
+        assert len(got) == k and min(got) >= 1 and sum(got) == n
+
+        def worst(counts):
+            edges = list(itertools.accumulate([0, *counts]))
+            return max(sum(w[a:b]) for a, b in zip(edges, edges[1:]))
+
+        best = min(worst([b - a for a, b in zip((0, *cuts), (*cuts, n))]) for cuts in itertools.combinations(range(1, n), k - 1))
+        assert worst(got) == best, (w, k, got)
+
+
+def test_time_balance_measures_every_layer_and_leaves_no_gradients():
+    model = _gpt(4)
+    parts = split(model, 3, "time", sample=torch.randint(0, 32, (4, 8)))
+    assert [n for p in parts for n in p.names] == [n for n, _ in model_layers(model)]
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_explicit_balance():
+    assert [p.names for p in split(_gpt(2), 2, [1, 3])] == [("embed",), ("blocks.0", "blocks.1", "head")]
+
+
+@pytest.mark.parametrize("model, stages, kwargs, message", [
+    (_gpt(2), 5, {}, "num_stages=5: the model has only 4 layers (embed, blocks.0, blocks.1, head)"),
+    (_gpt(2), 0, {}, "num_stages=0: must be an int >= 1"),
+    (_gpt(2), 2, {"balance": "flops"}, "balance='flops': allowed are 'params', 'time'"),
+    (_gpt(2), 2, {"balance": [1, 2]}, "balance=[1, 2]: a list must give 2 layer counts (ints >= 1) summing to the model's 4 layers"),
+    (_gpt(2), 2, {"balance": "time"}, "balance='time' measures each layer: pass sample="),
+    (nn.Linear(3, 3), 1, {}, "model=Linear: has 0 nn.ModuleList children (none)"),
+    (_gpt(2), 2, {"blocks": "layers"}, "blocks='layers': GPT has no nn.ModuleList child of that name"),
+])
+def test_models_that_cannot_be_split_as_asked(model, stages, kwargs, message):
+    with pytest.raises(ValueError) as err:
+        split(model, stages, **kwargs)
+    assert message in str(err.value)
+
+
+def test_stage_modules_follow_the_placement():
+    stages = split(_gpt(2), 4)
+    assert stage_modules(stages, "dualpipe", 4, 1) == [stages[1], stages[2]]  # model stage 1, and 4-1-1 mirrored
+    assert stage_modules(stages, "1f1b", 4, 3) == [stages[3]]
+    assert stage_modules(stages, "dualpipev", 2, 0) == [stages[0], stages[3]]
+    with pytest.raises(ValueError, match=r"stages: 4 given, but 'dualpipev' on 4 ranks runs a model cut into 8 stages"):
+        stage_modules(stages, "dualpipev", 4, 0)
+
+
+def test_sampler_is_a_function_of_the_step():
+    tokens = torch.arange(1000) % 251
+    a, b = BatchSampler(tokens, 16, seed=1), BatchSampler(tokens, 16, seed=1)
+    x, y = a.batch(7, 6)
+    assert torch.equal(x, b.batch(7, 6)[0]) and torch.equal(y, b.batch(7, 6)[1])
+    assert not torch.equal(x, a.batch(8, 6)[0])
+    assert torch.equal(x[:, 1:], y[:, :-1])  # labels are the next bytes
+    assert replica_rows(12, 3, 1) == slice(4, 8)
+
+
+def test_stdlib_corpus_is_bytes():
+    corpus = stdlib_corpus(50_000)
+    assert corpus.dtype == torch.uint8 and corpus.numel() == 50_000
+    assert b"import" in bytes(corpus.tolist())
+
+
+def test_batch_must_divide_into_microbatches_per_replica():
+    with pytest.raises(ValueError, match=r"batch_size=10: must be a multiple of dp=2 x microbatch_size=4"):
+        TrainConfig(batch_size=10, microbatch_size=4).num_microbatches(2)

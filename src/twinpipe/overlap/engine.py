@@ -2,7 +2,8 @@
 
 The order comes from ``twinpipe.sim.overlap.fb_order`` (the parts' kinds only, so every rank of
 an expert-parallel group issues its collectives in the same sequence). B parts defer their
-weight gradients to ``WeightGradStore`` under a key of their own; W steps run them.
+weight gradients to the running pipeline's weight-gradient store under a key of their own; W steps
+run them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from twinpipe.overlap.graph import Record, accumulate_input_grads, capture_backward
 from twinpipe.overlap.parts import check_parts
-from twinpipe.runtime.weight_grad import WeightGradStore
+from twinpipe.runtime.weight_grad import current_store
 from twinpipe.sim.overlap import fb_order
 
 __all__ = ["forward_backward", "FBEvent"]
@@ -52,7 +53,8 @@ def forward_backward(module0, inputs0, criterion0, labels0, module1, loss1, outp
     order = fb_order([p.kind for p in fwd.parts], [p.kind for p in b_parts], overlap)
     events: list[FBEvent] = []
     clock = time.perf_counter
-    enabled = WeightGradStore.enabled
+    store = current_store()  # the running pipeline's (class-level WeightGradStore acts on it too)
+    enabled = store.enabled
     try:
         for step in order:
             t0 = clock()
@@ -64,19 +66,20 @@ def forward_backward(module0, inputs0, criterion0, labels0, module1, loss1, outp
                 name = bwd.parts[k].name
                 key = ("overlap", id(bwd), k)
                 if step.stream == "W":
-                    WeightGradStore.pop(key)
+                    store.pop(key)
                 elif step.action == "run":
-                    WeightGradStore.enabled = True
+                    store.enabled = True
                     try:
-                        bwd.run_back(k)
+                        with store.running_backward():  # autograd's device threads find the store
+                            bwd.run_back(k)
                     finally:
-                        WeightGradStore.enabled = enabled
-                    WeightGradStore.flush(key)
+                        store.enabled = enabled
+                    store.flush(key)
                 else:
                     getattr(bwd, {"start": "start_back", "wait": "wait_back"}[step.action])(k)
             events.append((step.action, step.stream, name, t0, clock()))
     finally:
-        WeightGradStore.enabled = enabled
+        store.enabled = enabled
     if bwd is not None:
         accumulate_input_grads(bwd)
     outputs0 = fwd.outputs()

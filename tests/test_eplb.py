@@ -395,3 +395,22 @@ def test_refine_searches_rows_in_chunks_with_the_same_result(monkeypatch):
     whole = rebalance_experts(weight, 96, 4, 3, 8, refine=True)
     monkeypatch.setattr(refine, "_MAX_PAIRS", 1)  # one row at a time
     assert all(torch.equal(a, b) for a, b in zip(rebalance_experts(weight, 96, 4, 3, 8, refine=True), whole))
+
+
+def test_docs_state_the_size_limits_of_the_code():
+    from pathlib import Path
+
+    from twinpipe.eplb import limits
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "eplb.md").read_text()
+    table = doc[doc.index("## Size limits") :]
+    rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in table.splitlines()[:20] if "|" in line}
+
+    def power(text):
+        return 2 ** int(text.split()[0].removeprefix("2^"))
+
+    assert int(rows["replicas per layer"].replace(",", "")) == limits.MAX_REPLICAS
+    assert power(rows["greedy"]) == limits.MAX_GREEDY_WORK
+    assert power(rows["`refine` swap search"]) == limits.MAX_REFINE_WORK
+    assert power(rows["`previous_phy2log`"]) == limits.MAX_MIGRATION_WORK
+    assert power(rows["`log2phy` entries"]) == limits.MAX_LOG2PHY_ENTRIES

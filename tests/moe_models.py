@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from twinpipe.moe import MoEBlock, MoEStage
+from twinpipe.overlap import Comm, Compute, PartedStage, Then, all_to_all
 
 HIDDEN, SEQ = 8, 3
 
@@ -188,7 +189,6 @@ def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: 
 
 
 # ---------------------------------------------------------------- the docs' example of a user stage
-from twinpipe.overlap import Comm, Compute, PartedStage, Then, all_to_all  # noqa: E402
 
 
 class ExchangeStage(PartedStage):

@@ -154,19 +154,33 @@ class MoEBlock(nn.Module):
         received_counts = exchange_counts(route.counts, self.ep_group).view(self.ep, self.local)
         route = replace(route, send=route.counts.view(self.ep, self.local).sum(1).tolist(),
                         recv=received_counts.sum(1).tolist(), recv_counts=received_counts)
-        needs_grad = sent.requires_grad
-
-        def arrived(rows):
-            if rows is sent:  # one rank: the rows stay where they are
-                return (h, tokens, sent, weights, route), route
-            return (h, tokens, rows.requires_grad_(needs_grad), weights, route), route
-
-        return Then(all_to_all(sent.detach() if self.ep > 1 else sent, route.recv, route.send, self.ep_group), arrived)
+        return self._move((h, tokens, sent, weights, route), route.recv, route.send)
 
     def _dispatch_backward(self, route, grads):
-        g_h, g_tokens, g_rows, g_weights, _ = grads
-        g_rows = self._zeros(sum(route.recv)) if g_rows is None else g_rows
-        return Then(all_to_all(g_rows, route.send, route.recv, self.ep_group), lambda g_sent: (g_h, g_tokens, g_sent, g_weights, None))
+        return self._move_back(grads, route.recv, route.send)
+
+    def _combine(self, h, shared, outs, weights, route):
+        return self._move((h, shared, outs, weights, route), route.send, route.recv)
+
+    def _combine_backward(self, route, grads):
+        return self._move_back(grads, route.send, route.recv)
+
+    def _move(self, state: tuple, out_splits: list, in_splits: list):
+        """Start sending the rows in ``state[2]`` (``in_splits`` to each rank, ``out_splits`` from
+        each); ``wait()`` gives the state with the rows that arrived, and the route as ctx."""
+        rows, route = state[2], state[4]
+
+        def arrived(got):
+            if got is not rows:  # with one rank the rows stay where they are
+                got.requires_grad_(rows.requires_grad)
+            return (*state[:2], got, *state[3:]), route
+
+        return Then(all_to_all(rows.detach() if self.ep > 1 else rows, out_splits, in_splits, self.ep_group), arrived)
+
+    def _move_back(self, grads: tuple, out_splits: list, in_splits: list):
+        """The backward of ``_move(state, out_splits, in_splits)``: the row gradients go back."""
+        g_rows = grads[2] if grads[2] is not None else self._zeros(sum(out_splits))
+        return Then(all_to_all(g_rows, in_splits, out_splits, self.ep_group), lambda g: (*grads[:2], g, grads[3], None))
 
     def _zeros(self, rows: int) -> torch.Tensor:
         w = self.proj.weight
@@ -193,21 +207,6 @@ class MoEBlock(nn.Module):
         self.expert_rows += torch.tensor(sizes, device=self.expert_rows.device)
         shared = self.shared(tokens) if self.shared is not None else None
         return h, shared, _permute(torch.cat(outs), back, order), weights, route
-
-    def _combine(self, h, shared, outs, weights, route):
-        needs_grad = outs.requires_grad
-
-        def arrived(rows):
-            if rows is outs:
-                return (h, shared, outs, weights, route), route
-            return (h, shared, rows.requires_grad_(needs_grad), weights, route), route
-
-        return Then(all_to_all(outs.detach() if self.ep > 1 else outs, route.send, route.recv, self.ep_group), arrived)
-
-    def _combine_backward(self, route, grads):
-        g_h, g_shared, g_rows, g_weights, _ = grads
-        g_rows = self._zeros(sum(route.send)) if g_rows is None else g_rows
-        return Then(all_to_all(g_rows, route.recv, route.send, self.ep_group), lambda g_outs: (g_h, g_shared, g_outs, g_weights, None))
 
     def _mix(self, h, shared, rows, weights, route):
         t, k = weights.shape

@@ -28,7 +28,8 @@ def rebalance_experts(
     weight: [layers, experts] loads (any real dtype, computed in float32).
     Returns int64 ``phy2log`` [layers, num_replicas] (slot s is on GPU s // (num_replicas/num_gpus)),
     ``log2phy`` [layers, experts, max_count] (log2phy[l, e, k] = slot of expert e's replica of
-    rank k, the number of replicas e had when it was created; padded with -1) and ``logcnt`` [layers, experts].
+    rank k, the number of replicas e had when it was created; padded with -1) and ``logcnt``
+    [layers, experts].
 
     Hierarchical policy when num_nodes divides num_groups (groups -> nodes, replicate within each
     node, copies -> GPUs of the node), else global (replicate, copies -> any GPU). With all options
@@ -37,9 +38,6 @@ def rebalance_experts(
     refine: swap replicas between the max-loaded GPU and the others (within a node in hierarchical
         mode, and groups between nodes) while that lowers the max; per layer the result is never
         worse than without.
-
-    Sizes are limited per call (``limits.py``): beyond them EplbArgumentError says which cost is
-    too large; layers are independent, so split them into several calls.
     distinct_per_gpu: never two replicas of one expert on one GPU. An expert then gets at most
         GPUs-per-node (hierarchical) or num_gpus (global) replicas; ValueError when the slots cannot
         be filled that way.
@@ -47,6 +45,9 @@ def rebalance_experts(
         they already are as possible at no balance cost: relabel GPUs (whole nodes, in hierarchical
         mode) and slots, then swap replicas between GPUs (of one node) while no GPU exceeds the
         layer's max load. Max GPU load, node loads and replica counts stay as without it.
+
+    Sizes are limited per call (``limits.py``): beyond them EplbArgumentError says which cost is
+    too large; layers are independent, so split them into several calls.
     """
     weight = check_weight(weight)
     num_layers, num_experts = weight.shape

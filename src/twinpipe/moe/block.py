@@ -186,22 +186,23 @@ class MoEBlock(nn.Module):
         w = self.proj.weight
         return torch.zeros(rows, self.hidden, dtype=w.dtype, device=w.device)
 
-    def _expert_rows(self, route) -> list[torch.Tensor]:
-        """For each local expert, the indices of its rows in the received order (source-major)."""
-        counts = route.recv_counts.cpu()  # [ep, local]
-        starts = torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)
-        starts, counts = starts.view(self.ep, self.local), counts.tolist()
-        return [torch.cat([torch.arange(int(starts[s, e]), int(starts[s, e]) + counts[s][e]) for s in range(self.ep)])
-                for e in range(self.local)]
+    def _grouping(self, route) -> tuple[torch.Tensor, list[int]]:
+        """The received rows (source-major) in expert-major order, and each local expert's count."""
+        counts = route.recv_counts  # [ep, local]: rows from each rank for each local expert
+        flat = counts.reshape(-1)
+        starts = (torch.cumsum(flat, 0) - flat).view(self.ep, self.local)
+        seg_start, seg_len = starts.t().reshape(-1), counts.t().reshape(-1)  # segments, expert-major
+        ends = torch.cumsum(seg_len, 0)
+        within = torch.arange(int(ends[-1]), device=counts.device) - torch.repeat_interleave(ends - seg_len, seg_len)
+        return torch.repeat_interleave(seg_start, seg_len) + within, counts.sum(0).tolist()
 
     def _mlp(self, h, tokens, rows, weights, route):
-        index = self._expert_rows(route)
-        order = torch.cat(index).to(rows.device)  # received order -> grouped by expert
-        sizes = [len(i) for i in index]
-        # One gather for all experts (its backward is one scatter); each expert then gets its rows
-        # as a fresh tensor, as a single process holding every expert would (BLAS results may
-        # depend on the alignment of a slice).
+        order, sizes = self._grouping(route)
+        order = order.to(rows.device)
         back = torch.argsort(order)  # grouped by expert -> received order
+        # One gather for all experts (its backward is one gather too); each expert then gets its
+        # rows as a fresh tensor, as a single process holding every expert would (BLAS results
+        # may depend on the alignment of a slice).
         chunks = _permute(rows, order, back).split(sizes)
         outs = [expert(chunk.clone()) for expert, chunk in zip(self.experts, chunks)]
         self.expert_rows += torch.tensor(sizes, device=self.expert_rows.device)

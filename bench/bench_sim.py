@@ -11,7 +11,7 @@ processes alternate between the two source trees, and each case prints the media
 per-round ratios this tree / baseline.
 
     git archive HEAD~3 src | tar -x -C /tmp/base
-    PYTHONPATH=src python bench/bench_sim.py --baseline /tmp/base/src --rounds 5
+    PYTHONPATH=src python bench/bench_sim.py --baseline /tmp/base/src --rounds 7
 """
 
 from __future__ import annotations
@@ -51,37 +51,42 @@ def _cases():
     ], sum(len(rank_ops) for rank_ops in dualpipe.ops)
 
 
-def _run_child(repeats: int) -> None:
+def _run_child(case: int, repeats: int) -> None:
     cases, _ = _cases()
-    print(json.dumps({label: _median_seconds(fn, repeats) for label, fn, _ in cases}))
+    label, fn, _ = cases[case]
+    print(json.dumps([label, _median_seconds(fn, repeats)]))
 
 
 def _compare(baseline: str, rounds: int, repeats: int) -> None:
+    """Each round runs every case once per tree, alternating trees case by case (load drifts)."""
     here = str(Path(__file__).resolve().parents[1] / "src")
-    results: dict[str, list[dict]] = {"this": [], "baseline": []}
+    trees = {"this": here, "baseline": baseline}
+    times: dict[str, dict[str, list[float]]] = {tag: {} for tag in trees}
+    num_cases = len(_cases()[0])
     for _ in range(rounds):
-        for tag, tree in (("this", here), ("baseline", baseline)):
-            env = dict(os.environ, PYTHONPATH=tree)
-            out = subprocess.run([sys.executable, __file__, "--child", "--repeats", str(repeats)], env=env,
-                                 capture_output=True, text=True, check=True).stdout
-            results[tag].append(json.loads(out))
-    print(f"{rounds} alternating rounds, median of {repeats} runs each; baseline {baseline}")
-    for label in results["this"][0]:
-        ratios = [a[label] / b[label] for a, b in zip(results["this"], results["baseline"])]
-        this = statistics.median(r[label] for r in results["this"])
-        base = statistics.median(r[label] for r in results["baseline"])
-        print(f"  {label:55s} {this * 1000:8.1f} ms vs {base * 1000:8.1f} ms   this/baseline {statistics.median(ratios):.2f}")
+        for case in range(num_cases):
+            for tag, tree in trees.items():
+                env = dict(os.environ, PYTHONPATH=tree)
+                out = subprocess.run([sys.executable, __file__, "--child", str(case), "--repeats", str(repeats)], env=env,
+                                     capture_output=True, text=True, check=True).stdout
+                label, seconds = json.loads(out)
+                times[tag].setdefault(label, []).append(seconds)
+    print(f"{rounds} rounds alternating the trees case by case, median of {repeats} runs each; baseline {baseline}")
+    for label, mine in times["this"].items():
+        base = times["baseline"][label]
+        ratio = statistics.median(a / b for a, b in zip(mine, base))
+        print(f"  {label:55s} {statistics.median(mine) * 1000:8.1f} ms vs {statistics.median(base) * 1000:8.1f} ms   this/baseline {ratio:.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--baseline", metavar="SRC", help="another source tree (its src/ folder) to compare with")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds with --baseline (default 5)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds with --baseline (default 7)")
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        _run_child(args.repeats)
+    if args.child is not None:
+        _run_child(args.child, args.repeats)
         return
     if args.baseline:
         _compare(args.baseline, args.rounds, args.repeats)

@@ -4,6 +4,7 @@ pipelines (4 gloo processes) with overlap on and off against the single-process 
 from __future__ import annotations
 
 import copy
+import random
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import moe_models as mm
 from distributed import run_world
 from exactness import TOL
 from models import grad_error
-from twinpipe.overlap import Comm, Compute, Done, PartedStage, fb_order, forward_backward, predict_fb
+from twinpipe.overlap import Comm, Compute, Done, PartedStage, Step, fb_order, forward_backward, predict_fb
 
 LAYER_F = ["attn", "dispatch", "mlp", "combine", "mix"]
 KIND = {"attn": "compute", "dispatch": "comm", "mlp": "compute", "combine": "comm", "mix": "compute"}
@@ -70,6 +71,49 @@ def test_prediction():
     assert predict_fb(no_comm, [(k, 0.0 if k == "comm" else t) for k, t in b], [0.5] * 5) == 6 + 3 * 0.5  # W follows compute parts only
     with pytest.raises(ValueError, match="weight"):
         predict_fb(f, b, [1.0])
+
+
+def _deepseek_order(layers: int) -> list[Step]:
+    """DeepSeek's published per-layer order, combine(B) attn(F) mlp(B) dispatch(F) dispatch(B)
+    mlp(W) mlp(F) attn(B) attn(W) combine(F), as steps over our five parts (mix runs next to attn)."""
+    back = list(reversed(LAYER_F))
+    steps = []
+    for j in range(layers):
+        f, b = (lambda p: 5 * j + LAYER_F.index(p)), (lambda p: 5 * j + back.index(p))
+        steps += [Step("run", "B", b("mix")), Step("start", "B", b("combine"))]
+        if j:
+            steps += [Step("wait", "F", 5 * (j - 1) + 3), Step("run", "F", 5 * (j - 1) + 4)]
+        steps += [Step("run", "F", f("attn")), Step("wait", "B", b("combine")), Step("run", "B", b("mlp")),
+                  Step("start", "F", f("dispatch")), Step("start", "B", b("dispatch")), Step("run", "W", b("mlp")),
+                  Step("wait", "F", f("dispatch")), Step("run", "F", f("mlp")), Step("wait", "B", b("dispatch")),
+                  Step("run", "B", b("attn")), Step("run", "W", b("attn")), Step("run", "W", b("mix")),
+                  Step("start", "F", f("combine"))]
+    return steps + [Step("wait", "F", 5 * layers - 2), Step("run", "F", 5 * layers - 1)]
+
+
+def test_order_is_never_slower_than_deepseeks():
+    """On random part times (one link, compute one part at a time), our order's predicted F&B
+    time is at most that of DeepSeek's order: it issues every comm at least as early."""
+    rng = random.Random(0)
+    f_kinds = [KIND[n] for n in LAYER_F * 2]
+    b_kinds = list(reversed(f_kinds))
+    theirs = _deepseek_order(2)
+    for _ in range(300):
+        f = [(k, rng.uniform(0, 2)) for k in f_kinds]
+        b = [(k, rng.uniform(0, 2)) for k in b_kinds]
+        w = [rng.uniform(0, 1) for _ in b_kinds]
+        assert predict_fb(f, b, w) <= predict_fb(f, b, w, order=theirs) + 1e-12
+
+
+def test_prediction_rejects_foreign_orders():
+    f = [(KIND[n], 1.0) for n in LAYER_F]
+    b = [(KIND[n], 1.0) for n in reversed(LAYER_F)]
+    with pytest.raises(ValueError, match="order"):
+        predict_fb(f, b, order=_deepseek_order(1)[:-1])
+    swapped = _deepseek_order(1)
+    swapped[1], swapped[5] = swapped[5], swapped[1]  # wait for combine(B) before starting it
+    with pytest.raises(ValueError, match="before its start"):
+        predict_fb(f, b, order=swapped)
 
 
 # ---------------------------------------------------------------- the protocol, on one process

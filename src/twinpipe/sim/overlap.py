@@ -100,12 +100,15 @@ def predict_fb(
     backward: Sequence[tuple[str, float]],
     weight: Sequence[float] | None = None,
     overlap: bool = True,
+    order: Sequence[Step] | None = None,
 ) -> float:
     """Predicted time of an F&B op from per-part ``(kind, seconds)`` lists (B in backward order).
 
-    ``weight[k]`` is the time of W k (B k's deferred weight gradient; 0 by default). Compute parts
-    run one at a time; comm parts share one link, one at a time in the order started, and a comm
-    starts when it is issued and the link is free. Issuing and waiting cost nothing.
+    ``weight[k]`` is the time of W k (B k's deferred weight gradient; entries for comm parts are
+    not used; 0 by default). Compute parts run one at a time; comm parts share one link, one at a
+    time in the order started, and a comm starts when it is issued and the link is free. Issuing
+    and waiting cost nothing. ``order`` times another order of the same steps (default:
+    ``fb_order``).
     """
     fk, bk = [k for k, _ in forward], [k for k, _ in backward]
     times = {"F": [t for _, t in forward], "B": [t for _, t in backward]}
@@ -116,13 +119,20 @@ def predict_fb(
         raise ValueError(f"weight has {len(times['W'])} entries; backward has {len(bk)} parts")
     now, link_free = 0.0, 0.0
     ends: dict[tuple[str, int], float] = {}
-    for step in fb_order(fk, bk, overlap):
+    steps = fb_order(fk, bk, overlap)
+    if order is not None:
+        if sorted(map(str, order)) != sorted(map(str, steps)):
+            raise ValueError("order: must hold exactly the steps of fb_order for these parts")
+        steps = list(order)
+    for step in steps:
         key = (step.stream, step.index)
         if step.action == "run":
             now += times[step.stream][step.index]
         elif step.action == "start":
             begin = max(now, link_free)
             link_free = ends[key] = begin + times[step.stream][step.index]
+        elif key not in ends:
+            raise ValueError(f"order: {step} comes before its start")
         else:
             now = max(now, ends[key])
     return now

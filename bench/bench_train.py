@@ -1,0 +1,95 @@
+"""Tokens/s of training per schedule on the same model and machine, in one run.
+
+One world of ``pp x dp`` processes builds a trainer per schedule (the same byte-level GPT, the same
+data, AdamW, clipping on) and runs them in turns: ``--rounds`` rounds of ``--steps`` steps each,
+so a busy machine slows every schedule alike. It prints, per schedule, the median step time and
+tokens/s, the ratio to the first schedule (the baseline, measured in the same run), and the median
+time inside the pipeline step, in DualPipe's mirrored-gradient exchange, in the data-parallel
+all-reduce and in the update (norms, losses, clipping, optimizer).
+
+    python bench/bench_train.py [--pp 2 --dp 2] [--schedules 1f1b,zb-h1,dualpipev,dualpipe] [--rounds 4 --steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from twinpipe.train import GPT, GPTConfig, TrainConfig, Trainer, build_mesh, lm_loss
+    from twinpipe.train.data import BatchSampler, stdlib_corpus
+
+    cfg = GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=4, layers=args.layers)
+    sampler = BatchSampler(stdlib_corpus(1 << 20), cfg.seq_len)
+    mesh = build_mesh(args.dp, args.pp)
+    trainers = {}
+    for name in args.schedules.split(","):
+        config = TrainConfig(schedule=name, batch_size=args.batch_size, microbatch_size=args.microbatch_size, max_norm=1.0)
+        trainers[name] = Trainer(lambda: GPT(cfg), sampler, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-3), mesh, config)
+    times = {name: {} for name in trainers}
+    step = 0
+    for rnd in range(args.rounds + 1):  # round 0 warms up
+        for name, trainer in trainers.items():
+            for _ in range(args.steps):
+                result = trainer.step(step)
+                step += 1
+                if rnd:
+                    for key, value in result.times.items():
+                        times[name].setdefault(key, []).append(value)
+    if rank == 0:
+        queue.put(times)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schedules", default="1f1b,zb-h1,dualpipev,dualpipe")
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8, help="steps per schedule per round")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--microbatch-size", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=6)
+    args = parser.parse_args()
+    world = args.pp * args.dp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    times = queue.get(timeout=1800)
+    for p in procs:
+        p.join()
+    tokens = args.batch_size * args.seq_len
+    print(f"PP={args.pp} x DP={args.dp} on {os.cpu_count()} CPU cores (gloo), GPT dim={args.dim} layers={args.layers}, "
+          f"{tokens} tokens/step, {args.rounds} rounds x {args.steps} steps per schedule; medians")
+    header = f"{'schedule':<11} {'step ms':>8} {'tokens/s':>9} {'vs base':>8} {'pipeline':>9} {'mirror':>8} {'DP':>8} {'update':>8}"
+    print(header)
+    base = None
+    for name, t in times.items():
+        med = {k: statistics.median(v) for k, v in t.items()}
+        tps = tokens / med["total"]
+        base = base or tps
+        print(f"{name:<11} {med['total'] * 1e3:8.1f} {tps:9.0f} {tps / base:8.2f} {med['pipeline'] * 1e3:9.1f} "
+              f"{med['mirror'] * 1e3:8.2f} {med['dp'] * 1e3:8.2f} {med['update'] * 1e3:8.2f}")
+    print("(ms; 'mirror': DualPipe's exchange between ranks r and P-1-r; 'DP': the bucketed all-reduce across replicas)")
+
+
+if __name__ == "__main__":
+    main()

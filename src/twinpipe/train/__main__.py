@@ -1,0 +1,8 @@
+"""``python -m twinpipe.train``: the same as ``twinpipe train``."""
+
+import sys
+
+from twinpipe.train.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

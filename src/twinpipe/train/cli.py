@@ -1,0 +1,206 @@
+"""``twinpipe train``: a byte-level GPT trained on Python's standard library, on a (dp, pp) mesh.
+
+    twinpipe train                                  # 4 CPU processes, DualPipeV, PP=4
+    twinpipe train --schedule dualpipe --pp 2 --dp 2 --steps 100
+    torchrun --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda
+
+Without torchrun, the command starts its ``pp x dp`` processes itself (one host). Rank 0 shows a
+progress bar; at the end it writes the loss curve (``train-loss.png``), a JSON log and prints a
+summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["add_train_parser", "run_train", "main"]
+
+
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``train`` subcommand to ``subparsers`` and return its parser."""
+    parser = subparsers.add_parser(
+        "train", help="train a small byte-level GPT on a pipeline (any schedule) with data parallelism",
+        description="Train a small GPT-style byte-level language model on Python's standard library sources, "
+                    "on pp x dp processes (started here, or by torchrun).", allow_abbrev=False)
+    _add_arguments(parser)
+    return parser
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--schedule", default="dualpipev", help="any registered schedule (twinpipe simulate --help lists them); default dualpipev")
+    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1); pp x dp processes in all")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps to reach (default 300; with --resume, counted from 0)")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per step, all replicas together (default 16)")
+    parser.add_argument("--microbatch-size", type=int, default=2, help="sequences per micro-batch (default 2)")
+    parser.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
+    parser.add_argument("--dim", type=int, default=64, help="model width (default 64)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--layers", type=int, default=6, help="transformer blocks (default 6; the embedding and the head are layers too)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    parser.add_argument("--max-norm", type=float, default=1.0, help="clip gradients to this global norm (default 1; 0 turns clipping off)")
+    parser.add_argument("--balance", default="params", choices=("params", "time"), help="how layers are cut into stages (default params)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (gloo) or cuda (NCCL, one GPU per process)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"), help="parameter dtype (default float32)")
+    parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default 0)")
+    parser.add_argument("--corpus-bytes", type=int, default=4 << 20, help="bytes of the standard library to read (default 4 MiB)")
+    parser.add_argument("--out", default="twinpipe-train", help="directory for the picture, the log and checkpoints (default twinpipe-train)")
+    parser.add_argument("--save-every", type=int, default=0, help="write a checkpoint every N steps (default 0: only at the end)")
+    parser.add_argument("--resume", default=None, metavar="CHECKPOINT", help="continue from a checkpoint directory (any schedule/pp/dp wrote it)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any wait for a peer may take (default 120)")
+
+
+def _check(args) -> None:
+    """Refuse bad settings before any process starts."""
+    from twinpipe.schedule import registry
+    from twinpipe.train.model import GPTConfig
+    from twinpipe.train.split import num_model_stages
+    from twinpipe.train.trainer import TrainConfig
+
+    for name in ("pp", "dp", "steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name}={getattr(args, name)}: must be >= 1")
+    if args.save_every < 0:
+        raise ValueError(f"--save-every={args.save_every}: must be >= 0")
+    registry.get(args.schedule)  # names the allowed schedules
+    placement = registry.placement_for(args.schedule, args.pp)
+    GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers)
+    stages = num_model_stages(placement)
+    if args.layers + 2 < stages:
+        raise ValueError(f"--layers={args.layers}: {args.schedule} on --pp={args.pp} cuts the model into {stages} stages, "
+                         f"and the model has {args.layers + 2} layers (blocks, embedding, head); use --layers {stages - 2} or more")
+    TrainConfig(batch_size=args.batch_size, microbatch_size=args.microbatch_size).num_microbatches(args.dp)
+    if args.resume is not None and not Path(args.resume, ".metadata").exists():
+        raise ValueError(f"--resume={args.resume}: not a checkpoint directory (no .metadata file)")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Run ``twinpipe train``; 0 on success, 2 (message on stderr) on bad input."""
+    try:
+        _check(args)
+    except ValueError as error:
+        print(f"twinpipe train: error: {error}", file=sys.stderr)
+        return 2
+    world = args.pp * args.dp
+    if "RANK" in os.environ:  # started by torchrun
+        _worker(int(os.environ.get("LOCAL_RANK", 0)), args, None)
+        return 0
+    import torch.multiprocessing as mp
+
+    if args.device == "cpu" and world > (os.cpu_count() or 1):
+        print(f"note: {world} processes on {os.cpu_count()} CPU cores; they take turns", file=sys.stderr)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        mp.start_processes(_worker, args=(args, (world, port)), nprocs=world, join=True, start_method="spawn")
+    except mp.ProcessRaisedException as error:
+        print(f"twinpipe train: a rank failed:\n{error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _worker(local_rank: int, args, spawned) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if spawned is not None:
+        world, port = spawned
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank), WORLD_SIZE=str(world))
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (args.pp * args.dp)))
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    try:
+        _train(args, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(args, device) -> None:
+    import torch
+
+    from twinpipe.train.checkpoint import load_checkpoint, save_checkpoint
+    from twinpipe.train.data import BatchSampler, stdlib_corpus
+    from twinpipe.train.mesh import build_mesh
+    from twinpipe.train.model import GPT, GPTConfig, lm_loss
+    from twinpipe.train.report import bits_per_byte, plot_losses, print_summary, summary_rows
+    from twinpipe.train.trainer import TrainConfig, Trainer
+
+    dtype = getattr(torch, args.dtype)
+    cfg = GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers)
+    sampler = BatchSampler(stdlib_corpus(args.corpus_bytes), args.seq_len, seed=args.seed)
+    config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
+                         max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout)
+    mesh = build_mesh(args.dp, args.pp, device.type)
+    trainer = Trainer(lambda: GPT(cfg), sampler, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01),
+                      mesh, config, device=device, dtype=dtype)
+    start = load_checkpoint(trainer, args.resume) if args.resume else 0
+    out = Path(args.out)
+    first = mesh.is_first
+    if first:
+        out.mkdir(parents=True, exist_ok=True)
+    tokens = args.batch_size * args.seq_len
+    log: list[dict] = []
+    times: dict[str, list[float]] = {}
+    title = f"{args.schedule}, PP={args.pp} x DP={args.dp}, {sum(p.numel() for p in GPT(cfg).parameters()):,} parameters"
+    progress = _progress(first, title, start, args.steps)
+    began = time.perf_counter()
+    with progress:
+        task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0) if first else None
+        for step in range(start, args.steps):
+            result = trainer.step(step)
+            log.append({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, **result.times})
+            for key, value in result.times.items():
+                times.setdefault(key, []).append(value)
+            if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+                save_checkpoint(trainer, str(out / f"checkpoint-step{step + 1}"), step + 1)
+            if first:
+                progress.update(task, advance=1, loss=bits_per_byte(result.loss), tps=tokens / result.times["total"])
+    elapsed = time.perf_counter() - began
+    if args.steps > start:
+        save_checkpoint(trainer, str(out / "checkpoint-final"), args.steps)
+    if not first or not log:
+        return
+    plot_losses([e["step"] for e in log], [e["loss"] for e in log], str(out / "train-loss.png"), title)
+    (out / "train-log.json").write_text(json.dumps({"args": vars(args), "elapsed_s": elapsed, "steps": log}, indent=1))
+    rows = summary_rows([e["loss"] for e in log], times, tokens)
+    rows.append(("wall time", f"{elapsed:.1f} s"))
+    rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / 'checkpoint-final'}"))
+    print_summary(title, rows)
+
+
+def _progress(show: bool, title: str, start: int, total: int):
+    if not show:
+        return _Silent()
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("loss {task.fields[loss]:.3f} bits/byte"), TextColumn("{task.fields[tps]:,.0f} tokens/s"),
+                    TimeElapsedColumn())
+
+
+class _Silent:
+    """A progress bar for ranks that show none."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m twinpipe.train", description=__doc__.splitlines()[0], allow_abbrev=False)
+    _add_arguments(parser)
+    return run_train(parser.parse_args(argv))

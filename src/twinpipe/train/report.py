@@ -1,0 +1,69 @@
+"""What a training run shows at the end: a loss-curve picture and a summary table."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Sequence
+
+__all__ = ["bits_per_byte", "plot_losses", "summary_rows", "print_summary"]
+
+
+def bits_per_byte(loss_nats: float) -> float:
+    return loss_nats / math.log(2)
+
+
+def plot_losses(steps: Sequence[int], losses: Sequence[float], path: str, title: str) -> None:
+    """Training loss (bits per byte) per step, with a 10-step running mean, saved to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bpb = [bits_per_byte(v) for v in losses]
+    window = 10
+    smooth = [statistics.fmean(bpb[max(0, i - window + 1) : i + 1]) for i in range(len(bpb))]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot(steps, bpb, color="#9ecae1", linewidth=1, label="loss per step")
+    ax.plot(steps, smooth, color="#08519c", linewidth=2, label=f"mean of the last {window} steps")
+    ax.axhline(8.0, color="#999999", linestyle=":", linewidth=1, label="uniform over 256 bytes (8 bits)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (bits per byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def summary_rows(losses: Sequence[float], step_times: dict[str, list[float]], tokens_per_step: int) -> list[tuple[str, str]]:
+    """(label, value) rows: bits per byte at the start and end, throughput and where time went."""
+    head = losses[: min(10, len(losses))]
+    tail = losses[-min(10, len(losses)) :]
+    total = step_times["total"]
+    median = statistics.median(total)
+    rows = [
+        ("bits per byte, first step", f"{bits_per_byte(losses[0]):.3f}"),
+        (f"bits per byte, mean of first {len(head)} steps", f"{bits_per_byte(statistics.fmean(head)):.3f}"),
+        (f"bits per byte, mean of last {len(tail)} steps", f"{bits_per_byte(statistics.fmean(tail)):.3f}"),
+        ("tokens per step", f"{tokens_per_step}"),
+        ("tokens/s (median step)", f"{tokens_per_step / median:,.0f}"),
+        ("step time, median", f"{median * 1e3:.1f} ms"),
+    ]
+    for part, label in (("pipeline", "pipeline step()"), ("mirror", "DualPipe mirror exchange"),
+                        ("dp", "data-parallel all-reduce"), ("update", "norms, losses, clipping, optimizer")):
+        rows.append((f"  {label}", f"{statistics.median(step_times[part]) * 1e3:.2f} ms"))
+    return rows
+
+
+def print_summary(title: str, rows: list[tuple[str, str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("")
+    table.add_column("value", justify="right")
+    for label, value in rows:
+        table.add_row(label, value)
+    Console().print(table)

@@ -36,6 +36,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
             try:
                 mod = importlib.import_module(module)
             except ModuleNotFoundError as error:  # e.g. demo without torch
+                if (error.name or "twinpipe").split(".")[0] == "twinpipe":
+                    raise
                 parser.exit(2, f"twinpipe {name}: error: it needs the package {error.name!r}, which is not installed\n")
             getattr(mod, add)(sub).set_defaults(run=getattr(mod, run))
         else:

@@ -59,22 +59,25 @@ def _part_times(events):
     return f, b, [w.get(i, 0.0) for i in range(len(b))]
 
 
-def _a2a_alone(tokens: int, hidden: int, top_k: int, group) -> list[float]:
+def _a2a_alone(tokens: int, hidden: int, top_k: int, group) -> tuple[list[float], list[float]]:
     """The all-to-alls of one F&B op run alone (same sizes, even splits), each after a barrier
     that is not timed: the communication there is to hide, without waits for a slower peer.
-    Seconds per call, per block: dispatch(F) with its counts, combine(F), combine(B), dispatch(B)."""
-    rows = tokens * top_k
-    payload, counts = torch.randn(rows, hidden), torch.zeros(EXPERTS, dtype=torch.long)
-    out, got = torch.empty_like(payload), torch.empty_like(counts)
-    times = []
-    for i in range(4 * BLOCKS):
+    Seconds per call, in the order of the F stream's comm parts (per block: counts, dispatch,
+    combine) and of the B stream's (per block: combine, dispatch)."""
+    payload, counts = torch.randn(tokens * top_k, hidden), torch.zeros(EXPERTS, dtype=torch.long)
+    calls = {"counts": (torch.empty_like(counts), counts), "rows": (torch.empty_like(payload), payload)}
+
+    def timed(what: str) -> float:
         dist.barrier(group)
         t0 = time.perf_counter()
-        if i % 4 == 0:
-            dist.all_to_all_single(got, counts, group=group)
-        dist.all_to_all_single(out, payload, group=group)
-        times.append(time.perf_counter() - t0)
-    return times
+        dist.all_to_all_single(*calls[what], group=group)
+        return time.perf_counter() - t0
+
+    f_comm, b_comm = [], []
+    for _ in range(BLOCKS):
+        f_comm += [timed("counts"), timed("rows"), timed("rows")]
+        b_comm += [timed("rows"), timed("rows")]
+    return f_comm, b_comm
 
 
 def _with_comm(parts, comm_times):
@@ -114,11 +117,9 @@ def _sweep(rank: int, reps: int, draw: str | None):
                 seq.append(t_s)
                 ovl.append(t_o)
                 comm.append(_comm_time(ev_s))
-                calls = _a2a_alone(tokens, hidden, top_k, group)
-                alone.append(sum(calls))
+                f_comm, b_comm = _a2a_alone(tokens, hidden, top_k, group)
+                alone.append(sum(f_comm) + sum(b_comm))
                 f, b, w = _part_times(ev_s)
-                f_comm = [t for i, t in enumerate(calls) if i % 4 in (0, 1)]
-                b_comm = [t for i, t in enumerate(calls) if i % 4 in (2, 3)]
                 preds.append((predict_fb(f, b, w), predict_fb(_with_comm(f, f_comm), _with_comm(b, b_comm), w)))
                 if draw and (tokens, hidden, width, top_k) == POINTS[3]:
                     drawn = ev_o

@@ -1,7 +1,8 @@
-"""A MoE transformer block with expert parallelism, declared as five parts for the overlap engine:
+"""A MoE transformer block with expert parallelism, declared as six parts for the overlap engine:
 
     attn (compute)   x -> h = x + attention(norm(x)); route norm(h); sort token copies by expert
-    dispatch (comm)  exchange per-expert counts, then all-to-all the token copies to the experts' ranks
+    counts (comm)    exchange how many copies each rank sends to each expert (nothing in backward)
+    dispatch (comm)  all-to-all the token copies to the experts' ranks
     mlp (compute)    local experts on what arrived (grouped by expert); shared expert on local tokens
     combine (comm)   all-to-all the expert outputs back
     mix (compute)    out = h + shared + sum_j weight_j * expert_output_j
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinpipe.moe.router import TopKRouter
-from twinpipe.overlap.comm import Then, all_to_all, exchange_counts
+from twinpipe.overlap.comm import Then, all_to_all
 from twinpipe.overlap.graph import run_parts
 from twinpipe.overlap.parts import Comm, Compute, Done
 from twinpipe.runtime.weight_grad import DeferredLinear
@@ -129,6 +130,7 @@ class MoEBlock(nn.Module):
     def parts(self) -> list:
         return [
             Compute("attn", self._attn),
+            Comm("counts", self._counts),
             Comm("dispatch", self._dispatch, self._dispatch_backward),
             Compute("mlp", self._mlp),
             Comm("combine", self._combine, self._combine_backward),
@@ -150,10 +152,17 @@ class MoEBlock(nn.Module):
         self.routed_tokens += counts
         return h, tokens, sent, weights, _Route(tuple(x.shape), order, counts)
 
+    def _counts(self, h, tokens, sent, weights, route):
+        def arrived(received):
+            received = received.view(self.ep, self.local)
+            full = replace(route, send=route.counts.view(self.ep, self.local).sum(1).tolist(),
+                           recv=received.sum(1).tolist(), recv_counts=received)
+            return (h, tokens, sent, weights, full), None
+
+        each = [self.local] * self.ep
+        return Then(all_to_all(route.counts, each, each, self.ep_group), arrived)
+
     def _dispatch(self, h, tokens, sent, weights, route):
-        received_counts = exchange_counts(route.counts, self.ep_group).view(self.ep, self.local)
-        route = replace(route, send=route.counts.view(self.ep, self.local).sum(1).tolist(),
-                        recv=received_counts.sum(1).tolist(), recv_counts=received_counts)
         return self._move((h, tokens, sent, weights, route), route.recv, route.send)
 
     def _dispatch_backward(self, route, grads):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from twinpipe.overlap.parts import Done, Pending
 
-__all__ = ["all_to_all", "exchange_counts", "Then", "group_size"]
+__all__ = ["all_to_all", "Then", "group_size"]
 
 
 def group_size(group) -> int:
@@ -77,12 +77,3 @@ def all_to_all(tensor: torch.Tensor, out_splits: list[int], in_splits: list[int]
         return _CudaWork(event, out)
     work = dist.all_to_all_single(out, tensor, out_splits, in_splits, group=group, async_op=True)
     return _Work(work, out)
-
-
-def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
-    """Every rank sends ``counts`` split evenly over the ranks; returns what it received (blocking)."""
-    if group_size(group) == 1:
-        return counts
-    out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group)
-    return out

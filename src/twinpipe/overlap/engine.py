@@ -50,7 +50,7 @@ def forward_backward(module0, inputs0, criterion0, labels0, module1, loss1, outp
     bwd = _backward_record(module1, loss1, outputs1, output_grads1)
     b_parts = list(reversed(bwd.parts)) if bwd is not None else []
     n_b = len(b_parts)
-    order = fb_order([p.kind for p in fwd.parts], [p.kind for p in b_parts], overlap)
+    order = fb_order([p.kind for p in fwd.parts], [p.backward_kind for p in b_parts], overlap)
     events: list[FBEvent] = []
     clock = time.perf_counter
     store = current_store()  # the running pipeline's (class-level WeightGradStore acts on it too)

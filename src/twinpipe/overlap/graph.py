@@ -88,7 +88,15 @@ class Record:
 
     # ------------------------------------------------------------ backward
     def run_back(self, k: int) -> None:
-        """Backward of compute part ``k``: ``self.state`` holds its output gradients."""
+        """Backward of compute part ``k`` (or of a comm part that sends nothing back):
+        ``self.state`` holds its output gradients."""
+        if isinstance(self.parts[k], Comm):
+            n_in = self.saved[k][0]
+            self.saved[k] = None
+            if len(self.state) != n_in:
+                raise ValueError(f"part {self.parts[k].name!r}: with no start_backward its state must keep its "
+                                 f"{n_in} entries, got {len(self.state)}")
+            return
         leaves, outs = self.saved[k]
         self.saved[k] = None
         position = {id(v): i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)}
@@ -121,7 +129,7 @@ class Record:
         self.state = grads
 
     def step_backward(self, k: int) -> None:
-        if isinstance(self.parts[k], Comm):
+        if self.parts[k].backward_kind == "comm":
             self.start_back(k)
             self.wait_back(k)
         else:

@@ -11,6 +11,8 @@ part's input, so gradients line up by position.
   ``state_out`` that need gradients must have ``requires_grad`` set. ``start_backward(ctx,
   grads_out)`` (one gradient or None per output entry) returns a ``Pending`` whose ``wait()``
   gives the gradients of the input entries (one per input entry, None where there is none).
+  ``start_backward=None``: the backward communicates nothing and hands each entry's gradient
+  back unchanged (metadata exchanges, such as counts before an all-to-all).
 """
 
 from __future__ import annotations
@@ -43,14 +45,21 @@ class Compute:
     name: str
     fn: Callable[..., tuple]
     kind = "compute"
+    backward_kind = "compute"
 
 
 @dataclass(frozen=True)
 class Comm:
     name: str
     start: Callable[..., Pending]
-    start_backward: Callable[[Any, tuple], Pending]
+    start_backward: Callable[[Any, tuple], Pending] | None = None
+
     kind = "comm"
+
+    @property
+    def backward_kind(self) -> str:
+        """A comm part with nothing to send back is, in backward, a (free) compute step."""
+        return "comm" if self.start_backward is not None else "compute"
 
 
 def check_parts(parts: Sequence, owner: str) -> list:
@@ -61,7 +70,7 @@ def check_parts(parts: Sequence, owner: str) -> list:
     for i, part in enumerate(parts):
         if not isinstance(part, (Compute, Comm)):
             raise ValueError(f"{owner}.parts()[{i}] is a {type(part).__name__}; allowed are Compute and Comm")
-        fns = (part.fn,) if isinstance(part, Compute) else (part.start, part.start_backward)
+        fns = (part.fn,) if isinstance(part, Compute) else (part.start,) + ((part.start_backward,) if part.start_backward else ())
         if not isinstance(part.name, str) or not all(callable(f) for f in fns):
             raise ValueError(f"{owner}.parts()[{i}] ({part.name!r}): needs a str name and callables")
     return parts

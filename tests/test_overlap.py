@@ -273,3 +273,16 @@ def test_comm_hidden_counts_compute_under_comm_in_flight():
               ("start", "F", "d", 1.0, 1.0), ("wait", "F", "d", 1.0, 1.5)]
     in_flight, hidden = comm_hidden(events)
     assert in_flight == pytest.approx(1.5) and hidden == pytest.approx(0.5)
+
+
+def test_comm_without_backward_hands_gradients_back_unchanged():
+    """A comm part with no start_backward (a metadata exchange) is an empty step in backward."""
+    stage = _Bad([Compute("a", lambda x: (x * 2, None)), Comm("meta", lambda y, m: Done(((y, 3), None))),
+                  Compute("b", lambda y, m: (y * m,))])
+    x = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    stage(x).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 6.0))
+    shrinking = _Bad([Compute("a", lambda x: (x * 2, None)), Comm("meta", lambda y, m: Done(((y,), None))),
+                      Compute("b", lambda y: (y * 1,))])
+    with pytest.raises(ValueError, match="must keep its 2 entries"):
+        shrinking(torch.randn(2, requires_grad=True)).sum().backward()

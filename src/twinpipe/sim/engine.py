@@ -41,22 +41,22 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
     comm, mw = float(costs.t_comm), float(costs.mw)
 
     # End time of work item (work, s, j) at ends[work*n + s*m + j]; -1 = not done yet. A blocked
-    # rank waits on the index of the item it needs. needs[kind][s]: (index base, local) per need.
+    # rank waits on the index of the item it needs. needs[kind][s]: (index base, delay) per need,
+    # the delay being T_comm across ranks and 0 on one rank.
     n = num_stages * m
     ends = [-1.0] * (len(Work) * n)
     rule = dependency_table(placement).needs
-    needs = {kind: [tuple((int(d.work) * n + d.stage * m, d.local) for d in stage) for stage in rule[kind]] for kind in rule}
+    needs = {kind: [tuple((int(d.work) * n + d.stage * m, 0.0 if d.local else comm) for d in stage) for stage in rule[kind]] for kind in rule}
     f_base, b_base, w_base = int(Work.F) * n, int(Work.B) * n, int(Work.W) * n
     waiters: dict[int, list[int]] = {}
 
     def ready_at(kind: OpKind, s: int, j: int, start: float) -> tuple[float, int]:
         """Earliest start given the needs of one simple op, or (start, index of a missing item)."""
-        for base, local in needs[kind][s]:
+        for base, delay in needs[kind][s]:
             t = ends[base + j]
             if t < 0:
                 return start, base + j
-            if not local:
-                t += comm
+            t += delay
             if t > start:
                 start = t
         return start, -1

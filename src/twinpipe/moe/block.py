@@ -23,7 +23,7 @@ from torch import nn
 from twinpipe.moe.router import TopKRouter
 from twinpipe.overlap.comm import Then, all_to_all
 from twinpipe.overlap.graph import run_parts
-from twinpipe.overlap.parts import Comm, Compute, Done
+from twinpipe.overlap.parts import Comm, Compute
 from twinpipe.runtime.weight_grad import DeferredLinear
 
 __all__ = ["MoEBlock", "FeedForward"]

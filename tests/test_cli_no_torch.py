@@ -44,7 +44,7 @@ def test_draw_without_torch(no_torch_env, tmp_path):
 def test_help_lists_every_command_and_demo_says_what_it_needs(no_torch_env):
     result = twinpipe(no_torch_env, "--help")
     assert result.returncode == 0, result.stderr
-    assert all(name in result.stdout for name in ("demo", "simulate", "draw", "eplb"))
+    assert all(name in result.stdout for name in ("demo", "simulate", "draw", "eplb", "train"))
     result = twinpipe(no_torch_env, "demo")
     assert result.returncode == 2
     assert "twinpipe demo: error: it needs the package 'torch', which is not installed" in result.stderr

@@ -1,4 +1,4 @@
-"""The ``twinpipe`` command: ``demo | simulate | draw | eplb``. Each subcommand lives with its layer.
+"""The ``twinpipe`` command: ``demo | simulate | draw | eplb | train``. Each subcommand lives with its layer.
 
 Only the module of the subcommand that runs is imported: ``simulate`` and ``draw`` need neither
 torch nor the runtime, so they work where torch is not installed.
@@ -18,6 +18,7 @@ _COMMANDS = {
     "simulate": ("twinpipe.sim.cli", "add_simulate_parser", "run_simulate", "simulate a schedule: bubble, per-rank idle time, peak activation memory"),
     "draw": ("twinpipe.viz.cli", "add_draw_parser", "run_draw", "draw a simulated schedule (or several, stacked) as PNG/SVG/PDF"),
     "eplb": ("twinpipe.eplb.cli", "add_eplb_parser", "run_eplb", "balance MoE expert replicas across GPUs (DeepSeek EPLB)"),
+    "train": ("twinpipe.train.cli", "add_train_parser", "run_train", "train a small byte-level GPT on a pipeline (any schedule) with data parallelism"),
 }
 
 

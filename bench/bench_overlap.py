@@ -1,14 +1,15 @@
 """How much all-to-all time the part-level F&B overlap hides: CPU, gloo, 2 processes (EP=2).
 
-For each point of a sweep (tokens per micro-batch, hidden size, expert width) one F&B op of a
-2-block MoE stage runs with the overlap and as F then B (alternating, same run), and prints the
-medians: T_seq, T_overlap, T_comm (the same all-to-alls run alone, each after an untimed
-barrier: the communication there is to hide), comm/cmp (T_comm over the sequential run's compute),
-the fraction of T_comm hidden, (T_seq - T_overlap) / T_comm, the step-time ratio T_overlap / T_seq,
-"in-run" (the comm parts' time inside the sequential run, waits for the slower peer included) and
-the F&B time ``twinpipe.sim.overlap.predict_fb`` predicts from the sequential run's compute part
-times with, for the comm parts, their in-run times or their times alone. ``--e2e`` adds a DualPipeV step on PP=2 x EP=2 (4 processes), overlap on
-vs off. ``--draw PATH`` draws rank 0's steps of one overlapped F&B op (matplotlib).
+For each point of a sweep (tokens per micro-batch, hidden size, expert width, top-k) one F&B op
+of a 2-block MoE stage runs with the overlap and as F then B (alternating, same run), and prints
+the medians: T_seq, T_overlap, T_comm (the same all-to-alls run alone, each after an untimed
+barrier: the communication there is to hide), comm/cmp (T_comm over the sequential run's
+compute), the fraction of T_comm hidden, (T_seq - T_overlap) / T_comm, the step-time ratio
+T_overlap / T_seq, "in-run" (the comm parts' time inside the sequential run, waits for the
+slower peer included) and the F&B time ``twinpipe.sim.overlap.predict_fb`` predicts from the
+sequential run's compute part times with, for the comm parts, their in-run times or their times
+alone. ``--e2e`` adds a DualPipeV step on PP=2 x EP=2 (4 processes), overlap on vs off.
+``--draw PATH`` draws rank 0's steps of one overlapped F&B op (matplotlib).
 
     python bench/bench_overlap.py [--reps 9] [--e2e] [--draw docs/img/moe-overlap-pair.png]
 """

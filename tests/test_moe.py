@@ -43,7 +43,12 @@ def _layer_case(group, variant: str, uneven: bool) -> list[str]:
         if not err <= TOL:
             problems.append(f"{name}: gradient error {err:.3g}")
     rows = stage.blocks[0].expert_rows
-    routed = sum(torch.bincount(full.blocks[0].router(full.blocks[0].norm2(full.blocks[0].attention(x)).reshape(-1, mm.HIDDEN))[0].reshape(-1), minlength=4) for x in xs)
+    first = full.blocks[0]
+
+    def picks(x):  # the reference's routing of x in the first block
+        return first.router(first.norm2(first.attention(x)).reshape(-1, mm.HIDDEN))[0].reshape(-1)
+
+    routed = sum(torch.bincount(picks(x), minlength=4) for x in xs)
     if not torch.equal(rows, routed[2 * rank : 2 * rank + 2]):
         problems.append(f"expert rows {rows.tolist()} != routed {routed.tolist()}")
     if uneven is True and (routed[-1] != 0 or routed[0] < routed.sum() // 2):

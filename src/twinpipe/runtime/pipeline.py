@@ -25,7 +25,7 @@ from twinpipe.runtime.executor import Executor, StepData
 from twinpipe.runtime.recorder import Recorder
 from twinpipe.runtime.shm import shm_pipes
 from twinpipe.runtime.weight_grad import GradStore
-from twinpipe.schedule import registry
+from twinpipe.schedule import limits, registry
 from twinpipe.schedule.lower import LoweredSchedule, forward_only, lower
 from twinpipe.schedule.ops import Schedule
 
@@ -235,6 +235,10 @@ class Pipeline(nn.Module):
             return spec
         if isinstance(spec, str):
             return registry.build(spec, self.num_ranks, num_chunks, **self._schedule_options)
+        # A user's generator: the same size limits as a registered schedule, before it runs.
+        name = getattr(spec, "__name__", "schedule")
+        limits.check_counts(name, self.num_ranks, num_chunks)
+        limits.check_size(name, self._placement().num_stages, num_chunks)
         return spec(self.num_ranks, num_chunks, **self._schedule_options)
 
     def _lowered_for(self, num_chunks: int, training: bool) -> LoweredSchedule:
@@ -374,6 +378,78 @@ class Pipeline(nn.Module):
             outputs = joined[0] if len(joined) == 1 else tuple(joined)
         return loss, outputs
 
+    # ------------------------------------------------------------------ mirrored copies
+    def _twins(self) -> dict[int, list[tuple[int, nn.Module]]]:
+        """Peer rank -> [(model stage, local module)] whose other copy that peer holds, by model stage.
+
+        With several chains, each chain is a whole copy of the model and a stage is the model stage
+        at its position in its chain (DualPipe: rank r holds stage r of one copy and P-1-r of the
+        other). Both ranks of a pair list the same model stages in the same order."""
+        placement = self._placement()
+        if len(placement.chains) == 1:
+            return {}
+        by_model: dict[int, list[int]] = {}
+        for s in range(placement.num_stages):
+            by_model.setdefault(placement.stage_chain_position(s), []).append(s)
+        twins: dict[int, list[tuple[int, nn.Module]]] = {}
+        for s in self.stages:
+            k = placement.stage_chain_position(s)
+            copies = by_model[k]
+            if len(copies) != 2:
+                raise ValueError(f"model stage {k} has {len(copies)} copies; mirrored sync pairs exactly two")
+            other = copies[0] if copies[1] == s else copies[1]
+            twins.setdefault(placement.rank_of(other), []).append((k, self._by_stage[s]))
+        return {peer: sorted(items, key=lambda kv: kv[0]) for peer, items in twins.items()}
+
+    def _exchange(self, mine: torch.Tensor, peer: int, what: str) -> torch.Tensor:
+        theirs = torch.empty_like(mine)
+        g = self.group_rank_of[peer]
+        works = [self.group.send([mine], g, 0), self.group.recv([theirs], g, 0)]
+        for w in works:
+            wait_work(w, self.timeout, f"rank {self.rank}: {what} waiting for rank {peer}")
+        return theirs
+
+    def sync_mirrored_grads(self) -> None:
+        """Sum the gradients of each model stage's two copies, in place, so both hold the full
+        gradient (bitwise equal). A no-op for schedules that hold one copy of each stage."""
+        for peer, items in self._twins().items():
+            params = [p for _, m in items for p in m.parameters()]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if peer == self.rank:  # both copies here: pair them up locally
+                by_stage: dict[int, list] = {}
+                for k, m in items:
+                    by_stage.setdefault(k, []).append(list(m.parameters()))
+                for a, b in by_stage.values():
+                    for p, q in zip(a, b):
+                        total = p.grad + q.grad
+                        p.grad.copy_(total)
+                        q.grad.copy_(total)
+                continue
+            theirs = self._exchange(torch.cat([p.grad.reshape(-1) for p in params]), peer, "sync_mirrored_grads()")
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad.add_(theirs[offset : offset + n].view_as(p.grad))
+                offset += n
+
+    def sync_mirrored_weights(self) -> None:
+        """Make both copies of each model stage identical (the lower rank's copy wins), in place."""
+        for peer, items in self._twins().items():
+            if peer == self.rank:
+                continue
+            params = [p for _, m in items for p in m.parameters()]
+            theirs = self._exchange(torch.cat([p.detach().reshape(-1) for p in params]), peer, "sync_mirrored_weights()")
+            if self.rank < peer:
+                continue
+            offset = 0
+            with torch.no_grad():
+                for p in params:
+                    n = p.numel()
+                    p.copy_(theirs[offset : offset + n].view_as(p))
+                    offset += n
+
 
 class DualPipeV(Pipeline):
     """DeepSeek's DualPipeV: ``modules = (stage r, stage 2P-1-r)`` of a 2P-stage model on rank r."""
@@ -396,45 +472,3 @@ class DualPipe(Pipeline):
             if ranks % 2:
                 raise ValueError(f"DualPipe needs an even number of ranks; the process group has {ranks}")
         super().__init__(modules, "dualpipe", batch_dim, process_group, rank_mapping, **options)
-
-    def _mirror_peer(self) -> int:
-        return self.global_rank_of[self.num_ranks - 1 - self.rank]
-
-    def _exchange(self, mine: torch.Tensor, what: str) -> torch.Tensor:
-        theirs = torch.empty_like(mine)
-        peer = self._mirror_peer()
-        if peer == dist.get_rank():
-            return mine.clone()
-        works = [dist.isend(mine, dst=peer, group=self.group), dist.irecv(theirs, src=peer, group=self.group)]
-        for w in works:
-            wait_work(w, self.timeout, f"rank {self.rank}: {what} waiting for rank {self.num_ranks - 1 - self.rank}")
-        return theirs
-
-    def sync_mirrored_grads(self) -> None:
-        """Sum the gradients of each stage's two copies (ranks r and P-1-r), in place."""
-        first, second = [list(m.parameters()) for m in self.module]
-        for p in first + second:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        # Send our second copy's grads then our first's: they pair with the peer's first and second.
-        mine = torch.cat([p.grad.reshape(-1) for p in second + first])
-        theirs = self._exchange(mine, "sync_mirrored_grads()")
-        offset = 0
-        for p in first + second:
-            n = p.numel()
-            p.grad.add_(theirs[offset : offset + n].view_as(p.grad))
-            offset += n
-
-    def sync_mirrored_weights(self) -> None:
-        """Make both copies' weights identical (the lower rank's copy wins), in place."""
-        first, second = [list(m.parameters()) for m in self.module]
-        mine = torch.cat([p.detach().reshape(-1) for p in second + first])
-        theirs = self._exchange(mine, "sync_mirrored_weights()")
-        if self.rank < self.num_ranks - 1 - self.rank:
-            return
-        offset = 0
-        with torch.no_grad():
-            for p in first + second:
-                n = p.numel()
-                p.copy_(theirs[offset : offset + n].view_as(p))
-                offset += n

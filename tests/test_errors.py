@@ -127,8 +127,21 @@ def case_rank_raises_mid_step(group):
     return [_error(lambda: pipe.step(_x(), num_chunks=6, criterion=models.mse, labels=(_x(),)))]
 
 
+def case_absurd_num_chunks(group):
+    """A registered schedule and a user's generator meet the same size limit, before any work."""
+    import twinpipe
+    from twinpipe.schedule.registry import get
+
+    out = []
+    for schedule in ("1f1b", get("1f1b").generator):
+        pipe = twinpipe.Pipeline([models.MLPStage().double()], schedule, process_group=group, timeout=TIMEOUT)
+        out.append(_error(lambda: pipe.step(_x(), num_chunks=10**5, criterion=models.mse, labels=(_x(),))))
+    return out
+
+
 CASES = {
     "bad_num_chunks": (2, case_bad_num_chunks),
+    "absurd_num_chunks": (2, case_absurd_num_chunks),
     "dualpipe_odd_chunks": (2, case_dualpipe_odd_chunks),
     "dualpipe_odd_ranks": (3, case_dualpipe_odd_ranks),
     "wrong_module_count": (2, case_wrong_module_count),
@@ -150,6 +163,13 @@ def test_bad_num_chunks(out):
     for rank in (0, 1):
         for kind, msg, _ in out[rank]["bad_num_chunks"]:
             assert kind == "ValueError" and "num_chunks" in msg
+
+
+def test_absurd_num_chunks_fail_fast(out):
+    for rank in (0, 1):
+        for kind, msg, seconds in out[rank]["absurd_num_chunks"]:
+            assert kind in ("ValueError", "PipelineAbortedError") and "100000" in msg, (kind, msg)
+            assert seconds < TIMEOUT
 
 
 def test_dualpipe_needs_even_chunks(out):

@@ -21,7 +21,7 @@ HIDDEN, SEQ = 8, 3
 VARIANTS = {
     "softmax": dict(score="softmax"),
     "shared": dict(score="softmax", shared_hidden=6),
-    "grouped": dict(score="sigmoid", groups=2, top_groups=1, shared_hidden=4),
+    "grouped": dict(score="sigmoid", groups=2, top_groups=1, shared_hidden=4, swiglu=True, route_scale=2.5),
 }
 
 

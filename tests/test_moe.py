@@ -134,6 +134,7 @@ def test_ep_errors(outcomes):
 @pytest.mark.parametrize("kwargs,arg", [
     (dict(top_k=5), "top_k"), (dict(score="relu"), "score"), (dict(groups=3), "groups"),
     (dict(groups=2, top_groups=3), "top_groups"), (dict(groups=4, top_groups=1, top_k=2), "top_k"),
+    (dict(route_scale=0), "route_scale"),
 ])
 def test_router_rejects_bad_arguments(kwargs, arg):
     args = dict(hidden=8, heads=2, num_experts=4, top_k=2, expert_hidden=4) | kwargs

@@ -30,15 +30,19 @@ __all__ = ["MoEBlock", "FeedForward"]
 
 
 class FeedForward(nn.Module):
-    """Linear -> GELU -> Linear without biases; weight gradients deferrable to W."""
+    """``down(gelu(up(x)))``, or with ``swiglu`` ``down(silu(gate(x)) * up(x))`` (DeepSeek's
+    experts); no biases; weight gradients deferrable to W."""
 
-    def __init__(self, hidden: int, inner: int):
+    def __init__(self, hidden: int, inner: int, swiglu: bool = False):
         super().__init__()
         self.up = DeferredLinear(hidden, inner, bias=False)
+        self.gate = DeferredLinear(hidden, inner, bias=False) if swiglu else None
         self.down = DeferredLinear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
+        if self.gate is None:
+            return self.down(F.gelu(self.up(x)))
+        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 @dataclass(frozen=True)
@@ -72,24 +76,30 @@ def _permute(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torc
 
 
 class MoEBlock(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then a routed mixture of experts."""
+    """Pre-norm transformer block: causal self-attention, then a routed mixture of experts.
+
+    ``num_experts`` routed experts of width ``expert_hidden`` (``swiglu`` for DeepSeek's gated
+    experts), ``top_k`` per token, chosen by ``TopKRouter`` (``score``, ``groups``/``top_groups``,
+    ``normalize``, ``route_scale``); a shared expert of width ``shared_hidden`` if > 0; the routed
+    experts sharded over ``ep_group`` (None: all local, no communication).
+    """
 
     def __init__(self, hidden: int, heads: int, num_experts: int, top_k: int, expert_hidden: int, *,
                  shared_hidden: int = 0, score: str = "softmax", groups: int = 1, top_groups: int | None = None,
-                 normalize: bool | None = None, ep_group=None):
+                 normalize: bool | None = None, route_scale: float = 1.0, swiglu: bool = False, ep_group=None):
         super().__init__()
         if not isinstance(heads, int) or heads < 1 or hidden % heads:
             raise ValueError(f"heads={heads!r}: must be a positive int dividing hidden ({hidden})")
-        self.router = TopKRouter(hidden, num_experts, top_k, score, groups, top_groups, normalize)
+        self.router = TopKRouter(hidden, num_experts, top_k, score, groups, top_groups, normalize, route_scale)
         ep, rank = self._check_group(ep_group, num_experts)
         self.hidden, self.heads, self.num_experts, self.top_k = hidden, heads, num_experts, top_k
         self.norm1, self.norm2 = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
         self.qkv = DeferredLinear(hidden, 3 * hidden, bias=False)
         self.proj = DeferredLinear(hidden, hidden, bias=False)
-        self.shared = FeedForward(hidden, shared_hidden) if shared_hidden else None
+        self.shared = FeedForward(hidden, shared_hidden, swiglu) if shared_hidden else None
         self.ep_group, self.ep = ep_group, ep
         self.local = num_experts // ep
-        self.experts = nn.ModuleList(FeedForward(hidden, expert_hidden) for _ in range(self.local))
+        self.experts = nn.ModuleList(FeedForward(hidden, expert_hidden, swiglu) for _ in range(self.local))
         self.first_expert = rank * self.local
         # Token copies this rank routed to each (global) expert, and rows each local expert ran on,
         # summed over forwards until reset_counts().

@@ -20,10 +20,12 @@ class TopKRouter(nn.Module):
     each token picks only among the ``top_groups`` groups with the highest sum of their two best
     scores (DeepSeek-V3's node-limited routing). ``bias`` (a buffer, zeros) shifts the scores for
     the choice only, not for the weights (DeepSeek-V3's auxiliary-loss-free balancing).
+    ``route_scale`` multiplies the weights (DeepSeek-V3's routed scaling factor).
     """
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, score: str = "softmax",
-                 groups: int = 1, top_groups: int | None = None, normalize: bool | None = None):
+                 groups: int = 1, top_groups: int | None = None, normalize: bool | None = None,
+                 route_scale: float = 1.0):
         super().__init__()
         if not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"num_experts={num_experts!r}: must be a positive int")
@@ -41,7 +43,10 @@ class TopKRouter(nn.Module):
                              f"in top_groups={top_groups} groups of {num_experts // groups}")
         self.num_experts, self.top_k, self.score = num_experts, top_k, score
         self.groups, self.top_groups = groups, top_groups
+        if not isinstance(route_scale, (int, float)) or not route_scale > 0:
+            raise ValueError(f"route_scale={route_scale!r}: must be a number > 0")
         self.normalize = (score == "sigmoid") if normalize is None else normalize
+        self.route_scale = float(route_scale)
         self.gate = DeferredLinear(hidden, num_experts, bias=False)
         self.register_buffer("bias", torch.zeros(num_experts))
 
@@ -61,4 +66,6 @@ class TopKRouter(nn.Module):
         weights = scores.gather(1, experts)
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
         return experts, weights

@@ -181,3 +181,20 @@ def test_stage_blocks_must_share_one_group():
     b.ep_group = object()  # as if built on another mesh
     with pytest.raises(ValueError, match="blocks"):
         mm.MoEStage([a, b])
+
+
+def test_expert_counts_sum_over_forwards_and_reset():
+    from twinpipe.moe import expert_counts
+
+    torch.manual_seed(0)
+    stage = mm.make_stage("softmax", blocks=2, uneven=True)
+    x = torch.randn(2, mm.SEQ, mm.HIDDEN, dtype=torch.float64)
+    with torch.no_grad():
+        stage(x)
+        stage(x)
+    counts = expert_counts(stage)
+    assert set(counts) == {"blocks.0", "blocks.1"}
+    first = counts["blocks.0"]
+    assert int(first["routed"].sum()) == 2 * x.shape[0] * mm.SEQ * 2  # two forwards, top-2
+    assert torch.equal(first["routed"], first["expert_rows"]) and first["routed"][-1] == 0  # one rank: all local
+    assert int(expert_counts(stage)["blocks.0"]["routed"].sum()) == 0  # reset by the first call

@@ -16,6 +16,8 @@ WORLD = 4
 
 
 def _world(rank: int, world: int, root: str) -> dict:
+    import dataclasses
+
     import torch
     import torch.distributed as dist
 
@@ -92,6 +94,31 @@ def _world(rank: int, world: int, root: str) -> dict:
         load_checkpoint(trainer, path)
         return "loaded AdamW state into SGD"
 
+    def time_balance():
+        import twinpipe.train.stages as stages_module
+
+        # Each rank "measures" different layer times (as real ranks may): all must use rank 0's cut.
+        measured = stages_module.time_weights
+        stages_module.time_weights = lambda layers, sample: [1.0 + (i == rank) * 10 for i in range(len(layers))]
+        try:
+            return _time_balance()
+        finally:
+            stages_module.time_weights = measured
+
+    def _time_balance():
+        fn, sampler, criterion, make_opt, config = tiny_setup("1f1b")
+        config = dataclasses.replace(config, balance="time")
+        trainer = Trainer(fn, sampler, criterion, make_opt, build_mesh(1, 4), config, dtype=torch.float64)
+        names = [None] * world
+        dist.all_gather_object(names, trainer.stage_names)
+        if any(n != names[0] for n in names):
+            return f"ranks split differently: {names}"
+        from twinpipe.train.balance import partition
+
+        counts = partition([1.0 + (i == 0) * 10 for i in range(8)], 4)  # what rank 0 measured
+        expected = [len(n) for n in names[0]]
+        return "ok" if expected == counts and trainer.step(0).loss > 0 else f"split {names[0]}, not rank 0's {counts}"
+
     def bad_mesh():
         build_mesh(3, 1)
         return "built a 3x1 mesh on 4 ranks"
@@ -102,6 +129,7 @@ def _world(rank: int, world: int, root: str) -> dict:
     case("sgd_resume", sgd_resume)
     case("other_model", other_model)
     case("other_optimizer", other_optimizer)
+    case("time_balance", time_balance)
     case("bad_mesh", bad_mesh)
     return results
 
@@ -115,7 +143,7 @@ def _all(outcomes, name):
     return {r: outcomes[r][name] for r in range(WORLD)}
 
 
-@pytest.mark.parametrize("name", ["uninterrupted", "resumed", "other_schedule", "sgd_resume"])
+@pytest.mark.parametrize("name", ["uninterrupted", "resumed", "other_schedule", "sgd_resume", "time_balance"])
 def test_checkpoint_round_trip(outcomes, name):
     assert all(v == "ok" for v in _all(outcomes, name).values()), _all(outcomes, name)
 

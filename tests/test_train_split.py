@@ -12,7 +12,7 @@ from torch import nn
 from twinpipe.train.balance import partition
 from twinpipe.train.data import BatchSampler, replica_rows, stdlib_corpus
 from twinpipe.train.model import GPT, GPTConfig
-from twinpipe.train.split import model_layers, split, stage_modules
+from twinpipe.train.stages import model_layers, split, stage_modules
 from twinpipe.train.trainer import TrainConfig
 
 

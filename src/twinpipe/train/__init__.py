@@ -7,7 +7,7 @@ from twinpipe.train.data import BatchSampler, stdlib_corpus
 from twinpipe.train.mesh import TrainMesh, build_mesh
 from twinpipe.train.model import GPT, GPTConfig, lm_loss
 from twinpipe.train.reference import ReferenceTrainer
-from twinpipe.train.split import Stage, model_layers, num_model_stages, split, stage_modules
+from twinpipe.train.stages import Stage, model_layers, num_model_stages, split, stage_modules
 from twinpipe.train.trainer import StepResult, TrainConfig, Trainer
 
 __all__ = [

@@ -60,7 +60,7 @@ def _check(args) -> None:
     """Refuse bad settings before any process starts."""
     from twinpipe.schedule import registry
     from twinpipe.train.model import GPTConfig
-    from twinpipe.train.split import num_model_stages
+    from twinpipe.train.stages import num_model_stages
     from twinpipe.train.trainer import TrainConfig
 
     for name in ("pp", "dp", "steps"):

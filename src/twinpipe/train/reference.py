@@ -17,7 +17,7 @@ from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule import registry
 from twinpipe.train.data import BatchSampler, replica_rows
 from twinpipe.train.grads import clip_coefficient, clip_grads, scale_grads, squared_norms
-from twinpipe.train.split import model_layers
+from twinpipe.train.stages import model_layers
 from twinpipe.train.trainer import TrainConfig
 
 __all__ = ["ReferenceTrainer"]

@@ -33,7 +33,7 @@ from twinpipe.train.grads import (
     DataParallelReducer, clip_coefficient, clip_grads, scale_grads, squared_norms, sum_across,
 )
 from twinpipe.train.mesh import TrainMesh
-from twinpipe.train.split import is_mirror_copy, model_layers, num_model_stages, model_stage, split
+from twinpipe.train.stages import is_mirror_copy, model_layers, num_model_stages, model_stage, split
 
 __all__ = ["TrainConfig", "StepResult", "Trainer", "model_parameter_names"]
 
@@ -94,13 +94,13 @@ class Trainer:
         self.num_chunks = config.num_microbatches(mesh.dp)
         self.layout = batch_layout(config.schedule, mesh.pp, mesh.pp_rank, self.num_chunks, **options)
         torch.manual_seed(config.seed)
-        model = model_fn()
+        model = model_fn().to(device=device, dtype=dtype)
         self.parameter_names = model_parameter_names(model)
         index = {name: i for i, (name, _) in enumerate(self.parameter_names)}
-        stages = split(model, num_model_stages(self.placement), config.balance)
+        stages = split(model, num_model_stages(self.placement), self._layer_counts(model, device))
         self.stage_names = [s.names for s in stages]
         pipeline_stages = self.placement.stages_of(mesh.pp_rank)
-        modules = [defer_weight_grads(stages[model_stage(self.placement, s)]).to(device=device, dtype=dtype) for s in pipeline_stages]
+        modules = [defer_weight_grads(stages[model_stage(self.placement, s)]) for s in pipeline_stages]
         # (model parameter name, parameter, owned): owned parameters count in norms and checkpoints.
         self.held = [(name, p, not is_mirror_copy(self.placement, s))
                      for s, m in zip(pipeline_stages, modules) for name, p in m.named_model_parameters()]
@@ -112,6 +112,17 @@ class Trainer:
         self.optimizer = optimizer_fn(self.params)
         self.reducer = DataParallelReducer(self.params, mesh.dp_group, self.timeout)
         self._sync_start()
+
+    def _layer_counts(self, model: nn.Module, device) -> str | Sequence[int]:
+        """How to cut the model; with ``balance="time"``, global rank 0's measurement, for every rank."""
+        balance = self.config.balance
+        if balance != "time":
+            return balance
+        n = num_model_stages(self.placement)
+        sample = self.sampler.batch(0, self.config.microbatch_size)[0].to(device)
+        counts = torch.tensor([len(s.names) for s in split(model, n, "time", sample=sample)])
+        wait_work(dist.broadcast(counts, src=0, async_op=True), self.timeout, self._where("agreeing on the time-balanced split"))
+        return counts.tolist()
 
     @property
     def is_dual(self) -> bool:

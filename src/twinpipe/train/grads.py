@@ -27,7 +27,7 @@ def scale_grads(params: Iterable[torch.Tensor], count: int) -> None:
 def squared_norms(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """Each gradient's squared 2-norm, in float64 (zero where there is none)."""
     return torch.stack([
-        p.grad.double().pow(2).sum() if p.grad is not None else torch.zeros((), dtype=torch.float64) for p in params
+        p.grad.double().pow(2).sum() if p.grad is not None else torch.zeros((), dtype=torch.float64, device=p.device) for p in params
     ]) if params else torch.zeros(0, dtype=torch.float64)
 
 

@@ -120,9 +120,9 @@ class Trainer:
             return balance
         n = num_model_stages(self.placement)
         sample = self.sampler.batch(0, self.config.microbatch_size)[0].to(device)
-        counts = torch.tensor([len(s.names) for s in split(model, n, "time", sample=sample)])
+        counts = torch.tensor([len(s.names) for s in split(model, n, "time", sample=sample)], device=device)
         wait_work(dist.broadcast(counts, src=0, async_op=True), self.timeout, self._where("agreeing on the time-balanced split"))
-        return counts.tolist()
+        return counts.cpu().tolist()
 
     @property
     def is_dual(self) -> bool:
@@ -175,15 +175,16 @@ class Trainer:
         # One vector over the pipeline: squared norms by model parameter (if clipping), then losses.
         clip = self.config.max_norm is not None
         n_norms = len(self.parameter_names) if clip else 0
-        vec = torch.zeros(n_norms + dp * m, dtype=torch.float64)
+        vec = torch.zeros(n_norms + dp * m, dtype=torch.float64, device=device)  # on the device: NCCL moves no CPU tensors
         if clip:
-            vec[self._owned_index] = squared_norms([p for _, p, owned in self.held if owned])
+            vec[self._owned_index.to(device)] = squared_norms([p for _, p, owned in self.held if owned])
         if loss is not None:
-            idx = torch.tensor(list(self.layout.label_microbatches)) + self.mesh.dp_rank * m
-            vec[n_norms + idx] = loss.detach().to("cpu", torch.float64)
+            idx = torch.tensor(list(self.layout.label_microbatches), device=device) + self.mesh.dp_rank * m
+            vec[n_norms + idx] = loss.detach().to(torch.float64)
         sum_across(vec, self.mesh.pp_group, self.timeout, self._where(f"step {step}: norms and losses over the pipeline"))
         losses = vec[n_norms:].clone()
         sum_across(losses, self.mesh.dp_group, self.timeout, self._where(f"step {step}: losses over data-parallel replicas"))
+        losses = losses.cpu()
         norm = None
         if clip:
             norm, factor = clip_coefficient(vec[:n_norms], self.config.max_norm)

@@ -1,4 +1,4 @@
-"""The ``twinpipe`` command: ``demo | simulate | draw | eplb | train``. Each subcommand lives with its layer.
+"""The ``twinpipe`` command: ``demo | simulate | draw | eplb | train | plan | export``. Each subcommand lives with its layer.
 
 Only the module of the subcommand that runs is imported: ``simulate`` and ``draw`` need neither
 torch nor the runtime, so they work where torch is not installed.
@@ -19,6 +19,8 @@ _COMMANDS = {
     "draw": ("twinpipe.viz.cli", "add_draw_parser", "run_draw", "draw a simulated schedule (or several, stacked) as PNG/SVG/PDF"),
     "eplb": ("twinpipe.eplb.cli", "add_eplb_parser", "run_eplb", "balance MoE expert replicas across GPUs (DeepSeek EPLB)"),
     "train": ("twinpipe.train.cli", "add_train_parser", "run_train", "train a small byte-level GPT on a pipeline (any schedule) with data parallelism"),
+    "plan": ("twinpipe.plan.cli", "add_plan_parser", "run_plan", "rank every schedule and pipeline size for a model on a cluster (or a traced run)"),
+    "export": ("twinpipe.cli", "add_export_parser", "run_export", "write a schedule in another tool's format (torch.distributed.pipelining CSV)"),
 }
 
 
@@ -44,6 +46,43 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         else:
             sub.add_parser(name, help=summary)
     return parser
+
+
+def add_export_parser(subparsers) -> argparse.ArgumentParser:
+    """The ``export`` subcommand: a registered schedule in torch.distributed.pipelining's CSV."""
+    from twinpipe.schedule import registry
+
+    parser = subparsers.add_parser(
+        "export", help=_COMMANDS["export"][3], allow_abbrev=False,
+        description="Write a schedule as torch.distributed.pipelining's compute-only action CSV (one row per rank), "
+                    "which _PipelineScheduleRuntime._load_csv and torchtitan's pipeline_parallel_schedule_csv load. "
+                    "Schedules whose micro-batches walk several chains (DualPipe's two directions) cannot be written.")
+    parser.add_argument("schedule", help=f"schedule name: {', '.join(sorted(registry.names()))}")
+    parser.add_argument("--ranks", "-p", type=int, required=True, metavar="P", help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=int, required=True, metavar="M", help="micro-batches")
+    parser.add_argument("--format", choices=["torch-csv"], default="torch-csv", help="output format (default: %(default)s)")
+    parser.add_argument("--out", "-o", default=None, metavar="PATH", help="file to write (default: standard output)")
+    return parser
+
+
+def run_export(args) -> int:
+    """Run ``twinpipe export``; 0 on success, 2 (message on stderr) when it cannot."""
+    from twinpipe.schedule import registry
+    from twinpipe.schedule.torch_csv import to_torch_csv
+
+    try:
+        text = to_torch_csv(registry.build(args.schedule, args.ranks, args.microbatches))
+        if args.out:
+            from pathlib import Path
+
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(text)
+    except (ValueError, OSError) as error:
+        print(f"twinpipe export: error: {error}", file=sys.stderr)
+        return 2
+    if not args.out:
+        sys.stdout.write(text)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

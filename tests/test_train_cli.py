@@ -61,3 +61,10 @@ def test_bad_settings_are_refused_before_any_process_starts(argv, message, capsy
     assert run_train(_args(*argv)) == 2
     err = capsys.readouterr().err
     assert err.startswith("twinpipe train: error:") and message in err, err
+
+
+def test_a_torchrun_world_of_another_size_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert run_train(_args("--pp", "2", "--dp", "2")) == 2
+    assert "--pp=2 x --dp=2 = 4 processes, but torchrun started 2: the mesh sizes must multiply to the world size" in capsys.readouterr().err

@@ -89,6 +89,10 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     world = args.pp * args.dp
     if "RANK" in os.environ:  # started by torchrun
+        if int(os.environ.get("WORLD_SIZE", 1)) != world:
+            print(f"twinpipe train: error: --pp={args.pp} x --dp={args.dp} = {world} processes, but torchrun started "
+                  f"{os.environ.get('WORLD_SIZE')}: the mesh sizes must multiply to the world size", file=sys.stderr)
+            return 2
         _worker(int(os.environ.get("LOCAL_RANK", 0)), args, None)
         return 0
     import torch.multiprocessing as mp

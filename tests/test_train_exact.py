@@ -25,11 +25,13 @@ class Case:
     dp: int
     optimizer: str  # "sgd" (momentum) | "adamw"
     max_norm: float | None = None
+    dp_reduce: str = "all-reduce"
 
     @property
     def id(self) -> str:
         clip = f"-clip{self.max_norm}" if self.max_norm is not None else ""
-        return f"{self.schedule}-pp{self.pp}-dp{self.dp}-{self.optimizer}{clip}"
+        ordered = "-ordered" if self.dp_reduce == "ordered" else ""
+        return f"{self.schedule}-pp{self.pp}-dp{self.dp}-{self.optimizer}{clip}{ordered}"
 
 
 CASES = [
@@ -41,10 +43,11 @@ CASES = [
     Case("dualpipev", 2, 2, "adamw"),
     Case("dualpipe", 4, 1, "adamw", max_norm=0.3),
     Case("dualpipe", 2, 2, "sgd"),
+    Case("1f1b", 1, 4, "adamw", dp_reduce="ordered"),  # four replicas, added in order: still bitwise
 ]
 
 
-def tiny_setup(schedule: str, seed: int = 0, max_norm=None, optimizer: str = "sgd"):
+def tiny_setup(schedule: str, seed: int = 0, max_norm=None, optimizer: str = "sgd", dp_reduce: str = "all-reduce"):
     """Model factory, sampler, criterion, optimizer factory and config shared by the train tests."""
     import torch
 
@@ -61,7 +64,7 @@ def tiny_setup(schedule: str, seed: int = 0, max_norm=None, optimizer: str = "sg
             return torch.optim.SGD(params, lr=0.1, momentum=0.9)
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
-    config = TrainConfig(schedule=schedule, batch_size=8, microbatch_size=2, max_norm=max_norm, seed=seed)
+    config = TrainConfig(schedule=schedule, batch_size=8, microbatch_size=2, max_norm=max_norm, seed=seed, dp_reduce=dp_reduce)
     return (lambda: GPT(cfg)), sampler, lm_loss, make_optimizer, config
 
 
@@ -74,7 +77,8 @@ def _run_case(rank: int, case: Case) -> list[str]:
     from twinpipe.train.trainer import Trainer
     from models import grad_error
 
-    model_fn, sampler, criterion, make_opt, config = tiny_setup(case.schedule, max_norm=case.max_norm, optimizer=case.optimizer)
+    model_fn, sampler, criterion, make_opt, config = tiny_setup(case.schedule, max_norm=case.max_norm, optimizer=case.optimizer,
+                                                                dp_reduce=case.dp_reduce)
     expected = [None]
     if rank == 0:  # one reference run, shared (the ranks share two cores)
         ref = ReferenceTrainer(model_fn, sampler, criterion, make_opt, config, case.dp, case.pp, dtype=torch.float64)

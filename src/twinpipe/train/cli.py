@@ -45,6 +45,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=6, help="transformer blocks (default 6; the embedding and the head are layers too)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--max-norm", type=float, default=1.0, help="clip gradients to this global norm (default 1; 0 turns clipping off)")
+    parser.add_argument("--dp-reduce", default="all-reduce", choices=("all-reduce", "ordered"),
+                        help="how replicas' gradients are added: all-reduce (default) or ordered (all-gather, then replica by "
+                        "replica: bitwise reproducible for any --dp)")
     parser.add_argument("--balance", default="params", choices=("params", "time"), help="how layers are cut into stages (default params)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (gloo) or cuda (NCCL, one GPU per process)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"), help="parameter dtype (default float32)")
@@ -145,7 +148,8 @@ def _train(args, device) -> None:
     cfg = GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers)
     sampler = BatchSampler(stdlib_corpus(args.corpus_bytes), args.seq_len, seed=args.seed)
     config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
-                         max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout)
+                         max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout,
+                         dp_reduce=args.dp_reduce)
     mesh = build_mesh(args.dp, args.pp, device.type)
     trainer = Trainer(lambda: GPT(cfg), sampler, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01),
                       mesh, config, device=device, dtype=dtype)

@@ -37,15 +37,23 @@ def clip_coefficient(norms: torch.Tensor, max_norm: float) -> tuple[float, float
     return total, min(1.0, max_norm / (total + 1e-6))
 
 
+DP_REDUCE = ("all-reduce", "ordered")
+
+
 class DataParallelReducer:
-    """Sums gradients across data-parallel replicas in flat buckets: one all-reduce per bucket.
+    """Sums gradients across data-parallel replicas in flat buckets: one collective per bucket.
 
     Buckets hold up to ``bucket_bytes`` of gradients in parameter order; all are started at once
-    and awaited with ``timeout`` each.
+    and awaited with ``timeout`` each. ``mode="all-reduce"`` adds in the backend's order (exact for
+    two replicas: a + b == b + a); ``"ordered"`` all-gathers the buckets and adds them replica by
+    replica, the same bits for any number of replicas and any backend, for dp times the memory.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], group, timeout: float, bucket_bytes: int = 25 << 20):
-        self.params, self.group, self.timeout = list(params), group, timeout
+    def __init__(self, params: Sequence[torch.Tensor], group, timeout: float, bucket_bytes: int = 25 << 20,
+                 mode: str = "all-reduce"):
+        if mode not in DP_REDUCE:
+            raise ValueError(f"dp_reduce={mode!r}: allowed are {', '.join(map(repr, DP_REDUCE))}")
+        self.params, self.group, self.timeout, self.mode = list(params), group, timeout, mode
         self.buckets: list[list[torch.Tensor]] = []
         size = bucket_bytes + 1
         for p in self.params:
@@ -65,10 +73,18 @@ class DataParallelReducer:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            flats.append(flat)
-            works.append(dist.all_reduce(flat, group=self.group, async_op=True))
-        for i, (bucket, flat, work) in enumerate(zip(self.buckets, flats, works)):
-            wait_work(work, self.timeout, f"{where}: data-parallel all-reduce of gradient bucket {i + 1}/{len(flats)}")
+            if self.mode == "ordered":
+                parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(self.group))]
+                works.append(dist.all_gather(parts, flat, group=self.group, async_op=True))
+                flats.append(parts)
+            else:
+                works.append(dist.all_reduce(flat, group=self.group, async_op=True))
+                flats.append([flat])
+        for i, (bucket, parts, work) in enumerate(zip(self.buckets, flats, works)):
+            wait_work(work, self.timeout, f"{where}: data-parallel {self.mode} of gradient bucket {i + 1}/{len(flats)}")
+            flat = parts[0]
+            for part in parts[1:]:
+                flat.add_(part)  # replica 0 + replica 1 + ..., left to right
             offset = 0
             for p in bucket:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))

@@ -49,6 +49,7 @@ class TrainConfig:
     balance: str | tuple[int, ...] = "params"
     seed: int = 0
     timeout: float = 60.0
+    dp_reduce: str = "all-reduce"  # or "ordered": bitwise the same for any number of replicas (grads.py)
     schedule_options: tuple = ()  # (name, value) pairs
 
     def num_microbatches(self, dp: int) -> int:
@@ -106,11 +107,11 @@ class Trainer:
                      for s, m in zip(pipeline_stages, modules) for name, p in m.named_model_parameters()]
         self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned], dtype=torch.long)
         self.params = [p for _, p, _ in self.held]
+        self.reducer = DataParallelReducer(self.params, mesh.dp_group, self.timeout, mode=config.dp_reduce)
         kind = DualPipe if self.placement.kind == "dual" else Pipeline
         args = () if kind is DualPipe else (config.schedule,)
         self.pipe = kind(modules, *args, process_group=mesh.pp_group, timeout=self.timeout, **options)
         self.optimizer = optimizer_fn(self.params)
-        self.reducer = DataParallelReducer(self.params, mesh.dp_group, self.timeout)
         self._sync_start()
 
     def _layer_counts(self, model: nn.Module, device) -> str | Sequence[int]:

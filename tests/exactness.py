@@ -55,7 +55,7 @@ def run_case(rank: int, group, case: Case) -> list[str]:
     problems = []
     options = dict(case.options)
     placement = placement_for(case.schedule, case.ranks, **options)
-    num_model_stages = case.ranks if placement.kind == "dual" else placement.num_stages
+    num_model_stages = len(placement.chains[0])  # each chain is one whole copy of the model
     model = models.make_model(KINDS[case.model], num_model_stages, seed=7)
     pipe_modules = [copy.deepcopy(model[models.model_stage(placement, s)]) for s in placement.stages_of(rank)]
     criterion = models.mse2 if case.model == "two" else models.mse
@@ -107,7 +107,7 @@ def run_case(rank: int, group, case: Case) -> list[str]:
     predicted = simulate(schedule, CostModel(mw=1.0)).peak_activation[rank]
     if pipe.last_peak_live != predicted:
         problems.append(f"peak live activations {pipe.last_peak_live} != simulated {predicted}")
-    if case.schedule == "dualpipe":
+    if len(placement.chains) > 1:  # two copies of each model stage: sum their gradients
         pipe.sync_mirrored_grads()
     for s, module in zip(placement.stages_of(rank), pipe.module):
         ref = model[models.model_stage(placement, s)]

@@ -61,8 +61,9 @@ def mse2(out1, out2, label):
 
 
 def model_stage(placement, stage: int) -> int:
-    """The model stage a pipeline stage holds (DualPipe's second chain is a copy of the first)."""
-    return stage % placement.num_ranks if placement.kind == "dual" else stage
+    """The model stage a pipeline stage holds: its position in its chain (every chain of a
+    multi-chain placement, DualPipe's, Chimera's, BitPipe's, is one whole copy of the model)."""
+    return placement.stage_chain_position(stage)
 
 
 def make_model(kind, num_stages: int, seed: int = 0) -> list[nn.Module]:

@@ -21,7 +21,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 # Every (p, m) a generator accepts in these ranges is built and validated.
 LINEAR = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zb-auto"]
-ALL = LINEAR + ["interleaved-1f1b", "zbv", "v-half", "v-min", "dualpipe", "dualpipev"]
+ALL = LINEAR + ["interleaved-1f1b", "zbv", "v-half", "v-min", "dualpipe", "dualpipev", "chimera", "bitpipe"]
 GRID = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 5, 7, 8, 12, 16)]
 
 
@@ -71,7 +71,7 @@ def test_deterministic(name):
     assert registry.build(name, p, m).ops == registry.build(name, p, m).ops
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "chimera", "bitpipe"])
 def test_full_backward_schedules_use_bw(name):
     kinds = {op.kind for ops in checked(name, 4, 8).ops for op in ops}
     assert kinds == {OpKind.F, OpKind.BW}
@@ -154,6 +154,37 @@ def test_zbv_layout():
     assert str(schedule.ops[0][0]) == "0F0"
 
 
+# Chimera, D = 4, N = 4 (the paper's figure 3): micro-batches 0, 1 go down (stages 0-3 on ranks
+# 0-3), 2, 3 up (stages 4-7 on ranks 3-0); slot of F on chain position k: 2i + k, of BW: 2i + 7 - k.
+CHIMERA_4 = [
+    "0F0 0F1 7F2 7BW2 7F3 7BW3 0BW0 0BW1",
+    "1F0 6F2 1F1 6F3 6BW2 1BW0 6BW3 1BW1",
+    "5F2 2F0 5F3 2F1 2BW0 5BW2 2BW1 5BW3",
+    "4F2 4F3 3F0 3BW0 3F1 3BW1 4BW2 4BW3",
+]
+
+
+def test_chimera_basic_unit_op_order():
+    schedule = checked("chimera", 4, 4)
+    assert [" ".join(ops) for ops in schedule.to_strings()] == CHIMERA_4
+    assert [schedule.placement.stages_of(r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+
+
+def test_bitpipe_unit_matches_the_paper_figure():
+    # arXiv 2410.19367, D = 4: worker 0 runs F1c0 F2c0 F3c3 F3c4 F4c3 F4c4 F1c7 B1c7 F2c7 B2c7
+    # B3c4 B3c3 B4c4 B4c3 B1c0 B2c0 (micro-batches 1-4, chunks of each direction's V).
+    schedule = checked("bitpipe", 4, 4)
+    placement = schedule.placement
+    assert [placement.stages_of(r) for r in range(4)] == [(0, 7, 11, 12), (1, 6, 10, 13), (2, 5, 9, 14), (3, 4, 8, 15)]
+
+    def paper(op):
+        return f"{'F' if op.kind is OpKind.F else 'B'}{op.microbatch + 1}c{placement.stage_chain_position(op.stage)}"
+
+    assert " ".join(map(paper, schedule.ops[0])) == (
+        "F1c0 F2c0 F3c3 F3c4 F4c3 F4c4 F1c7 B1c7 F2c7 B2c7 B3c4 B3c3 B4c4 B4c3 B1c0 B2c0"
+    )
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     p=st.integers(1, 6),
@@ -189,6 +220,10 @@ BAD = [
     ("zb-auto", 4, 8, {"t_comm": -0.5}, r"t_comm=-0.5 is not allowed"),
     ("zbv", 4, 8, {"mem_limit": 1}, r"zbv: mem_limit=1 is not allowed; a rank needs at least"),
     ("zbv", 4, 8, {"t_w": 0}, r"t_w=0 is not allowed; it must be a finite number > 0"),
+    ("chimera", 3, 6, {}, r"chimera: num_ranks=3 is not allowed; it must be an even integer >= 2"),
+    ("chimera", 4, 5, {}, r"chimera: num_microbatches=5 is not allowed; it must be an even integer >= 2"),
+    ("bitpipe", 1, 2, {}, r"bitpipe: num_ranks=1 is not allowed; it must be an even integer >= 2"),
+    ("bitpipe", 2, 3, {}, r"bitpipe: num_microbatches=3 is not allowed; it must be an even integer >= 2"),
 ]
 
 

@@ -27,8 +27,8 @@ def _cases() -> list[Case]:
                     if m % p:
                         continue  # Megatron's rule: m a multiple of p
                     options = (("stages_per_rank", 2),)
-                if name == "dualpipe" and (p % 2 or m % 2):
-                    continue
+                if name in ("dualpipe", "chimera", "bitpipe") and (p % 2 or m % 2):
+                    continue  # two directions: an even number of ranks and micro-batches
                 cases.append(Case(name, p, m, "mlp", options))
     cases.append(Case("interleaved-1f1b", 2, 6, "mlp", (("stages_per_rank", 3),)))
     cases.append(Case("zb-h2", 4, 8, "two"))
@@ -45,7 +45,7 @@ CASES = _cases()
 def test_every_registered_schedule_is_covered():
     covered = {c.schedule for c in CASES}
     assert covered == set(names())
-    assert {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv", "dualpipe", "dualpipev"} <= covered
+    assert {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv", "dualpipe", "dualpipev", "chimera", "bitpipe"} <= covered
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,15 @@ its stages as local modules in ascending stage order: ``modules[i]`` is ``stages
 - ``linear(p)``: stage r on rank r.
 - ``looped(p, v)``: v*p stages, stage s on rank s % p (interleaved 1F1B).
 - ``vshape(p)``: 2p stages, rank r holds r and 2p-1-r (ZB-V, DualPipeV: "cut in half").
-- ``dual(p)``: DualPipe; the V layout cut into two chains, stages 0..p-1 (forward direction,
-  rank r holds model stage r) and p..2p-1 (reverse direction, rank r holds model stage p-1-r).
+- ``dual(p)``: DualPipe, Chimera; the V layout cut into two chains, stages 0..p-1 (forward
+  direction, rank r holds model stage r) and p..2p-1 (reverse direction, rank r holds model
+  stage p-1-r).
+- ``dual_v(p)``: BitPipe; two V's in opposite directions, stages 0..2p-1 (the ``vshape`` chain:
+  rank r holds model stages r and 2p-1-r) and 2p..4p-1 (its mirror: rank r holds model stages
+  p-1-r and p+r). Four stages per rank.
+
+With several chains, each chain is one whole copy of the model: the stage at position k of any
+chain is model stage k (the runtime's mirrored-gradient sync pairs copies by that position).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-__all__ = ["Placement", "linear", "looped", "vshape", "dual"]
+__all__ = ["Placement", "linear", "looped", "vshape", "dual", "dual_v"]
 
 
 @dataclass(frozen=True)
@@ -125,3 +132,11 @@ def dual(num_ranks: int) -> Placement:
     _check_ranks(num_ranks)
     p = num_ranks
     return Placement("dual", p, _v_ranks(p), (tuple(range(p)), tuple(range(p, 2 * p))))
+
+
+def dual_v(num_ranks: int) -> Placement:
+    _check_ranks(num_ranks)
+    p = num_ranks
+    down = _v_ranks(p)
+    up = tuple(p - 1 - r for r in down)  # the mirror: rank r <-> p-1-r
+    return Placement("dual-v", p, down + up, (tuple(range(2 * p)), tuple(range(2 * p, 4 * p))))

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
-from twinpipe.schedule import dualpipe, gpipe, interleaved, one_f_one_b, vshape_memory, zb_auto, zbv, zero_bubble
+from twinpipe.schedule import bitpipe, chimera, dualpipe, gpipe, interleaved, one_f_one_b, vshape_memory, zb_auto, zbv, zero_bubble
 from twinpipe.schedule.limits import MAX_PLANNED_STAGE_MICROBATCHES as _PLANNED
 from twinpipe.schedule.limits import MAX_STAGE_MICROBATCHES, check_counts, check_size
 from twinpipe.schedule.ops import Schedule
-from twinpipe.schedule.placement import Placement, dual, linear, vshape
+from twinpipe.schedule.placement import Placement, dual, dual_v, linear, vshape
 
 __all__ = ["ScheduleInfo", "BUILTIN", "register", "get", "names", "build", "placement_for", "stages_of_rank"]
 
@@ -62,6 +62,8 @@ BUILTIN: tuple[ScheduleInfo, ...] = (
     ScheduleInfo("v-min", vshape_memory.v_min, vshape, "V-Min: V placement, a third of 1F1B's activation memory, bubble about 2p/(3m)", (), _PLANNED),
     ScheduleInfo("dualpipe", dualpipe.dualpipe, dual, "DeepSeek DualPipe: bidirectional, two mirrored weight copies"),
     ScheduleInfo("dualpipev", dualpipe.dualpipev, vshape, "DeepSeek DualPipeV: V-shaped cut-in-half DualPipe, one weight copy"),
+    ScheduleInfo("chimera", chimera.chimera, dual, "Chimera: two 1F1B pipelines in opposite directions, two mirrored weight copies"),
+    ScheduleInfo("bitpipe", bitpipe.bitpipe, dual_v, "BitPipe: a V-shaped pipeline in each direction, four half-size stages per rank, two weight copies"),
 )
 
 _REGISTRY: dict[str, ScheduleInfo] = {info.name: info for info in BUILTIN}

@@ -1,0 +1,109 @@
+"""BitPipe (Wu, Chen, Yu, 2024): a V-shaped interleaved pipeline in each of two directions.
+
+D ranks (even) hold two copies of a 2D-chunk model (the ``dual_v`` placement): the *down* V
+(chain 0) puts chunks i and 2D-1-i on rank i, the *up* V (chain 1) is its mirror, chunks D-1-i
+and D+i on rank i. Four chunks per rank; the tip of each V (chunks D-1 and D) sits on one rank and
+is handed over locally. Half the micro-batches go down, half up.
+
+The op order comes from list scheduling in the paper's units: a chunk's forward takes 1, its full
+backward 2. A *basic unit* is D micro-batches, D/2 per direction; in it, micro-batch i of each
+direction enters its first chunk at time 2i (one every two units, so the forwards of both V's
+interleave without meeting on a rank). Whenever a rank is free it runs, by preference, a ready
+backward (oldest micro-batch first, the later chunk first), else the ready forward that entered
+first. Each rank then runs its ops in the order they started. One unit reproduces the paper's
+figure (D = 4: rank 0's order and a span of 28 for 24 of work).
+
+Units: unit u may enter 2D after unit u-1, sooner than the ranks can finish one (6D of work per
+rank), so the next unit's forwards are at hand to fill the previous unit's tail bubbles; because
+backwards go first, forwards only fill idle time and the live activations stay bounded. Simulated
+(T_B = 2 T_F): the bubble and the peak stop growing after 3 to 4 units (tests/test_bidirectional.py).
+"""
+
+from __future__ import annotations
+
+from twinpipe.schedule.chimera import check_even
+from twinpipe.schedule.ops import BW, F, Op, Schedule
+from twinpipe.schedule.placement import dual_v
+
+__all__ = ["bitpipe"]
+
+_NAME = "bitpipe"
+_T_F, _T_BW = 1, 2  # the paper's chunk forward and full backward
+
+
+def _release_times(num_ranks: int, per_direction: int) -> list[int]:
+    """When micro-batch k of a direction may enter its first chunk."""
+    per_unit, period = num_ranks // 2, 2 * num_ranks
+    return [(k // per_unit) * period + 2 * (k % per_unit) for k in range(per_direction)]
+
+
+def _list_schedule(num_ranks: int, num_microbatches: int) -> list[list[Op]]:
+    """Per rank, the ops in the order the list scheduler starts them (see the module doc)."""
+    placement = dual_v(num_ranks)
+    per_direction = num_microbatches // 2
+    release = _release_times(num_ranks, per_direction)
+    chains = placement.chains
+    length = len(chains[0])
+    # Per stage: its chain, position, and the next micro-batch (index within the direction) of F and BW.
+    info = [(c, pos) for c, chain in enumerate(chains) for pos, _ in enumerate(chain)]
+    next_f = [0] * placement.num_stages
+    next_b = [0] * placement.num_stages
+    end_f = [[-1] * per_direction for _ in range(placement.num_stages)]
+    end_b = [[-1] * per_direction for _ in range(placement.num_stages)]
+    free = [0] * num_ranks
+    order: list[list[Op]] = [[] for _ in range(num_ranks)]
+    stages = [placement.stages_of(r) for r in range(num_ranks)]
+    remaining = 2 * placement.num_stages * per_direction
+    t, upcoming = 0, 0  # upcoming: the first release after t
+    while remaining:
+        for rank in range(num_ranks):
+            if free[rank] > t:
+                continue
+            best = None  # (priority key, kind, stage, k)
+            for s in stages[rank]:
+                chain, pos = info[s]
+                k = next_b[s]
+                if k < next_f[s] and 0 <= end_f[s][k] <= t:
+                    nxt = chains[chain][pos + 1] if pos + 1 < length else None
+                    if nxt is None or 0 <= end_b[nxt][k] <= t:
+                        key = (0, release[k], -pos, chain)
+                        if best is None or key < best[0]:
+                            best = (key, "B", s, k)
+                k = next_f[s]
+                if k < per_direction:
+                    prv = chains[chain][pos - 1] if pos > 0 else None
+                    ready = release[k] <= t if prv is None else 0 <= end_f[prv][k] <= t
+                    if ready:
+                        key = (1, release[k] + pos, chain, 0)
+                        if best is None or key < best[0]:
+                            best = (key, "F", s, k)
+            if best is None:
+                continue
+            _, kind, s, k = best
+            j = info[s][0] * per_direction + k
+            if kind == "F":
+                end_f[s][k] = free[rank] = t + _T_F
+                next_f[s] += 1
+                order[rank].append(F(s, j))
+            else:
+                end_b[s][k] = free[rank] = t + _T_BW
+                next_b[s] += 1
+                order[rank].append(BW(s, j))
+            remaining -= 1
+        # Readiness changes only when an op ends or a micro-batch is released.
+        while upcoming < per_direction and release[upcoming] <= t:
+            upcoming += 1
+        later = [f for f in free if f > t] + release[upcoming:upcoming + 1]
+        if not later and remaining:
+            raise RuntimeError(f"{_NAME}: the list scheduler is stuck at time {t}; this is a bug")
+        t = min(later, default=t)
+    return order
+
+
+def bitpipe(num_ranks: int, num_microbatches: int) -> Schedule:
+    """BitPipe on an even ``num_ranks`` >= 2 for an even ``num_microbatches`` >= 2 (half per
+    direction; whole basic units when a multiple of ``num_ranks``)."""
+    d = check_even(_NAME, "num_ranks", num_ranks)
+    m = check_even(_NAME, "num_microbatches", num_microbatches)
+    ops = tuple(tuple(rank_ops) for rank_ops in _list_schedule(d, m))
+    return Schedule(_NAME, dual_v(d), m, ops)

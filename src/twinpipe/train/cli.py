@@ -156,6 +156,10 @@ def _train(args, device) -> None:
     start = load_checkpoint(trainer, args.resume) if args.resume else 0
     out = Path(args.out)
     first = mesh.is_first
+    if start >= args.steps:
+        if first:
+            print(f"twinpipe train: nothing to do: the checkpoint is at step {start} and --steps={args.steps}; raise --steps")
+        return
     if first:
         out.mkdir(parents=True, exist_ok=True)
     tokens = args.batch_size * args.seq_len

@@ -4,8 +4,8 @@
     PYTHONPATH=src python docs/make_gallery.py --list   # only print the commands
 
 Every picture is one ``twinpipe draw`` command line, printed as it runs, so the gallery can show
-exactly how each was made. Unit costs (T_F = T_B = T_W = 1, no communication) unless a line says
-otherwise.
+exactly how each was made. Unit costs (T_F = T_B = T_W = 1 per 1F1B stage, no communication)
+unless a line says otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ PICTURES = [
     ("schedule-dualpipev.png", "dualpipev --ranks 4 --microbatches 10"),
     ("schedule-compare.png", "--compare 1f1b,zb-h1,zb-h2,dualpipe --ranks 4 --microbatches 12"),
     ("schedule-dualpipe-overlap.png", "dualpipe --ranks 8 --microbatches 20 --fb 2.2 --comm 0.1"),
+    ("schedule-chimera.png", "chimera --ranks 4 --microbatches 8 --w 0"),
+    ("schedule-bitpipe.png", "bitpipe --ranks 4 --microbatches 8"),
+    ("schedule-bidirectional.png", "--compare dualpipe,chimera,bitpipe --ranks 4 --microbatches 16"),
 ]
 
 

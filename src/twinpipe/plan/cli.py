@@ -1,0 +1,140 @@
+"""``twinpipe plan``: rank every schedule and pipeline size for a model on a cluster, or for a traced run.
+
+    twinpipe plan --layers 32 --hidden 4096 --seq 4096 --gpus 64 --microbatches 64
+    twinpipe plan --layers 60 --hidden 7168 --seq 4096 --experts 256 --top-k 8 --expert-ffn 2048 --gpus 256 -m 64 --plot plan.png
+    twinpipe plan --from-trace out/trace.json            # the op times a `twinpipe demo --trace out` run measured
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from twinpipe.plan.measured import load_traced
+from twinpipe.plan.predict import PLANNED_CAP, default_pp_sizes, plan
+from twinpipe.plan.report import as_dicts, draw_plan, print_table
+from twinpipe.plan.spec import Cluster, Model
+from twinpipe.schedule import registry
+
+__all__ = ["add_plan_parser", "run_plan"]
+
+_MODEL = ("layers", "hidden", "seq")
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan", allow_abbrev=False,
+        help="rank every schedule and pipeline size for a model on a cluster (or a traced run)",
+        description="Predict, for every registered schedule and pipeline size, the step time (pipeline simulated by the same "
+                    "engine as `twinpipe simulate`, EP all-to-all and how much F&B hides, data-parallel and weight-copy "
+                    "gradient all-reduces) and the fullest rank's memory; print them ranked, each with what limits it.")
+    m = parser.add_argument_group("model (a decoder-only transformer)")
+    m.add_argument("--layers", type=int, help="transformer layers")
+    m.add_argument("--hidden", type=int, help="hidden size")
+    m.add_argument("--seq", type=int, help="tokens per sequence")
+    m.add_argument("--microbatch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
+    m.add_argument("--heads", type=int, default=0, help="attention heads (default hidden/128)")
+    m.add_argument("--ffn", type=int, default=0, help="MLP width (default 4 x hidden)")
+    m.add_argument("--vocab", type=int, default=32000, help="vocabulary (embedding and head; default 32000)")
+    m.add_argument("--experts", type=int, default=0, help="MoE: routed experts per layer (default 0: dense)")
+    m.add_argument("--top-k", type=int, default=2, help="MoE: experts per token (default 2)")
+    m.add_argument("--expert-ffn", type=int, default=0, help="MoE: width of one expert (default --ffn)")
+    m.add_argument("--ep", type=int, default=0, help="MoE: expert-parallel GPUs (default min(experts, GPUs per node))")
+    c = parser.add_argument_group("cluster")
+    c.add_argument("--gpus", type=int, help="GPUs in all (default: the traced run's ranks, else required)")
+    c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    c.add_argument("--peak-tflops", type=float, default=989.0, help="peak TFLOP/s per GPU (default 989, H100 bf16)")
+    c.add_argument("--efficiency", type=float, default=0.5, help="share of the peak the layers reach (default 0.5)")
+    c.add_argument("--memory-gib", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
+    c.add_argument("--intra-gbps", type=float, default=400.0, help="per-GPU bandwidth inside a node, GB/s (default 400)")
+    c.add_argument("--inter-gbps", type=float, default=50.0, help="per-GPU bandwidth across nodes, GB/s (default 50)")
+    c.add_argument("--latency-us", type=float, default=10.0, help="latency of every message, microseconds (default 10)")
+    r = parser.add_argument_group("what to plan")
+    r.add_argument("--microbatches", "-m", type=int, help="micro-batches per pipeline per step (default: the traced run's, else required)")
+    r.add_argument("--pp", metavar="P1,P2,...", help="pipeline sizes (default: powers of two dividing --gpus, 2..64; traced: its own)")
+    r.add_argument("--schedules", metavar="S1,S2,...", help=f"schedules (default all: {', '.join(registry.names())})")
+    r.add_argument("--from-trace", metavar="TRACE_JSON", help="use the op times a traced run measured (twinpipe demo --trace DIR writes DIR/trace.json)")
+    r.add_argument("--top", type=int, default=None, help="show only the best N fitting rows")
+    r.add_argument("--plot", metavar="PNG", help="also draw each step's parts as stacked bars")
+    r.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return parser
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{flag}={text!r}: expected positive integers separated by commas")
+    return values
+
+
+def _model(args) -> Model | None:
+    given = [name for name in _MODEL if getattr(args, name) is not None]
+    if not given and args.from_trace:
+        return None
+    missing = [f"--{name}" for name in _MODEL if getattr(args, name) is None]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)} (the model; or give --from-trace alone)")
+    return Model(layers=args.layers, hidden=args.hidden, seq=args.seq, microbatch_size=args.microbatch_size, heads=args.heads,
+                 ffn=args.ffn, vocab=args.vocab, experts=args.experts, top_k=args.top_k, expert_ffn=args.expert_ffn, ep=args.ep)
+
+
+def _cluster(args, gpus: int) -> Cluster:
+    for flag, value in (("--peak-tflops", args.peak_tflops), ("--memory-gib", args.memory_gib), ("--intra-gbps", args.intra_gbps),
+                        ("--inter-gbps", args.inter_gbps), ("--latency-us", args.latency_us)):
+        if not value >= 0:  # nan too
+            raise ValueError(f"{flag}={value!r}: must be a number >= 0")
+    return Cluster(gpus=gpus, gpus_per_node=args.gpus_per_node, peak_flops=args.peak_tflops * 1e12, efficiency=args.efficiency,
+                   memory=args.memory_gib * 2**30, intra_bw=args.intra_gbps * 1e9, inter_bw=args.inter_gbps * 1e9,
+                   latency=args.latency_us * 1e-6)
+
+
+def plan_from_args(args) -> tuple[list, str, str]:
+    """The ranked predictions, a title and a caption; ValueError naming the bad option."""
+    traced = load_traced(args.from_trace) if args.from_trace else None
+    model = _model(args)
+    gpus = args.gpus or (traced.pp if traced else None)
+    if gpus is None:
+        raise ValueError("missing --gpus (the cluster's GPUs in all)")
+    cluster = _cluster(args, gpus)
+    m = args.microbatches or (traced.microbatches if traced else None)
+    if m is None:
+        raise ValueError("missing --microbatches (per pipeline per step)")
+    pp = _ints(args.pp, "--pp") if args.pp else ([traced.pp] if traced else default_pp_sizes(gpus))
+    schedules = [registry.get(n.strip()).name for n in args.schedules.split(",") if n.strip()] if args.schedules else None
+    results = plan(model, cluster, m, pp, schedules, costs_for=traced.costs_at if traced else None)
+    if traced:
+        c = traced.costs
+        title = (f"plan from {args.from_trace} ({traced.schedule}, p={traced.pp}, m={traced.microbatches}): "
+                 f"1F1B-stage T_F={c.t_f * 1e3:.2f} ms, T_B={c.t_b * 1e3:.2f} ms, T_W={c.t_w * 1e3:.2f} ms, T_comm={c.t_comm * 1e6:.0f} us")
+    else:
+        kind = f"MoE {model.experts} experts top-{model.top_k}" if model.moe else "dense"
+        title = (f"plan: {model.layers} layers x {model.hidden} ({kind}, {model.total_params() / 1e9:.1f}B params), seq {model.seq} x "
+                 f"{model.microbatch_size}, {m} micro-batches; {gpus} GPUs ({cluster.gpus_per_node}/node)")
+    caption = ("step = simulated pipeline + DP all-reduce + all-reduce between weight copies (not overlapped). 'simulated': "
+               f"m=a,b→M: extended linearly from two exact simulations (~: not yet periodic, approximate); searching schedules "
+               f"skipped above {PLANNED_CAP} (stage, micro-batch) pairs.")
+    if model is None:
+        caption += " No model given: memory and gradient all-reduces are not counted."
+    return results, title, caption
+
+
+def run_plan(args) -> int:
+    started = time.perf_counter()
+    try:
+        results, title, caption = plan_from_args(args)
+        picture = draw_plan(results, args.plot, title) if args.plot else None
+    except ValueError as error:
+        print(f"twinpipe plan: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(as_dicts(results), indent=1))
+        return 0
+    print_table(results, title, caption + f" Planned in {time.perf_counter() - started:.2f} s.", args.top)
+    if picture:
+        print(f"picture: {picture}")
+    return 0

@@ -1,0 +1,82 @@
+"""Op times from a traced run (``twinpipe demo --trace DIR`` writes DIR/trace.json) as planner costs.
+
+The Chrome trace is read back into a measured Timeline; ``trace.costs.estimate_costs`` gives the
+per-stage means; dividing each by its stage's share of the model (``sim.costs.stage_sizes``) gives
+the times of one 1F1B stage at the traced pipeline size, which ``sim.costs.for_model`` scales to
+any schedule. At another pipeline size p' the stage holds p/p' as much model: times scale by that.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from twinpipe.schedule import registry
+from twinpipe.schedule.ops import parse_op
+from twinpipe.sim.costs import CostModel, stage_sizes
+from twinpipe.timeline import Slice, Timeline
+from twinpipe.trace.chrome import COMPUTE_TID
+from twinpipe.trace.costs import estimate_costs
+
+__all__ = ["Traced", "read_trace", "traced_costs"]
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A traced run: its measured timeline and the times of one of its 1F1B stages (seconds)."""
+
+    timeline: Timeline
+    schedule: str
+    pp: int
+    microbatches: int
+    costs: CostModel  # one 1F1B stage at pipeline size ``pp``
+
+    def costs_at(self, pp: int) -> CostModel:
+        """The 1F1B-stage costs at pipeline size ``pp``: the model's share per stage scales by self.pp / pp."""
+        k = self.pp / pp
+        c = self.costs
+        return CostModel(t_f=c.t_f * k, t_b=c.t_b * k, t_w=c.t_w * k, t_fb=None if c.t_fb is None else c.t_fb * k,
+                         t_comm=c.t_comm, mw=c.mw)
+
+
+def read_trace(path: str | Path) -> Timeline:
+    """The measured Timeline of a trace.json written by ``trace.write_chrome_trace`` (times in seconds)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+        other, events = data["otherData"], data["traceEvents"]
+        name, ranks, m = other["schedule"], int(other["ranks"]), int(other["microbatches"])
+        scale = float(other.get("us_per_time_unit", 1e6))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"trace={str(path)!r}: not a twinpipe Chrome trace ({type(error).__name__}: {error})") from None
+    schedule = name.removesuffix(" (predicted)")
+    placement = registry.placement_for(schedule, ranks)
+    slices = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        start, end = e["ts"] / scale, (e["ts"] + e["dur"]) / scale
+        op = parse_op(e["name"]) if e.get("tid") == COMPUTE_TID else None
+        slices.append(Slice(int(e["pid"]), start, end, op, "" if op else e["name"]))
+    return Timeline(schedule, ranks, m, slices, placement, "measured", None, {"time_unit": "s"})
+
+
+def traced_costs(timeline: Timeline) -> CostModel:
+    """Per-1F1B-stage op times from a measured timeline: each stage's mean divided by its share of the model."""
+    per_stage = estimate_costs(timeline)
+    sizes = [float(s) for s in stage_sizes(timeline.placement)]
+    n = len(sizes)
+
+    def one(value) -> float:
+        values = value if isinstance(value, (list, tuple)) else [value] * n
+        return statistics.fmean(v / size for v, size in zip(values, sizes))
+
+    return CostModel(t_f=one(per_stage.t_f), t_b=one(per_stage.t_b), t_w=one(per_stage.t_w),
+                     t_fb=None if per_stage.t_fb is None else one(per_stage.t_fb), t_comm=per_stage.t_comm)
+
+
+def load_traced(path: str | Path) -> Traced:
+    timeline = read_trace(path)
+    return Traced(timeline, timeline.name, timeline.num_ranks, timeline.num_microbatches, traced_costs(timeline))

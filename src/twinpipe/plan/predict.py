@@ -1,0 +1,270 @@
+"""Predict one schedule at one pipeline size (``predict_one``) or every registered one (``plan``).
+
+The pipeline part is the simulator's makespan under the costs of ``plan.costs`` (the same engine
+as ``twinpipe simulate``, costs scaled to each placement by ``sim.costs.for_model``). Then, not
+overlapped with it: the data-parallel gradient all-reduce and, for placements whose chains are
+copies of the model (DualPipe; Chimera, BitPipe), the all-reduce between the copies.
+
+Large micro-batch counts are not simulated whole: once a pipeline is in its steady state its
+makespan, busy times and peak memory grow linearly in m (exactly, for periodic schedules), so
+simulations at three counts spaced q apart and congruent to m modulo q (q = p, or 2p for odd p)
+are checked to lie on one line and extended to m (``extrapolated_from``); if they do not, later
+triples are tried, then m itself if small enough (``DIRECT_PAIRS``), else the result is marked
+approximate. The schedules that
+plan their order with a search (``registry`` ``max_pairs`` below the default) are skipped when even
+those simulations exceed ``PLANNED_CAP`` (stage, micro-batch) pairs, and say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from twinpipe.plan.costs import Layout, all_reduce_time, layout, stage_costs
+from twinpipe.plan.spec import Cluster, Model
+from twinpipe.schedule import registry
+from twinpipe.schedule.limits import MAX_STAGE_MICROBATCHES
+from twinpipe.sim.costs import CostModel, for_model, stage_sizes
+from twinpipe.sim.engine import simulate
+
+__all__ = ["Prediction", "predict_one", "plan", "simulate_metrics", "PLANNED_CAP"]
+
+PLANNED_CAP = 1024
+DIRECT_PAIRS = 16384  # not linear yet: simulate m itself up to this many (stage, micro-batch) pairs
+SHIFTS = 2  # later triples tried before an extrapolation is called approximate  # the searching schedules: skipped above this many pairs in their smallest simulation
+GiB = 2**30
+
+
+@dataclass
+class Prediction:
+    """One schedule at one pipeline size: step time and its parts (seconds), memory (bytes), verdict."""
+
+    schedule: str
+    pp: int
+    microbatches: int
+    dp: int = 1
+    ep: int = 1
+    fits: bool = False
+    why: str = ""  # "does not fit: ...", "skipped: ..." or "" when it fits
+    step_time: float = 0.0
+    pipeline: float = 0.0  # simulated makespan
+    compute: float = 0.0  # the busiest rank's compute alone
+    a2a_exposed: float = 0.0  # all-to-all time on the busiest rank not hidden by F&B
+    a2a_hidden: float = 0.0
+    bubble: float = 0.0  # makespan - busiest rank's busy time: idle slots and pipeline messages
+    dp_all_reduce: float = 0.0
+    mirror_all_reduce: float = 0.0
+    copies: int = 1  # copies of the model's weights on the pipeline (chains of the placement)
+    memory: dict = field(default_factory=dict)  # the fullest rank: params, grads, optimizer, activations, total
+    tokens_per_s: float = 0.0
+    extrapolated_from: tuple | None = None  # (m1, m2) extended linearly to m; a third entry "approximate"
+    limit: str = ""
+
+    @property
+    def status(self) -> str:
+        return "fits" if self.fits else self.why
+
+
+def simulate_metrics(name: str, p: int, m: int, costs: CostModel) -> dict:
+    """Makespan, per-rank busy time and peak activations (M_B of a 1F1B stage) of ``name`` simulated at (p, m)."""
+    placement = registry.placement_for(name, p)
+    scaled = for_model(costs, placement)
+    options = {k: getattr(scaled, k) for k in ("t_f", "t_b", "t_w", "t_comm", "mw") if k in (registry.get(name).options or ())}
+    schedule = registry.build(name, p, m, **options)
+    timeline = simulate(schedule, scaled)
+    stats = timeline.per_rank()
+    return {
+        "makespan": timeline.makespan,
+        "busy": [st.busy for st in stats],
+        "peak": list(timeline.peak_activation),
+    }
+
+
+def _start(p: int, m: int) -> tuple[int, int]:
+    """The first of three counts congruent to m modulo q (q = p, or 2p for odd p), and q."""
+    q = p if p % 2 == 0 else 2 * p
+    return p + (m - p) % q, q
+
+
+def _linear(a: dict, b: dict, c: dict) -> bool:
+    """Whether three equally spaced simulations lie on one line (makespan, busy time and peak memory)."""
+    def flat(d):
+        return [d["makespan"], *d["busy"], *d["peak"]]
+    return all(abs((z - y) - (y - x)) <= 1e-9 * max(1.0, abs(z)) for x, y, z in zip(flat(a), flat(b), flat(c)))
+
+
+def _extend(a, b, m1: int, m2: int, m: int):
+    if isinstance(a, list):
+        return [_extend(x, y, m1, m2, m) for x, y in zip(a, b)]
+    return b + (b - a) * (m - m2) / (m2 - m1)
+
+
+def _metrics(name: str, p: int, m: int, costs: CostModel, num_stages: int, max_pairs: int) -> tuple[dict, tuple | None]:
+    """Simulated metrics at m, or extended linearly from the first three counts (spaced q, congruent
+    to m) that lie on one line; up to ``SHIFTS`` later triples are tried. ``None`` or the counts used,
+    with ``"approximate"`` appended when no triple was linear (the last two are extended anyway).
+    """
+    m0, q = _start(p, m)
+    largest = m if m <= m0 + 2 * q else m0 + 2 * q
+    if max_pairs < MAX_STAGE_MICROBATCHES and num_stages * largest > PLANNED_CAP:
+        raise _Skip(f"skipped: {name} searches its order, and simulating it here ({num_stages} stages x {largest} micro-batches) "
+                    f"is over the planner's cap of {PLANNED_CAP} pairs (docs/limits.md); try a smaller pp")
+    if m <= m0 + 2 * q:
+        return simulate_metrics(name, p, m, costs), None
+    try:
+        runs = {k: simulate_metrics(name, p, k, costs) for k in (m0, m0 + q, m0 + 2 * q)}
+        shifts = 0
+        while not _linear(*(runs[k] for k in (m0, m0 + q, m0 + 2 * q))) and shifts < SHIFTS and m > m0 + 3 * q:
+            m0, shifts = m0 + q, shifts + 1
+            runs[m0 + 2 * q] = simulate_metrics(name, p, m0 + 2 * q, costs)
+    except ValueError as error:  # a generator refuses a count by its size and residue: m's residue stands in for m
+        text = str(error)
+        for k in range(m0, m0 + 3 * q, q):
+            text = text.replace(f"={k} ", f"={m} ")
+        raise _NoFit(text) from None
+    used = (m0 + q, m0 + 2 * q)
+    exact = _linear(*(runs[k] for k in (m0, *used)))
+    if not exact and num_stages * m <= DIRECT_PAIRS:
+        return simulate_metrics(name, p, m, costs), None
+    a, b = runs[used[0]], runs[used[1]]
+    return {key: _extend(a[key], b[key], *used, m) for key in a}, used + (() if exact else ("approximate",))
+
+
+class _Skip(Exception):
+    pass
+
+
+class _NoFit(Exception):
+    pass
+
+
+def _rank_params(model: Model, placement, lay: Layout) -> list[tuple[float, float]]:
+    """(replicated, expert) parameters on each pipeline rank: layers of its stages, embedding and head."""
+    dense, expert = model.layer_params()
+    sizes = stage_sizes(placement)
+    per_rank = []
+    for r in range(placement.num_ranks):
+        d = e = 0.0
+        for s in placement.stages_of(r):
+            layers = model.layers * sizes[s] / lay.pp
+            d += layers * dense + model.vocab * model.hidden * (placement.is_first(s) + placement.is_last(s))
+            e += layers * expert / lay.ep
+        per_rank.append((float(d), float(e)))
+    return per_rank
+
+
+def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, microbatches: int, costs: CostModel | None = None) -> Prediction:
+    """Predict schedule ``name`` at pipeline size ``pp``; an impossible case comes back with ``why``, never raised.
+
+    ``costs``: the op times of one 1F1B stage to use instead of the model's (from a traced run).
+    With ``model`` None (only with ``costs``), memory and the gradient all-reduces are not counted.
+    """
+    if model is None and costs is None:
+        raise ValueError("model=None: give a Model, or the costs of a traced run")
+    pred = Prediction(registry.get(name).name, pp, microbatches)
+    try:
+        lay = layout(model, cluster, pp) if model is not None else layout(Model(1, 1, 1), cluster, pp)
+        pred.dp, pred.ep = lay.dp, lay.ep
+        placement = registry.placement_for(name, pp)
+        a2a_op, m_b = 0.0, 0.0  # measured op times hold their all-to-alls (if any)
+        if model is not None:
+            if any((model.layers * size / pp).denominator != 1 for size in set(stage_sizes(placement))):
+                raise _NoFit(f"{model.layers} layers do not split evenly into its {max(len(c) for c in placement.chains)}-stage "
+                             f"chain(s) on {pp} ranks")
+            model_costs, per_layer, m_b = stage_costs(model, cluster, lay)
+            if costs is None:
+                costs, a2a_op = model_costs, model.layers / pp * 4 * per_layer.a2a  # all-to-alls in one F + B of a 1F1B stage
+        metrics, pred.extrapolated_from = _metrics(pred.schedule, pp, microbatches, costs, placement.num_stages, registry.get(name).max_pairs)
+    except _Skip as skip:
+        pred.why = str(skip)
+        return pred
+    except (_NoFit, ValueError) as error:
+        pred.why = f"does not fit: {error}"
+        return pred
+    _pipeline(pred, placement, costs, a2a_op, metrics)
+    if model is not None:
+        _collectives_and_memory(pred, model, cluster, lay, placement, m_b, metrics["peak"])
+    pred.step_time = pred.pipeline + pred.dp_all_reduce + pred.mirror_all_reduce
+    tokens = microbatches * (model.tokens if model is not None else 1) * lay.dp
+    pred.tokens_per_s = tokens / pred.step_time if pred.step_time > 0 else 0.0
+    pred.fits = not pred.why
+    pred.limit = _limit(pred, cluster)
+    return pred
+
+
+def _pipeline(pred: Prediction, placement, costs: CostModel, a2a_op: float, metrics: dict) -> None:
+    """Makespan, and on the busiest rank: compute alone, all-to-all exposed and hidden, bubble."""
+    sizes = stage_sizes(placement)
+    pred.copies = len(placement.chains)
+    pred.pipeline = metrics["makespan"]
+    busiest = max(range(placement.num_ranks), key=lambda r: metrics["busy"][r])
+    busy = metrics["busy"][busiest]
+    pure_op = costs.t_f + costs.t_b + costs.t_w - a2a_op  # one micro-batch through a 1F1B stage
+    share = float(sum(sizes[s] for s in placement.stages_of(busiest)) * pred.microbatches / pred.copies)
+    pred.compute = share * pure_op
+    a2a_total = share * a2a_op
+    pred.a2a_exposed = max(0.0, min(a2a_total, busy - pred.compute))
+    pred.a2a_hidden = a2a_total - pred.a2a_exposed
+    pred.bubble = max(0.0, pred.pipeline - busy)
+
+
+def _collectives_and_memory(pred: Prediction, model: Model, cluster: Cluster, lay: Layout, placement, m_b: float, peak: list) -> None:
+    """Gradient all-reduces (data-parallel; between weight copies) and the fullest rank's memory."""
+    params = _rank_params(model, placement, lay)
+    span = lay.pp * lay.dp  # the whole pipeline: mirrored ranks r and p-1-r are that far apart
+    pred.dp_all_reduce = max(all_reduce_time(d * model.grad_bytes, lay.dp, cluster.bandwidth(lay.dp), cluster.latency)
+                             + all_reduce_time(e * model.grad_bytes, lay.dp // lay.ep, cluster.bandwidth(lay.dp), cluster.latency)
+                             for d, e in params)
+    if pred.copies > 1:
+        pred.mirror_all_reduce = max(all_reduce_time((d + e) * model.grad_bytes, pred.copies, cluster.bandwidth(span), cluster.latency)
+                                     for d, e in params)
+    totals = []
+    for r, (d, e) in enumerate(params):
+        n = d + e
+        parts = {"params": n * model.param_bytes, "grads": n * model.grad_bytes, "optimizer": n * model.optimizer_bytes,
+                 "activations": max(0.0, peak[r]) * m_b}
+        parts["total"] = sum(parts.values())
+        totals.append(parts)
+    pred.memory = max(totals, key=lambda t: t["total"])
+    if pred.memory["total"] > cluster.memory:
+        mem = {k: v / GiB for k, v in pred.memory.items()}
+        copies = f" in {pred.copies} copies" if pred.copies > 1 else ""
+        pred.why = (f"does not fit: needs {mem['total']:.1f} GiB on its fullest rank ({mem['params']:.1f} weights{copies}, "
+                    f"{mem['grads']:.1f} grads, {mem['optimizer']:.1f} optimizer, {mem['activations']:.1f} activations), "
+                    f"{cluster.memory / GiB:.1f} GiB available")
+
+
+def _limit(pred: Prediction, cluster: Cluster) -> str:
+    """One line: the largest cost beside compute, in a share of the step (and memory when tight)."""
+    step = pred.step_time or 1.0
+    parts = {
+        "pipeline bubble and messages": pred.bubble,
+        "exposed EP all-to-all": pred.a2a_exposed,
+        "data-parallel gradient all-reduce": pred.dp_all_reduce,
+        f"all-reduce between its {pred.copies} weight copies": pred.mirror_all_reduce,
+    }
+    name, value = max(parts.items(), key=lambda kv: kv[1])
+    line = f"{name} {value / step:.0%} of the step" if value > 0 else "compute bound"
+    if pred.a2a_hidden > 1e-9 * step:
+        line += f"; F&B hides {pred.a2a_hidden / (pred.a2a_hidden + pred.a2a_exposed):.0%} of the all-to-all"
+    used = pred.memory.get("total", 0.0) / cluster.memory
+    if used > 0.9:
+        line += f"; memory {used:.0%} full"
+    return line
+
+
+def plan(model: Model, cluster: Cluster, microbatches: int, pp_sizes=None, schedules=None, costs_for=None) -> list[Prediction]:
+    """Every schedule (default ``registry.names()``) at every pipeline size (default: powers of two
+    dividing the GPUs, 2..64), ranked: fitting ones by throughput, then the rest.
+
+    ``costs_for(pp)``: op times of one 1F1B stage at pipeline size ``pp`` to use instead of the model's.
+    """
+    schedules = list(schedules or registry.names())
+    pp_sizes = list(pp_sizes or default_pp_sizes(cluster.gpus))
+    results = [predict_one(name, model, cluster, p, microbatches, costs_for(p) if costs_for else None)
+               for p in pp_sizes for name in schedules]
+    return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s, r.pp, r.schedule))
+
+
+def default_pp_sizes(gpus: int) -> list[int]:
+    return [p for p in (2, 4, 8, 16, 32, 64) if gpus % p == 0] or [gpus]

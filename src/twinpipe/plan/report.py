@@ -1,0 +1,91 @@
+"""The plan as a rich table (one row per schedule and pipeline size, with what limits it), as JSON-ready
+dicts, and as a stacked-bar picture of each step's parts (matplotlib, imported only to draw).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from twinpipe.plan.predict import GiB, Prediction
+
+__all__ = ["as_dicts", "print_table", "draw_plan", "PARTS"]
+
+# Parts of a step, in the order they are stacked: attribute -> legend label.
+PARTS = {
+    "compute": "compute (busiest rank)",
+    "a2a_exposed": "EP all-to-all not hidden",
+    "bubble": "bubble and pipeline messages",
+    "dp_all_reduce": "data-parallel all-reduce",
+    "mirror_all_reduce": "all-reduce between weight copies",
+}
+
+
+def as_dicts(predictions: list[Prediction]) -> list[dict]:
+    return [asdict(p) | {"status": p.status} for p in predictions]
+
+
+def _seconds(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _source(p: Prediction) -> str:
+    if p.extrapolated_from is None:
+        return ""
+    a, b, *approx = p.extrapolated_from
+    return ("~" if approx else "") + f"m={a},{b}→{p.microbatches}"
+
+
+def print_table(predictions: list[Prediction], title: str, caption: str, top: int | None = None, console=None) -> None:
+    """Fitting rows first, ranked by throughput; then the others with why they do not fit."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption, show_lines=False)
+    for column, justify in (("#", "right"), ("schedule", "left"), ("pp x dp", "right"), ("step", "right"), ("tokens/s", "right"),
+                            ("bubble", "right"), ("a2a exposed/hidden", "right"), ("DP AR", "right"), ("copies AR", "right"),
+                            ("memory GiB", "right"), ("simulated", "right"), ("what limits it", "left")):
+        table.add_column(column, justify=justify, overflow="fold")
+    fitting = [p for p in predictions if p.fits]
+    rest = [p for p in predictions if not p.fits]
+    shown = fitting[:top] if top else fitting
+    for i, p in enumerate(shown, 1):
+        a2a = f"{_seconds(p.a2a_exposed)}/{_seconds(p.a2a_hidden)}" if p.a2a_exposed or p.a2a_hidden else "-"
+        memory = f"{p.memory['total'] / GiB:.1f}" if p.memory else "-"
+        table.add_row(str(i), p.schedule, f"{p.pp} x {p.dp}", _seconds(p.step_time), f"{p.tokens_per_s:,.0f}",
+                      f"{p.bubble / p.step_time:.1%}" if p.step_time else "-", a2a, _seconds(p.dp_all_reduce) if p.dp_all_reduce else "-",
+                      _seconds(p.mirror_all_reduce) if p.copies > 1 and p.memory else "-", memory, _source(p), p.limit)
+    for p in rest:
+        table.add_row("-", p.schedule, f"{p.pp} x {p.dp}", "", "", "", "", "", "", "", _source(p), p.why, style="dim")
+    (console or Console()).print(table)
+
+
+def draw_plan(predictions: list[Prediction], path: str | Path, title: str, top: int = 20) -> Path:
+    """Horizontal stacked bars of the ``top`` fitting predictions' step parts, fastest on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [p for p in predictions if p.fits][:top]
+    if not rows:
+        raise ValueError("nothing fits: no picture to draw (see the table for why)")
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.32 * len(rows)))
+    labels = [f"{p.schedule}  pp={p.pp}" for p in rows]
+    left = [0.0] * len(rows)
+    colors = ("#4c72b0", "#dd8452", "#c0c0c0", "#55a868", "#c44e52")
+    for (attr, label), color in zip(PARTS.items(), colors):
+        widths = [getattr(p, attr) for p in rows]
+        ax.barh(range(len(rows)), widths, left=left, color=color, label=label)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_yticks(range(len(rows)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("predicted step time (s)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

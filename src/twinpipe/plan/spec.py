@@ -1,0 +1,133 @@
+"""What the planner is told: a transformer model (dense or MoE) and a cluster. SI units throughout:
+FLOP/s, bytes, bytes/s, seconds. Every field is checked: a ValueError names it, its value and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+__all__ = ["Model", "Cluster"]
+
+
+def _check(owner: str, name: str, value, *, integer: bool = False, minimum: float = 0.0, strict: bool = True) -> None:
+    """``value`` must be a finite number (an int if ``integer``), > ``minimum`` (>= if not ``strict``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{owner}.{name}={value!r}: must be a finite number")
+    if integer and not isinstance(value, int):
+        raise ValueError(f"{owner}.{name}={value!r}: must be an integer")
+    if value < minimum or (strict and value == minimum):
+        raise ValueError(f"{owner}.{name}={value!r}: must be {'>' if strict else '>='} {minimum:g}")
+
+
+@dataclass(frozen=True)
+class Model:
+    """A decoder-only transformer trained with micro-batches of ``microbatch_size`` x ``seq`` tokens.
+
+    ``experts`` = 0 is a dense model; otherwise every layer's MLP is ``experts`` experts of width
+    ``expert_ffn`` (default ``ffn``), each token routed to ``top_k`` of them, sharded over ``ep``
+    GPUs of the data-parallel group (expert parallelism; default min(experts, GPUs per node)).
+    Bytes per parameter: ``param_bytes`` (weights), ``grad_bytes`` (gradients, also what the
+    all-reduces send), ``optimizer_bytes`` (master weights and Adam moments).
+    """
+
+    layers: int
+    hidden: int
+    seq: int
+    microbatch_size: int = 1
+    heads: int = 0  # 0: hidden / 128 (at least 1)
+    ffn: int = 0  # 0: 4 x hidden
+    vocab: int = 32000
+    experts: int = 0
+    top_k: int = 2
+    expert_ffn: int = 0  # 0: ffn
+    ep: int = 0  # 0: min(experts, GPUs per node)
+    param_bytes: float = 2
+    grad_bytes: float = 4
+    optimizer_bytes: float = 12
+    activation_bytes: float = 2
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "seq", "microbatch_size"):
+            _check("model", name, getattr(self, name), integer=True, minimum=1, strict=False)
+        for name in ("heads", "ffn", "vocab", "experts", "expert_ffn", "ep"):
+            _check("model", name, getattr(self, name), integer=True, minimum=0, strict=False)
+        for name in ("param_bytes", "grad_bytes", "activation_bytes"):
+            _check("model", name, getattr(self, name))
+        _check("model", "optimizer_bytes", self.optimizer_bytes, strict=False)
+        if self.experts:
+            _check("model", "top_k", self.top_k, integer=True, minimum=1, strict=False)
+            if self.top_k > self.experts:
+                raise ValueError(f"model.top_k={self.top_k}: must be <= experts={self.experts}")
+            if self.ep and self.experts % self.ep:
+                raise ValueError(f"model.ep={self.ep}: must divide experts={self.experts}")
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads or max(1, self.hidden // 128)
+
+    @property
+    def ffn_width(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def expert_width(self) -> int:
+        return self.expert_ffn or self.ffn_width
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one micro-batch."""
+        return self.microbatch_size * self.seq
+
+    def layer_params(self) -> tuple[float, float]:
+        """Parameters of one layer: (replicated over data parallelism, expert parameters of all experts)."""
+        h = self.hidden
+        attention = 4 * h * h + 4 * h  # q, k, v, o and two layer norms
+        if not self.moe:
+            return attention + 2 * h * self.ffn_width, 0.0
+        return attention + h * self.experts, float(self.experts * 2 * h * self.expert_width)
+
+    def total_params(self) -> float:
+        dense, expert = self.layer_params()
+        return self.layers * (dense + expert) + 2 * self.vocab * self.hidden
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``gpus`` GPUs, ``gpus_per_node`` to a node, each with ``peak_flops`` of which ``efficiency``
+    is reached on the layers' matrix products, ``memory`` bytes, and per-GPU link bandwidths inside
+    a node (``intra_bw``) and across nodes (``inter_bw``); every message also pays ``latency``.
+    """
+
+    gpus: int
+    gpus_per_node: int = 8
+    peak_flops: float = 989e12  # H100 SXM dense bf16
+    efficiency: float = 0.5
+    memory: float = 80 * 2**30
+    intra_bw: float = 400e9  # NVLink, per direction
+    inter_bw: float = 50e9  # 400 Gb/s InfiniBand
+    latency: float = 10e-6
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "gpus_per_node"):
+            _check("cluster", name, getattr(self, name), integer=True, minimum=1, strict=False)
+        for name in ("peak_flops", "memory", "intra_bw", "inter_bw"):
+            _check("cluster", name, getattr(self, name))
+        _check("cluster", "latency", self.latency, strict=False)
+        _check("cluster", "efficiency", self.efficiency)
+        if self.efficiency > 1:
+            raise ValueError(f"cluster.efficiency={self.efficiency!r}: must be in (0, 1]")
+
+    def bandwidth(self, span_gpus: int) -> float:
+        """Link bandwidth of a group whose members lie within ``span_gpus`` consecutive GPUs."""
+        return self.intra_bw if span_gpus <= self.gpus_per_node else self.inter_bw
+
+
+def describe(obj) -> str:
+    """``name=value`` pairs of a spec, for tables and docs."""
+    return ", ".join(f"{f.name}={getattr(obj, f.name):g}" for f in fields(obj))

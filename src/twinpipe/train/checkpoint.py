@@ -4,7 +4,8 @@ Keys: ``model.<name>`` for each parameter, ``optim.<name>.<state>`` for its opti
 ``trainer`` (JSON: step, optimizer class and hyper-parameters). Each model
 parameter is written once: by data-parallel replica 0, from the copy that is not DualPipe's mirror.
 Because keys name model parameters, not ranks or stages, a checkpoint loads under any schedule,
-pipeline size or data-parallel size. Saving and loading are collective over the world.
+pipeline size or data-parallel size. Saving and loading are collective over the world, on a gloo group whose
+timeout is the trainer's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def save_checkpoint(trainer, path: str, step: int) -> None:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
         # One JSON string: DCP would flatten a dict into keys of its own.
         state["trainer"] = json.dumps({"step": int(step), "optimizer": type(trainer.optimizer).__name__, "param_groups": groups})
-    dcp.save(state, checkpoint_id=path)
+    dcp.save(state, checkpoint_id=path, process_group=trainer.checkpoint_group)
 
 
 def _check_model(path: str, metadata, trainer) -> None:
@@ -60,7 +61,7 @@ def load_checkpoint(trainer, path: str) -> int:
         raise ValueError(f"checkpoint {path!r}: no torch.distributed.checkpoint metadata there") from None
     _check_model(path, metadata, trainer)
     head: dict[str, object] = {"trainer": None}
-    dcp.load(head, checkpoint_id=path)
+    dcp.load(head, checkpoint_id=path, process_group=trainer.checkpoint_group)
     info = json.loads(head["trainer"])
     if info["optimizer"] != type(trainer.optimizer).__name__:
         raise ValueError(f"checkpoint {path!r} was written with optimizer {info['optimizer']}, "
@@ -78,7 +79,7 @@ def load_checkpoint(trainer, path: str) -> int:
             elif isinstance(meta, BytesStorageMetadata):
                 state[key] = None
             optim_keys.setdefault(id(p), []).append((key, key[len(prefix):]))
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, process_group=trainer.checkpoint_group)
     for _, p, _ in trainer.held:
         if id(p) in optim_keys:
             trainer.optimizer.state[p] = {short: state[key] for key, short in optim_keys[id(p)]}

@@ -14,6 +14,7 @@ runtime has no per-stage "gradients ready" signal, so they are not overlapped wi
 
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -112,6 +113,8 @@ class Trainer:
         args = () if kind is DualPipe else (config.schedule,)
         self.pipe = kind(modules, *args, process_group=mesh.pp_group, timeout=self.timeout, **options)
         self.optimizer = optimizer_fn(self.params)
+        # Checkpoints run torch.distributed.checkpoint's own collectives: a gloo group bounds them too.
+        self.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
         self._sync_start()
 
     def _layer_counts(self, model: nn.Module, device) -> str | Sequence[int]:

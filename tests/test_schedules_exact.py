@@ -34,7 +34,8 @@ def _cases() -> list[Case]:
     cases.append(Case("zb-h2", 4, 8, "two"))
     cases.append(Case("zb-auto", 4, 8, "mlp", (("mem_limit", 8),)))
     cases.append(Case("zbv", 2, 4, "two"))
-    for name, p, m in (("gpipe", 4, 8), ("1f1b", 2, 7), ("zb-h1", 4, 8), ("zbv", 4, 10)):
+    cases.append(Case("bitpipe", 2, 6, "two"))
+    for name, p, m in (("gpipe", 4, 8), ("1f1b", 2, 7), ("zb-h1", 4, 8), ("zbv", 4, 10), ("chimera", 4, 8)):
         cases.append(Case(name, p, m, "mlp", transport="process-group"))
     return cases
 

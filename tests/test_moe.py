@@ -193,8 +193,8 @@ def test_expert_counts_sum_over_forwards_and_reset():
         stage(x)
         stage(x)
     counts = expert_counts(stage)
-    assert set(counts) == {"blocks.0", "blocks.1"}
-    first = counts["blocks.0"]
+    assert set(counts) == {"layers.0", "layers.1"}
+    first = counts["layers.0"]
     assert int(first["routed"].sum()) == 2 * x.shape[0] * mm.SEQ * 2  # two forwards, top-2
     assert torch.equal(first["routed"], first["expert_rows"]) and first["routed"][-1] == 0  # one rank: all local
-    assert int(expert_counts(stage)["blocks.0"]["routed"].sum()) == 0  # reset by the first call
+    assert int(expert_counts(stage)["layers.0"]["routed"].sum()) == 0  # reset by the first call

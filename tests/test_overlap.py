@@ -202,6 +202,34 @@ def test_engine_composes_with_activation_checkpointing():
     assert [e[2] for e in events if e[0] == "run" and e[1] == "B"] == ["lin", "scale"]
 
 
+def test_parted_sequential_mixes_plain_modules_and_part_layers():
+    """An embedding-like Linear, a MoE block and a Tanh as one stage: plain autograd's results,
+    and through an F&B op the plain modules are compute parts like any other."""
+    from twinpipe.overlap import PartedSequential
+
+    torch.manual_seed(3)
+    make = lambda: PartedSequential([nn.Linear(mm.HIDDEN, mm.HIDDEN), mm.make_stage("grouped").blocks[0], nn.Tanh()]).double()
+    stage = make()
+    ref = copy.deepcopy(stage)
+    x = torch.randn(2, mm.SEQ, mm.HIDDEN, dtype=torch.float64)
+    out = stage(x)
+    lin, block, tanh = ref.layers
+    want = tanh(mm.reference_block(block, [lin(x)])[0])
+    assert torch.equal(out, want)
+    out.sum().backward()
+    want.sum().backward()
+    for (name, p), q in zip(stage.named_parameters(), ref.parameters()):
+        assert grad_error(p.grad, q.grad) <= TOL, name
+    assert [p.name for p in stage.parts()][0] == "0.Linear" and stage.parts()[1].name == "1.attn"
+    other = make()
+    out1 = other(x)
+    _, _, events = forward_backward(make(), [x], None, [], other, None, [out1], [torch.ones_like(out1)])
+    assert mm.interleaved(events)  # the order comes from the kinds, with or without real comm
+    assert {e[2] for e in events if e[1] == "B"} >= {"0.Linear", "1.mlp", "2.Tanh"}
+    with pytest.raises(ValueError, match="layers"):
+        PartedSequential([])
+
+
 class _Bad(PartedStage):
     def __init__(self, parts):
         super().__init__()

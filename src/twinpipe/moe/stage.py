@@ -7,42 +7,34 @@ from typing import Sequence
 from torch import nn
 
 from twinpipe.moe.block import MoEBlock
-from twinpipe.overlap.stage import PartedStage
+from twinpipe.overlap.stage import PartedSequential
 
 __all__ = ["MoEStage", "expert_counts"]
 
 
-class MoEStage(PartedStage):
+class MoEStage(PartedSequential):
     """A stage made of ``blocks`` (MoE blocks) in order; its parts are theirs, named ``"i.part"``.
 
-    All blocks of a stage must use the same expert-parallel group.
+    All blocks of a stage must use the same expert-parallel group. To put other layers around
+    them (an embedding, a head), use ``twinpipe.overlap.PartedSequential`` directly.
     """
 
     def __init__(self, blocks: Sequence[MoEBlock], overlap: bool = True):
-        super().__init__()
         blocks = list(blocks)
         if not blocks or not all(isinstance(b, MoEBlock) for b in blocks):
             raise ValueError(f"blocks={blocks!r}: must be a non-empty sequence of MoEBlock")
-        groups = {id(b.ep_group) for b in blocks}
-        if len(groups) != 1:
+        if len({id(b.ep_group) for b in blocks}) != 1:
             raise ValueError("blocks: all blocks of a stage must share one ep_group")
-        self.blocks = nn.ModuleList(blocks)
-        self.overlap = overlap
+        super().__init__(blocks, overlap)
 
-    def parts(self) -> list:
-        out = []
-        for i, block in enumerate(self.blocks):
-            out += [type(p)(f"{i}.{p.name}", *_fields(p)) for p in block.parts()]
-        return out
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.layers
 
     def shard_experts_(self, ep_group) -> "MoEStage":
         for block in self.blocks:
             block.shard_experts_(ep_group)
         return self
-
-
-def _fields(part) -> tuple:
-    return (part.fn,) if part.kind == "compute" else (part.start, part.start_backward)
 
 
 def expert_counts(module: nn.Module, reset: bool = True) -> dict[str, dict]:

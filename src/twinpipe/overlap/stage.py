@@ -1,16 +1,19 @@
-"""``PartedStage``: a stage module made of declared parts, overlapped in F&B ops automatically."""
+"""``PartedStage``: a stage module made of declared parts, overlapped in F&B ops automatically;
+``PartedSequential``: such a stage stacked from layers."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
+from typing import Sequence
 
 from torch import nn
 
 from twinpipe.overlap.engine import forward_backward
 from twinpipe.overlap.graph import run_parts
-from twinpipe.overlap.parts import check_parts
+from twinpipe.overlap.parts import Compute, check_parts
 
-__all__ = ["PartedStage"]
+__all__ = ["PartedStage", "PartedSequential"]
 
 
 class PartedStage(nn.Module):
@@ -49,3 +52,35 @@ class PartedStage(nn.Module):
         )
         module0.fb_events.append(events)
         return outputs0, loss0
+
+
+class PartedSequential(PartedStage):
+    """``layers`` in order as one stage. A layer with ``parts()`` contributes its parts (renamed
+    ``"i.name"``); any other module is one compute part that calls it (a tensor or a tuple of
+    tensors in and out), e.g. an embedding or a head around MoE blocks."""
+
+    def __init__(self, layers: Sequence[nn.Module], overlap: bool = True):
+        super().__init__()
+        layers = list(layers)
+        if not layers or not all(isinstance(layer, nn.Module) for layer in layers):
+            raise ValueError(f"layers={layers!r}: must be a non-empty sequence of nn.Module")
+        self.layers = nn.ModuleList(layers)
+        self.overlap = overlap
+
+    def parts(self) -> list:
+        out = []
+        for i, layer in enumerate(self.layers):
+            if hasattr(layer, "parts"):
+                declared = check_parts(layer.parts(), type(layer).__name__)
+                out += [dataclasses.replace(p, name=f"{i}.{p.name}") for p in declared]
+            else:
+                out.append(Compute(f"{i}.{type(layer).__name__}", _called(layer)))
+        return out
+
+
+def _called(layer: nn.Module):
+    def run(*state):
+        result = layer(*state)
+        return result if isinstance(result, tuple) else (result,)
+
+    return run

@@ -20,7 +20,7 @@ from twinpipe.timeline import Slice, Timeline
 from twinpipe.trace.chrome import COMPUTE_TID
 from twinpipe.trace.costs import estimate_costs
 
-__all__ = ["Traced", "read_trace", "traced_costs"]
+__all__ = ["Traced", "read_trace", "traced_costs", "load_traced"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class Traced:
     pp: int
     microbatches: int
     costs: CostModel  # one 1F1B stage at pipeline size ``pp``
+    split_assumed: bool = False  # the run had only full backwards: T_B = T_W = half of one
 
     def costs_at(self, pp: int) -> CostModel:
         """The 1F1B-stage costs at pipeline size ``pp``: the model's share per stage scales by self.pp / pp."""
@@ -63,8 +64,13 @@ def read_trace(path: str | Path) -> Timeline:
     return Timeline(schedule, ranks, m, slices, placement, "measured", None, {"time_unit": "s"})
 
 
-def traced_costs(timeline: Timeline) -> CostModel:
-    """Per-1F1B-stage op times from a measured timeline: each stage's mean divided by its share of the model."""
+def traced_costs(timeline: Timeline) -> tuple[CostModel, bool]:
+    """Per-1F1B-stage op times from a measured timeline: each stage's mean divided by its share of the model.
+
+    A run with only full backwards (1F1B, GPipe) cannot tell T_B from T_W: the full backward is
+    split in halves (input and weight gradients cost the same matrix products), and the second
+    value returned is True. The traced schedule's own prediction does not depend on the split.
+    """
     per_stage = estimate_costs(timeline)
     sizes = [float(s) for s in stage_sizes(timeline.placement)]
     n = len(sizes)
@@ -73,10 +79,16 @@ def traced_costs(timeline: Timeline) -> CostModel:
         values = value if isinstance(value, (list, tuple)) else [value] * n
         return statistics.fmean(v / size for v, size in zip(values, sizes))
 
-    return CostModel(t_f=one(per_stage.t_f), t_b=one(per_stage.t_b), t_w=one(per_stage.t_w),
-                     t_fb=None if per_stage.t_fb is None else one(per_stage.t_fb), t_comm=per_stage.t_comm)
+    t_b, t_w = one(per_stage.t_b), one(per_stage.t_w)
+    split = t_w == 0 and t_b > 0
+    if split:
+        t_b = t_w = t_b / 2
+    return CostModel(t_f=one(per_stage.t_f), t_b=t_b, t_w=t_w, t_fb=None if per_stage.t_fb is None else one(per_stage.t_fb),
+                     t_comm=per_stage.t_comm), split
 
 
 def load_traced(path: str | Path) -> Traced:
+    """``read_trace`` and ``traced_costs`` in one."""
     timeline = read_trace(path)
-    return Traced(timeline, timeline.name, timeline.num_ranks, timeline.num_microbatches, traced_costs(timeline))
+    costs, split = traced_costs(timeline)
+    return Traced(timeline, timeline.name, timeline.num_ranks, timeline.num_microbatches, costs, split)

@@ -185,8 +185,8 @@ def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, micro
     if model is not None:
         _collectives_and_memory(pred, model, cluster, lay, placement, m_b, metrics["peak"])
     pred.step_time = pred.pipeline + pred.dp_all_reduce + pred.mirror_all_reduce
-    tokens = microbatches * (model.tokens if model is not None else 1) * lay.dp
-    pred.tokens_per_s = tokens / pred.step_time if pred.step_time > 0 else 0.0
+    if model is not None and pred.step_time > 0:
+        pred.tokens_per_s = microbatches * model.tokens * lay.dp / pred.step_time
     pred.fits = not pred.why
     pred.limit = _limit(pred, cluster)
     return pred
@@ -255,7 +255,7 @@ def _limit(pred: Prediction, cluster: Cluster) -> str:
 
 def plan(model: Model, cluster: Cluster, microbatches: int, pp_sizes=None, schedules=None, costs_for=None) -> list[Prediction]:
     """Every schedule (default ``registry.names()``) at every pipeline size (default: powers of two
-    dividing the GPUs, 2..64), ranked: fitting ones by throughput, then the rest.
+    dividing the GPUs, 2..64), ranked: fitting ones by throughput (by step time without a model), then the rest.
 
     ``costs_for(pp)``: op times of one 1F1B stage at pipeline size ``pp`` to use instead of the model's.
     """
@@ -263,7 +263,7 @@ def plan(model: Model, cluster: Cluster, microbatches: int, pp_sizes=None, sched
     pp_sizes = list(pp_sizes or default_pp_sizes(cluster.gpus))
     results = [predict_one(name, model, cluster, p, microbatches, costs_for(p) if costs_for else None)
                for p in pp_sizes for name in schedules]
-    return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s, r.pp, r.schedule))
+    return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s, r.step_time, r.pp, r.schedule))
 
 
 def default_pp_sizes(gpus: int) -> list[int]:

@@ -52,7 +52,7 @@ def print_table(predictions: list[Prediction], title: str, caption: str, top: in
     for i, p in enumerate(shown, 1):
         a2a = f"{_seconds(p.a2a_exposed)}/{_seconds(p.a2a_hidden)}" if p.a2a_exposed or p.a2a_hidden else "-"
         memory = f"{p.memory['total'] / GiB:.1f}" if p.memory else "-"
-        table.add_row(str(i), p.schedule, f"{p.pp} x {p.dp}", _seconds(p.step_time), f"{p.tokens_per_s:,.0f}",
+        table.add_row(str(i), p.schedule, f"{p.pp} x {p.dp}", _seconds(p.step_time), f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "-",
                       f"{p.bubble / p.step_time:.1%}" if p.step_time else "-", a2a, _seconds(p.dp_all_reduce) if p.dp_all_reduce else "-",
                       _seconds(p.mirror_all_reduce) if p.copies > 1 and p.memory else "-", memory, _source(p), p.limit)
     for p in rest:

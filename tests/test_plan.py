@@ -1,0 +1,185 @@
+"""twinpipe plan: the same engine as `twinpipe simulate`, exact extrapolation to large m, the step's
+collectives and memory, impossible cases as "does not fit: why", the traced-run path, the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from twinpipe.cli import main
+from twinpipe.plan import Cluster, Model, plan, predict_one
+from twinpipe.plan.costs import all_reduce_time, layout, stage_costs
+from twinpipe.plan.measured import load_traced
+from twinpipe.plan.predict import PLANNED_CAP
+from twinpipe.schedule import registry
+from twinpipe.sim import CostModel, simulate
+from twinpipe.sim.costs import for_model
+from twinpipe.trace import write_chrome_trace
+
+SMALL_DENSE = Model(layers=24, hidden=2048, seq=2048)
+LARGE_MOE = Model(layers=48, hidden=5120, seq=4096, experts=128, top_k=8, expert_ffn=1536, ep=8)
+COSTS = CostModel(t_f=1.0, t_b=1.2, t_w=0.8, t_comm=0.05)
+
+
+def _engine_makespan(name: str, p: int, m: int, costs: CostModel) -> float:
+    """What `twinpipe simulate --hold model` times: the schedule under the costs scaled to its placement."""
+    placement = registry.placement_for(name, p)
+    scaled = for_model(costs, placement)
+    options = {k: getattr(scaled, k) for k in ("t_f", "t_b", "t_w", "t_comm", "mw") if k in (registry.get(name).options or ())}
+    return simulate(registry.build(name, p, m, **options), scaled).makespan
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_pipeline_time_is_the_simulators(name):
+    pred = predict_one(name, None, Cluster(gpus=4), 4, 8, costs=COSTS)
+    assert pred.fits, pred.why
+    assert pred.extrapolated_from is None
+    assert pred.pipeline == pytest.approx(_engine_makespan(name, 4, 8, COSTS), rel=1e-12)
+    assert pred.step_time == pred.pipeline  # no model: no all-reduce counted
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h2", "interleaved-1f1b", "dualpipe", "dualpipev", "gpipe"])
+def test_large_m_extends_exact_simulations_linearly(name):
+    pred = predict_one(name, None, Cluster(gpus=4), 4, 64, costs=COSTS)
+    assert pred.extrapolated_from is not None and len(pred.extrapolated_from) == 2  # exact, not approximate
+    assert pred.pipeline == pytest.approx(_engine_makespan(name, 4, 64, COSTS), rel=1e-9)
+
+
+def test_gpipe_memory_grows_with_m_and_1f1b_does_not():
+    cluster = Cluster(gpus=4, memory=1e15)
+    act = {(n, m): predict_one(n, SMALL_DENSE, cluster, 4, m).memory["activations"] for n in ("gpipe", "1f1b") for m in (32, 64)}
+    assert act[("gpipe", 64)] == pytest.approx(2 * act[("gpipe", 32)])
+    assert act[("1f1b", 64)] == act[("1f1b", 32)]
+    _, _, m_b = stage_costs(SMALL_DENSE, cluster, layout(SMALL_DENSE, cluster, 4))
+    assert act[("1f1b", 32)] == pytest.approx(4 * m_b)  # 1F1B's first rank holds p micro-batches
+
+
+def test_copies_of_the_weights_pay_their_all_reduce_and_memory():
+    cluster = Cluster(gpus=32)
+    one = predict_one("1f1b", SMALL_DENSE, cluster, 4, 32)
+    two = predict_one("dualpipe", SMALL_DENSE, cluster, 4, 32)
+    assert one.copies == 1 and one.mirror_all_reduce == 0
+    assert two.copies == 2 and two.mirror_all_reduce > 0
+    assert two.memory["params"] == pytest.approx(2 * one.memory["params"], rel=0.02)  # embedding and head shift a little
+    grad_bytes = two.memory["grads"]
+    assert two.mirror_all_reduce == pytest.approx(all_reduce_time(grad_bytes, 2, cluster.inter_bw, cluster.latency))
+    for name in registry.names():
+        chains = len(registry.placement_for(name, 4).chains)
+        pred = predict_one(name, SMALL_DENSE, cluster, 4, 32)
+        assert (pred.mirror_all_reduce > 0) == (chains > 1) or not pred.fits, name
+
+
+def test_the_seed_observation_dualpipe_behind_1f1b_small_dense_ahead_large_moe():
+    small = {n: predict_one(n, SMALL_DENSE, Cluster(gpus=32), 4, 32) for n in ("1f1b", "dualpipe")}
+    assert small["dualpipe"].pipeline < small["1f1b"].pipeline  # smaller bubble ...
+    assert small["dualpipe"].step_time > small["1f1b"].step_time  # ... lost to the all-reduce between copies
+    assert small["dualpipe"].limit.startswith("all-reduce between its 2 weight copies")
+    large = {n: predict_one(n, LARGE_MOE, Cluster(gpus=256), 16, 64) for n in ("1f1b", "dualpipe")}
+    assert all(p.fits for p in large.values())
+    assert large["dualpipe"].step_time < large["1f1b"].step_time
+    assert large["dualpipe"].a2a_hidden > 0 and large["1f1b"].a2a_hidden == 0
+    assert large["1f1b"].limit.startswith("pipeline bubble") or "all-to-all" in large["1f1b"].limit
+
+
+def test_impossible_cases_are_reported_per_schedule_never_raised():
+    tiny = Cluster(gpus=8, memory=2**30)
+    results = plan(SMALL_DENSE, tiny, 3, pp_sizes=[2, 3, 4, 64])
+    assert len(results) == 4 * len(registry.names())
+    by = {(r.schedule, r.pp): r for r in results}
+    assert all(not r.fits and r.why for r in results)
+    assert by[("1f1b", 2)].why.startswith("does not fit: needs") and "GiB available" in by[("1f1b", 2)].why
+    assert "pipeline size 3 does not divide the 8 GPUs" in by[("1f1b", 3)].why
+    assert "num_chunks=3" in by[("dualpipe", 2)].why  # an odd count: DualPipe splits it in two directions
+    assert "does not divide" in by[("1f1b", 64)].why
+
+
+def test_too_few_microbatches_and_uneven_layers_say_why():
+    cluster = Cluster(gpus=8)
+    assert "num_microbatches=6" in predict_one("interleaved-1f1b", SMALL_DENSE, cluster, 4, 6).why
+    odd = Model(layers=6, hidden=512, seq=512)
+    assert predict_one("dualpipev", odd, cluster, 4, 8).why == "does not fit: 6 layers do not split evenly into its 8-stage chain(s) on 4 ranks"
+
+
+def test_searching_schedules_are_skipped_at_large_sizes_and_say_so():
+    big = [n for n in registry.names() if registry.get(n).max_pairs < 2**17]
+    assert big, "the registry has searching schedules"
+    for name in big:
+        pred = predict_one(name, None, Cluster(gpus=64), 64, 1024, costs=COSTS)
+        assert pred.why.startswith(f"skipped: {name} searches its order") and str(PLANNED_CAP) in pred.why
+
+
+def test_traced_run_round_trip_predicts_its_own_makespan(tmp_path):
+    # A run recorded as trace.json (here a simulated one, whose costs we know) feeds the plan.
+    costs = CostModel(t_f=[1.0, 1.5, 1.5, 1.0], t_b=1.25, t_w=0.5, t_comm=0.125)
+    timeline = simulate(registry.build("zb-h1", 4, 12), costs)
+    path = write_chrome_trace(timeline, tmp_path / "trace.json")
+    traced = load_traced(path)
+    assert (traced.schedule, traced.pp, traced.microbatches, traced.split_assumed) == ("zb-h1", 4, 12, False)
+    assert traced.costs.t_f == pytest.approx(1.25) and traced.costs.t_w == pytest.approx(0.5)
+    assert traced.costs.t_comm == pytest.approx(0.125)
+    uniform = simulate(registry.build("zb-h1", 4, 12), CostModel(t_f=1.25, t_b=1.25, t_w=0.5, t_comm=0.125)).makespan
+    pred = predict_one("zb-h1", None, Cluster(gpus=4), 4, 12, costs=traced.costs)
+    assert pred.pipeline == pytest.approx(uniform, rel=1e-6)
+    assert traced.costs_at(2).t_f == pytest.approx(2.5)  # half the ranks: each stage holds twice the model
+
+
+def test_full_backwards_only_split_in_halves(tmp_path):
+    timeline = simulate(registry.build("1f1b", 2, 4), CostModel(t_f=1.0, t_b=2.0, t_w=1.0))
+    traced = load_traced(write_chrome_trace(timeline, tmp_path / "trace.json"))
+    assert traced.split_assumed and traced.costs.t_b == pytest.approx(1.5) and traced.costs.t_w == pytest.approx(1.5)
+
+
+def test_model_and_cluster_refuse_bad_values():
+    with pytest.raises(ValueError, match=r"model.layers=0: must be >= 1"):
+        Model(layers=0, hidden=8, seq=8)
+    with pytest.raises(ValueError, match=r"model.top_k=9: must be <= experts=8"):
+        Model(layers=2, hidden=8, seq=8, experts=8, top_k=9)
+    with pytest.raises(ValueError, match=r"cluster.efficiency=1.5"):
+        Cluster(gpus=8, efficiency=1.5)
+    with pytest.raises(ValueError, match=r"cluster.inter_bw=nan"):
+        Cluster(gpus=8, inter_bw=float("nan"))
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_cli_table_json_and_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # one line per row
+    args = ["plan", "--layers", "8", "--hidden", "512", "--seq", "512", "--gpus", "8", "-m", "16", "--pp", "2,4"]
+    assert main(args + ["--plot", str(tmp_path / "plan.png")]) == 0
+    out = capsys.readouterr().out
+    assert "what limits it" in out and "dualpipe" in out and (tmp_path / "plan.png").stat().st_size > 1000
+    assert main(args + ["--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 2 * len(registry.names())
+    fitting = [r for r in rows if r["fits"]]
+    assert fitting and [r["tokens_per_s"] for r in fitting] == sorted((r["tokens_per_s"] for r in fitting), reverse=True)
+
+
+def test_cli_from_trace(tmp_path, capsys):
+    path = write_chrome_trace(simulate(registry.build("dualpipev", 2, 4), CostModel(t_f=0.01, t_b=0.01, t_w=0.01)), tmp_path / "trace.json")
+    assert main(["plan", "--from-trace", str(path), "--json"]) == 0
+    rows = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(rows) == set(registry.names()) and rows["dualpipev"]["pp"] == 2 and rows["dualpipev"]["microbatches"] == 4
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([], "missing --gpus"),
+    (["--gpus", "8"], "missing --microbatches"),
+    (["--gpus", "8", "-m", "8", "--pp", "two"], "--pp='two'"),
+    (["--gpus", "8", "-m", "8", "--schedules", "nope"], "schedule='nope' is unknown"),
+    (["--gpus", "8", "-m", "8", "--experts", "4", "--top-k", "5"], "model.top_k=5"),
+])
+def test_cli_bad_input_names_the_option(extra, message, capsys):
+    assert main(["plan", "--layers", "8", "--hidden", "512", "--seq", "512", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_missing_model_or_bad_trace(tmp_path, capsys):
+    assert main(["plan", "--gpus", "8", "-m", "8"]) == 2
+    assert "missing --layers, --hidden, --seq" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["plan", "--from-trace", str(tmp_path / "bad.json")]) == 2
+    assert "not a twinpipe Chrome trace" in capsys.readouterr().err

@@ -129,8 +129,18 @@ def _world(rank: int, world: int, root: str) -> dict:
     case("sgd_resume", sgd_resume)
     case("other_model", other_model)
     case("other_optimizer", other_optimizer)
+    def missing_replica():
+        fn, sampler, criterion, make_opt, config = tiny_setup("1f1b")
+        config = dataclasses.replace(config, timeout=2.0)
+        trainer = Trainer(fn, sampler, criterion, make_opt, build_mesh(2, 2), config, dtype=torch.float64)
+        if rank >= 2:
+            return "skipped"  # replica 1 never steps: replica 0's all-reduce must time out, not hang
+        trainer.step(0)
+        return "stepped without replica 1"
+
     case("time_balance", time_balance)
     case("bad_mesh", bad_mesh)
+    case("missing_replica", missing_replica)  # last: gloo closes a connection whose wait timed out
     return results
 
 
@@ -162,3 +172,10 @@ def test_checkpoint_of_another_optimizer_is_refused(outcomes):
 def test_mesh_sizes_must_multiply_to_the_world(outcomes):
     for message in _all(outcomes, "bad_mesh").values():
         assert message == "ValueError: dp=3 x pp=1 = 3 ranks, but the world has 4: the mesh sizes must multiply to the world size"
+
+
+def test_a_replica_that_never_steps_gives_a_timeout_not_a_hang(outcomes):
+    for r in (0, 1):
+        message = outcomes[r]["missing_replica"]
+        assert message.startswith("PipelineTimeoutError: rank dp=0 pp=") and "data-parallel all-reduce of gradient bucket 1/1" in message, message
+        assert "did not complete within 2 s" in message, message

@@ -301,6 +301,9 @@ def test_comm_hidden_counts_compute_under_comm_in_flight():
               ("start", "F", "d", 1.0, 1.0), ("wait", "F", "d", 1.0, 1.5)]
     in_flight, hidden = comm_hidden(events)
     assert in_flight == pytest.approx(1.5) and hidden == pytest.approx(0.5)
+    from twinpipe.overlap import fb_spans
+
+    assert fb_spans(events) == [("parts", "a(F)", 0.1, 0.6), ("comm B", "c(B)", 0.0, 1.0), ("comm F", "d(F)", 1.0, 1.5)]
 
 
 def test_comm_without_backward_hands_gradients_back_unchanged():

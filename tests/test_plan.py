@@ -123,12 +123,21 @@ def test_traced_run_round_trip_predicts_its_own_makespan(tmp_path):
     pred = predict_one("zb-h1", None, Cluster(gpus=4), 4, 12, costs=traced.costs)
     assert pred.pipeline == pytest.approx(uniform, rel=1e-6)
     assert traced.costs_at(2).t_f == pytest.approx(2.5)  # half the ranks: each stage holds twice the model
+    # On its own placement a schedule keeps the per-stage times: the traced one comes back exactly.
+    by = {(r.schedule, r.pp): r for r in plan(None, Cluster(gpus=4), 12, [4, 2], costs_for=traced.costs_for)}
+    assert by[("zb-h1", 4)].pipeline == pytest.approx(timeline.makespan, rel=1e-6)
+    assert by[("1f1b", 4)].pipeline == pytest.approx(simulate(registry.build("1f1b", 4, 12), costs).makespan, rel=1e-6)
+    assert by[("zb-h1", 2)].pipeline == pytest.approx(predict_one("zb-h1", None, Cluster(gpus=4), 2, 12, traced.costs_at(2)).pipeline)
 
 
 def test_full_backwards_only_split_in_halves(tmp_path):
     timeline = simulate(registry.build("1f1b", 2, 4), CostModel(t_f=1.0, t_b=2.0, t_w=1.0))
     traced = load_traced(write_chrome_trace(timeline, tmp_path / "trace.json"))
     assert traced.split_assumed and traced.costs.t_b == pytest.approx(1.5) and traced.costs.t_w == pytest.approx(1.5)
+    assert traced.per_stage.t_b == pytest.approx([1.5, 1.5]) and traced.per_stage.t_w == pytest.approx([1.5, 1.5])
+    by = {r.schedule: r for r in plan(None, Cluster(gpus=2), 4, [2], costs_for=traced.costs_for)}
+    assert all(r.fits for r in by.values()), [r.why for r in by.values() if not r.fits]
+    assert by["1f1b"].pipeline == pytest.approx(timeline.makespan)
 
 
 def test_model_and_cluster_refuse_bad_values():

@@ -106,7 +106,7 @@ def plan_from_args(args) -> tuple[list, str, str]:
         raise ValueError("missing --microbatches (per pipeline per step)")
     pp = _ints(args.pp, "--pp") if args.pp else ([traced.pp] if traced else default_pp_sizes(gpus))
     schedules = [registry.get(n.strip()).name for n in args.schedules.split(",") if n.strip()] if args.schedules else None
-    results = plan(model, cluster, m, pp, schedules, costs_for=traced.costs_at if traced else None)
+    results = plan(model, cluster, m, pp, schedules, costs_for=traced.costs_for if traced else None)
     if traced:
         c = traced.costs
         title = (f"plan from {args.from_trace} ({traced.schedule}, p={traced.pp}, m={traced.microbatches}): "

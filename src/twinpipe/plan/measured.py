@@ -4,13 +4,15 @@ The Chrome trace is read back into a measured Timeline; ``trace.costs.estimate_c
 per-stage means; dividing each by its stage's share of the model (``sim.costs.stage_sizes``) gives
 the times of one 1F1B stage at the traced pipeline size, which ``sim.costs.for_model`` scales to
 any schedule. At another pipeline size p' the stage holds p/p' as much model: times scale by that.
+A schedule on the traced placement itself (the traced one, or another on the same stages) keeps
+the per-stage means: the stage that computes the loss is slower than the others.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from twinpipe.schedule import registry
@@ -33,6 +35,16 @@ class Traced:
     microbatches: int
     costs: CostModel  # one 1F1B stage at pipeline size ``pp``
     split_assumed: bool = False  # the run had only full backwards: T_B = T_W = half of one
+    per_stage: CostModel | None = None  # the traced schedule's own per-stage means
+
+    def costs_for(self, name: str, pp: int) -> CostModel:
+        """The traced per-stage times for a schedule on the traced placement, else ``costs_at(pp)``."""
+        placement = self.timeline.placement
+        if self.per_stage is not None and pp == self.pp:
+            other = registry.placement_for(name, pp)
+            if (other.stage_ranks, other.chains) == (placement.stage_ranks, placement.chains):
+                return self.per_stage
+        return self.costs_at(pp)
 
     def costs_at(self, pp: int) -> CostModel:
         """The 1F1B-stage costs at pipeline size ``pp``: the model's share per stage scales by self.pp / pp."""
@@ -91,4 +103,8 @@ def load_traced(path: str | Path) -> Traced:
     """``read_trace`` and ``traced_costs`` in one."""
     timeline = read_trace(path)
     costs, split = traced_costs(timeline)
-    return Traced(timeline, timeline.name, timeline.num_ranks, timeline.num_microbatches, costs, split)
+    per_stage = estimate_costs(timeline)
+    if split:  # the same halves as traced_costs, so that schedules with a separate W can run on these times
+        halves = [b / 2 for b in per_stage.t_b]
+        per_stage = replace(per_stage, t_b=halves, t_w=halves)
+    return Traced(timeline, timeline.name, timeline.num_ranks, timeline.num_microbatches, costs, split, per_stage)

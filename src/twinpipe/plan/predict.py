@@ -65,10 +65,15 @@ class Prediction:
         return "fits" if self.fits else self.why
 
 
+def _scaled(costs: CostModel, placement) -> CostModel:
+    """Costs of one 1F1B stage scaled to ``placement`` (``for_model``); per-stage costs are used as given."""
+    return costs if isinstance(costs.t_f, (list, tuple)) else for_model(costs, placement)
+
+
 def simulate_metrics(name: str, p: int, m: int, costs: CostModel) -> dict:
     """Makespan, per-rank busy time and peak activations (M_B of a 1F1B stage) of ``name`` simulated at (p, m)."""
     placement = registry.placement_for(name, p)
-    scaled = for_model(costs, placement)
+    scaled = _scaled(costs, placement)
     options = {k: getattr(scaled, k) for k in ("t_f", "t_b", "t_w", "t_comm", "mw") if k in (registry.get(name).options or ())}
     schedule = registry.build(name, p, m, **options)
     timeline = simulate(schedule, scaled)
@@ -156,7 +161,8 @@ def _rank_params(model: Model, placement, lay: Layout) -> list[tuple[float, floa
 def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, microbatches: int, costs: CostModel | None = None) -> Prediction:
     """Predict schedule ``name`` at pipeline size ``pp``; an impossible case comes back with ``why``, never raised.
 
-    ``costs``: the op times of one 1F1B stage to use instead of the model's (from a traced run).
+    ``costs``: the op times of one 1F1B stage to use instead of the model's (from a traced run), or
+    per-stage op times of ``name``'s own stages at ``pp``, used as given (the traced schedule itself).
     With ``model`` None (only with ``costs``), memory and the gradient all-reduces are not counted.
     """
     if model is None and costs is None:
@@ -199,10 +205,12 @@ def _pipeline(pred: Prediction, placement, costs: CostModel, a2a_op: float, metr
     pred.pipeline = metrics["makespan"]
     busiest = max(range(placement.num_ranks), key=lambda r: metrics["busy"][r])
     busy = metrics["busy"][busiest]
-    pure_op = costs.t_f + costs.t_b + costs.t_w - a2a_op  # one micro-batch through a 1F1B stage
-    share = float(sum(sizes[s] for s in placement.stages_of(busiest)) * pred.microbatches / pred.copies)
-    pred.compute = share * pure_op
+    per = _scaled(costs, placement).per_stage(placement.num_stages)
+    mine = placement.stages_of(busiest)
+    per_chain = pred.microbatches / pred.copies
+    share = float(sum(sizes[s] for s in mine)) * per_chain  # 1F1B stages' worth of micro-batches the rank runs
     a2a_total = share * a2a_op
+    pred.compute = sum(per["t_f"][s] + per["t_b"][s] + per["t_w"][s] for s in mine) * per_chain - a2a_total
     pred.a2a_exposed = max(0.0, min(a2a_total, busy - pred.compute))
     pred.a2a_hidden = a2a_total - pred.a2a_exposed
     pred.bubble = max(0.0, pred.pipeline - busy)
@@ -257,11 +265,11 @@ def plan(model: Model, cluster: Cluster, microbatches: int, pp_sizes=None, sched
     """Every schedule (default ``registry.names()``) at every pipeline size (default: powers of two
     dividing the GPUs, 2..64), ranked: fitting ones by throughput (by step time without a model), then the rest.
 
-    ``costs_for(pp)``: op times of one 1F1B stage at pipeline size ``pp`` to use instead of the model's.
+    ``costs_for(name, pp)``: the op times to use instead of the model's (``predict_one``'s ``costs``).
     """
     schedules = list(schedules or registry.names())
     pp_sizes = list(pp_sizes or default_pp_sizes(cluster.gpus))
-    results = [predict_one(name, model, cluster, p, microbatches, costs_for(p) if costs_for else None)
+    results = [predict_one(name, model, cluster, p, microbatches, costs_for(name, p) if costs_for else None)
                for p in pp_sizes for name in schedules]
     return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s, r.step_time, r.pp, r.schedule))
 

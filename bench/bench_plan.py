@@ -1,0 +1,168 @@
+"""twinpipe plan: how fast it answers, and how close its step time comes to a real CPU run's.
+
+1. Speed: ``plan`` for a 64-layer dense model on 64 GPUs, 1024 micro-batches, every registered
+   schedule at pipeline sizes 2..64 (and at 64 alone), median of --repeats; baseline measured in
+   the same run: simulating the same (schedule, size) pairs whole at m=1024, for the sizes where
+   that is affordable (16 and 32; the searching schedules are left out of both).
+2. Accuracy: real runs on CPU (gloo, one thread per rank, MLP stages) on 2 and 4 ranks; each
+   step's wall time (barrier to barrier) is measured, the last step is traced and written as
+   trace.json, and the planner's step time from that file (the path `twinpipe plan --from-trace`
+   takes) is compared with that traced step's wall time and with the median of the others.
+
+    PYTHONPATH=src python bench/bench_plan.py
+    PYTHONPATH=src python bench/bench_plan.py --skip-speed --ranks 2 --schedules 1f1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+
+def _speed(repeats: int) -> None:
+    from twinpipe.plan import Cluster, Model, plan
+    from twinpipe.plan.predict import simulate_metrics
+    from twinpipe.plan.costs import layout, stage_costs
+    from twinpipe.schedule import registry
+
+    model, cluster, m = Model(layers=64, hidden=4096, seq=4096), Cluster(gpus=64), 1024
+    cases = {"pp 2..64": None, "pp 64 alone": [64], "pp 16,32": [16, 32]}
+    print(f"plan speed: {model.layers} layers x {model.hidden}, {cluster.gpus} GPUs, m={m}, {len(registry.names())} schedules")
+    for label, sizes in cases.items():
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            results = plan(model, cluster, m, sizes)
+            times.append(time.perf_counter() - start)
+        skipped = sum(r.why.startswith("skipped") for r in results)
+        approx = sum(bool(r.extrapolated_from and len(r.extrapolated_from) == 3) for r in results)
+        print(f"  {label:12} median {statistics.median(times):6.2f} s over {repeats} (min {min(times):.2f} s); "
+              f"{len(results)} predictions, {skipped} skipped, {approx} approximate")
+    fast = [n for n in registry.names() if registry.get(n).max_pairs >= 2**17]
+    whole, planned = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for p in (16, 32):
+            costs = stage_costs(model, cluster, layout(model, cluster, p))[0]
+            for name in fast:
+                simulate_metrics(name, p, m, costs)
+        whole.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        plan(model, cluster, m, [16, 32], fast)
+        planned.append(time.perf_counter() - start)
+    print(f"  baseline: simulating {len(fast)} schedules whole at pp 16 and 32, m={m}: median {statistics.median(whole):.2f} s; "
+          f"plan on the same: {statistics.median(planned):.2f} s ({statistics.median(whole) / statistics.median(planned):.1f}x faster)")
+
+
+def _stage(hidden: int):
+    import torch.nn as nn
+
+    import twinpipe
+
+    return twinpipe.defer_weight_grads(nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)))
+
+
+def _worker(rank: int, world: int, port: int, args, queue) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import twinpipe
+    from twinpipe.schedule.registry import placement_for
+    from twinpipe.trace import gather_timeline, write_chrome_trace
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        out = {}
+        for schedule in args.schedules.split(","):
+            placement = placement_for(schedule, world)
+            torch.manual_seed(rank)
+            pipe = twinpipe.Pipeline([_stage(args.hidden) for _ in placement.stages_of(rank)], schedule)
+            first = any(placement.is_first(s) for s in pipe.stages)
+            last = any(placement.is_last(s) for s in pipe.stages)
+            x, y = torch.randn(args.chunks * args.batch, args.hidden), torch.randn(args.chunks * args.batch, args.hidden)
+            kwargs = {"criterion": lambda o, t: F.mse_loss(o, t), "labels": (y,)} if last else {}
+            steps, path, traced_step = [], None, None
+            for step in range(args.warmup + args.steps + 1):
+                traced = step == args.warmup + args.steps
+                pipe.zero_grad()
+                dist.barrier()
+                start = time.perf_counter()
+                pipe.step(*((x,) if first else ()), num_chunks=args.chunks, trace=traced, **kwargs)
+                dist.barrier()
+                if traced:
+                    traced_step = time.perf_counter() - start
+                elif step >= args.warmup:
+                    steps.append(time.perf_counter() - start)
+            timeline = gather_timeline(pipe, args.chunks, name=schedule)
+            if timeline is not None:
+                path = str(write_chrome_trace(timeline, os.path.join(args.out, f"{schedule}-{world}.json")))
+            out[schedule] = (steps, traced_step, path)
+        queue.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(world: int, args) -> dict:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=900) for _ in procs)
+    for p in procs:
+        p.join()
+    return results[0]
+
+
+def _accuracy(args) -> None:
+    from twinpipe.plan import Cluster, predict_one
+    from twinpipe.plan.measured import load_traced
+
+    print(f"plan vs a real CPU run: MLP stages {args.hidden}-{4 * args.hidden}-{args.hidden}, {args.chunks} micro-batches of "
+          f"{args.batch} rows, gloo, 1 thread per rank, {os.cpu_count()} cores; median of {args.steps} steps after {args.warmup} warm-up")
+    for world in args.ranks:
+        results = _run(world, args)
+        for schedule, (steps, traced_step, path) in results.items():
+            traced = load_traced(path)  # what `twinpipe plan --from-trace` reads
+            predicted = predict_one(schedule, None, Cluster(gpus=world), world, args.chunks, costs=traced.costs_for(schedule, world)).step_time
+            measured = statistics.median(steps)
+            print(f"  {schedule:10} {world} ranks: traced step {traced_step * 1e3:6.1f} ms, predicted from its op times "
+                  f"{predicted * 1e3:6.1f} ms ({predicted / traced_step:.3f}x); other steps median {measured * 1e3:6.1f} ms "
+                  f"({predicted / measured:.3f}x; min {min(steps) * 1e3:.1f}, max {max(steps) * 1e3:.1f})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-run", action="store_true")
+    parser.add_argument("--ranks", type=lambda t: [int(v) for v in t.split(",")], default=[2, 4])
+    parser.add_argument("--schedules", default="1f1b,dualpipev")
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=7)
+    args = parser.parse_args()
+    if not args.skip_speed:
+        _speed(args.repeats)
+    if not args.skip_run:
+        with tempfile.TemporaryDirectory() as out:
+            args.out = out
+            _accuracy(args)
+
+
+if __name__ == "__main__":
+    main()

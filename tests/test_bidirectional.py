@@ -69,6 +69,28 @@ def test_chimera_slots_never_collide(d, m):
         assert taken == sorted(set(taken))
 
 
+# The authors' reference generator (Shigangli/Chimera, chimera_pipeline_rank.py) for D = 4 and
+# N = 8 (two basic units), one slot per cell: d/u = down/up pipeline, f/b = forward/backward, "-"
+# = no compute (its gradient-sync cells are written "-" here).
+AUTHORS_D4_N8 = [
+    "df - df uf ub uf ub db df db df uf ub uf ub db - db",
+    "- df uf df uf ub db ub db df uf df uf ub db ub db",
+    "- uf df uf df db ub db ub uf df uf df db ub db ub",
+    "uf - uf df db df db ub uf ub uf df db df db ub - ub",
+]
+
+
+def test_chimera_slots_equal_the_authors_generator():
+    rows = []
+    for entries in slots(4, 8):
+        cells = ["-"] * (entries[-1][0] + 1)
+        for slot, op in entries:
+            direction = "d" if op.stage < 4 else "u"
+            cells[slot] = direction + ("f" if op.kind.value == "F" else "b")
+        rows.append(" ".join(cells))
+    assert rows == AUTHORS_D4_N8
+
+
 def test_bitpipe_basic_unit_spans_28_for_24_of_work():
     # The paper's D = 4 figure: chunk forward 1, chunk backward 2.
     timeline, idle = span_and_bubble("bitpipe", 4, 4, 1.0, 2.0)

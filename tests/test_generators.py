@@ -154,8 +154,8 @@ def test_zbv_layout():
     assert str(schedule.ops[0][0]) == "0F0"
 
 
-# Chimera, D = 4, N = 4 (the paper's figure 3): micro-batches 0, 1 go down (stages 0-3 on ranks
-# 0-3), 2, 3 up (stages 4-7 on ranks 3-0); slot of F on chain position k: 2i + k, of BW: 2i + 7 - k.
+# Chimera, D = 4, N = 4 (one basic unit): micro-batches 0, 1 go down (stages 0-3 on ranks 0-3),
+# 2, 3 up (stages 4-7 on ranks 3-0); slot of F on chain position k: 2i + k, of BW: 2i + 7 - k.
 CHIMERA_4 = [
     "0F0 0F1 7F2 7BW2 7F3 7BW3 0BW0 0BW1",
     "1F0 6F2 1F1 6F3 6BW2 1BW0 6BW3 1BW1",

@@ -95,3 +95,13 @@ def test_the_readme_quickstart_names_every_trace_file():
     quickstart = readme.split("\n## Quickstart\n", 1)[1].split("\n## ", 1)[0]
     for name in demo.TRACE_FILES:
         assert f"`{name}`" in quickstart, name
+
+
+def test_demo_moe_runs_the_moe_demo_with_its_own_options(capsys):
+    from twinpipe.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--moe", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "twinpipe demo --moe" in out and "--ep" in out

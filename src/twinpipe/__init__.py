@@ -17,7 +17,13 @@ _RUNTIME = {
     "PipelineCommError", "PipelineTimeoutError", "PipelineMismatchError", "PipelineAbortedError", "PipelineBrokenError",
 }
 
-__all__ = ["Op", "OpKind", "Schedule", "build_schedule", "schedule_names", "stages_of_rank", "simulate", *sorted(_RUNTIME)]
+_MOE = {"MoEBlock", "MoEStage", "expert_counts", "reduce_dense_grads", "pp_ep_groups"}
+_OVERLAP = {"PartedStage", "PartedSequential", "Compute", "Comm"}
+
+__all__ = [
+    "Op", "OpKind", "Schedule", "build_schedule", "schedule_names", "stages_of_rank", "simulate",
+    *sorted(_RUNTIME), *sorted(_MOE), *sorted(_OVERLAP),
+]
 
 
 def __getattr__(name):
@@ -26,6 +32,14 @@ def __getattr__(name):
         from twinpipe import runtime
 
         return getattr(runtime, name)
+    if name in _MOE:
+        from twinpipe import moe
+
+        return getattr(moe, name)
+    if name in _OVERLAP:
+        from twinpipe import overlap
+
+        return getattr(overlap, name)
     if name == "simulate":
         from twinpipe.sim import simulate
 

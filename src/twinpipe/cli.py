@@ -87,6 +87,11 @@ def run_export(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if _command_of(argv) == "demo" and "--moe" in argv:  # the MoE demo has options of its own
+        from twinpipe.moe.demo import main as moe_demo
+
+        rest = argv[argv.index("demo") + 1 :]
+        return moe_demo([a for a in rest if a != "--moe"])
     parser = _parser(_command_of(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):

@@ -291,6 +291,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
                         + ", ".join(f"{t:g} ({d})" for d, t in GRAD_TOLERANCE.items()) + " (default: %(default)s)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: %(default)s)")
     p.add_argument("--threads", type=_positive_int, default=1, help="torch threads per CPU rank (default: %(default)s)")
+    p.add_argument("--moe", action="store_true",
+                   help="run the MoE demo instead: MoE blocks on PP x EP ranks, DualPipeV with F&B overlap on and "
+                        "off, and how much all-to-all time the overlap hid; its options: twinpipe demo --moe --help (default: off)")
     p.add_argument("--trace", metavar="DIR", default=None,
                    help="record the last step and write "
                         + ", ".join(f"{name} ({what})" for name, what in TRACE_FILES.items())

@@ -24,13 +24,13 @@ __all__ = ["main", "add_arguments"]
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--pp", type=int, default=2, help="pipeline ranks (DualPipeV)")
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel ranks per pipeline rank")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="training steps, each run with overlap off then on")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per micro-batch per EP rank")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--expert-hidden", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=64, help="model width")
+    parser.add_argument("--experts", type=int, default=8, help="routed experts per MoE block (a multiple of --ep)")
+    parser.add_argument("--top-k", type=int, default=2, help="experts each token is routed to")
+    parser.add_argument("--expert-hidden", type=int, default=128, help="hidden width of each expert")
     parser.add_argument("--blocks", type=int, default=2, help="MoE blocks per stage")
     parser.add_argument("--trace", metavar="PATH", help="write the last step's overlapped F&B ops as Chrome trace JSON")
     return parser
@@ -102,7 +102,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
 
 
 def main(argv=None) -> int:
-    args = add_arguments(argparse.ArgumentParser(prog="twinpipe demo --moe", description=__doc__.splitlines()[0])).parse_args(argv)
+    args = add_arguments(argparse.ArgumentParser(prog="twinpipe demo --moe", description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)).parse_args(argv)
     _check(args)
     import torch.multiprocessing as mp
 

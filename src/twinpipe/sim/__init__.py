@@ -2,5 +2,6 @@
 
 from twinpipe.sim.costs import CostModel
 from twinpipe.sim.engine import simulate
+from twinpipe.sim.overlap import fb_order, predict_fb
 
-__all__ = ["CostModel", "simulate"]
+__all__ = ["CostModel", "simulate", "fb_order", "predict_fb"]

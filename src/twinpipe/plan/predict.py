@@ -129,7 +129,8 @@ def _metrics(name: str, p: int, m: int, costs: CostModel, num_stages: int, max_p
         raise _NoFit(text) from None
     used = (m0 + q, m0 + 2 * q)
     exact = _linear(*(runs[k] for k in (m0, *used)))
-    if not exact and num_stages * m <= DIRECT_PAIRS:
+    searching = max_pairs < MAX_STAGE_MICROBATCHES
+    if not exact and num_stages * m <= (PLANNED_CAP if searching else DIRECT_PAIRS):
         return simulate_metrics(name, p, m, costs), None
     a, b = runs[used[0]], runs[used[1]]
     return {key: _extend(a[key], b[key], *used, m) for key in a}, used + (() if exact else ("approximate",))

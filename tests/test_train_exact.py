@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from distributed import run_world
+from twinpipe.schedule import registry
 
 WORLD = 4
 STEPS = 30
@@ -26,12 +27,13 @@ class Case:
     optimizer: str  # "sgd" (momentum) | "adamw"
     max_norm: float | None = None
     dp_reduce: str = "all-reduce"
+    steps: int = STEPS
 
     @property
     def id(self) -> str:
         clip = f"-clip{self.max_norm}" if self.max_norm is not None else ""
         ordered = "-ordered" if self.dp_reduce == "ordered" else ""
-        return f"{self.schedule}-pp{self.pp}-dp{self.dp}-{self.optimizer}{clip}{ordered}"
+        return f"{self.schedule}-pp{self.pp}-dp{self.dp}-{self.optimizer}{clip}{ordered}-{self.steps}steps"
 
 
 CASES = [
@@ -45,6 +47,8 @@ CASES = [
     Case("dualpipe", 2, 2, "sgd"),
     Case("1f1b", 1, 4, "adamw", dp_reduce="ordered"),  # four replicas, added in order: still bitwise
 ]
+# Every other registered schedule (Chimera and BitPipe keep two copies too): a few steps each.
+CASES += [Case(name, 2, 2, "sgd", max_norm=0.3, steps=3) for name in registry.names() if name not in {c.schedule for c in CASES}]
 
 
 def tiny_setup(schedule: str, seed: int = 0, max_norm=None, optimizer: str = "sgd", dp_reduce: str = "all-reduce"):
@@ -82,14 +86,14 @@ def _run_case(rank: int, case: Case) -> list[str]:
     expected = [None]
     if rank == 0:  # one reference run, shared (the ranks share two cores)
         ref = ReferenceTrainer(model_fn, sampler, criterion, make_opt, config, case.dp, case.pp, dtype=torch.float64)
-        steps = [ref.step(step) for step in range(STEPS)]
+        steps = [ref.step(step) for step in range(case.steps)]
         expected = [(steps, {k: v.detach() for k, v in ref.named_parameters().items()})]
     dist.broadcast_object_list(expected, src=0)
     steps, final = expected[0]
     mesh = build_mesh(case.dp, case.pp)
     trainer = Trainer(model_fn, sampler, criterion, make_opt, mesh, config, dtype=torch.float64)
     problems, clipped = [], 0
-    for step in range(STEPS):
+    for step in range(case.steps):
         got = trainer.step(step)
         loss, losses, norm = steps[step]
         if not torch.equal(got.losses, losses):

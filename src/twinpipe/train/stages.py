@@ -115,18 +115,20 @@ def split(model: nn.Module, num_stages: int, balance: str | Sequence[int] = "par
 
 
 def num_model_stages(placement: Placement) -> int:
-    """How many stages the model must be cut into for ``placement`` (DualPipe: one per rank)."""
-    return placement.num_ranks if placement.kind == "dual" else placement.num_stages
+    """How many stages the model must be cut into for ``placement``.
+
+    With several chains (DualPipe, Chimera, BitPipe) each chain runs a whole copy of the model."""
+    return len(placement.chains[0])
 
 
 def model_stage(placement: Placement, stage: int) -> int:
-    """The model stage a pipeline stage runs (DualPipe's second chain runs copies of the first's)."""
-    return stage % placement.num_ranks if placement.kind == "dual" else stage
+    """The model stage a pipeline stage runs: its position in its chain (the runtime's rule)."""
+    return placement.stage_chain_position(stage)
 
 
 def is_mirror_copy(placement: Placement, stage: int) -> bool:
-    """True for DualPipe's second copy of a model stage (left out of norms and checkpoints)."""
-    return placement.kind == "dual" and stage >= placement.num_ranks
+    """True for a stage of a second (third, ...) copy of the model: left out of norms and checkpoints."""
+    return placement.chain_of_stage(stage) > 0
 
 
 def stage_modules(stages: Sequence[nn.Module], schedule: str, num_ranks: int, rank: int, **options) -> list[nn.Module]:

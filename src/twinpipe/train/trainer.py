@@ -14,7 +14,9 @@ runtime has no per-stage "gradients ready" signal, so they are not overlapped wi
 
 from __future__ import annotations
 
+import copy
 import datetime
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -24,9 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from twinpipe.runtime.batches import batch_layout
-from twinpipe.runtime.collectives import checked_timeout
+from twinpipe.runtime.collectives import checked_timeout, cpu_group, gather_objects
 from twinpipe.runtime.comm import wait_work
-from twinpipe.runtime.pipeline import DualPipe, Pipeline
+from twinpipe.runtime.pipeline import Pipeline
 from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule import registry
 from twinpipe.train.data import BatchSampler, replica_rows
@@ -102,18 +104,22 @@ class Trainer:
         stages = split(model, num_model_stages(self.placement), self._layer_counts(model, device))
         self.stage_names = [s.names for s in stages]
         pipeline_stages = self.placement.stages_of(mesh.pp_rank)
-        modules = [defer_weight_grads(stages[model_stage(self.placement, s)]) for s in pipeline_stages]
+        modules, used = [], set()
+        for s in pipeline_stages:
+            k = model_stage(self.placement, s)
+            # Two copies of one model stage on this rank must not share parameters (or gradients).
+            modules.append(defer_weight_grads(copy.deepcopy(stages[k]) if k in used else stages[k]))
+            used.add(k)
         # (model parameter name, parameter, owned): owned parameters count in norms and checkpoints.
         self.held = [(name, p, not is_mirror_copy(self.placement, s))
                      for s, m in zip(pipeline_stages, modules) for name, p in m.named_model_parameters()]
         self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned], dtype=torch.long)
         self.params = [p for _, p, _ in self.held]
         self.reducer = DataParallelReducer(self.params, mesh.dp_group, self.timeout, mode=config.dp_reduce)
-        kind = DualPipe if self.placement.kind == "dual" else Pipeline
-        args = () if kind is DualPipe else (config.schedule,)
-        self.pipe = kind(modules, *args, process_group=mesh.pp_group, timeout=self.timeout, **options)
+        self.pipe = Pipeline(modules, config.schedule, process_group=mesh.pp_group, timeout=self.timeout, **options)
         self.optimizer = optimizer_fn(self.params)
         # Checkpoints run torch.distributed.checkpoint's own collectives: a gloo group bounds them too.
+        self._agree_group = cpu_group(mesh.pp_group, self.timeout)
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
         self._sync_start()
 
@@ -130,7 +136,8 @@ class Trainer:
 
     @property
     def is_dual(self) -> bool:
-        return self.placement.kind == "dual"
+        """Whether the schedule keeps two copies of the model (DualPipe, Chimera, BitPipe)."""
+        return len(self.placement.chains) > 1
 
     def _where(self, what: str) -> str:
         return f"rank dp={self.mesh.dp_rank} pp={self.mesh.pp_rank}: {what}"
@@ -199,16 +206,15 @@ class Trainer:
         return StepResult(step, float(losses.mean()), losses, norm, times)
 
     def mirrors_equal(self) -> bool:
-        """DualPipe: whether this rank's two copies are bitwise equal to their mirrors' (collective)."""
+        """Whether every copy of every model stage is bitwise equal across the pipeline (collective)."""
         if not self.is_dual:
             return True
-        first, second = [list(mod.parameters()) for mod in self.pipe.module]
-        mine = torch.cat([p.detach().reshape(-1) for p in second + first])
-        theirs = torch.empty_like(mine)
-        pp, r = self.mesh.pp, self.mesh.pp_rank
-        peer = dist.get_global_rank(self.mesh.pp_group, pp - 1 - r)
-        works = [dist.isend(mine, dst=peer, group=self.mesh.pp_group), dist.irecv(theirs, src=peer, group=self.mesh.pp_group)]
-        for w in works:
-            wait_work(w, self.timeout, self._where("comparing weights with the mirrored copy"))
-        ours = torch.cat([p.detach().reshape(-1) for p in first + second])
-        return bool(torch.equal(ours, theirs))
+        digests = []
+        for s, module in zip(self.placement.stages_of(self.mesh.pp_rank), self.pipe.module):
+            data = b"".join(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() for p in module.parameters())
+            digests.append((model_stage(self.placement, s), hashlib.sha1(data).hexdigest()[:16]))
+        seen: dict[int, set[str]] = {}
+        for claims in gather_objects(self._agree_group, digests, self.timeout, self._where("comparing mirrored copies")):
+            for k, digest in claims:
+                seen.setdefault(k, set()).add(digest)
+        return all(len(d) == 1 for d in seen.values())

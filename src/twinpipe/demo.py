@@ -65,7 +65,7 @@ def _criterion(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _model_stage(placement, stage: int) -> int:
-    return stage % placement.num_ranks if placement.kind == "dual" else stage
+    return placement.stage_chain_position(stage)  # with several chains, each is a whole model copy
 
 
 def _grad_error(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -85,7 +85,7 @@ def _run_rank(args) -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     placement = placement_for(args.schedule, world, **_schedule_options(args))
-    num_model_stages = world if placement.kind == "dual" else placement.num_stages
+    num_model_stages = len(placement.chains[0])
     mine = placement.stages_of(rank)
     modules = [_stage(_model_stage(placement, s), args, device) for s in mine]
     if args.schedule == "dualpipe":
@@ -102,7 +102,7 @@ def _run_rank(args) -> None:
     via = dist.get_backend() + (", messages through shared memory" if piped.item() else "")
     if rank == 0:
         print(f"twinpipe demo: {args.schedule} on {world} {args.device} rank(s) ({via}), "
-              f"{num_model_stages} model stages{' (two copies)' if placement.kind == 'dual' else ''} x {args.blocks_per_stage} block(s), hidden {args.hidden}, "
+              f"{num_model_stages} model stages{' (two copies)' if len(placement.chains) > 1 else ''} x {args.blocks_per_stage} block(s), hidden {args.hidden}, "
               f"{chunks} micro-batches of {args.microbatch_size}x{args.seq}, {args.dtype}", flush=True)
     all_exact = True
     for step in range(args.steps):
@@ -120,7 +120,7 @@ def _run_rank(args) -> None:
             torch.cuda.synchronize()
         dist.barrier()
         elapsed = time.perf_counter() - start
-        if isinstance(pipe, twinpipe.DualPipe):
+        if len(placement.chains) > 1:
             pipe.sync_mirrored_grads()  # both copies of a stage now hold its full gradient
         exact = True
         if loss is not None:
@@ -151,7 +151,7 @@ def _reference_model(pipe, placement, num_model_stages, args, device) -> list[nn
     mine = {}
     for s, module in zip(pipe.stages, pipe.module):
         k = _model_stage(placement, s)
-        if placement.kind != "dual" or s < placement.num_ranks:
+        if placement.chain_of_stage(s) == 0:
             mine[k] = {n: t.detach().cpu() for n, t in module.state_dict().items()}
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

@@ -25,13 +25,13 @@ _DARK = {dark for _, dark in KIND_COLOURS.values()}
 def direction(placement: Placement | None, stage: int) -> int:
     """0 (light) or 1 (dark): which direction or leg ``stage`` belongs to.
 
-    DualPipe ("dual"): the chain (0 forward, 1 reverse). V placements: the leg (first p stages
+    DualPipe, Chimera ("dual") and BitPipe ("dual-v"): the chain (0 forward, 1 reverse). V placements: the leg (first p stages
     of the chain go down the ranks, the rest come back up). Looped (interleaved): alternate
     model chunks. Linear: always 0.
     """
     if placement is None or not 0 <= stage < placement.num_stages:
         return 0
-    if placement.kind == "dual":
+    if placement.kind in ("dual", "dual-v"):
         return placement.chain_of_stage(stage) % 2
     if placement.kind in ("v", "looped"):
         return (placement.stage_chain_position(stage) // placement.num_ranks) % 2
@@ -43,6 +43,8 @@ def direction_names(placement: Placement | None) -> tuple[str, str] | None:
     kind = placement.kind if placement is not None else None
     if kind == "dual":
         return ("chain 0 (rank 0 -> p-1)", "chain 1 (rank p-1 -> 0)")
+    if kind == "dual-v":
+        return ("down V (starts on rank 0)", "up V (starts on rank p-1)")
     if kind == "v":
         return ("first leg (down)", "second leg (up)")
     if kind == "looped" and placement.num_stages > placement.num_ranks:

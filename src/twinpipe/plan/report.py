@@ -70,7 +70,7 @@ def draw_plan(predictions: list[Prediction], path: str | Path, title: str, top: 
     rows = [p for p in predictions if p.fits][:top]
     if not rows:
         raise ValueError("nothing fits: no picture to draw (see the table for why)")
-    fig, ax = plt.subplots(figsize=(10, 0.9 + 0.32 * len(rows)))
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.32 * len(rows)))
     labels = [f"{p.schedule}  pp={p.pp}" for p in rows]
     left = [0.0] * len(rows)
     colors = ("#4c72b0", "#dd8452", "#c0c0c0", "#55a868", "#c44e52")
@@ -82,7 +82,7 @@ def draw_plan(predictions: list[Prediction], path: str | Path, title: str, top: 
     ax.invert_yaxis()
     ax.set_xlabel("predicted step time (s)")
     ax.set_title(title, fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,14 +15,16 @@ TINY = ["--layers", "2", "--dim", "16", "--heads", "2", "--seq-len", "16", "--ba
         "--corpus-bytes", "20000"]
 
 
-def _run(*args):
-    return subprocess.run([sys.executable, "-m", "twinpipe.train", *TINY, *args], capture_output=True, text=True, timeout=300)
+def test_python_m_twinpipe_train_shows_its_options():
+    done = subprocess.run([sys.executable, "-m", "twinpipe.train", "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "--schedule" in done.stdout and "--resume" in done.stdout
 
 
-def test_train_saves_and_resumes_under_another_schedule(tmp_path, monkeypatch):
-    first = _run("--schedule", "dualpipev", "--pp", "2", "--steps", "3", "--save-every", "2", "--out", str(tmp_path / "a"))
-    assert first.returncode == 0, first.stderr
-    assert "bits per byte" in first.stdout and (tmp_path / "a" / "train-loss.png").stat().st_size > 10_000
+def test_train_saves_and_resumes_under_another_schedule(tmp_path, monkeypatch, capfd):
+    # The command starts its 2 processes itself.
+    assert run_train(_args(*TINY, "--schedule", "dualpipev", "--pp", "2", "--steps", "3", "--save-every", "2",
+                           "--out", str(tmp_path / "a"))) == 0
+    assert "bits per byte" in capfd.readouterr().out and (tmp_path / "a" / "train-loss.png").stat().st_size > 10_000
     log = json.loads((tmp_path / "a" / "train-log.json").read_text())["steps"]
     assert [e["step"] for e in log] == [0, 1, 2] and log[2]["loss"] < log[0]["loss"] + 1
     # Resume in this process, as torchrun would start it (RANK set): one rank, 1F1B.

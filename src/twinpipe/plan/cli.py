@@ -35,7 +35,6 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--hidden", type=int, help="hidden size")
     m.add_argument("--seq", type=int, help="tokens per sequence")
     m.add_argument("--microbatch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
-    m.add_argument("--heads", type=int, default=0, help="attention heads (default hidden/128)")
     m.add_argument("--ffn", type=int, default=0, help="MLP width (default 4 x hidden)")
     m.add_argument("--vocab", type=int, default=32000, help="vocabulary (embedding and head; default 32000)")
     m.add_argument("--experts", type=int, default=0, help="MoE: routed experts per layer (default 0: dense)")
@@ -79,7 +78,7 @@ def _model(args) -> Model | None:
     missing = [f"--{name}" for name in _MODEL if getattr(args, name) is None]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (the model; or give --from-trace alone)")
-    return Model(layers=args.layers, hidden=args.hidden, seq=args.seq, microbatch_size=args.microbatch_size, heads=args.heads,
+    return Model(layers=args.layers, hidden=args.hidden, seq=args.seq, microbatch_size=args.microbatch_size,
                  ffn=args.ffn, vocab=args.vocab, experts=args.experts, top_k=args.top_k, expert_ffn=args.expert_ffn, ep=args.ep)
 
 

@@ -18,7 +18,6 @@ those simulations exceed ``PLANNED_CAP`` (stage, micro-batch) pairs, and say so.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 from twinpipe.plan.costs import Layout, all_reduce_time, layout, stage_costs
 from twinpipe.plan.spec import Cluster, Model
@@ -27,7 +26,7 @@ from twinpipe.schedule.limits import MAX_STAGE_MICROBATCHES
 from twinpipe.sim.costs import CostModel, for_model, stage_sizes
 from twinpipe.sim.engine import simulate
 
-__all__ = ["Prediction", "predict_one", "plan", "simulate_metrics", "PLANNED_CAP"]
+__all__ = ["Prediction", "predict_one", "plan", "default_pp_sizes", "simulate_metrics", "PLANNED_CAP"]
 
 PLANNED_CAP = 1024
 DIRECT_PAIRS = 16384  # not linear yet: simulate m itself up to this many (stage, micro-batch) pairs

@@ -6,7 +6,7 @@ what is allowed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 __all__ = ["Model", "Cluster"]
 
@@ -36,7 +36,6 @@ class Model:
     hidden: int
     seq: int
     microbatch_size: int = 1
-    heads: int = 0  # 0: hidden / 128 (at least 1)
     ffn: int = 0  # 0: 4 x hidden
     vocab: int = 32000
     experts: int = 0
@@ -51,7 +50,7 @@ class Model:
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "seq", "microbatch_size"):
             _check("model", name, getattr(self, name), integer=True, minimum=1, strict=False)
-        for name in ("heads", "ffn", "vocab", "experts", "expert_ffn", "ep"):
+        for name in ("ffn", "vocab", "experts", "expert_ffn", "ep"):
             _check("model", name, getattr(self, name), integer=True, minimum=0, strict=False)
         for name in ("param_bytes", "grad_bytes", "activation_bytes"):
             _check("model", name, getattr(self, name))
@@ -66,10 +65,6 @@ class Model:
     @property
     def moe(self) -> bool:
         return self.experts > 0
-
-    @property
-    def num_heads(self) -> int:
-        return self.heads or max(1, self.hidden // 128)
 
     @property
     def ffn_width(self) -> int:
@@ -126,8 +121,3 @@ class Cluster:
     def bandwidth(self, span_gpus: int) -> float:
         """Link bandwidth of a group whose members lie within ``span_gpus`` consecutive GPUs."""
         return self.intra_bw if span_gpus <= self.gpus_per_node else self.inter_bw
-
-
-def describe(obj) -> str:
-    """``name=value`` pairs of a spec, for tables and docs."""
-    return ", ".join(f"{f.name}={getattr(obj, f.name):g}" for f in fields(obj))

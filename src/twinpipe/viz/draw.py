@@ -8,6 +8,7 @@ labels and borders are left out where cells are too small to show them.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Sequence
 
@@ -25,6 +26,7 @@ _LEFT, _RIGHT, _TOP, _TITLE, _GAP, _XAXIS = 0.85, 0.25, 0.1, 0.32, 0.25, 0.42  #
 _LEGEND_PAD, _LEGEND_ROW, _LEGEND_TITLE = 0.1, 0.22, 0.16  # inches
 _LEGEND_FONT = 7.5  # points
 _CAPTION = 0.3  # inches
+_CAPTION_LINE = 0.15  # inches per further caption line
 # Limits (docs/limits.md): a 36 x 10 inch picture fits at 300 dpi; an Agg canvas of 50 MP takes 200 MB.
 MAX_DPI = 2400
 MAX_PIXELS = 50_000_000
@@ -86,15 +88,17 @@ def draw_timelines(
     legend = _legend_entries(timelines, cells)
     legend_cols, legend_rows = _legend_shape(legend, fig_w)
     legend_h = _LEGEND_PAD + legend_rows * _LEGEND_ROW + (_LEGEND_TITLE if legend[2] else 0.0)
-    caption_h = _CAPTION if caption else 0.0
+    # The caption wraps to the figure's width (about 0.06 inch per character at 8 points).
+    caption_lines = textwrap.wrap(caption, max(20, int((fig_w - _LEFT - _RIGHT) / 0.06))) if caption else []
+    caption_h = _CAPTION + _CAPTION_LINE * (len(caption_lines) - 1) if caption_lines else 0.0
     height = _TOP + caption_h + sum(_TITLE + h + _XAXIS for h in panel_h) + _GAP * (len(rows) - 1) + legend_h
     _check_pixels(fig_w, height, dpi)
     fig = Figure(figsize=(fig_w, height), dpi=dpi)
     FigureCanvasAgg(fig)
     px_per_unit = axes_w * dpi / span
     top = height - _TOP
-    if caption:
-        fig.text(_LEFT / fig_w, (top - 0.05) / height, caption, fontsize=8, ha="left", va="top", wrap=False)
+    if caption_lines:
+        fig.text(_LEFT / fig_w, (top - 0.05) / height, "\n".join(caption_lines), fontsize=8, ha="left", va="top")
         top -= caption_h
     for i, (timeline, c) in enumerate(zip(timelines, cells)):
         top -= _TITLE

@@ -279,6 +279,8 @@ def compiled_autograd_defers_or_refuses() -> list[str]:
     if got != (2, False) or not _grads_equal(stage, eager):
         problems.append(f"deferred under compiled autograd: (closures filed, .grad set in B) = {got}, "
                         f"gradients equal to eager: {_grads_equal(stage, eager)}")
+    for p in stage.parameters():
+        p.grad = None
     with compiled_autograd._enable(torch.compile(backend=BACKENDS["aot_eager"])):
         try:
             got = _one_backward(stage, x, store, False)

@@ -40,6 +40,16 @@ def test_pipeline_time_is_the_simulators(name):
     assert pred.step_time == pred.pipeline  # no model: no all-reduce counted
 
 
+@pytest.mark.parametrize("name", registry.names())
+def test_every_large_m_answer_matches_a_whole_simulation(name):
+    # Extended from a linear triple, or (not linear yet, and small enough) simulated whole: never a guess here.
+    costs = CostModel(t_f=1.0, t_b=1.2, t_w=0.8, t_comm=0.05, t_fb=2.5)
+    pred = predict_one(name, None, Cluster(gpus=4), 4, 48, costs=costs)
+    assert pred.fits, pred.why
+    assert pred.extrapolated_from is None or len(pred.extrapolated_from) == 2
+    assert pred.pipeline == pytest.approx(_engine_makespan(name, 4, 48, costs), rel=1e-9)
+
+
 @pytest.mark.parametrize("name", ["1f1b", "zb-h2", "interleaved-1f1b", "dualpipe", "dualpipev", "gpipe"])
 def test_large_m_extends_exact_simulations_linearly(name):
     pred = predict_one(name, None, Cluster(gpus=4), 4, 64, costs=COSTS)
@@ -79,7 +89,8 @@ def test_the_seed_observation_dualpipe_behind_1f1b_small_dense_ahead_large_moe()
     large = {n: predict_one(n, LARGE_MOE, Cluster(gpus=256), 16, 64) for n in ("1f1b", "dualpipe")}
     assert all(p.fits for p in large.values())
     assert large["dualpipe"].step_time < large["1f1b"].step_time
-    assert large["dualpipe"].a2a_hidden > 0 and large["1f1b"].a2a_hidden == 0
+    hidden = large["dualpipe"].a2a_hidden / (large["dualpipe"].a2a_hidden + large["dualpipe"].a2a_exposed)
+    assert 0.5 < hidden < 0.8 and large["1f1b"].a2a_hidden == 0  # F&B hides most of DualPipe's all-to-all
     assert large["1f1b"].limit.startswith("pipeline bubble") or "all-to-all" in large["1f1b"].limit
 
 

@@ -1,6 +1,7 @@
 """Zero bubble with activation checkpointing and torch.compile, on 2 CPU ranks.
 
-1. Memory: for ZB-H1 and DualPipeV, with and without activation checkpointing (non-reentrant),
+1. Memory: for ZB-H1 and DualPipeV (and 1F1B, which does not defer W, for comparison), with and
+   without activation checkpointing (non-reentrant),
    the executor's peak of live activation sets (``pipe.last_peak_live``) and the peak of bytes the
    step allocated beyond what it started with, measured by torch.profiler's CPU memory records
    (allocations through torch's CPU allocator, at op granularity), per rank.
@@ -9,7 +10,7 @@
    median step time of each and the median of the paired ratios (compiled block over the eager
    block beside it). Compilation happens in untimed warm-up steps.
 
-    python bench/bench_compose.py [--hidden 256] [--rows 64] [--steps 30]
+    python bench/bench_compose.py [--hidden 256] [--rows 64] [--steps 30 | 0 for memory only]
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ RANKS = 2
 MICROBATCHES = 8
 BLOCK = 3  # steps per timed block
 SCHEDULES = ("zb-h1", "dualpipev")
+MEMORY_SCHEDULES = ("1f1b", *SCHEDULES)  # 1F1B: the same pipeline without deferred W, for comparison
 
 
 class Stage(nn.Module):
@@ -137,8 +139,8 @@ def _worker(rank: int, port: int, args, queue) -> None:
         torch.manual_seed(1)
         x = torch.randn(MICROBATCHES * args.rows, args.hidden)
         y = torch.randn_like(x)
-        memory = {(s, c): _memory(s, c, args.hidden, x, y, rank) for s in SCHEDULES for c in (False, True)}
-        timing = {s: _timing(s, args.hidden, x, y, rank, args.steps) for s in SCHEDULES}
+        memory = {(s, c): _memory(s, c, args.hidden, x, y, rank) for s in MEMORY_SCHEDULES for c in (False, True)}
+        timing = {s: _timing(s, args.hidden, x, y, rank, args.steps) for s in SCHEDULES} if args.steps >= BLOCK else {}
         queue.put((rank, memory, timing))
     finally:
         dist.destroy_process_group()
@@ -148,7 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256, help="model width h (default 256)")
     parser.add_argument("--rows", type=int, default=64, help="rows per micro-batch (default 64)")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default 30)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default 30; 0: memory only)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -175,13 +177,15 @@ def main() -> None:
           f"(one stage input: {act_mib:.3f} MiB), torch {torch.__version__}, {os.cpu_count()} cores")
     print("\nmemory per rank (peak live activation sets; peak MiB allocated during the step)")
     print(f"{'schedule':<10} {'checkpointing':<14} " + "  ".join(f"rank {r}: live   MiB" for r in range(RANKS)))
-    for s in SCHEDULES:
+    for s in MEMORY_SCHEDULES:
         for c in (False, True):
             cells = "  ".join(f"{res[1][(s, c)][0]:>12} {res[1][(s, c)][1] / 2**20:>6.2f}" for res in results)
             print(f"{s:<10} {'non-reentrant' if c else 'off':<14} {cells}")
         ratios = [res[1][(s, True)][1] / res[1][(s, False)][1] for res in results]
         print(f"{'':<10} {'ratio':<14} " + "  ".join(f"{'':>12} {r:>6.2f}" for r in ratios))
 
+    if not results[0][2]:
+        return
     print(f"\nstep time, rank 0 (median of {args.steps // BLOCK} blocks of {BLOCK} steps; paired ratio = median of compiled/eager per pair)")
     for s in SCHEDULES:
         t = results[0][2][s]

@@ -166,6 +166,15 @@ def test_several_chains_are_refused_with_why(name, tmp_path, capsys):
     assert not (tmp_path / "x.csv").exists()
 
 
+def test_export_list_says_which_schedules_cannot_be_written(capsys):
+    assert main(["export", "--list"]) == 0
+    lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    assert list(lines) == registry.names()
+    for name, verdict in lines.items():
+        several = len(registry.placement_for(name, 4).chains) > 1
+        assert verdict.startswith("no, its micro-batches walk 2 chains") if several else verdict == "yes", (name, verdict)
+
+
 def test_export_to_stdout_and_schedule_errors(capsys):
     assert main(["export", "1f1b", "--ranks", "2", "--microbatches", "2"]) == 0
     assert capsys.readouterr().out.splitlines() == ["0F0,0F1,0B0,0B1", "1F0,1B0,1F1,1B1"]
@@ -173,3 +182,5 @@ def test_export_to_stdout_and_schedule_errors(capsys):
     assert "allowed" in capsys.readouterr().err
     assert main(["export", "1f1b", "--ranks", "0", "--microbatches", "2"]) == 2
     assert "num_ranks=0" in capsys.readouterr().err
+    assert main(["export", "1f1b"]) == 2
+    assert "missing --ranks, --microbatches (or --list)" in capsys.readouterr().err

@@ -56,13 +56,27 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
         "export", help=_COMMANDS["export"][3], allow_abbrev=False,
         description="Write a schedule as torch.distributed.pipelining's compute-only action CSV (one row per rank), "
                     "which _PipelineScheduleRuntime._load_csv and torchtitan's pipeline_parallel_schedule_csv load. "
-                    "Schedules whose micro-batches walk several chains (DualPipe's two directions) cannot be written.")
-    parser.add_argument("schedule", help=f"schedule name: {', '.join(sorted(registry.names()))}")
-    parser.add_argument("--ranks", "-p", type=int, required=True, metavar="P", help="pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=int, required=True, metavar="M", help="micro-batches")
+                    "Schedules whose micro-batches walk several chains (DualPipe's two directions) cannot be written; "
+                    "--list says which.")
+    parser.add_argument("schedule", nargs="?", help=f"schedule name: {', '.join(sorted(registry.names()))}")
+    parser.add_argument("--ranks", "-p", type=int, metavar="P", help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=int, metavar="M", help="micro-batches")
     parser.add_argument("--format", choices=["torch-csv"], default="torch-csv", help="output format (default: %(default)s)")
     parser.add_argument("--out", "-o", default=None, metavar="PATH", help="file to write (default: standard output)")
+    parser.add_argument("--list", action="store_true", help="list every registered schedule and whether the format can express it")
     return parser
+
+
+def _export_list() -> str:
+    """Every registered schedule: whether torch's CSV can express it, and if not, why."""
+    from twinpipe.schedule import registry
+    from twinpipe.schedule.torch_csv import placement_unexpressible
+
+    lines = []
+    for name in registry.names():
+        why = placement_unexpressible(name, registry.placement_for(name, 4))
+        lines.append(f"{name}: {'yes' if why is None else 'no, ' + why.split(': ', 1)[1]}")
+    return "\n".join(lines) + "\n"
 
 
 def run_export(args) -> int:
@@ -71,7 +85,14 @@ def run_export(args) -> int:
     from twinpipe.schedule.torch_csv import to_torch_csv
 
     try:
-        text = to_torch_csv(registry.build(args.schedule, args.ranks, args.microbatches))
+        if args.list:
+            text = _export_list()
+        else:
+            missing = [flag for flag, value in (("SCHEDULE", args.schedule), ("--ranks", args.ranks), ("--microbatches", args.microbatches))
+                       if value is None]
+            if missing:
+                raise ValueError(f"missing {', '.join(missing)} (or --list)")
+            text = to_torch_csv(registry.build(args.schedule, args.ranks, args.microbatches))
         if args.out:
             from pathlib import Path
 

@@ -23,7 +23,7 @@ from twinpipe.schedule.check import check_work
 from twinpipe.schedule.ops import BW, FB, Op, OpKind, Schedule, B, F, W
 from twinpipe.schedule.placement import Placement, linear, looped, vshape
 
-__all__ = ["unexpressible", "to_torch_csv", "write_torch_csv", "from_torch_csv", "parse_torch_csv"]
+__all__ = ["unexpressible", "placement_unexpressible", "to_torch_csv", "write_torch_csv", "from_torch_csv", "parse_torch_csv"]
 
 _TO_TORCH = {OpKind.F: "F", OpKind.B: "I", OpKind.W: "W", OpKind.BW: "B"}
 _FROM_TORCH = {"F": F, "I": B, "W": W, "B": BW}
@@ -35,12 +35,16 @@ _LOWERED = re.compile(r"^\d+(SEND_F|RECV_F|SEND_B|RECV_B)\d+$|^\d+(UNSHARD|RESHA
 
 def unexpressible(schedule: Schedule) -> str | None:
     """Why torch's CSV format cannot express ``schedule``, or None if it can."""
-    placement = schedule.placement
+    return placement_unexpressible(schedule.name, schedule.placement)
+
+
+def placement_unexpressible(name: str, placement: Placement) -> str | None:
+    """Why torch's CSV format cannot express a schedule ``name`` on ``placement``, or None if it can."""
     if len(placement.chains) != 1:
-        return (f"{schedule.name}: its micro-batches walk {len(placement.chains)} chains of stages (two pipeline directions over "
+        return (f"{name}: its micro-batches walk {len(placement.chains)} chains of stages (two pipeline directions over "
                 "mirrored weight copies); torch's runtime has one chain, every micro-batch passing every stage, and no weight copies")
     if placement.chains[0] != tuple(range(placement.num_stages)):
-        return f"{schedule.name}: its chain visits stages in the order {placement.chains[0]}; torch's runtime needs stage s to feed stage s+1"
+        return f"{name}: its chain visits stages in the order {placement.chains[0]}; torch's runtime needs stage s to feed stage s+1"
     return None
 
 

@@ -106,6 +106,14 @@ def test_impossible_cases_are_reported_per_schedule_never_raised():
     assert "does not divide" in by[("1f1b", 64)].why
 
 
+def test_expert_parallelism_defaults_to_what_divides_the_replicas():
+    moe = Model(layers=4, hidden=64, seq=64, experts=8, top_k=2)
+    assert [layout(moe, Cluster(gpus=g), p).ep for g, p in ((8, 2), (64, 4), (24, 2), (8, 8))] == [4, 8, 4, 1]
+    assert predict_one("1f1b", moe, Cluster(gpus=8), 2, 8).fits
+    fixed = Model(layers=4, hidden=64, seq=64, experts=8, top_k=2, ep=8)
+    assert "expert parallelism ep=8 does not divide the data-parallel size 4" in predict_one("1f1b", fixed, Cluster(gpus=8), 2, 8).why
+
+
 def test_too_few_microbatches_and_uneven_layers_say_why():
     cluster = Cluster(gpus=8)
     assert "num_microbatches=6" in predict_one("interleaved-1f1b", SMALL_DENSE, cluster, 4, 6).why

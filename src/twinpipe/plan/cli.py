@@ -40,7 +40,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--experts", type=int, default=0, help="MoE: routed experts per layer (default 0: dense)")
     m.add_argument("--top-k", type=int, default=2, help="MoE: experts per token (default 2)")
     m.add_argument("--expert-ffn", type=int, default=0, help="MoE: width of one expert (default --ffn)")
-    m.add_argument("--ep", type=int, default=0, help="MoE: expert-parallel GPUs (default min(experts, GPUs per node))")
+    m.add_argument("--ep", type=int, default=0, help="MoE: expert-parallel GPUs (default: the most within a node dividing the experts and the data-parallel size)")
     c = parser.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, help="GPUs in all (default: the traced run's ranks, else required)")
     c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")

@@ -40,7 +40,8 @@ def layout(model: Model, cluster: Cluster, pp: int) -> Layout:
     dp = cluster.gpus // pp
     ep = 1
     if model.moe:
-        ep = model.ep or min(model.experts, cluster.gpus_per_node)
+        # Default: the widest expert parallelism inside a node that divides both the experts and dp.
+        ep = model.ep or max(d for d in range(1, min(dp, cluster.gpus_per_node) + 1) if dp % d == 0 and model.experts % d == 0)
         if dp % ep:
             raise ValueError(f"expert parallelism ep={ep} does not divide the data-parallel size {dp} (= {cluster.gpus} GPUs / pipeline {pp})")
     return Layout(pp, dp, ep)

@@ -27,7 +27,8 @@ class Model:
 
     ``experts`` = 0 is a dense model; otherwise every layer's MLP is ``experts`` experts of width
     ``expert_ffn`` (default ``ffn``), each token routed to ``top_k`` of them, sharded over ``ep``
-    GPUs of the data-parallel group (expert parallelism; default min(experts, GPUs per node)).
+    GPUs of the data-parallel group (expert parallelism; default: the largest count within a node
+    that divides both the experts and the data-parallel size).
     Bytes per parameter: ``param_bytes`` (weights), ``grad_bytes`` (gradients, also what the
     all-reduces send), ``optimizer_bytes`` (master weights and Adam moments).
     """
@@ -41,7 +42,7 @@ class Model:
     experts: int = 0
     top_k: int = 2
     expert_ffn: int = 0  # 0: ffn
-    ep: int = 0  # 0: min(experts, GPUs per node)
+    ep: int = 0  # 0: chosen per pipeline size (plan.costs.layout)
     param_bytes: float = 2
     grad_bytes: float = 4
     optimizer_bytes: float = 12

@@ -33,13 +33,13 @@ class Layout:
     ep: int
 
 
-def layout(model: Model, cluster: Cluster, pp: int) -> Layout:
-    """The layout at ``pp``; ValueError saying why it does not fit the cluster."""
+def layout(model: Model | None, cluster: Cluster, pp: int) -> Layout:
+    """The layout at ``pp`` (``model`` None: dense); ValueError saying why it does not fit the cluster."""
     if cluster.gpus % pp:
         raise ValueError(f"pipeline size {pp} does not divide the {cluster.gpus} GPUs")
     dp = cluster.gpus // pp
     ep = 1
-    if model.moe:
+    if model is not None and model.moe:
         # Default: the widest expert parallelism inside a node that divides both the experts and dp.
         ep = model.ep or max(d for d in range(1, min(dp, cluster.gpus_per_node) + 1) if dp % d == 0 and model.experts % d == 0)
         if dp % ep:

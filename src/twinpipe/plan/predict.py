@@ -10,9 +10,9 @@ makespan, busy times and peak memory grow linearly in m (exactly, for periodic s
 simulations at three counts spaced q apart and congruent to m modulo q (q = p, or 2p for odd p)
 are checked to lie on one line and extended to m (``extrapolated_from``); if they do not, later
 triples are tried, then m itself if small enough (``DIRECT_PAIRS``), else the result is marked
-approximate. The schedules that
-plan their order with a search (``registry`` ``max_pairs`` below the default) are skipped when even
-those simulations exceed ``PLANNED_CAP`` (stage, micro-batch) pairs, and say so.
+approximate. The schedules that plan their order with a search (``registry`` ``max_pairs`` below
+the default) are skipped when one simulation would exceed ``PLANNED_CAP`` (stage, micro-batch)
+pairs, and say so.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from twinpipe.sim.engine import simulate
 
 __all__ = ["Prediction", "predict_one", "plan", "default_pp_sizes", "simulate_metrics", "PLANNED_CAP"]
 
-PLANNED_CAP = 1024
-DIRECT_PAIRS = 16384  # not linear yet: simulate m itself up to this many (stage, micro-batch) pairs
-SHIFTS = 2  # later triples tried before an extrapolation is called approximate  # the searching schedules: skipped above this many pairs in their smallest simulation
+PLANNED_CAP = 1024  # the searching schedules: skipped above this many (stage, micro-batch) pairs in one simulation
+DIRECT_PAIRS = 16384  # not linear yet: simulate m itself up to this many pairs
+SHIFTS = 2  # later triples tried before an extrapolation is called approximate
 GiB = 2**30
 
 
@@ -118,7 +118,9 @@ def _metrics(name: str, p: int, m: int, costs: CostModel, num_stages: int, max_p
     try:
         runs = {k: simulate_metrics(name, p, k, costs) for k in (m0, m0 + q, m0 + 2 * q)}
         shifts = 0
-        while not _linear(*(runs[k] for k in (m0, m0 + q, m0 + 2 * q))) and shifts < SHIFTS and m > m0 + 3 * q:
+        searching = max_pairs < MAX_STAGE_MICROBATCHES
+        while (not _linear(*(runs[k] for k in (m0, m0 + q, m0 + 2 * q))) and shifts < SHIFTS and m > m0 + 3 * q
+               and not (searching and num_stages * (m0 + 3 * q) > PLANNED_CAP)):
             m0, shifts = m0 + q, shifts + 1
             runs[m0 + 2 * q] = simulate_metrics(name, p, m0 + 2 * q, costs)
     except ValueError as error:  # a generator refuses a count by its size and residue: m's residue stands in for m
@@ -128,7 +130,6 @@ def _metrics(name: str, p: int, m: int, costs: CostModel, num_stages: int, max_p
         raise _NoFit(text) from None
     used = (m0 + q, m0 + 2 * q)
     exact = _linear(*(runs[k] for k in (m0, *used)))
-    searching = max_pairs < MAX_STAGE_MICROBATCHES
     if not exact and num_stages * m <= (PLANNED_CAP if searching else DIRECT_PAIRS):
         return simulate_metrics(name, p, m, costs), None
     a, b = runs[used[0]], runs[used[1]]
@@ -169,7 +170,7 @@ def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, micro
         raise ValueError("model=None: give a Model, or the costs of a traced run")
     pred = Prediction(registry.get(name).name, pp, microbatches)
     try:
-        lay = layout(model, cluster, pp) if model is not None else layout(Model(1, 1, 1), cluster, pp)
+        lay = layout(model, cluster, pp)
         pred.dp, pred.ep = lay.dp, lay.ep
         placement = registry.placement_for(name, pp)
         a2a_op, m_b = 0.0, 0.0  # measured op times hold their all-to-alls (if any)

@@ -92,6 +92,11 @@ def test_stage_modules_follow_the_placement():
     assert stage_modules(stages, "dualpipe", 4, 1) == [stages[1], stages[2]]  # model stage 1, and 4-1-1 mirrored
     assert stage_modules(stages, "1f1b", 4, 3) == [stages[3]]
     assert stage_modules(stages, "dualpipev", 2, 0) == [stages[0], stages[3]]
+    # BitPipe on one rank holds both copies of each stage: the second is a copy, not the same module.
+    one = split(_gpt(2), 2)
+    held = stage_modules(one, "bitpipe", 1, 0)
+    assert held[:2] == one and held[2] is not one[0] and held[3] is not one[1]
+    assert all(torch.equal(a, b) and a is not b for a, b in zip(held[2].parameters(), one[0].parameters()))
     with pytest.raises(ValueError, match=r"stages: 4 given, but 'dualpipev' on 4 ranks runs a model cut into 8 stages"):
         stage_modules(stages, "dualpipev", 4, 0)
 

@@ -9,6 +9,7 @@ stored by those names and load under any split.
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
@@ -135,7 +136,8 @@ def stage_modules(stages: Sequence[nn.Module], schedule: str, num_ranks: int, ra
     """The modules pipeline ``rank`` passes to ``Pipeline`` under ``schedule``, in its local order.
 
     ``stages`` is the split model (``split(model, num_model_stages(...))``); see
-    ``twinpipe.stages_of_rank`` for the stage numbers.
+    ``twinpipe.stages_of_rank`` for the stage numbers. A rank holding two copies of one model stage
+    gets a deep copy for the second, so the copies never share parameters or gradients.
     """
     placement = registry.placement_for(schedule, num_ranks, **options)
     needed = num_model_stages(placement)
@@ -145,4 +147,9 @@ def stage_modules(stages: Sequence[nn.Module], schedule: str, num_ranks: int, ra
         )
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
         raise ValueError(f"rank={rank!r}: must be an int in 0..{num_ranks - 1}")
-    return [stages[model_stage(placement, s)] for s in placement.stages_of(rank)]
+    modules, used = [], set()
+    for s in placement.stages_of(rank):
+        k = model_stage(placement, s)
+        modules.append(copy.deepcopy(stages[k]) if k in used else stages[k])
+        used.add(k)
+    return modules

@@ -14,7 +14,6 @@ runtime has no per-stage "gradients ready" signal, so they are not overlapped wi
 
 from __future__ import annotations
 
-import copy
 import datetime
 import hashlib
 import time
@@ -36,7 +35,7 @@ from twinpipe.train.grads import (
     DataParallelReducer, clip_coefficient, clip_grads, scale_grads, squared_norms, sum_across,
 )
 from twinpipe.train.mesh import TrainMesh
-from twinpipe.train.stages import is_mirror_copy, model_layers, num_model_stages, model_stage, split
+from twinpipe.train.stages import is_mirror_copy, model_layers, model_stage, num_model_stages, split, stage_modules
 
 __all__ = ["TrainConfig", "StepResult", "Trainer", "model_parameter_names"]
 
@@ -104,16 +103,11 @@ class Trainer:
         stages = split(model, num_model_stages(self.placement), self._layer_counts(model, device))
         self.stage_names = [s.names for s in stages]
         pipeline_stages = self.placement.stages_of(mesh.pp_rank)
-        modules, used = [], set()
-        for s in pipeline_stages:
-            k = model_stage(self.placement, s)
-            # Two copies of one model stage on this rank must not share parameters (or gradients).
-            modules.append(defer_weight_grads(copy.deepcopy(stages[k]) if k in used else stages[k]))
-            used.add(k)
+        modules = [defer_weight_grads(m) for m in stage_modules(stages, config.schedule, mesh.pp, mesh.pp_rank, **options)]
         # (model parameter name, parameter, owned): owned parameters count in norms and checkpoints.
         self.held = [(name, p, not is_mirror_copy(self.placement, s))
                      for s, m in zip(pipeline_stages, modules) for name, p in m.named_model_parameters()]
-        self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned], dtype=torch.long)
+        self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned], dtype=torch.long, device=device)
         self.params = [p for _, p, _ in self.held]
         self.reducer = DataParallelReducer(self.params, mesh.dp_group, self.timeout, mode=config.dp_reduce)
         self.pipe = Pipeline(modules, config.schedule, process_group=mesh.pp_group, timeout=self.timeout, **options)
@@ -188,7 +182,7 @@ class Trainer:
         n_norms = len(self.parameter_names) if clip else 0
         vec = torch.zeros(n_norms + dp * m, dtype=torch.float64, device=device)  # on the device: NCCL moves no CPU tensors
         if clip:
-            vec[self._owned_index.to(device)] = squared_norms([p for _, p, owned in self.held if owned])
+            vec[self._owned_index] = squared_norms([p for _, p, owned in self.held if owned])
         if loss is not None:
             idx = torch.tensor(list(self.layout.label_microbatches), device=device) + self.mesh.dp_rank * m
             vec[n_norms + idx] = loss.detach().to(torch.float64)

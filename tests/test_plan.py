@@ -73,6 +73,8 @@ def test_copies_of_the_weights_pay_their_all_reduce_and_memory():
     assert one.copies == 1 and one.mirror_all_reduce == 0
     assert two.copies == 2 and two.mirror_all_reduce > 0
     assert two.memory["params"] == pytest.approx(2 * one.memory["params"], rel=0.02)  # embedding and head shift a little
+    assert len(two.memory_per_rank) == 4 and max(two.memory_per_rank) == two.memory["total"]
+    assert one.memory_per_rank[0] > one.memory_per_rank[1]  # 1F1B's first rank holds the most activations
     grad_bytes = two.memory["grads"]
     assert two.mirror_all_reduce == pytest.approx(all_reduce_time(grad_bytes, 2, cluster.inter_bw, cluster.latency))
     for name in registry.names():

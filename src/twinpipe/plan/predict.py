@@ -55,6 +55,7 @@ class Prediction:
     mirror_all_reduce: float = 0.0
     copies: int = 1  # copies of the model's weights on the pipeline (chains of the placement)
     memory: dict = field(default_factory=dict)  # the fullest rank: params, grads, optimizer, activations, total
+    memory_per_rank: list = field(default_factory=list)  # every pipeline rank's total
     tokens_per_s: float = 0.0
     extrapolated_from: tuple | None = None  # (m1, m2) extended linearly to m; a third entry "approximate"
     limit: str = ""
@@ -235,6 +236,7 @@ def _collectives_and_memory(pred: Prediction, model: Model, cluster: Cluster, la
         parts["total"] = sum(parts.values())
         totals.append(parts)
     pred.memory = max(totals, key=lambda t: t["total"])
+    pred.memory_per_rank = [t["total"] for t in totals]
     if pred.memory["total"] > cluster.memory:
         mem = {k: v / GiB for k, v in pred.memory.items()}
         copies = f" in {pred.copies} copies" if pred.copies > 1 else ""

@@ -123,8 +123,10 @@ class Trainer:
         if balance != "time":
             return balance
         n = num_model_stages(self.placement)
-        sample = self.sampler.batch(0, self.config.microbatch_size)[0].to(device)
-        counts = torch.tensor([len(s.names) for s in split(model, n, "time", sample=sample)], device=device)
+        counts = torch.zeros(n, dtype=torch.long, device=device)
+        if dist.get_rank() == 0:  # one measurement, sent to every rank
+            sample = self.sampler.batch(0, self.config.microbatch_size)[0].to(device)
+            counts = torch.tensor([len(s.names) for s in split(model, n, "time", sample=sample)], device=device)
         wait_work(dist.broadcast(counts, src=0, async_op=True), self.timeout, self._where("agreeing on the time-balanced split"))
         return counts.cpu().tolist()
 

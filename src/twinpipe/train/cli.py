@@ -12,6 +12,7 @@ summary table.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import socket
@@ -122,11 +123,11 @@ def _worker(local_rank: int, args, spawned) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank), WORLD_SIZE=str(world))
     if args.device == "cuda":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=args.timeout))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (args.pp * args.dp)))
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))  # bounds mesh setup too
         device = torch.device("cpu")
     try:
         _train(args, device)
@@ -186,7 +187,7 @@ def _train(args, device) -> None:
         return
     plot_losses([e["step"] for e in log], [e["loss"] for e in log], str(out / "train-loss.png"), title)
     (out / "train-log.json").write_text(json.dumps({"args": vars(args), "elapsed_s": elapsed, "steps": log}, indent=1))
-    rows = summary_rows([e["loss"] for e in log], times, tokens)
+    rows = summary_rows([e["loss"] for e in log], times, tokens, mirrored=trainer.is_dual, replicas=args.dp)
     rows.append(("wall time", f"{elapsed:.1f} s"))
     rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / 'checkpoint-final'}"))
     print_summary(title, rows)

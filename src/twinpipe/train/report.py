@@ -37,8 +37,10 @@ def plot_losses(steps: Sequence[int], losses: Sequence[float], path: str, title:
     plt.close(fig)
 
 
-def summary_rows(losses: Sequence[float], step_times: dict[str, list[float]], tokens_per_step: int) -> list[tuple[str, str]]:
-    """(label, value) rows: bits per byte at the start and end, throughput and where time went."""
+def summary_rows(losses: Sequence[float], step_times: dict[str, list[float]], tokens_per_step: int, *,
+                 mirrored: bool = True, replicas: int = 2) -> list[tuple[str, str]]:
+    """(label, value) rows: bits per byte at the start and end, throughput and where time went
+    (the mirrored exchange only with two model copies, the all-reduce only with replicas)."""
     head = losses[: min(10, len(losses))]
     tail = losses[-min(10, len(losses)) :]
     total = step_times["total"]
@@ -51,8 +53,10 @@ def summary_rows(losses: Sequence[float], step_times: dict[str, list[float]], to
         ("tokens/s (median step)", f"{tokens_per_step / median:,.0f}"),
         ("step time, median", f"{median * 1e3:.1f} ms"),
     ]
-    for part, label in (("pipeline", "pipeline step()"), ("mirror", "DualPipe mirror exchange"),
+    for part, label in (("pipeline", "pipeline step()"), ("mirror", "mirrored-copy exchange"),
                         ("dp", "data-parallel all-reduce"), ("update", "norms, losses, clipping, optimizer")):
+        if (part == "mirror" and not mirrored) or (part == "dp" and replicas < 2):
+            continue
         rows.append((f"  {label}", f"{statistics.median(step_times[part]) * 1e3:.2f} ms"))
     return rows
 

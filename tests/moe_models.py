@@ -3,7 +3,9 @@
 The reference follows expert parallelism's arithmetic without its machinery: each EP rank's tokens
 go through attention, router and shared expert on their own (as on that rank); each expert runs
 once on the rows routed to it from every rank, rank by rank in token order (the order in which
-the all-to-all delivers them); the outputs are mixed back per token. Plain autograd, no parts.
+the all-to-all delivers them; ``run_expert``, as the block runs a slot); the outputs are mixed back
+per token. Plain autograd, no parts. Replicas change nothing here: the reference of a block with
+any placement is that of the block with one slot per expert.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from twinpipe.moe import MoEBlock, MoEStage
+from twinpipe.moe.block import run_expert
 from twinpipe.overlap import Comm, Compute, PartedStage, Then, all_to_all
 
 HIDDEN, SEQ = 8, 3
@@ -62,7 +65,7 @@ def reference_block(block: MoEBlock, xs: list[torch.Tensor]) -> list[torch.Tenso
     outs = [torch.zeros(len(p), hid, dtype=xs[0].dtype) for p in picks]
     for e, expert in enumerate(block.experts):
         where = [torch.nonzero(p == e).reshape(-1) for p in picks]  # copies token*k+slot, in order
-        y = expert(torch.cat([t.index_select(0, w // k) for t, w in zip(tokens, where)]))
+        y = run_expert(expert, torch.cat([t.index_select(0, w // k) for t, w in zip(tokens, where)]))
         for r, chunk in enumerate(torch.split(y, [len(w) for w in where])):
             outs[r] = outs[r].index_copy(0, where[r], chunk)
     results = []

@@ -7,12 +7,16 @@
     combine (comm)   all-to-all the expert outputs back
     mix (compute)    out = h + shared + sum_j weight_j * expert_output_j
 
-Experts are sharded over ``ep_group`` (rank r holds experts ``r*E/ep .. (r+1)*E/ep - 1``); with no
-group (or one rank) nothing is communicated. Dropless: every token copy reaches its expert.
+The routed experts run as R physical slots sharded over ``ep_group`` (rank r holds slots
+``r*R/ep .. (r+1)*R/ep - 1``), slot s running logical expert ``phy2log[s]`` (placement.py: the
+placement and the rule that spreads an expert's token copies over its replicas). By default
+R = E and slot s runs expert s. With no group (or one rank) nothing is communicated. Dropless:
+every token copy reaches a replica of its expert.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
 import torch
@@ -20,13 +24,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from twinpipe.moe.placement import check_placement, replica_table, slots_of_copies
 from twinpipe.moe.router import TopKRouter
 from twinpipe.overlap.comm import Then, all_to_all
 from twinpipe.overlap.graph import run_parts
 from twinpipe.overlap.parts import Comm, Compute
 from twinpipe.runtime.weight_grad import DeferredLinear
 
-__all__ = ["MoEBlock", "FeedForward"]
+__all__ = ["MoEBlock", "FeedForward", "run_expert", "MIN_EXPERT_ROWS"]
 
 
 class FeedForward(nn.Module):
@@ -45,16 +50,30 @@ class FeedForward(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+# On CPU (MKL) a row of a matmul comes out differently when it comes with fewer than 4 rows; an
+# expert runs on at least this many (zero rows appended) so that what a token gets does not depend
+# on which other tokens share its slot, hence not on the placement or the EP size.
+MIN_EXPERT_ROWS = 8
+
+
+def run_expert(expert: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """``expert(rows)`` computed as a single process holding every expert computes it."""
+    n = len(rows)
+    if 0 < n < MIN_EXPERT_ROWS:
+        return expert(torch.cat([rows, rows.new_zeros(MIN_EXPERT_ROWS - n, *rows.shape[1:])]))[:n]
+    return expert(rows.clone())  # a fresh tensor: BLAS results may depend on a slice's alignment
+
+
 @dataclass(frozen=True)
 class _Route:
     """Where one micro-batch's token copies go (set by attn) and what came back (set by dispatch)."""
 
     shape: tuple  # (batch, seq, hidden) of the block input
-    order: torch.Tensor  # token copies (token*k + slot) sorted by expert, stable
-    counts: torch.Tensor  # [E] copies this rank sends to each expert
+    order: torch.Tensor  # token copies (token*k + j) sorted by physical slot, stable
+    counts: torch.Tensor  # [R] copies this rank sends to each slot
     send: list | None = None  # rows to each rank
     recv: list | None = None  # rows from each rank
-    recv_counts: torch.Tensor | None = None  # [ep, local experts] rows from each rank for each local expert
+    recv_counts: torch.Tensor | None = None  # [ep, local slots] rows from each rank for each local slot
 
 
 class _Permute(torch.autograd.Function):
@@ -81,7 +100,8 @@ class MoEBlock(nn.Module):
     ``num_experts`` routed experts of width ``expert_hidden`` (``swiglu`` for DeepSeek's gated
     experts), ``top_k`` per token, chosen by ``TopKRouter`` (``score``, ``groups``/``top_groups``,
     ``normalize``, ``route_scale``); a shared expert of width ``shared_hidden`` if > 0; the routed
-    experts sharded over ``ep_group`` (None: all local, no communication).
+    experts sharded over ``ep_group`` (None: all local, no communication), one slot per expert;
+    ``shard_experts_(group, phy2log)`` or ``twinpipe.moe.apply_placement_`` place replicas.
     """
 
     def __init__(self, hidden: int, heads: int, num_experts: int, top_k: int, expert_hidden: int, *,
@@ -97,32 +117,65 @@ class MoEBlock(nn.Module):
         self.qkv = DeferredLinear(hidden, 3 * hidden, bias=False)
         self.proj = DeferredLinear(hidden, hidden, bias=False)
         self.shared = FeedForward(hidden, shared_hidden, swiglu) if shared_hidden else None
-        self.ep_group, self.ep = ep_group, ep
-        self.local = num_experts // ep
+        self.ep_group, self.ep, self.ep_rank = ep_group, ep, rank
+        self.local = num_experts // ep  # slots per rank
         self.experts = nn.ModuleList(FeedForward(hidden, expert_hidden, swiglu) for _ in range(self.local))
-        self.first_expert = rank * self.local
-        # Token copies this rank routed to each (global) expert, and rows each local expert ran on,
+        self.first_expert = self.first_slot = rank * self.local
+        # Token copies this rank routed to each logical expert, and rows each local slot ran on,
         # summed over forwards until reset_counts().
         self.register_buffer("routed_tokens", torch.zeros(num_experts, dtype=torch.long), persistent=False)
         self.register_buffer("expert_rows", torch.zeros(self.local, dtype=torch.long), persistent=False)
+        self._set_placement(torch.arange(num_experts))
 
     @staticmethod
-    def _check_group(ep_group, num_experts: int) -> tuple[int, int]:
+    def _check_group(ep_group, num_slots: int) -> tuple[int, int]:
         if ep_group is None:
             return 1, 0
         ep = dist.get_world_size(ep_group)
-        if num_experts % ep:
-            raise ValueError(f"ep_group has {ep} ranks, which does not divide num_experts={num_experts}")
+        if num_slots % ep:
+            raise ValueError(f"ep_group has {ep} ranks, which does not divide the {num_slots} expert slots")
         return ep, dist.get_rank(ep_group)
 
-    def shard_experts_(self, ep_group) -> "MoEBlock":
-        """Keep only this rank's experts of a block built with all of them (e.g. to match a reference)."""
-        if len(self.experts) != self.num_experts:
-            raise ValueError(f"shard_experts_: the block holds {len(self.experts)} of {self.num_experts} experts; it needs all of them")
-        ep, rank = self._check_group(ep_group, self.num_experts)
-        self.ep_group, self.ep, self.local, self.first_expert = ep_group, ep, self.num_experts // ep, rank * (self.num_experts // ep)
-        self.experts = nn.ModuleList(list(self.experts)[self.first_expert : self.first_expert + self.local])
-        self.expert_rows = self.expert_rows.new_zeros(self.local)
+    @property
+    def phy2log(self) -> torch.Tensor:
+        """[R] the logical expert of each physical slot (a copy)."""
+        return self._phy2log.clone()
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._phy2log)
+
+    def _set_placement(self, phy2log: torch.Tensor) -> None:
+        """Adopt ``phy2log`` (checked by the caller); the slot modules must already match it."""
+        device = self.routed_tokens.device
+        self._phy2log = phy2log.clone()
+        log2phy, logcnt = replica_table(phy2log, self.num_experts)
+        self._log2phy, self._logcnt = log2phy.to(device), logcnt.to(device)
+
+    def _apply(self, fn, *args, **kwargs):  # keep the replica tables on the module's device
+        out = super()._apply(fn, *args, **kwargs)
+        device = self.routed_tokens.device
+        self._log2phy, self._logcnt = self._log2phy.to(device), self._logcnt.to(device)
+        return out
+
+    def shard_experts_(self, ep_group, phy2log=None) -> "MoEBlock":
+        """Keep only this rank's slots of a block built with all experts, one slot each (e.g. to
+        match a reference). ``phy2log`` [R]: the placement (default: slot s runs expert s); a slot
+        gets a copy of its expert, so replicas start identical."""
+        if len(self.experts) != self.num_experts or not torch.equal(self._phy2log, torch.arange(self.num_experts)):
+            raise ValueError(f"shard_experts_: the block holds {len(self.experts)} slots of {self.num_experts} experts; "
+                             "it needs all of them, one slot each")
+        ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        placement = torch.arange(self.num_experts) if phy2log is None else check_placement(phy2log, self.num_experts, ep=ep)
+        ep, rank = self._check_group(ep_group, len(placement))
+        local = len(placement) // ep
+        self.ep_group, self.ep, self.ep_rank, self.local = ep_group, ep, rank, local
+        self.first_expert = self.first_slot = rank * local
+        full = list(self.experts)
+        mine = placement[rank * local : (rank + 1) * local].tolist()
+        self.experts = nn.ModuleList(copy.deepcopy(full[e]) if phy2log is not None else full[e] for e in mine)
+        self.expert_rows = self.expert_rows.new_zeros(local)
+        self._set_placement(placement)
         return self
 
     def reset_counts(self) -> None:
@@ -156,10 +209,11 @@ class MoEBlock(nn.Module):
         tokens = self.norm2(h).reshape(-1, self.hidden)
         experts, weights = self.router(tokens)
         flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        slots = slots_of_copies(flat, self._log2phy, self._logcnt, self.ep_rank)
+        order = torch.argsort(slots, stable=True)
         sent = tokens.index_select(0, order // self.top_k)
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        self.routed_tokens += counts
+        counts = torch.bincount(slots, minlength=self.num_slots)
+        self.routed_tokens += torch.bincount(flat, minlength=self.num_experts)
         return h, tokens, sent, weights, _Route(tuple(x.shape), order, counts)
 
     def _counts(self, h, tokens, sent, weights, route):
@@ -219,11 +273,9 @@ class MoEBlock(nn.Module):
         order, sizes = self._grouping(route)
         order = order.to(rows.device)
         back = torch.argsort(order)  # grouped by expert -> received order
-        # One gather for all experts (its backward is one gather too); each expert then gets its
-        # rows as a fresh tensor, as a single process holding every expert would (BLAS results
-        # may depend on the alignment of a slice).
+        # One gather for all experts (its backward is one gather too); each slot then runs on its rows.
         chunks = _permute(rows, order, back).split(sizes)
-        outs = [expert(chunk.clone()) for expert, chunk in zip(self.experts, chunks)]
+        outs = [run_expert(expert, chunk) for expert, chunk in zip(self.experts, chunks)]
         self.expert_rows += torch.tensor(sizes, device=self.expert_rows.device)
         shared = self.shared(tokens) if self.shared is not None else None
         return h, shared, _permute(torch.cat(outs), back, order), weights, route

@@ -112,8 +112,8 @@ class Trainer:
         self.reducer = DataParallelReducer(self.params, mesh.dp_group, self.timeout, mode=config.dp_reduce)
         self.pipe = Pipeline(modules, config.schedule, process_group=mesh.pp_group, timeout=self.timeout, **options)
         self.optimizer = optimizer_fn(self.params)
+        self._agree_group = cpu_group(mesh.pp_group, self.timeout)  # small CPU exchanges (mirrors_equal)
         # Checkpoints run torch.distributed.checkpoint's own collectives: a gloo group bounds them too.
-        self._agree_group = cpu_group(mesh.pp_group, self.timeout)
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
         self._sync_start()
 
@@ -145,17 +145,13 @@ class Trainer:
             src = dist.get_global_rank(self.mesh.dp_group, 0)
             wait_work(dist.broadcast(flat, src=src, group=self.mesh.dp_group, async_op=True), self.timeout,
                       self._where("broadcasting the initial weights across data-parallel replicas"))
-            self._unflatten(flat, grads=False)
+            offset = 0
+            with torch.no_grad():
+                for p in self.params:
+                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
         if self.is_dual:
             self.pipe.sync_mirrored_weights()
-
-    def _unflatten(self, flat: torch.Tensor, grads: bool) -> None:
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                target = p.grad if grads else p
-                target.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
 
     def step(self, step: int) -> StepResult:
         """Train on global batch ``step`` (from the sampler)."""

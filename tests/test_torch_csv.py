@@ -118,6 +118,25 @@ def test_round_trip_keeps_every_op_and_the_placement(name):
     assert simulate(back).makespan == simulate(schedule).makespan
 
 
+@pytest.mark.parametrize("torch_name,kind", [("Interleaved1F1B", "looped"), ("LoopedBFS", "looped"), ("InterleavedZeroBubble", "looped"),
+                                            ("ZBVZeroBubble", "v"), ("DualPipeV", "v")])
+def test_torchs_own_schedules_read_validate_and_simulate(torch_name, kind):
+    import contextlib
+    import csv
+    import io
+
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    with contextlib.redirect_stdout(io.StringIO()):  # the visualizer prints its debug lines
+        ops = get_schedule_ops(torch_name, 4, 8, num_stages_per_rank=2)
+    text = io.StringIO()
+    csv.writer(text).writerows([["" if a is None else str(a) for a in row] for row in ops])
+    schedule = parse_torch_csv(text.getvalue(), torch_name)
+    assert (schedule.placement.kind, schedule.num_ranks, schedule.num_microbatches) == (kind, 4, 8)
+    assert sum(map(len, schedule.ops)) == sum(a is not None for row in ops for a in row)
+    assert simulate(schedule).makespan > 0
+
+
 def test_torch_letters_map_to_ours():
     text = to_torch_csv(registry.build("dualpipev", 2, 4))
     cells = {cell for row in text.splitlines() for cell in row.split(",")}

@@ -92,13 +92,16 @@ def _op(text: str, rank: int, column: int) -> Op | None:
 
 
 def _placement(stage_ranks: list[int], num_ranks: int) -> Placement:
-    """The known placement these stage ranks form (linear, looped, V), else a one-chain custom one."""
+    """The known placement these stage ranks form (linear, V, looped), else a one-chain custom one."""
     n = len(stage_ranks)
-    candidates = [linear(num_ranks)] if n == num_ranks else []
-    if n % num_ranks == 0 and n > num_ranks:
-        candidates.append(vshape(num_ranks) if n == 2 * num_ranks else None)
-        candidates.append(looped(num_ranks, n // num_ranks))
-    for placement in filter(None, candidates):
+    known = []
+    if n == num_ranks:
+        known.append(linear(num_ranks))
+    if n == 2 * num_ranks:
+        known.append(vshape(num_ranks))
+    if n > num_ranks and n % num_ranks == 0:
+        known.append(looped(num_ranks, n // num_ranks))
+    for placement in known:
         if list(placement.stage_ranks) == stage_ranks:
             return placement
     return Placement("custom", num_ranks, tuple(stage_ranks), (tuple(range(n)),))

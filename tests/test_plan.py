@@ -161,6 +161,17 @@ def test_full_backwards_only_split_in_halves(tmp_path):
     assert by["1f1b"].pipeline == pytest.approx(timeline.makespan)
 
 
+def test_counts_are_checked_before_anything_runs():
+    with pytest.raises(ValueError, match=r"microbatches=0: must be an integer >= 1"):
+        plan(SMALL_DENSE, Cluster(gpus=8), 0)
+    with pytest.raises(ValueError, match=r"pp_sizes entry=2.5"):
+        plan(SMALL_DENSE, Cluster(gpus=8), 8, pp_sizes=[2.5])
+    with pytest.raises(ValueError, match=r"pp=True"):
+        predict_one("1f1b", SMALL_DENSE, Cluster(gpus=8), True, 8)
+    with pytest.raises(ValueError, match=r"schedule='nope' is unknown"):
+        plan(SMALL_DENSE, Cluster(gpus=8), 8, schedules=["nope"])
+
+
 def test_model_and_cluster_refuse_bad_values():
     with pytest.raises(ValueError, match=r"model.layers=0: must be >= 1"):
         Model(layers=0, hidden=8, seq=8)
@@ -199,6 +210,8 @@ def test_cli_from_trace(tmp_path, capsys):
     ([], "missing --gpus"),
     (["--gpus", "8"], "missing --microbatches"),
     (["--gpus", "8", "-m", "8", "--pp", "two"], "--pp='two'"),
+    (["--gpus", "8", "-m", "0"], "microbatches=0: must be an integer >= 1"),
+    (["--gpus", "0", "-m", "8"], "cluster.gpus=0: must be >= 1"),
     (["--gpus", "8", "-m", "8", "--schedules", "nope"], "schedule='nope' is unknown"),
     (["--gpus", "8", "-m", "8", "--experts", "4", "--top-k", "5"], "model.top_k=5"),
 ])

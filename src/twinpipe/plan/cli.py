@@ -96,11 +96,11 @@ def plan_from_args(args) -> tuple[list, str, str]:
     """The ranked predictions, a title and a caption; ValueError naming the bad option."""
     traced = load_traced(args.from_trace) if args.from_trace else None
     model = _model(args)
-    gpus = args.gpus or (traced.pp if traced else None)
+    gpus = args.gpus if args.gpus is not None else (traced.pp if traced else None)
     if gpus is None:
         raise ValueError("missing --gpus (the cluster's GPUs in all)")
     cluster = _cluster(args, gpus)
-    m = args.microbatches or (traced.microbatches if traced else None)
+    m = args.microbatches if args.microbatches is not None else (traced.microbatches if traced else None)
     if m is None:
         raise ValueError("missing --microbatches (per pipeline per step)")
     pp = _ints(args.pp, "--pp") if args.pp else ([traced.pp] if traced else default_pp_sizes(gpus))

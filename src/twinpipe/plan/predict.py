@@ -169,6 +169,8 @@ def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, micro
     """
     if model is None and costs is None:
         raise ValueError("model=None: give a Model, or the costs of a traced run")
+    _check_count("pp", pp)
+    _check_count("microbatches", microbatches)
     pred = Prediction(registry.get(name).name, pp, microbatches)
     try:
         lay = layout(model, cluster, pp)
@@ -270,11 +272,19 @@ def plan(model: Model, cluster: Cluster, microbatches: int, pp_sizes=None, sched
 
     ``costs_for(name, pp)``: the op times to use instead of the model's (``predict_one``'s ``costs``).
     """
-    schedules = list(schedules or registry.names())
+    schedules = [registry.get(name).name for name in (schedules or registry.names())]
     pp_sizes = list(pp_sizes or default_pp_sizes(cluster.gpus))
+    for p in pp_sizes:
+        _check_count("pp_sizes entry", p)
+    _check_count("microbatches", microbatches)
     results = [predict_one(name, model, cluster, p, microbatches, costs_for(name, p) if costs_for else None)
                for p in pp_sizes for name in schedules]
     return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s, r.step_time, r.pp, r.schedule))
+
+
+def _check_count(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be an integer >= 1")
 
 
 def default_pp_sizes(gpus: int) -> list[int]:

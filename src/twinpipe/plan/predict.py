@@ -77,12 +77,13 @@ def simulate_metrics(name: str, p: int, m: int, costs: CostModel) -> dict:
     options = {k: getattr(scaled, k) for k in ("t_f", "t_b", "t_w", "t_comm", "mw") if k in (registry.get(name).options or ())}
     schedule = registry.build(name, p, m, **options)
     timeline = simulate(schedule, scaled)
-    stats = timeline.per_rank()
-    return {
-        "makespan": timeline.makespan,
-        "busy": [st.busy for st in stats],
-        "peak": list(timeline.peak_activation),
-    }
+    busy = [0.0] * p
+    first, last = float("inf"), 0.0
+    for piece in timeline.slices:  # one pass (Timeline.per_rank sorts each rank's slices)
+        if piece.op is not None:
+            busy[piece.rank] += piece.end - piece.start
+            first, last = min(first, piece.start), max(last, piece.end)
+    return {"makespan": last - first if first <= last else 0.0, "busy": busy, "peak": list(timeline.peak_activation)}
 
 
 def _start(p: int, m: int) -> tuple[int, int]:

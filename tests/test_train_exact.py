@@ -119,15 +119,33 @@ def _run_case(rank: int, case: Case) -> list[str]:
     return problems
 
 
+def _mirror_check(rank: int) -> list[str]:
+    """The mirrored-copy comparison itself sees a one-ulp difference in one copy."""
+    import torch
+
+    from twinpipe.train.mesh import build_mesh
+    from twinpipe.train.trainer import Trainer
+
+    model_fn, sampler, criterion, make_opt, config = tiny_setup("dualpipe")
+    trainer = Trainer(model_fn, sampler, criterion, make_opt, build_mesh(1, 4), config, dtype=torch.float64)
+    before = trainer.mirrors_equal()
+    if rank == 1:
+        with torch.no_grad():
+            p = next(trainer.pipe.module[1].parameters())
+            p.view(-1)[0] = torch.nextafter(p.view(-1)[0], torch.tensor(2.0, dtype=p.dtype))  # one ulp up (LayerNorm weights are 1)
+    after = trainer.mirrors_equal()
+    return [] if (before, after) == (True, False) else [f"mirrors_equal before/after changing one copy: {before}/{after}"]
+
+
 def _world(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     results = {}
-    for case in CASES:
+    for name, fn in [(case.id, lambda case=case: _run_case(rank, case)) for case in CASES] + [("mirror_check", lambda: _mirror_check(rank))]:
         try:
-            results[case.id] = _run_case(rank, case)
+            results[name] = fn()
         except Exception as exc:
-            results[case.id] = [f"{type(exc).__name__}: {exc}"]
+            results[name] = [f"{type(exc).__name__}: {exc}"]
         dist.barrier()
     return results
 
@@ -140,4 +158,9 @@ def outcomes():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_train_matches_one_process(outcomes, case):
     problems = {r: outcomes[r][case.id] for r in range(WORLD) if outcomes[r][case.id]}
+    assert not problems, problems
+
+
+def test_mirror_comparison_sees_one_ulp(outcomes):
+    problems = {r: outcomes[r]["mirror_check"] for r in range(WORLD) if outcomes[r]["mirror_check"]}
     assert not problems, problems

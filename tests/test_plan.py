@@ -220,6 +220,13 @@ def test_cli_bad_input_names_the_option(extra, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_trace_of_another_placement_is_refused(tmp_path):
+    timeline = simulate(registry.build("interleaved-1f1b", 2, 6, stages_per_rank=3))
+    path = write_chrome_trace(timeline, tmp_path / "trace.json")  # default placement: 2 stages per rank
+    with pytest.raises(ValueError, match=r"does not match interleaved-1f1b's default placement on 2 ranks"):
+        load_traced(path)
+
+
 def test_cli_missing_model_or_bad_trace(tmp_path, capsys):
     assert main(["plan", "--gpus", "8", "-m", "8"]) == 2
     assert "missing --layers, --hidden, --seq" in capsys.readouterr().err

@@ -73,6 +73,11 @@ def read_trace(path: str | Path) -> Timeline:
         start, end = e["ts"] / scale, (e["ts"] + e["dur"]) / scale
         op = parse_op(e["name"]) if e.get("tid") == COMPUTE_TID else None
         slices.append(Slice(int(e["pid"]), start, end, op, "" if op else e["name"]))
+    for piece in slices:
+        if piece.op is not None and any(part.stage >= placement.num_stages or placement.rank_of(part.stage) != piece.rank
+                                        for part in piece.op.parts()):
+            raise ValueError(f"trace={str(path)!r}: op {piece.op} on rank {piece.rank} does not match {schedule}'s default placement "
+                             f"on {ranks} ranks (was it run with other options?)")
     return Timeline(schedule, ranks, m, slices, placement, "measured", None, {"time_unit": "s"})
 
 

@@ -31,15 +31,16 @@ class MoEStage(PartedSequential):
     def blocks(self) -> nn.ModuleList:
         return self.layers
 
-    def shard_experts_(self, ep_group) -> "MoEStage":
+    def shard_experts_(self, ep_group, phy2log=None) -> "MoEStage":
+        """``MoEBlock.shard_experts_`` on every block (same placement for all)."""
         for block in self.blocks:
-            block.shard_experts_(ep_group)
+            block.shard_experts_(ep_group, phy2log)
         return self
 
 
 def expert_counts(module: nn.Module, reset: bool = True) -> dict[str, dict]:
-    """Per MoE block of ``module``: token copies this rank routed to each expert and rows each
-    local expert ran on, summed since the last reset (then reset, unless ``reset=False``)."""
+    """Per MoE block of ``module``: token copies this rank routed to each logical expert and rows
+    each local slot ran on, summed since the last reset (then reset, unless ``reset=False``)."""
     out = {}
     for name, block in module.named_modules():
         if isinstance(block, MoEBlock):

@@ -1,0 +1,114 @@
+"""``Balancer``: EPLB in the loop. Measures the routed loads of a model's MoE blocks, and every
+``interval`` steps re-places the experts of the blocks whose rank loads are too uneven.
+
+This module uses ``twinpipe.moe`` (the layers it balances); eplb's placement modules never import
+it. Every rank of the EP groups runs the same ``Balancer`` calls: the loads are summed over the
+group, so all ranks compute the same placement and move experts together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from twinpipe.moe.loads import ExpertLoads
+from twinpipe.moe.move import MoveReport, apply_placement_
+
+from .balance import rebalance_experts
+from .report import gpu_loads, imbalance
+
+__all__ = ["Balancer", "LayerRebalance", "RebalanceReport"]
+
+
+@dataclass(frozen=True)
+class LayerRebalance:
+    """One block at one rebalance: max/mean EP-rank load of the window's loads under the old and
+    the new placement (``after == before`` when nothing changed), and what moved."""
+
+    name: str
+    before: float
+    after: float
+    move: MoveReport | None  # None: placement kept (balanced enough, or no better one found)
+
+
+@dataclass(frozen=True)
+class RebalanceReport:
+    step: int
+    layers: tuple[LayerRebalance, ...]
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(layer.move.bytes_sent for layer in self.layers if layer.move)
+
+    @property
+    def bytes_all(self) -> int:
+        """Bytes that sending every slot's expert of the re-placed blocks would have cost."""
+        return sum(layer.move.bytes_all for layer in self.layers if layer.move)
+
+    def __str__(self) -> str:
+        lines = [f"rebalance at step {self.step}:"]
+        for layer in self.layers:
+            what = (f"{layer.move.transfers} experts sent, {layer.move.local_copies} local copies, "
+                    f"{layer.move.bytes_sent} of {layer.move.bytes_all} bytes") if layer.move else "kept"
+            lines.append(f"  {layer.name}: max/mean rank load {layer.before:.3f} -> {layer.after:.3f} ({what})")
+        return "\n".join(lines)
+
+
+class Balancer:
+    """Call ``step()`` once per training step, after the optimizer step, on every rank.
+
+    It records the step's expert loads (``loads``: an ``ExpertLoads`` over ``window`` steps); every
+    ``interval`` steps, each block whose max/mean rank load over the window exceeds ``threshold``
+    gets a new placement (``rebalance_experts`` with ``previous_phy2log``: the same balance while
+    keeping as many replicas where they are as possible; ``refine`` as there), applied only if it
+    is better, by moving the changed experts' weights and ``optimizer`` state between EP ranks.
+    The slot count stays the blocks' own (set it with ``MoEBlock.shard_experts_(group, phy2log)``).
+    """
+
+    def __init__(self, model, *, optimizer=None, interval: int = 100, window: int | None = None,
+                 threshold: float = 1.1, refine: bool = False, timeout: float = 300.0):
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"interval={interval!r}: must be a positive int (steps)")
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 1.0:
+            raise ValueError(f"threshold={threshold!r}: must be a number >= 1 (a max/mean load ratio)")
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout={timeout!r}: must be a number of seconds > 0")
+        self.loads = ExpertLoads(model, interval if window is None else window)
+        self.optimizer, self.interval, self.threshold = optimizer, interval, float(threshold)
+        self.refine, self.timeout = refine, float(timeout)
+        self.steps = 0
+        self.reports: list[RebalanceReport] = []
+
+    def step(self) -> RebalanceReport | None:
+        """Record this step's loads; every ``interval`` steps rebalance (returns the report)."""
+        self.loads.record()
+        self.steps += 1
+        return self.rebalance() if self.steps % self.interval == 0 else None
+
+    def imbalance(self) -> list[float]:
+        """Per block, max/mean EP-rank load of the window's loads under its current placement."""
+        return [_ratio(w, block.phy2log, block.ep) for w, (_, block) in zip(self.loads.window_sum(), self.loads.blocks)]
+
+    def rebalance(self, force: bool = False) -> RebalanceReport:
+        """Re-place the blocks above the threshold (all blocks with ``force``) now."""
+        layers = []
+        for weight, (name, block) in zip(self.loads.window_sum(), self.loads.blocks):
+            old = block.phy2log
+            before = _ratio(weight, old, block.ep)
+            move, after = None, before
+            if force or before > self.threshold:
+                new = rebalance_experts(weight[None].double(), block.num_slots, 1, 1, block.ep,
+                                        refine=self.refine, previous_phy2log=old[None])[0][0]
+                candidate = _ratio(weight, new, block.ep)
+                if candidate < before or (force and not torch.equal(new, old)):
+                    move = apply_placement_(block, new, self.optimizer, self.timeout)
+                    after = candidate
+            layers.append(LayerRebalance(name, before, after, move))
+        report = RebalanceReport(self.steps, tuple(layers))
+        self.reports.append(report)
+        return report
+
+
+def _ratio(weight: torch.Tensor, phy2log: torch.Tensor, ep: int) -> float:
+    return float(imbalance(gpu_loads(weight[None].double(), phy2log[None], ep))[0])

@@ -1,0 +1,153 @@
+"""Apply a new placement to a live MoE block: move only the expert weights (and optimizer state)
+whose slot changes, with one all-to-all over the block's EP group.
+
+The plan is a pure function of (old placement, new placement, EP size), so every rank computes
+the same one without talking. A rank fetches each expert it lacks once, even when it needs
+several replicas of it; a slot whose expert the rank already holds is filled by a local copy;
+the senders of each fetched expert are spread over the ranks that hold it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from twinpipe.moe.block import MoEBlock
+from twinpipe.moe.placement import check_placement
+
+__all__ = ["MovePlan", "MoveReport", "plan_moves", "apply_placement_"]
+
+
+@dataclass(frozen=True)
+class MovePlan:
+    """``transfers``: (source rank, destination rank, expert, source slot), one per expert a rank
+    must fetch; ``fills``: (slot, expert, source) for every slot whose expert changes, source
+    ``("recv", rank)`` or ``("copy", old slot on the same rank)``."""
+
+    transfers: tuple
+    fills: tuple
+
+
+@dataclass(frozen=True)
+class MoveReport:
+    """What one block's move did: slots refilled, experts sent between ranks, bytes (all ranks)
+    actually sent and what sending every slot's expert would have cost."""
+
+    slots_changed: int
+    transfers: int
+    local_copies: int
+    bytes_sent: int
+    bytes_all: int
+
+
+def plan_moves(old: torch.Tensor, new: torch.Tensor, ep: int) -> MovePlan:
+    """The moves that turn placement ``old`` [R] into ``new`` [R] on ``ep`` ranks (R / ep slots each)."""
+    old, new = old.tolist(), new.tolist()
+    local = len(old) // ep
+    held = [{} for _ in range(ep)]  # rank -> expert -> first old slot holding it
+    for s, e in enumerate(old):
+        held[s // local].setdefault(e, s)
+    need = sorted({(e, s // local) for s, e in enumerate(new) if old[s] != e and e not in held[s // local]})
+    sends = [0] * ep
+    source = {}
+    transfers = []
+    for e, dst in need:  # spread the sending over the holders: fewest sends so far, then lowest rank
+        src = min((r for r in range(ep) if e in held[r]), key=lambda r: (sends[r], r))
+        sends[src] += 1
+        source[(dst, e)] = src
+        transfers.append((src, dst, e, held[src][e]))
+    fills = []
+    for s, e in enumerate(new):
+        if old[s] == e:
+            continue
+        r = s // local
+        fills.append((s, e, ("copy", held[r][e]) if e in held[r] else ("recv", source[(r, e)])))
+    return MovePlan(tuple(transfers), tuple(fills))
+
+
+def _slot_tensors(block: MoEBlock, optimizer) -> list[list[torch.Tensor]]:
+    """Per local slot: its parameters, then each parameter's optimizer state tensors (keys sorted)."""
+    out = []
+    for expert in block.experts:
+        tensors = []
+        for p in expert.parameters():
+            tensors.append(p)
+            state = optimizer.state.get(p, {}) if optimizer is not None else {}
+            tensors.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
+        out.append(tensors)
+    return out
+
+
+def _as_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).contiguous().view(torch.uint8) for t in tensors])
+
+
+def _write(tensors: list[torch.Tensor], data: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            t.copy_(data[offset : offset + n].clone().view(t.dtype).view(t.shape))
+            offset += n
+
+
+def _expert_bytes(block: MoEBlock, slots: list[list[torch.Tensor]]) -> int:
+    sizes = {sum(t.numel() * t.element_size() for t in ts) for ts in slots}
+    if len(sizes) != 1:
+        raise ValueError(f"the slots of this MoE block hold different amounts of state ({sorted(sizes)} bytes): "
+                         "step the optimizer for all experts, or for none, before moving them")
+    size = sizes.pop()
+    if block.ep > 1:
+        both = torch.tensor([size, -size], dtype=torch.int64, device=slots[0][0].device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=block.ep_group)
+        if int(both[0]) != -int(both[1]):
+            raise ValueError(f"expert state differs in size over the EP ranks ({-int(both[1])}..{int(both[0])} bytes): "
+                             "give every rank the same optimizer, stepped as often")
+    return size
+
+
+def apply_placement_(block: MoEBlock, phy2log, optimizer=None, timeout: float = 300.0) -> MoveReport:
+    """Make ``block`` run placement ``phy2log`` [R] (same R, same experts), moving weights and, with
+    ``optimizer``, its state tensors for them; the gradients of refilled slots are dropped. Call on
+    every rank of the block's EP group with the same ``phy2log``, between training steps."""
+    if not isinstance(block, MoEBlock):
+        raise ValueError(f"block={type(block).__name__}: must be a MoEBlock")
+    new = check_placement(phy2log, block.num_experts, block.num_slots, block.ep)
+    old = block.phy2log
+    plan = plan_moves(old, new, block.ep)
+    slots = _slot_tensors(block, optimizer)
+    size = _expert_bytes(block, slots)
+    rank, first = block.ep_rank, block.first_slot
+    received: dict[tuple[int, int], torch.Tensor] = {}
+    if plan.transfers:
+        out = [t for t in plan.transfers if t[0] == rank]
+        into = [t for t in plan.transfers if t[1] == rank]
+        send_splits = [size * sum(1 for t in out if t[1] == r) for r in range(block.ep)]
+        recv_splits = [size * sum(1 for t in into if t[0] == r) for r in range(block.ep)]
+        device = slots[0][0].device
+        outgoing = sorted(out, key=lambda t: t[1])  # destination-major, plan order within
+        send = torch.cat([_as_bytes(slots[t[3] - first]) for t in outgoing]) if outgoing else torch.empty(0, dtype=torch.uint8, device=device)
+        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=device)
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=block.ep_group, async_op=True)
+        try:
+            done = work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            done = exc
+        if done is not True:
+            raise RuntimeError(f"apply_placement_: EP rank {rank} got no expert weights from its peers within "
+                               f"{timeout:g} s ({done})")
+        for i, t in enumerate(sorted(into, key=lambda t: t[0])):
+            received[(t[0], t[2])] = recv[i * size : (i + 1) * size]
+    mine = [f for f in plan.fills if f[0] // block.local == rank]
+    snapshot = {src: _as_bytes(slots[src - first]).clone() for _, _, (kind, src) in mine if kind == "copy"}
+    for slot, expert, (kind, src) in mine:
+        data = snapshot[src] if kind == "copy" else received[(src, expert)]
+        _write(slots[slot - first], data)
+        for p in block.experts[slot - first].parameters():
+            p.grad = None
+    block._set_placement(new)
+    copies = sum(1 for f in plan.fills if f[2][0] == "copy")
+    return MoveReport(len(plan.fills), len(plan.transfers), copies, size * len(plan.transfers), size * len(new))

@@ -1,0 +1,349 @@
+"""EPLB in the loop: MoE blocks with redundant expert slots on EP=2 and EP=4 (gloo processes)
+against the single-process reference with one slot per expert; live re-placement by the
+Balancer changes nothing the model computes; measured loads; pure properties of the move plan."""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import moe_models as mm
+from distributed import run_cases, run_world
+from exactness import TOL
+from models import grad_error
+from twinpipe.eplb import Balancer, rebalance_experts
+from twinpipe.moe import (ExpertLoads, apply_placement_, plan_moves, reduce_dense_grads, reduce_replica_grads,
+                          replica_table, slots_of_copies)
+
+# (ranks, initial placement) for 4 experts: every expert once, plus redundant slots
+PLACEMENTS = {2: [0, 1, 2, 3, 0, 1], 4: [0, 1, 2, 3, 0, 3, 1, 2]}
+# replicas of the experts the "grouped" uneven routing starves: the rank holding 0 and 1 does all the work
+STALE = {2: [0, 1, 2, 3, 3, 2], 4: [0, 1, 2, 3, 3, 2, 3, 2]}
+
+
+def _inputs(ep: int, batch: int = 2):
+    xs = [torch.randn(batch, mm.SEQ, mm.HIDDEN, dtype=torch.float64) for _ in range(ep)]
+    return xs, [torch.randn_like(x) for x in xs]
+
+
+def _compare(stage, full, rank, out, want) -> list[str]:
+    """Output bitwise; every gradient (replicas: their expert's) within TOL of the reference's."""
+    problems = [] if torch.equal(out, want) else [f"rank {rank}: output differs from the reference"]
+    ref = dict(full.named_parameters())
+    for name, p in stage.named_parameters():
+        parts = name.split(".")
+        if "experts" in parts:
+            block = stage.blocks[int(parts[1])]
+            parts[3] = str(int(block.phy2log[block.first_slot + int(parts[3])]))
+        err = grad_error(p.grad, ref[".".join(parts)].grad)
+        if not err <= TOL:
+            problems.append(f"rank {rank} {name}: gradient error {err:.3g}")
+    return problems
+
+
+def _step(stage, group, x, label):
+    """Forward + backward of one rank's micro-batch, gradients reduced as a training step would."""
+    stage.zero_grad(set_to_none=True)
+    out = stage(x)
+    loss = mm.mse(out, label)
+    loss.backward()
+    reduce_dense_grads(stage, group)
+    reduce_replica_grads(stage)
+    return out.detach(), loss.detach()
+
+
+def _reference(full, xs, labels):
+    full.zero_grad(set_to_none=True)
+    outs = mm.reference_stages([full], xs)
+    losses = [mm.mse(o, y) for o, y in zip(outs, labels)]
+    sum(losses).backward()
+    return [o.detach() for o in outs], [l.detach() for l in losses]
+
+
+def _replicas_identical(stage, group) -> list[str]:
+    """Every slot of one expert holds the same bits on every rank (weights)."""
+    problems = []
+    for i, block in enumerate(stage.blocks):
+        mine = torch.stack([torch.cat([p.detach().reshape(-1) for p in e.parameters()]) for e in block.experts])
+        every = [torch.empty_like(mine) for _ in range(block.ep)]
+        dist.all_gather(every, mine, group=group)
+        slots, phy2log = torch.cat(every), block.phy2log
+        for e in range(block.num_experts):
+            same = slots[phy2log == e]
+            if not all(torch.equal(same[0], s) for s in same[1:]):
+                problems.append(f"block {i} expert {e}: replicas differ")
+    return problems
+
+
+def _redundant_case(variant: str, group) -> list[str]:
+    """Redundant slots: one step equals the reference (loss bitwise, gradients within TOL)."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    full = mm.make_stage(variant, blocks=2, uneven=True)
+    stage = copy.deepcopy(full)
+    for block in stage.blocks:
+        block.shard_experts_(group, PLACEMENTS[ep])
+    xs, labels = _inputs(ep)
+    outs, losses = _reference(full, xs, labels)
+    out, loss = _step(stage, group, xs[rank], labels[rank])
+    problems = _compare(stage, full, rank, out, outs[rank])
+    if not torch.equal(loss, losses[rank]):
+        problems.append(f"rank {rank}: loss {loss.item()!r} != reference {losses[rank].item()!r}")
+    rows = torch.zeros(len(PLACEMENTS[ep]), dtype=torch.long)
+    block = stage.blocks[0]
+    rows[block.first_slot : block.first_slot + block.local] = block.expert_rows
+    dist.all_reduce(rows, group=group)
+    served = torch.zeros(4, dtype=torch.long).index_add_(0, block.phy2log, rows)
+    routed = block.routed_tokens.clone()
+    dist.all_reduce(routed, group=group)
+    if not torch.equal(served, routed):
+        problems.append(f"rows served per expert {served.tolist()} != routed {routed.tolist()}")
+    if rows[block.phy2log == 0].min() == 0:
+        problems.append(f"a replica of the busiest expert ran on no row: {rows.tolist()}")
+    return problems
+
+
+def _rebalance_case(group) -> list[str]:
+    """The Balancer re-places experts between two steps: the loss after equals the loss before
+    bitwise and the reference's; with Adam, replicas stay identical and state moves with weights."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    full = mm.make_stage("grouped", blocks=2, uneven=True)
+    stage = copy.deepcopy(full).shard_experts_(group, STALE[ep])
+    xs, labels = _inputs(ep)
+    outs, losses = _reference(full, xs, labels)
+    out, loss = _step(stage, group, xs[rank], labels[rank])
+    balancer = Balancer(stage, interval=1, threshold=1.0)
+    before = [b.phy2log for b in stage.blocks]
+    report = balancer.step()
+    problems = []
+    if any(torch.equal(b.phy2log, p) for b, p in zip(stage.blocks, before)) or report.bytes_sent == 0:
+        problems.append(f"the rebalance moved nothing: {report}")
+    if not all(layer.after < layer.before for layer in report.layers):
+        problems.append(f"imbalance did not fall: {report}")
+    out2, loss2 = _step(stage, group, xs[rank], labels[rank])
+    if not torch.equal(loss2, loss) or not torch.equal(loss2, losses[rank]):
+        problems.append(f"rank {rank}: loss after {loss2.item()!r}, before {loss.item()!r}, reference {losses[rank].item()!r}")
+    problems += _compare(stage, full, rank, out2, outs[rank])
+
+    # Train: Adam steps with a rebalance after each; the reference trains the full model alike.
+    full = mm.make_stage("softmax", blocks=2, uneven=True)
+    stage = copy.deepcopy(full).shard_experts_(group, STALE[ep])
+    opt = torch.optim.Adam(stage.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(full.parameters(), lr=1e-2)
+    balancer = Balancer(stage, optimizer=opt, interval=1, threshold=1.0)
+    moved = 0
+    for step in range(3):
+        for a, b in zip(full.blocks, stage.blocks):  # the popular expert changes every step
+            a.router.bias.copy_(a.router.bias.roll(1))
+            b.router.bias.copy_(a.router.bias)
+        xs, labels = _inputs(ep)
+        _reference(full, xs, labels)
+        ref_opt.step()
+        _step(stage, group, xs[rank], labels[rank])
+        opt.step()
+        moved += balancer.step().bytes_sent if step < 2 else 0
+    problems += _replicas_identical(stage, group)
+    if moved == 0:
+        problems.append(f"no expert moved while training: {[str(r) for r in balancer.reports]}")
+    ref = dict(full.named_parameters())
+    for name, p in stage.named_parameters():
+        parts = name.split(".")
+        if "experts" in parts:
+            block = stage.blocks[int(parts[1])]
+            parts[3] = str(int(block.phy2log[block.first_slot + int(parts[3])]))
+        q = ref[".".join(parts)]
+        for key in ("exp_avg", "exp_avg_sq"):
+            err = grad_error(opt.state[p][key], ref_opt.state[q][key])
+            if not err <= 1e-10:
+                problems.append(f"{name} {key}: error {err:.3g} against the reference")
+        err = grad_error(p.detach(), q.detach())
+        if not err <= 1e-10:
+            problems.append(f"{name}: weight error {err:.3g} against the reference")
+    return problems
+
+
+def _loads_case(group) -> list[str]:
+    """ExpertLoads sums every rank's routed copies per expert and keeps a sliding window."""
+    ep = dist.get_world_size(group)
+    full = mm.make_stage("softmax", blocks=2, uneven=True)
+    stage = copy.deepcopy(full).shard_experts_(group, PLACEMENTS[ep])
+    loads = ExpertLoads(stage, window=2)
+    steps = []
+    for _ in range(3):
+        xs, _ = _inputs(ep)
+        with torch.no_grad():
+            stage(xs[dist.get_rank(group)])
+            first = full.blocks[0]
+            picks = [first.router(first.norm2(first.attention(x)).reshape(-1, mm.HIDDEN))[0].reshape(-1) for x in xs]
+        steps.append(sum(torch.bincount(p, minlength=4) for p in picks))
+        got = loads.record()[0]
+        if not torch.equal(got, steps[-1]):
+            return [f"step loads {got.tolist()} != routed {steps[-1].tolist()}"]
+    problems = []
+    if not torch.equal(loads.window_sum()[0], steps[1] + steps[2]):
+        problems.append(f"window {loads.window_sum()[0].tolist()} != last two steps {(steps[1] + steps[2]).tolist()}")
+    if [h[0].tolist() for h in loads.history] != [s.tolist() for s in steps[1:]]:
+        problems.append("history is not the last two steps")
+    return problems
+
+
+CASES = {
+    "redundant-ep2-softmax": (2, partial(_redundant_case, "softmax")),
+    "redundant-ep2-grouped": (2, partial(_redundant_case, "grouped")),
+    "redundant-ep4-shared": (4, partial(_redundant_case, "shared")),
+    "rebalance-ep2": (2, _rebalance_case),
+    "rebalance-ep4": (4, _rebalance_case),
+    "loads-ep2": (2, _loads_case),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_world(4, run_cases, CASES, timeout=300)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_distributed_case(outcomes, name):
+    ranks = CASES[name][0]
+    assert [o[name] for o in outcomes[:ranks]] == [[]] * ranks
+
+
+# ---------------------------------------------------------------- one process, pure functions
+def _placements(max_experts=6, max_ep=4):
+    @st.composite
+    def build(draw):
+        experts = draw(st.integers(1, max_experts))
+        ep = draw(st.integers(1, max_ep))
+        local = draw(st.integers(max(1, -(-experts // ep)), -(-experts // ep) + 2))
+        slots = ep * local
+
+        def one():
+            extra = draw(st.lists(st.integers(0, experts - 1), min_size=slots - experts, max_size=slots - experts))
+            perm = draw(st.permutations(list(range(experts)) + extra))
+            return torch.tensor(perm)
+
+        return experts, ep, [one() for _ in range(draw(st.integers(2, 4)))]
+
+    return build()
+
+
+@settings(max_examples=60, deadline=None)
+@given(_placements())
+def test_moves_lose_and_duplicate_nothing(case):
+    """Executing the plan on labelled slots gives every slot its expert's weights, fetches each
+    expert a rank lacks exactly once, and only from a rank that holds it."""
+    experts, ep, sequence = case
+    local = len(sequence[0]) // ep
+    slots = [("w", int(e)) for e in sequence[0]]  # the weights of expert e, as a label
+    for old, new in zip(sequence, sequence[1:]):
+        plan = plan_moves(old, new, ep)
+        for src, dst, e, slot in plan.transfers:
+            assert src != dst and slot // local == src and slots[slot] == ("w", e)
+        lacking = {(s // local, int(e)) for s, e in enumerate(new)
+                   if int(e) not in {int(x) for x in old[(s // local) * local : (s // local + 1) * local]}}
+        assert sorted((dst, e) for _, dst, e, _ in plan.transfers) == sorted(lacking)
+        after = list(slots)
+        for slot, e, (kind, src) in plan.fills:
+            if kind == "copy":
+                assert src // local == slot // local
+                after[slot] = slots[src]
+            else:
+                after[slot] = next(slots[t[3]] for t in plan.transfers if t[0] == src and t[1] == slot // local and t[2] == e)
+        assert after == [("w", int(e)) for e in new]
+        slots = after
+
+
+def _clone(t):
+    return None if t is None else t.clone()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 6), st.integers(0, 4), st.lists(st.lists(st.integers(0, 50), min_size=6, max_size=6), min_size=1, max_size=4))
+def test_every_expert_keeps_a_replica_through_rebalances(ep_seed, extra, loads):
+    """A sequence of migration-aware placements from rebalance_experts, applied to a one-rank
+    block with Adam state: every expert keeps a replica, each slot holds its expert's weights and
+    state bit for bit, and replicas stay identical through optimizer steps."""
+    experts, ep = 6, 1 + ep_seed % 2
+    slots = experts + extra + (experts + extra) % ep
+    torch.manual_seed(ep_seed)
+    block = mm.make_stage("softmax", experts=experts).blocks[0]
+    originals = [copy.deepcopy(e) for e in block.experts]
+    block.shard_experts_(None, torch.arange(slots) % experts)
+    opt = torch.optim.Adam(block.parameters(), lr=1e-2)
+    x = torch.randn(2, mm.SEQ, mm.HIDDEN, dtype=torch.float64)
+    for i, w in enumerate(loads):
+        new = rebalance_experts(torch.tensor([w], dtype=torch.float64), slots, 1, 1, ep,
+                                previous_phy2log=block.phy2log[None])[0][0]
+        state = {e: [_clone(opt.state[p].get("exp_avg")) for p in block.experts[int(s)].parameters()]
+                 for s, e in reversed(list(enumerate(block.phy2log.tolist())))}
+        apply_placement_(block, new, opt)
+        assert torch.equal(block.phy2log, new) and bool((torch.bincount(new, minlength=experts) >= 1).all())
+        for slot, e in enumerate(new.tolist()):
+            for p, q, s in zip(block.experts[slot].parameters(), originals[e].parameters(), state[e]):
+                assert torch.equal(p, q)
+                assert s is None or torch.equal(opt.state[p]["exp_avg"], s)
+        block.zero_grad(set_to_none=True)
+        mm.mse(block(x), torch.zeros_like(x)).backward()
+        reduce_replica_grads(block)
+        opt.step()
+        originals = [copy.deepcopy(block.experts[int(torch.nonzero(new == e)[0])]) for e in range(experts)]
+        for slot, e in enumerate(new.tolist()):  # replicas identical after the step
+            for p, q in zip(block.experts[slot].parameters(), originals[e].parameters()):
+                assert torch.equal(p, q)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=40), st.integers(0, 3))
+def test_replica_rule_splits_copies_evenly(picks, rank):
+    """Each expert's copies go to its replicas, the counts within one of each other."""
+    phy2log = torch.tensor([0, 1, 2, 3, 0, 0, 3])
+    log2phy, logcnt = replica_table(phy2log, 4)
+    experts = torch.tensor(picks, dtype=torch.long)
+    slots = slots_of_copies(experts, log2phy, logcnt, rank)
+    assert torch.equal(phy2log[slots], experts)
+    per_slot = torch.bincount(slots, minlength=7)
+    for e in range(4):
+        mine = per_slot[phy2log == e]
+        assert int(mine.max() - mine.min()) <= 1
+
+
+def test_one_rank_with_replicas_equals_reference_bitwise():
+    torch.manual_seed(1)
+    full = mm.make_stage("grouped", blocks=2, uneven=True)
+    stage = copy.deepcopy(full)
+    for block in stage.blocks:
+        block.shard_experts_(None, [3, 0, 0, 1, 2, 0])
+    x, label = torch.randn(2, mm.SEQ, mm.HIDDEN, dtype=torch.float64), None
+    label = torch.randn_like(x)
+    outs, _ = _reference(full, [x], [label])
+    out, _ = _step(stage, None, x, label)
+    assert _compare(stage, full, 0, out, outs[0]) == []
+
+
+# ---------------------------------------------------------------- bad input
+def test_placement_for_another_expert_or_slot_count_is_refused():
+    block = mm.make_stage("softmax").blocks[0]
+    with pytest.raises(ValueError, match="num_slots=4"):
+        apply_placement_(block, [0, 1, 2, 3, 0])
+    with pytest.raises(ValueError, match="num_experts=4"):
+        apply_placement_(block, [0, 1, 2, 4])
+    with pytest.raises(ValueError, match=r"no slot to experts \[3\]"):
+        apply_placement_(block, [0, 1, 2, 2])
+    with pytest.raises(ValueError, match="num_experts=4"):
+        mm.make_stage("softmax").blocks[0].shard_experts_(None, [0, 1, 2, 5])
+    with pytest.raises(ValueError, match="phy2log"):
+        apply_placement_(block, [[0, 1], [2, 3]])
+
+
+def test_balancer_needs_a_moe_block_and_sane_settings():
+    with pytest.raises(ValueError, match="no MoEBlock"):
+        Balancer(torch.nn.Linear(2, 2))
+    stage = mm.make_stage("softmax")
+    for kwargs, arg in [(dict(interval=0), "interval"), (dict(threshold=0.5), "threshold"), (dict(window=0), "window")]:
+        with pytest.raises(ValueError, match=arg):
+            Balancer(stage, **kwargs)

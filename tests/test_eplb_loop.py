@@ -173,8 +173,8 @@ def _loads_case(group) -> list[str]:
     full = mm.make_stage("softmax", blocks=2, uneven=True)
     stage = copy.deepcopy(full).shard_experts_(group, PLACEMENTS[ep])
     loads = ExpertLoads(stage, window=2)
-    steps = []
-    for _ in range(3):
+    steps, problems = [], []
+    for _ in range(3):  # no early return: every rank runs the same collectives
         xs, _ = _inputs(ep)
         with torch.no_grad():
             stage(xs[dist.get_rank(group)])
@@ -183,13 +183,22 @@ def _loads_case(group) -> list[str]:
         steps.append(sum(torch.bincount(p, minlength=4) for p in picks))
         got = loads.record()[0]
         if not torch.equal(got, steps[-1]):
-            return [f"step loads {got.tolist()} != routed {steps[-1].tolist()}"]
-    problems = []
+            problems.append(f"step loads {got.tolist()} != routed {steps[-1].tolist()}")
     if not torch.equal(loads.window_sum()[0], steps[1] + steps[2]):
         problems.append(f"window {loads.window_sum()[0].tolist()} != last two steps {(steps[1] + steps[2]).tolist()}")
     if [h[0].tolist() for h in loads.history] != [s.tolist() for s in steps[1:]]:
         problems.append("history is not the last two steps")
     return problems
+
+
+def _disagree_case(group) -> list[str]:
+    """Ranks that would apply different placements get a clear error, not a hang."""
+    rank = dist.get_rank(group)
+    stage = copy.deepcopy(mm.make_stage("softmax")).shard_experts_(group, PLACEMENTS[2])
+    mine = [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 1, 0]][rank]
+    with pytest.raises(ValueError, match="phy2log differs over the EP ranks"):
+        apply_placement_(stage.blocks[0], mine)
+    return []
 
 
 CASES = {
@@ -199,6 +208,7 @@ CASES = {
     "rebalance-ep2": (2, _rebalance_case),
     "rebalance-ep4": (4, _rebalance_case),
     "loads-ep2": (2, _loads_case),
+    "disagree-ep2": (2, _disagree_case),
 }
 
 

@@ -94,18 +94,25 @@ def _write(tensors: list[torch.Tensor], data: torch.Tensor) -> None:
             offset += n
 
 
-def _expert_bytes(block: MoEBlock, slots: list[list[torch.Tensor]]) -> int:
+def _agreed_bytes(block: MoEBlock, slots: list[list[torch.Tensor]], new: torch.Tensor) -> int:
+    """Bytes of one slot's state, checked equal over slots and EP ranks, and ``new`` checked to be
+    the same on every rank (ranks that disagree would wait for each other's experts forever)."""
     sizes = {sum(t.numel() * t.element_size() for t in ts) for ts in slots}
     if len(sizes) != 1:
         raise ValueError(f"the slots of this MoE block hold different amounts of state ({sorted(sizes)} bytes): "
                          "step the optimizer for all experts, or for none, before moving them")
     size = sizes.pop()
     if block.ep > 1:
-        both = torch.tensor([size, -size], dtype=torch.int64, device=slots[0][0].device)
+        mine = torch.cat([torch.tensor([size]), new])
+        both = torch.cat([mine, -mine]).to(slots[0][0].device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=block.ep_group)
-        if int(both[0]) != -int(both[1]):
-            raise ValueError(f"expert state differs in size over the EP ranks ({-int(both[1])}..{int(both[0])} bytes): "
+        high, low = both[: len(mine)].cpu(), -both[len(mine) :].cpu()
+        if high[0] != low[0]:
+            raise ValueError(f"expert state differs in size over the EP ranks ({int(low[0])}..{int(high[0])} bytes): "
                              "give every rank the same optimizer, stepped as often")
+        if not torch.equal(high, low):
+            raise ValueError(f"phy2log differs over the EP ranks (rank {block.ep_rank} has {new.tolist()}): "
+                             "every rank must apply the same placement")
     return size
 
 
@@ -119,7 +126,7 @@ def apply_placement_(block: MoEBlock, phy2log, optimizer=None, timeout: float = 
     old = block.phy2log
     plan = plan_moves(old, new, block.ep)
     slots = _slot_tensors(block, optimizer)
-    size = _expert_bytes(block, slots)
+    size = _agreed_bytes(block, slots, new)
     rank, first = block.ep_rank, block.first_slot
     received: dict[tuple[int, int], torch.Tensor] = {}
     if plan.transfers:

@@ -94,7 +94,17 @@ def _write(tensors: list[torch.Tensor], data: torch.Tensor) -> None:
             offset += n
 
 
-def _agreed_bytes(block: MoEBlock, slots: list[list[torch.Tensor]], new: torch.Tensor) -> int:
+def _wait(work, block: MoEBlock, timeout: float, what: str) -> None:
+    try:
+        done = work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        done = exc
+    if done is not True:
+        raise RuntimeError(f"apply_placement_: EP rank {block.ep_rank} waited {timeout:g} s for its peers in "
+                           f"{what} ({done}); every rank of the EP group must apply the placement")
+
+
+def _agreed_bytes(block: MoEBlock, slots: list[list[torch.Tensor]], new: torch.Tensor, timeout: float) -> int:
     """Bytes of one slot's state, checked equal over slots and EP ranks, and ``new`` checked to be
     the same on every rank (ranks that disagree would wait for each other's experts forever)."""
     sizes = {sum(t.numel() * t.element_size() for t in ts) for ts in slots}
@@ -105,7 +115,8 @@ def _agreed_bytes(block: MoEBlock, slots: list[list[torch.Tensor]], new: torch.T
     if block.ep > 1:
         mine = torch.cat([torch.tensor([size]), new])
         both = torch.cat([mine, -mine]).to(slots[0][0].device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=block.ep_group)
+        _wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=block.ep_group, async_op=True), block, timeout,
+              "the placement check")
         high, low = both[: len(mine)].cpu(), -both[len(mine) :].cpu()
         if high[0] != low[0]:
             raise ValueError(f"expert state differs in size over the EP ranks ({int(low[0])}..{int(high[0])} bytes): "
@@ -119,14 +130,15 @@ def _agreed_bytes(block: MoEBlock, slots: list[list[torch.Tensor]], new: torch.T
 def apply_placement_(block: MoEBlock, phy2log, optimizer=None, timeout: float = 300.0) -> MoveReport:
     """Make ``block`` run placement ``phy2log`` [R] (same R, same experts), moving weights and, with
     ``optimizer``, its state tensors for them; the gradients of refilled slots are dropped. Call on
-    every rank of the block's EP group with the same ``phy2log``, between training steps."""
+    every rank of the block's EP group with the same ``phy2log``, between training steps; each
+    collective waits at most ``timeout`` seconds (RuntimeError naming the rank)."""
     if not isinstance(block, MoEBlock):
         raise ValueError(f"block={type(block).__name__}: must be a MoEBlock")
     new = check_placement(phy2log, block.num_experts, block.num_slots, block.ep)
     old = block.phy2log
     plan = plan_moves(old, new, block.ep)
     slots = _slot_tensors(block, optimizer)
-    size = _agreed_bytes(block, slots, new)
+    size = _agreed_bytes(block, slots, new, timeout)
     rank, first = block.ep_rank, block.first_slot
     received: dict[tuple[int, int], torch.Tensor] = {}
     if plan.transfers:
@@ -138,14 +150,8 @@ def apply_placement_(block: MoEBlock, phy2log, optimizer=None, timeout: float = 
         outgoing = sorted(out, key=lambda t: t[1])  # destination-major, plan order within
         send = torch.cat([_as_bytes(slots[t[3] - first]) for t in outgoing]) if outgoing else torch.empty(0, dtype=torch.uint8, device=device)
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=device)
-        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=block.ep_group, async_op=True)
-        try:
-            done = work.wait(timeout=datetime.timedelta(seconds=timeout))
-        except RuntimeError as exc:
-            done = exc
-        if done is not True:
-            raise RuntimeError(f"apply_placement_: EP rank {rank} got no expert weights from its peers within "
-                               f"{timeout:g} s ({done})")
+        _wait(dist.all_to_all_single(recv, send, recv_splits, send_splits, group=block.ep_group, async_op=True),
+              block, timeout, "the expert all-to-all")
         for i, t in enumerate(sorted(into, key=lambda t: t[0])):
             received[(t[0], t[2])] = recv[i * size : (i + 1) * size]
     mine = [f for f in plan.fills if f[0] // block.local == rank]

@@ -15,7 +15,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from twinpipe.moe import MoEBlock, MoEStage
+from twinpipe.moe import MoEBlock, MoEStage, reduce_replica_grads
 from twinpipe.moe.block import run_expert
 from twinpipe.overlap import Comm, Compute, PartedStage, Then, all_to_all
 
@@ -46,8 +46,8 @@ def make_stage(variant: str = "shared", blocks: int = 1, experts: int = 4, top_k
     return MoEStage(made).double()
 
 
-def sharded(stage: MoEStage, ep_group) -> MoEStage:
-    return copy.deepcopy(stage).shard_experts_(ep_group)
+def sharded(stage: MoEStage, ep_group, phy2log=None) -> MoEStage:
+    return copy.deepcopy(stage).shard_experts_(ep_group, phy2log)
 
 
 def reference_block(block: MoEBlock, xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -109,9 +109,10 @@ def interleaved(events) -> bool:
     return seen == {"F", "B"}
 
 
-def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: bool, chunks: int = 4) -> list[str]:
+def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: bool, phy2log=None, chunks: int = 4) -> list[str]:
     """One training step of ``schedule`` over the mesh's pp dimension with MoE stages sharded over
-    its ep dimension, against the reference; returns what differs."""
+    its ep dimension (expert slots following ``phy2log``, default one per expert), against the
+    reference; returns what differs."""
     import torch.distributed as dist
 
     import twinpipe
@@ -125,7 +126,7 @@ def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: 
     placement = placement_for(schedule, pp)
     torch.manual_seed(11)
     model = [make_stage(variant, uneven=uneven) for _ in range(pp if placement.kind == "dual" else placement.num_stages)]
-    modules = [sharded(model[model_stage(placement, s)], ep_group) for s in placement.stages_of(pp_rank)]
+    modules = [sharded(model[model_stage(placement, s)], ep_group, phy2log) for s in placement.stages_of(pp_rank)]
     for m in modules:
         m.overlap = overlap
     xs = [torch.randn(chunks * 2, SEQ, HIDDEN, dtype=torch.float64) for _ in range(ep)]
@@ -167,6 +168,8 @@ def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: 
         problems.append(f"forward-only loss {again.tolist()} != reference {expected.tolist()}")
     if schedule == "dualpipe":
         pipe.sync_mirrored_grads()
+    for module in modules:
+        reduce_replica_grads(module)
     for s, module in zip(placement.stages_of(pp_rank), modules):
         ref = dict(model[model_stage(placement, s)].named_parameters())
         for name, p in module.named_parameters():
@@ -174,7 +177,8 @@ def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: 
             parts = name.split(".")
             if "experts" in parts:
                 i = parts.index("experts") + 1
-                parts[i] = str(int(parts[i]) + module.blocks[int(parts[1])].first_expert)
+                block = module.blocks[int(parts[1])]
+                parts[i] = str(int(block.phy2log[block.first_slot + int(parts[i])]))
             else:  # data-parallel over ep: the reference saw every ep rank's tokens
                 dist.all_reduce(got, group=ep_group)
             want = ref[".".join(parts)].grad

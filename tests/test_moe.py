@@ -16,7 +16,8 @@ from models import grad_error
 from twinpipe.moe import reduce_dense_grads
 
 LAYER_CASES = [(v, u) for v in mm.VARIANTS for u in (False, True)] + [("softmax", "starved")]
-PIPE_CASES = [("dualpipev", True, "grouped", True), ("dualpipev", False, "shared", False), ("1f1b", False, "softmax", True)]
+PIPE_CASES = [("dualpipev", True, "grouped", True), ("dualpipev", False, "shared", False), ("1f1b", False, "softmax", True),
+              ("dualpipev", True, "shared", True, (0, 1, 2, 3, 0, 0, 1, 3))]  # redundant expert slots
 
 
 def _layer_case(group, variant: str, uneven: bool) -> list[str]:

@@ -127,6 +127,16 @@ def case_different_num_chunks(group):
     return _outcome(lambda: setup.step(*setup.data(n, seed=6)))[:3]
 
 
+def case_different_num_chunks_across_hosts(group):
+    """The same, with the agreement through the process group (as across hosts) instead of the
+    shared-memory board; then the ranks agree again and train exactly."""
+    setup = _Setup(group)
+    setup.pipe._board = None
+    n = 4 if setup.rank == 0 else 6
+    odd = _outcome(lambda: setup.step(*setup.data(n, seed=6)))[:3]
+    return odd, setup.exact_step(*setup.data(4, seed=7))
+
+
 def _build_and_step(group, **options):
     def run():
         setup = _Setup(group, **options)
@@ -330,6 +340,7 @@ CASES = {
     "extra_eval_step": (3, case_extra_eval_step),
     "skipped_bad_batch": (3, case_skipped_bad_batch),
     "different_num_chunks": (2, case_different_num_chunks),
+    "different_num_chunks_across_hosts": (2, case_different_num_chunks_across_hosts),
     "different_schedules": (2, case_different_schedules),
     "different_dtypes_gloo": (2, case_different_dtypes_gloo),
     "different_dtypes_shm": (2, case_different_dtypes_shm),
@@ -384,6 +395,13 @@ def test_caught_and_skipped_bad_batch(out):
 def test_different_num_chunks(out):
     for kind, msg in _all_clear(out, "different_num_chunks", 2):
         assert kind == "PipelineMismatchError" and "num_chunks" in msg and "4" in msg and "6" in msg, msg
+
+
+def test_different_num_chunks_agreed_through_the_process_group(out):
+    for rank in (0, 1):
+        (kind, msg, seconds), after = out[rank]["different_num_chunks_across_hosts"]
+        assert kind == "PipelineMismatchError" and "num_chunks" in msg and seconds < TIMEOUT, msg
+        assert after == [], after
 
 
 def test_different_schedules(out):

@@ -14,7 +14,7 @@ import zlib
 
 import torch
 
-from twinpipe.runtime.collectives import Gathering, decode_frame, encode_frame
+from twinpipe.runtime.collectives import Gathering, decode_frame, encode_frame, padded_frame
 from twinpipe.runtime.errors import PipelineAbortedError, PipelineBrokenError, PipelineMismatchError
 
 __all__ = ["Claim", "AgreementRound", "short"]
@@ -37,13 +37,13 @@ class Claim:
     def __init__(self, rank: int, facts: dict[str, str], status: str = "ready", reason: str = ""):
         self.rank, self.facts, self.status, self.reason = rank, facts, status, reason
 
-    def encode(self) -> torch.Tensor:
+    def encode(self) -> bytes:
         facts = {k: short(str(v)) for k, v in self.facts.items()}
         reason = short(self.reason, REASON_CHARS)
         return encode_frame([self.rank, facts, self.status, reason])
 
     @classmethod
-    def decode(cls, frame: torch.Tensor, what: str) -> Claim:
+    def decode(cls, frame: bytes | torch.Tensor, what: str) -> Claim:
         rank, facts, status, reason = decode_frame(frame, what)
         return cls(rank, facts, status, reason)
 
@@ -53,19 +53,27 @@ def _ranks(ranks: list[int]) -> str:
 
 
 class AgreementRound:
-    """One step's exchange of claims over ``group`` (a CPU-capable group of the pipeline's ranks)."""
+    """One step's exchange of claims: through ``board`` (a ``SharedBoard``, all ranks on one host)
+    or else an all-gather over ``group`` (a CPU-capable group of the pipeline's ranks)."""
 
-    def __init__(self, group, claim: Claim, timeout: float, where: str):
+    def __init__(self, group, board, claim: Claim, timeout: float, where: str):
         self.claim, self.where = claim, where
-        self.gathering = Gathering(group, claim.encode(), timeout, f"{where}: waiting for every rank to start the step")
+        what = f"{where}: waiting for every rank to start the step"
+        data = claim.encode()
+        if board is not None:
+            round_ = board.post(data)
+            self._frames = lambda: board.collect(round_, timeout, what)
+        else:
+            gathering = Gathering(group, padded_frame(data), timeout, what)
+            self._frames = gathering.result
         self.checked = False
 
     def confirm(self) -> None:
         """Wait for every rank's claim; raise if any rank disagrees, rejected the step or is broken."""
         if self.checked:
             return
-        claims = [Claim.decode(part, self.where) for part in self.gathering.result()]
-        self.checked = True
+        self.checked = True  # whatever happens now, this round is over for this rank
+        claims = [Claim.decode(frame, self.where) for frame in self._frames()]
         broken = [c for c in claims if c.status == "broken"]
         if broken:
             reasons = "; ".join(f"rank {c.rank}: {c.reason}" for c in broken)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from twinpipe.runtime import comm
 from twinpipe.runtime.errors import PipelineMismatchError
 
-__all__ = ["checked_timeout", "Gathering", "encode_frame", "decode_frame", "gather_objects", "barrier", "cpu_group"]
+__all__ = ["checked_timeout", "Gathering", "encode_frame", "padded_frame", "decode_frame", "gather_objects", "barrier", "cpu_group"]
 
 MIN_TIMEOUT = 1e-3  # gloo counts whole milliseconds, and reads 0 as "wait forever"
 
@@ -47,23 +47,29 @@ class Gathering:
 FRAME_BYTES = 2048
 
 
-def encode_frame(obj) -> torch.Tensor:
-    """``obj`` (JSON-able) as one fixed-size byte frame.
+def encode_frame(obj) -> bytes:
+    """``obj`` (JSON-able) as the bytes of one frame (at most ``FRAME_BYTES``).
 
-    Every collective twinpipe runs on a group moves frames of this one size, so ranks that fall out
-    of step pair frames that fail to decode (a clear error) instead of buffers of different sizes
-    (which gloo answers by aborting the process)."""
+    Every collective twinpipe runs on a group moves frames padded to this one size, so ranks that
+    fall out of step pair frames that fail to decode (a clear error) instead of buffers of
+    different sizes (which gloo answers by aborting the process)."""
     data = json.dumps(obj).encode()
     if len(data) > FRAME_BYTES:
         raise ValueError(f"a {len(data)}-byte agreement message exceeds the {FRAME_BYTES}-byte frame")
+    return data
+
+
+def padded_frame(data: bytes) -> torch.Tensor:
+    """A frame's bytes as the fixed-size tensor a collective moves."""
     frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
     frame[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return frame
 
 
-def decode_frame(frame: torch.Tensor, what: str):
+def decode_frame(frame: bytes | torch.Tensor, what: str):
+    data = frame.numpy().tobytes() if isinstance(frame, torch.Tensor) else frame
     try:
-        return json.loads(bytes(frame.tolist()).rstrip(b"\0").decode())
+        return json.loads(data.rstrip(b"\0").decode())
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise PipelineMismatchError(
             f"{what}: a rank sent something else than this exchange expects, so the ranks' collectives on "
@@ -73,7 +79,7 @@ def decode_frame(frame: torch.Tensor, what: str):
 
 def gather_objects(group, obj, timeout: float, what: str) -> list:
     """Every rank's JSON-able ``obj`` (tuples come back as lists), in group-rank order; bounded by ``timeout``."""
-    return [decode_frame(f, what) for f in Gathering(group, encode_frame(obj), timeout, what).result()]
+    return [decode_frame(f, what) for f in Gathering(group, padded_frame(encode_frame(obj)), timeout, what).result()]
 
 
 def barrier(group, timeout: float, what: str) -> None:

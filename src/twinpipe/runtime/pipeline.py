@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from twinpipe.runtime.agreement import AgreementRound, Claim, short
+from twinpipe.runtime.board import shared_board
 from twinpipe.runtime.collectives import checked_timeout, cpu_group, gather_objects
 from twinpipe.runtime.comm import PointToPoint, declared_layout, wait_work
 from twinpipe.runtime.errors import PipelineAbortedError, PipelineBrokenError, PipelineCommError, PipelineMismatchError
@@ -118,6 +119,8 @@ class Pipeline(nn.Module):
                                     tensor_dtype, dynamic_shapes, transport)
         if error is not None:
             raise error
+        # Step agreements go through shared memory when every rank is on this host (collective).
+        self._board = shared_board(self._agree_group, group_rank, self.num_ranks, self.timeout, self.device)
         pipes = None
         if transport == "auto":  # collective: every rank of the group takes part
             placement = self._placement()
@@ -283,7 +286,7 @@ class Pipeline(nn.Module):
         }
         agreement = None
         if self.num_ranks > 1:
-            agreement = AgreementRound(self._agree_group, Claim(self.rank, facts, status, reason), self.timeout, where)
+            agreement = AgreementRound(self._agree_group, self._board, Claim(self.rank, facts, status, reason), self.timeout, where)
         if status != "ready":
             if agreement is not None:
                 try:
@@ -318,6 +321,11 @@ class Pipeline(nn.Module):
             if training and self.store.pending():
                 raise RuntimeError(f"rank {self.rank}: {self.store.pending()} deferred weight gradients never ran")
         except BaseException as exc:
+            if agreement is not None and not executor.transport.opened:
+                try:  # failed before its first message: still finish the round, as every rank does
+                    agreement.confirm()
+                except Exception:
+                    pass
             # Once messages may have moved, or the ranks' rounds fell out of step, it cannot be undone.
             if isinstance(exc, PipelineCommError) or (
                 executor.transport.opened and not isinstance(exc, (PipelineMismatchError, PipelineAbortedError, PipelineBrokenError))

@@ -22,7 +22,7 @@ _OVERLAP = {"PartedStage", "PartedSequential", "Compute", "Comm"}
 
 __all__ = [
     "Op", "OpKind", "Schedule", "build_schedule", "schedule_names", "stages_of_rank", "simulate",
-    *sorted(_RUNTIME), *sorted(_MOE), *sorted(_OVERLAP),
+    *sorted(_RUNTIME), *sorted(_MOE), *sorted(_OVERLAP), "split",
 ]
 
 
@@ -40,6 +40,10 @@ def __getattr__(name):
         from twinpipe import overlap
 
         return getattr(overlap, name)
+    if name == "split":
+        from twinpipe.train import split
+
+        return split
     if name == "simulate":
         from twinpipe.sim import simulate
 

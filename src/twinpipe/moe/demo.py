@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--expert-hidden", type=int, default=128, help="hidden width of each expert")
     parser.add_argument("--blocks", type=int, default=2, help="MoE blocks per stage")
     parser.add_argument("--trace", metavar="PATH", help="write the last step's overlapped F&B ops as Chrome trace JSON")
+    parser.add_argument("--eplb", action="store_true",
+                        help="send every token to the last expert (and top-k - 1 others); twinpipe.eplb.Balancer re-places experts live")
+    parser.add_argument("--redundant", type=int, default=None, help="with --eplb: redundant expert slots (default: --ep)")
+    parser.add_argument("--interval", type=int, default=2, help="with --eplb: steps between rebalances")
     return parser
 
 
@@ -43,6 +47,10 @@ def _check(args) -> None:
             raise SystemExit(f"--{name.replace('_', '-')}={value}: must be >= 1")
     if args.experts % args.ep:
         raise SystemExit(f"--ep={args.ep} must divide --experts={args.experts}")
+    if args.interval < 1:
+        raise SystemExit(f"--interval={args.interval}: must be >= 1")
+    if args.redundant is not None and (args.redundant < 0 or args.redundant % args.ep):
+        raise SystemExit(f"--redundant={args.redundant}: must be a multiple of --ep={args.ep} (0 included)")
     if args.tokens % 16:
         raise SystemExit(f"--tokens={args.tokens}: must be a multiple of the sequence length 16")
 
@@ -66,13 +74,14 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
             torch.manual_seed(100 + s)  # same dense weights on every EP rank of a stage
             modules.append(MoEStage([MoEBlock(args.hidden, 4 if args.hidden % 4 == 0 else 1, args.experts, args.top_k,
                                               args.expert_hidden, shared_hidden=args.expert_hidden, score="sigmoid",
-                                              ep_group=ep_group) for _ in range(args.blocks)]))
+                                              ep_group=None if args.eplb else ep_group) for _ in range(args.blocks)]))
+        balancer = _skewed_and_balanced(modules, ep_group, args) if args.eplb else None
         pipe = twinpipe.DualPipeV(modules, process_group=pp_group)
         torch.manual_seed(7 + mesh.get_local_rank("ep"))
         x = torch.randn(args.chunks * args.tokens // 16, 16, args.hidden)
         label = torch.randn_like(x)
         first = 0 in pipe.stages
-        out = {"times": {False: [], True: []}, "same_loss": True, "in_flight": 0.0, "hidden": 0.0, "events": []}
+        out = {"times": {False: [], True: []}, "same_loss": True, "in_flight": 0.0, "hidden": 0.0, "events": [], "eplb": []}
         for step in range(args.steps):
             losses = {}
             for overlap in (False, True):
@@ -89,6 +98,8 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
                 losses[overlap] = loss
             if first and not torch.equal(losses[False], losses[True]):
                 out["same_loss"] = False
+            if balancer is not None:
+                out["eplb"].append(_balance_line(step, balancer, balancer.step()))
             if step == args.steps - 1:
                 for m in modules:
                     for events in m.fb_events:
@@ -99,6 +110,33 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
         queue.put((rank, out))
     finally:
         dist.destroy_process_group()
+
+
+def _skewed_and_balanced(modules, ep_group, args):
+    """--eplb: every token goes to the last expert, and to top_k - 1 others (router bias); the redundant slots
+    start as EPLB places them for uniform loads; a Balancer over the rank's stages."""
+    from twinpipe.eplb import Balancer, rebalance_experts
+
+    redundant = args.ep if args.redundant is None else args.redundant
+    slots = args.experts + redundant
+    start = rebalance_experts(torch.ones(1, args.experts), slots, 1, 1, args.ep)[0][0]
+    for m in modules:
+        for block in m.blocks:
+            block.router.bias[-1] = 0.5
+            block.shard_experts_(ep_group, start)
+    return Balancer(modules, interval=args.interval, window=1, threshold=1.05)
+
+
+def _balance_line(step: int, balancer, report) -> str:
+    """One step: max/mean EP-rank load of its routed loads per block, and a rebalance if one ran."""
+    if report is None:
+        return f"step {step}: max/mean rank load " + ", ".join(f"{r:.2f}" for r in balancer.imbalance())
+    moved = [layer for layer in report.layers if layer.move]
+    sent = sum(layer.move.transfers for layer in moved)
+    return (f"step {step}: max/mean rank load " + ", ".join(f"{layer.before:.2f}" for layer in report.layers)
+            + f" -> rebalanced {len(moved)} of {len(report.layers)} blocks (predicted "
+            + ", ".join(f"{layer.after:.2f}" for layer in report.layers)
+            + f"; {sent} experts sent, {report.bytes_sent / 1e3:.0f} of {report.bytes_all / 1e3:.0f} kB)")
 
 
 def main(argv=None) -> int:
@@ -132,6 +170,11 @@ def main(argv=None) -> int:
     if flying:
         print(f"overlapped F&B ops of the last step: all-to-alls in flight {flying * 1e3:.1f} ms (all ranks), "
               f"{hidden * 1e3:.1f} ms of it ({100 * hidden / flying:.0f}%) with a compute part of the other micro-batch running")
+    for rank in sorted(results)[:: args.ep]:  # one rank per EP group: the others print the same
+        if results[rank]["eplb"]:
+            print(f"EPLB, pipeline rank {rank // args.ep}'s blocks (max/mean EP-rank load per block):")
+            for line in results[rank]["eplb"]:
+                print("  " + line)
     if args.trace:
         import json
 

@@ -125,6 +125,11 @@ def _rebalance_case(group) -> list[str]:
         problems.append(f"the rebalance moved nothing: {report}")
     if not all(layer.after < layer.before for layer in report.layers):
         problems.append(f"imbalance did not fall: {report}")
+    for layer, block, old in zip(report.layers, stage.blocks, before):  # what it says moved is what moved
+        local = block.local
+        arrived = {(e, s // local) for s, e in enumerate(block.phy2log.tolist())} - {(e, s // local) for s, e in enumerate(old.tolist())}
+        if {(e, dst) for e, _, dst in layer.move.sent} != arrived or any(e not in old[src * local : (src + 1) * local] for e, src, _ in layer.move.sent):
+            problems.append(f"{layer.name}: reported transfers {layer.move.sent} do not match the placements")
     out2, loss2 = _step(stage, group, xs[rank], labels[rank])
     if not torch.equal(loss2, loss) or not torch.equal(loss2, losses[rank]):
         problems.append(f"rank {rank}: loss after {loss2.item()!r}, before {loss.item()!r}, reference {losses[rank].item()!r}")

@@ -34,13 +34,15 @@ class MovePlan:
 @dataclass(frozen=True)
 class MoveReport:
     """What one block's move did: slots refilled, experts sent between ranks, bytes (all ranks)
-    actually sent and what sending every slot's expert would have cost."""
+    actually sent and what sending every slot's expert would have cost; ``sent`` lists each
+    transfer as (expert, source rank, destination rank)."""
 
     slots_changed: int
     transfers: int
     local_copies: int
     bytes_sent: int
     bytes_all: int
+    sent: tuple = ()
 
 
 def plan_moves(old: torch.Tensor, new: torch.Tensor, ep: int) -> MovePlan:
@@ -163,4 +165,5 @@ def apply_placement_(block: MoEBlock, phy2log, optimizer=None, timeout: float = 
             p.grad = None
     block._set_placement(new)
     copies = sum(1 for f in plan.fills if f[2][0] == "copy")
-    return MoveReport(len(plan.fills), len(plan.transfers), copies, size * len(plan.transfers), size * len(new))
+    return MoveReport(len(plan.fills), len(plan.transfers), copies, size * len(plan.transfers), size * len(new),
+                      tuple((e, src, dst) for src, dst, e, _ in plan.transfers))

@@ -63,10 +63,15 @@ class AgreementRound:
         if board is not None:
             round_ = board.post(data)
             self._frames = lambda: board.collect(round_, timeout, what)
+            self._arrived = lambda: board.arrived(round_)
         else:
             gathering = Gathering(group, padded_frame(data), timeout, what)
-            self._frames = gathering.result
+            self._frames, self._arrived = gathering.result, gathering.done
         self.checked = False
+
+    def arrived(self) -> bool:
+        """Whether every rank's claim is in, so that ``confirm()`` will not wait."""
+        return self.checked or self._arrived()
 
     def confirm(self) -> None:
         """Wait for every rank's claim; raise if any rank disagrees, rejected the step or is broken."""

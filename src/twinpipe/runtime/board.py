@@ -62,6 +62,11 @@ class SharedBoard:
         words[0] = self.round  # published last: x86-64 keeps stores in order (see shm.py)
         return self.round
 
+    def arrived(self, round_: int) -> bool:
+        """Whether every rank has posted ``round_`` (does not wait)."""
+        parity = round_ % 2
+        return all(int(self._words(parity, r)[0]) == round_ for r in range(self.size))
+
     def collect(self, round_: int, timeout: float, what: str) -> list[bytes]:
         """Every rank's frame of ``round_``, in group-rank order, or PipelineTimeoutError."""
         parity, deadline, spins = round_ % 2, time.monotonic() + timeout, 0

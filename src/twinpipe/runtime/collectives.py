@@ -37,6 +37,10 @@ class Gathering:
         if self.work is None:
             self.parts = [tensor]
 
+    def done(self) -> bool:
+        """Whether the all-gather has finished (does not wait)."""
+        return self.work is None or self.work.is_completed()
+
     def result(self) -> list[torch.Tensor]:
         if self.work is not None:
             comm.wait_work(self.work, self.timeout, self.what)

@@ -82,11 +82,13 @@ class Executor:
         recorder: Recorder | None = None,
         overlap_fn=None,
         before_first_message=None,
+        agreement_arrived=None,
     ):
         self.program, self.placement, self.modules = program, placement, modules
         self.rank, self.store = program.rank, store
         self.recorder, self.overlap_fn = recorder, overlap_fn
-        self.transport = Transport(program, p2p, device, layouts, declared, timeout, self._where, before_first_message)
+        self.transport = Transport(program, p2p, device, layouts, declared, timeout, self._where, before_first_message,
+                                   agreement_arrived)
         self.acts: dict[tuple[int, int], tuple] = {}  # inputs waiting for a forward
         self.grads: dict[tuple[int, int], tuple] = {}  # output gradients waiting for a backward
         self.saved: dict[tuple[int, int], tuple] = {}  # (inputs, outputs, loss) kept for backward
@@ -256,6 +258,7 @@ class Executor:
                 self._run_op(op, data)
             if rec:
                 rec.add("compute", str(op), t0, rec.mark())
+            self.transport.open_if_agreed()
             if self.transport.in_flight:
                 self.transport.retire(wait=False)
         self.op_index = len(program.ops)

@@ -313,6 +313,7 @@ class Pipeline(nn.Module):
         executor = Executor(
             lowered.programs[self.rank], lowered.schedule.placement, self._by_stage, self._p2p, self.device,
             self._layouts, declared, self.timeout, self.store, recorder, self._overlap, before_first_message,
+            agreement.arrived if agreement is not None else None,
         )
         self.store.clear()
         try:

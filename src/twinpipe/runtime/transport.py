@@ -1,8 +1,10 @@
 """Moving packets between pipeline ranks, in the per-pair order the lowering fixed.
 
-Nothing is posted before ``before_first_message`` (the step agreement) has returned: a step the
-ranks disagree on must not move a single byte. From then on receives are posted as early as that
-order allows, so transfers overlap compute; sends are asynchronous and retired when done. Layouts are declared or discovered (a header precedes a packet
+Nothing is posted before the step agreement has passed: a step the ranks disagree on must not move
+a single byte. Sends produced before every rank's claim is in wait in the outbox (the rank goes on
+computing); the first receive, or the end of the step, waits for the agreement. From then on
+receives are posted as early as that order allows, so transfers overlap compute; sends are
+asynchronous and retired when done. Layouts are declared or discovered (a header precedes a packet
 whose layout the receiver does not know yet); senders check what they send against them.
 """
 
@@ -41,6 +43,7 @@ class Transport:
         timeout: float,
         where: Callable[[], str],
         before_first_message: Callable[[], None] | None = None,
+        agreement_arrived: Callable[[], bool] | None = None,
     ):
         self.rank, self.p2p, self.device = program.rank, p2p, device
         self.layouts, self.declared, self.timeout, self.where = layouts, declared, timeout, where
@@ -50,7 +53,7 @@ class Transport:
         self.arrived: dict[Message, list[torch.Tensor]] = {}  # unpacked, waiting for their op
         self.outbox: dict[Message, tuple[torch.Tensor, ...]] = {}
         self.in_flight: list[tuple[list, list, Packet]] = []
-        self.before_first_message = before_first_message
+        self.before_first_message, self.agreement_arrived = before_first_message, agreement_arrived
         self.opened = False  # whether anything may have been posted (the step then cannot be undone)
 
     def _open(self) -> None:
@@ -62,6 +65,11 @@ class Transport:
         self.opened = True
         for channel in self.channels.values():
             self.pump(channel)
+
+    def open_if_agreed(self) -> None:
+        """Between ops: post the sends held back once every rank's claim is in (does not wait)."""
+        if not self.opened and self.outbox and (self.agreement_arrived is None or self.agreement_arrived()):
+            self._open()
 
     def finish(self) -> None:
         """Post everything left and wait until every send is delivered."""
@@ -157,8 +165,10 @@ class Transport:
         return self.arrived.pop(msg)
 
     def send(self, msg: Message, tensors: tuple) -> None:
-        self._open()
         self.outbox[msg] = tensors
+        if not self.opened and self.agreement_arrived is not None and not self.agreement_arrived():
+            return  # posted, in order, once the agreement is in
+        self._open()
         self.pump(self.channels[msg.dst_rank])
 
     def retire(self, wait: bool) -> None:

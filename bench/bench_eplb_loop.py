@@ -2,12 +2,13 @@
 drawn from a Zipf popularity (expert ids shuffled, so hot experts fall on any rank).
 
 For 0, 8 and 16 redundant slots (R = 64, 72, 80) one MoE block runs ``--steps`` training steps
-(forward, backward, replica gradients summed), the Balancer re-places its experts from the loads
-it measured, and ``--steps`` more steps run. Printed per R: max/mean EP-rank load (rows the rank's
-slots ran, all steps of a phase) before and after, the balancer's prediction, the median step
-time of the slowest rank before and after (ratio after/before), and the bytes moved by the
-rebalance against moving every slot's expert and against a placement computed without
-``previous_phy2log``. With 4 processes on a 2-core machine the ranks share cores, so the rank
+(forward, backward, gradient reductions), the Balancer re-places its experts from the loads it
+measured; then ``--steps`` more steps run on fresh tokens, alternating with a copy of the block
+left on the old placement (same weights, same tokens, same routing). Printed per R: max/mean
+EP-rank load (rows the rank's slots ran over those steps) on the old and the new placement, the
+balancer's prediction, the median step time of the slowest rank on each (ratio new/old), the
+rebalance itself (experts sent, local copies, bytes, time) and its bytes against moving every
+slot's expert and against a placement computed without ``previous_phy2log``. With 4 processes on a 2-core machine the ranks share cores, so the rank
 loads barely change the step time: ``--ep 2`` gives each rank a core. Before the rebalance the R - 64 redundant slots hold the replicas EPLB gives
 for uniform loads (nothing measured yet).
 
@@ -41,6 +42,7 @@ def _zipf_router(router, popularity: torch.Tensor, seed: int):
         return experts, weights / weights.sum(-1, keepdim=True)
 
     router.forward = forward
+    return gen
 
 
 def _rank_rows(block, group) -> torch.Tensor:
@@ -51,23 +53,30 @@ def _rank_rows(block, group) -> torch.Tensor:
     return rows.view(block.ep, -1).sum(1)
 
 
-def _phase(block, group, steps: int, tokens: int, seed: int):
-    """``steps`` training steps; (rows per rank, step times)."""
+def _train_step(block, group, x) -> float:
     from twinpipe.moe import reduce_dense_grads, reduce_replica_grads
 
+    block.zero_grad(set_to_none=True)
+    dist.barrier(group)
+    t0 = time.perf_counter()
+    block(x).square().mean().backward()
+    reduce_dense_grads(block, group)
+    reduce_replica_grads(block)
+    return time.perf_counter() - t0
+
+
+def _phase(blocks, group, steps: int, tokens: int, seed: int):
+    """``steps`` training steps of each block, alternating, on the same tokens; per block (rows per
+    rank, step times). Alternating keeps load changes on this shared machine out of the ratio."""
     gen = torch.Generator().manual_seed(seed)
-    times = []
-    block.expert_rows.zero_()
+    times = [[] for _ in blocks]
+    for block in blocks:
+        block.expert_rows.zero_()
     for _ in range(steps):
         x = torch.randn(tokens // SEQ, SEQ, HIDDEN, generator=gen)
-        block.zero_grad(set_to_none=True)
-        dist.barrier(group)
-        t0 = time.perf_counter()
-        block(x).square().mean().backward()
-        reduce_dense_grads(block, group)
-        reduce_replica_grads(block)
-        times.append(time.perf_counter() - t0)
-    return _rank_rows(block, group), times
+        for block, t in zip(blocks, times):
+            t.append(_train_step(block, group, x))
+    return [(_rank_rows(block, group), t) for block, t in zip(blocks, times)]
 
 
 def _rank(rank: int, port: int, args, queue) -> None:
@@ -87,23 +96,31 @@ def _rank(rank: int, port: int, args, queue) -> None:
         for extra in (0, 8, 16):
             slots = EXPERTS + extra
             uniform = rebalance_experts(torch.ones(1, EXPERTS), slots, 1, 1, ep)[0][0]
-            torch.manual_seed(0)
-            block = MoEBlock(HIDDEN, 4, EXPERTS, TOP_K, args.width, score="softmax").shard_experts_(group, uniform)
-            _zipf_router(block.router, popularity, seed=100 + rank)
+            blocks, gens = [], []
+            for _ in range(2):  # kept on the old placement / rebalanced
+                torch.manual_seed(0)
+                blocks.append(MoEBlock(HIDDEN, 4, EXPERTS, TOP_K, args.width, score="softmax").shard_experts_(group, uniform))
+                gens.append(_zipf_router(blocks[-1].router, popularity, seed=100 + rank))
+            old, block = blocks
             balancer = Balancer(block, interval=args.steps, window=args.steps, threshold=1.0)
-            rows0, t0 = _phase(block, group, args.steps, args.tokens, seed=10 + rank)
+            _phase([block], group, args.steps, args.tokens, seed=10 + rank)  # loads to balance on
             # the routed counters were left by the phase: one record for the whole phase
             balancer.loads.record()
             weight = balancer.loads.window_sum()[0]
             unaware = rebalance_experts(weight[None].double(), slots, 1, 1, ep)[0][0]
+            dist.barrier(group)
+            start = time.perf_counter()
             report = balancer.rebalance()
-            rows1, t1 = _phase(block, group, args.steps, args.tokens, seed=20 + rank)
+            rebalance_s = time.perf_counter() - start
+            for g in gens:  # both blocks route the same fresh tokens alike
+                g.manual_seed(200 + rank)
+            (rows0, t0), (rows1, t1) = _phase([old, block], group, args.steps, args.tokens, seed=20 + rank)
             layer = report.layers[0]
             size = layer.move.bytes_all // slots if layer.move else 0
             out[extra] = dict(rows0=rows0, rows1=rows1, t0=t0, t1=t1, predicted=(layer.before, layer.after),
                               sent=layer.move.bytes_sent if layer.move else 0, all=size * slots,
                               unaware=size * len(plan_moves(uniform, unaware, ep).transfers),
-                              transfers=layer.move.transfers if layer.move else 0,
+                              transfers=layer.move.transfers if layer.move else 0, rebalance_s=rebalance_s,
                               copies=layer.move.local_copies if layer.move else 0)
         queue.put((rank, out))
     finally:
@@ -139,12 +156,13 @@ def main() -> None:
           f"({args.ep} CPU processes, gloo, {os.cpu_count()} cores), {args.tokens} tokens/rank/step, "
           f"{args.steps} steps before and after; hidden {HIDDEN}, expert width {args.width}")
     print("redundant | max/mean rank load before -> after (predicted) | step ms before -> after (after/before) "
-          "| moved: experts sent, local copies, bytes; vs every expert; vs placement without previous")
+          "| moved: experts sent, local copies, bytes, rebalance time (slowest rank); vs every expert; "
+          "vs placement without previous")
     for extra, r in results[0].items():
         before = max(med(results[k][extra]["t0"]) for k in results) * 1e3
         after = max(med(results[k][extra]["t1"]) for k in results) * 1e3
         b, a = r["predicted"]
-        moved = f"{r['transfers']} sent, {r['copies']} copies, {r['sent'] / 1e3:.0f} kB"
+        moved = f"{r['transfers']} sent, {r['copies']} copies, {r['sent'] / 1e3:.0f} kB in {max(results[k][extra]['rebalance_s'] for k in results) * 1e3:.0f} ms"
         print(f"{extra:9d} | {_ratio(r['rows0']):.3f} -> {_ratio(r['rows1']):.3f} ({b:.3f} -> {a:.3f}) "
               f"| {before:.1f} -> {after:.1f} ({after / before:.2f}) | {moved}; "
               f"{r['sent'] / r['all']:.2f} of {r['all'] / 1e3:.0f} kB; "

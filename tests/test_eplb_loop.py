@@ -196,6 +196,30 @@ def _loads_case(group) -> list[str]:
     return problems
 
 
+def _gating_case(group) -> list[str]:
+    """The Balancer acts every ``interval`` steps only, and leaves blocks under ``threshold`` alone."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    stage = copy.deepcopy(mm.make_stage("grouped", blocks=2, uneven=True)).shard_experts_(group, STALE[ep])
+    lenient = Balancer(stage, interval=2, threshold=100.0)
+    problems = []
+    for step in range(2):
+        xs, labels = _inputs(ep)
+        _step(stage, group, xs[rank], labels[rank])
+        report = lenient.step()
+        if (report is None) != (step == 0):
+            problems.append(f"step {step}: report {report}")
+    if report is not None and any(layer.move for layer in report.layers) or not torch.equal(stage.blocks[0].phy2log, torch.tensor(STALE[ep])):
+        problems.append(f"moved under the threshold: {report}")
+    if report is not None and not all(layer.before > 1.5 for layer in report.layers):
+        problems.append(f"the stale placement should be unbalanced: {report}")
+    strict = Balancer(stage, interval=1, window=1, threshold=1.0)
+    xs, labels = _inputs(ep)
+    _step(stage, group, xs[rank], labels[rank])
+    if not all(layer.move for layer in strict.step().layers):
+        problems.append("over the threshold, nothing moved")
+    return problems
+
+
 def _disagree_case(group) -> list[str]:
     """Ranks that would apply different placements get a clear error, not a hang."""
     rank = dist.get_rank(group)
@@ -214,6 +238,7 @@ CASES = {
     "rebalance-ep4": (4, _rebalance_case),
     "loads-ep2": (2, _loads_case),
     "disagree-ep2": (2, _disagree_case),
+    "gating-ep2": (2, _gating_case),
 }
 
 

@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--trace", metavar="PATH", help="write the last step's overlapped F&B ops as Chrome trace JSON")
     parser.add_argument("--eplb", action="store_true",
                         help="send every token to the last expert (and top-k - 1 others); twinpipe.eplb.Balancer re-places experts live")
-    parser.add_argument("--redundant", type=int, default=None, help="with --eplb: redundant expert slots (default: --ep)")
+    parser.add_argument("--redundant", type=int, default=None, help="with --eplb: redundant expert slots (None: as many as --ep)")
     parser.add_argument("--interval", type=int, default=2, help="with --eplb: steps between rebalances")
     return parser
 

@@ -327,6 +327,20 @@ def case_sync_mirrored_grads_alone(group):
     return _outcome(pipe.sync_mirrored_grads)[:3]
 
 
+def case_expert_all_to_all_alone(group):
+    """An EP all-to-all whose peer never joins gives up at the overlap engine's timeout."""
+    from twinpipe.overlap import comm
+
+    if dist.get_rank(group) == 1:
+        time.sleep(3.0)
+        return None
+    comm.TIMEOUT, default = 1.5, comm.TIMEOUT
+    try:
+        return _outcome(lambda: comm.all_to_all(torch.zeros(4, 2), [2, 2], [2, 2], group).wait())[:3]
+    finally:
+        comm.TIMEOUT = default
+
+
 def case_bad_timeouts(group):
     import twinpipe
 
@@ -351,6 +365,7 @@ CASES = {
     "two_pipelines_two_threads": (2, case_two_pipelines_two_threads),
     "construction_alone": (2, case_construction_alone),
     "sync_mirrored_grads_alone": (2, case_sync_mirrored_grads_alone),
+    "expert_all_to_all_alone": (2, case_expert_all_to_all_alone),
     "bad_timeouts": (1, case_bad_timeouts),
 }
 
@@ -453,6 +468,12 @@ def test_sync_mirrored_grads_waits_are_bounded(out):
     kind, msg, seconds = out[0]["sync_mirrored_grads_alone"]
     assert kind == "PipelineTimeoutError" and "sync_mirrored_grads" in msg and "rank 1" in msg, msg
     assert seconds < TIMEOUT + SLACK
+
+
+def test_expert_all_to_all_waits_are_bounded(out):
+    kind, msg, seconds = out[0]["expert_all_to_all_alone"]
+    assert kind == "PipelineTimeoutError" and "EP rank 0" in msg and "[0, 1]" in msg, (kind, msg)
+    assert seconds < 1.5 + SLACK
 
 
 def test_bad_timeouts_are_refused_up_front(out):

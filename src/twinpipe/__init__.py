@@ -17,7 +17,10 @@ _RUNTIME = {
     "PipelineCommError", "PipelineTimeoutError", "PipelineMismatchError", "PipelineAbortedError", "PipelineBrokenError",
 }
 
-_MOE = {"MoEBlock", "MoEStage", "expert_counts", "reduce_dense_grads", "pp_ep_groups"}
+_MOE = {
+    "MoEBlock", "MoEStage", "expert_counts", "reduce_dense_grads", "reduce_replica_grads", "pp_ep_groups",
+    "ExpertLoads", "apply_placement_",
+}
 _OVERLAP = {"PartedStage", "PartedSequential", "Compute", "Comm"}
 
 __all__ = [

@@ -13,20 +13,25 @@ import torch
 import torch.distributed as dist
 
 from twinpipe.overlap.parts import Done, Pending
+from twinpipe.runtime.comm import wait_work
 
-__all__ = ["all_to_all", "Then", "group_size"]
+__all__ = ["all_to_all", "Then", "group_size", "TIMEOUT"]
 
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+# How long an all-to-all may wait for its peers before PipelineTimeoutError names it (seconds).
+TIMEOUT = 300.0
+
+
 class _Work(Pending):
-    def __init__(self, work, value):
-        self.work, self.value = work, value
+    def __init__(self, work, value, what: str):
+        self.work, self.value, self.what = work, value, what
 
     def wait(self):
-        self.work.wait()
+        wait_work(self.work, TIMEOUT, self.what)
         return self.value
 
 
@@ -76,4 +81,5 @@ def all_to_all(tensor: torch.Tensor, out_splits: list[int], in_splits: list[int]
         out.record_stream(side)
         return _CudaWork(event, out)
     work = dist.all_to_all_single(out, tensor, out_splits, in_splits, group=group, async_op=True)
-    return _Work(work, out)
+    peers = [r for r, n in enumerate(out_splits) if n]
+    return _Work(work, out, f"EP rank {dist.get_rank(group)}: all-to-all receiving from EP ranks {peers}")

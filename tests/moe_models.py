@@ -155,9 +155,14 @@ def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: 
             args = (torch.cat([x_mb[ep_rank][j] for j in mbs]),)
         if chain[-1] in pipe.stages:
             labels, mine = (torch.cat([y_mb[ep_rank][j] for j in mbs]),), mbs
-    loss, _ = pipe.step(*args, num_chunks=chunks, criterion=mse, labels=labels)
+    loss, _ = pipe.step(*args, num_chunks=chunks, criterion=mse, labels=labels, trace=True)
 
     problems = []
+    # The parts of overlapped F&B ops land on the trace's extra lanes, comm beside compute.
+    lanes = {kind for kind, *_ in pipe.last_trace if kind.startswith("part:")}
+    has_fb = any(op.kind.value == "FB" for op in pipe.schedule_for(chunks).ops[pipe.rank])
+    if has_fb and overlap and not {"part:parts", "part:comm F", "part:comm B"} <= lanes:
+        problems.append(f"trace lanes {sorted(lanes)} lack the F&B parts")
     if mine is not None:
         expected = torch.stack([ref_loss[j] for j in mine])
         if not torch.equal(loss, expected):

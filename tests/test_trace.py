@@ -165,3 +165,21 @@ def test_costs_round_trip_through_simulation(name):
     full = [b + w for b, w in zip(got.t_b, got.t_w)]
     assert full == pytest.approx([2.5] * schedule.placement.num_stages)
     assert predict(timeline, schedule).bubble_rate == pytest.approx(timeline.bubble_rate)
+
+
+def test_fb_parts_get_lanes_of_their_own_in_the_chrome_trace():
+    """Parts an overlapped stage reports ("part:LANE" events) stay out of the op slices and become
+    one Chrome thread per lane."""
+    from twinpipe.trace.chrome import PART_TID
+    from twinpipe.trace.record import build_timeline
+
+    schedule = build("dualpipev", 1, 1)
+    ops = [str(op) for op in schedule.ops[0]]
+    events = [("compute", label, float(i), i + 0.9) for i, label in enumerate(ops)]
+    events += [("part:parts", "attn(F)", 0.1, 0.3), ("part:comm F", "dispatch(F)", 0.2, 0.6)]
+    timeline = build_timeline({0: events}, schedule)
+    assert len(timeline.compute_slices(0)) == len(ops) and len(timeline.meta["parts"]) == 2
+    trace = chrome_trace(timeline)["traceEvents"]
+    names = {e["args"]["name"] for e in trace if e["name"] == "thread_name" and e["tid"] >= PART_TID}
+    assert names == {"F&B parts", "F&B comm F"}
+    assert {e["tid"] for e in trace if e.get("cat") == "part"} == {PART_TID, PART_TID + 1}

@@ -12,6 +12,7 @@ from torch import nn
 from twinpipe.overlap.engine import forward_backward
 from twinpipe.overlap.graph import run_parts
 from twinpipe.overlap.parts import Compute, check_parts
+from twinpipe.overlap.report import fb_spans
 
 __all__ = ["PartedStage", "PartedSequential"]
 
@@ -37,6 +38,11 @@ class PartedStage(nn.Module):
     @property
     def last_fb_events(self) -> list | None:
         return self.fb_events[-1] if self.fb_events else None
+
+    def trace_spans(self) -> list[tuple[str, str, float, float]]:
+        """The last F&B op's parts as ``(lane, label, start, end)``: the executor records them on
+        extra lanes of the pipeline's trace (``Pipeline.step(trace=True)``)."""
+        return fb_spans(self.last_fb_events or ())
 
     def parts(self) -> list:
         raise NotImplementedError(f"{type(self).__name__} must define parts()")

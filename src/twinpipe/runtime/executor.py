@@ -227,6 +227,10 @@ class Executor:
         else:
             outputs1, grads1 = self._graph_roots(b_stage, b_mb, outputs1_all)
         outputs0, loss0 = self.overlap_fn(module0, list(inputs0), criterion0, labels0, module1, loss1, outputs1, grads1)
+        # A stage that reports its parts' times (``trace_spans``) gets them on extra trace lanes.
+        if self.recorder is not None and not self.recorder.cuda and hasattr(module0, "trace_spans"):
+            for lane, label, start, end in module0.trace_spans():
+                self.recorder.add(f"part:{lane}", label, start, end)
         # Finish both halves as the separate ops would; the backward graph has already run.
         self._forward(f_stage, f_mb, data, outputs=_as_tuple(outputs0), loss=loss0, inputs=inputs0)
         self._backward(b_stage, b_mb, False, data, run_graph=False)

@@ -2,7 +2,8 @@
 
 One process per rank (pid = rank) with two threads: tid 0 "compute" (one ``X`` event per op, named
 as ``str(op)``, the same name ``torch.profiler.record_function`` gives it) and tid 1 "wait / comm"
-(wait slices). Timestamps are microseconds: measured timelines are in seconds (x 10^6);
+(wait slices), and, for stages that report the parts of their overlapped F&B ops, one thread per
+part lane from tid 2 on ("F&B parts", "F&B comm F", "F&B comm B"). Timestamps are microseconds: measured timelines are in seconds (x 10^6);
 simulated ones are in cost-model units, drawn as 1 unit = 1 ms unless ``us_per_unit`` says otherwise.
 """
 
@@ -15,7 +16,7 @@ from twinpipe.timeline import Slice, Timeline
 
 __all__ = ["chrome_trace", "write_chrome_trace", "COMPUTE_TID", "WAIT_TID"]
 
-COMPUTE_TID, WAIT_TID = 0, 1
+COMPUTE_TID, WAIT_TID, PART_TID = 0, 1, 2
 
 
 def _us_per_unit(timeline: Timeline, us_per_unit: float | None) -> float:
@@ -59,6 +60,15 @@ def chrome_trace(timeline: Timeline, us_per_unit: float | None = None) -> dict:
             "tid": COMPUTE_TID if s.op is not None else WAIT_TID,
             "args": _args(s, timeline),
         })
+    # Parts of overlapped F&B ops (measured runs of stages that report them): one lane each.
+    lanes = sorted({lane for _, lane, _, _, _ in timeline.meta.get("parts", ())})
+    for rank, lane, label, start, end in timeline.meta.get("parts", ()):
+        ts, stop = round(start * scale, 3), round(end * scale, 3)
+        events.append({"name": label, "cat": "part", "ph": "X", "ts": ts, "dur": round(stop - ts, 3),
+                       "pid": rank, "tid": PART_TID + lanes.index(lane), "args": {"lane": lane}})
+    for rank in sorted({p[0] for p in timeline.meta.get("parts", ())}):
+        events += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": PART_TID + i, "args": {"name": f"F&B {lane}"}}
+                   for i, lane in enumerate(lanes)]
     other = {
         "schedule": timeline.name, "source": timeline.source, "ranks": timeline.num_ranks,
         "microbatches": timeline.num_microbatches, "bubble_rate": timeline.bubble_rate,

@@ -56,15 +56,21 @@ def build_timeline(traces: dict[int, list], schedule, name: str | None = None, o
     """A measured Timeline from per-rank ``(kind, label, start, end)`` lists (``Pipeline.last_trace``).
 
     ``offsets[rank]`` is subtracted from that rank's times; then all times are shifted so that
-    the earliest slice starts at 0. Compute slices carry parsed Ops, wait slices ``op=None``.
+    the earliest slice starts at 0. Compute slices carry parsed Ops, wait slices ``op=None``;
+    events of kind ``"part:LANE"`` (the parts of overlapped F&B ops) go to ``meta["parts"]``.
     """
     offsets = offsets or {}
     origin = min((start - offsets.get(r, 0.0) for r, events in traces.items() for _, _, start, _ in events), default=0.0)
-    slices = []
+    slices, parts = [], []
     for rank, events in sorted(traces.items()):
         shift = offsets.get(rank, 0.0) + origin
         for kind, label, start, end in events:
+            if kind.startswith("part:"):  # a part of an overlapped F&B op, on a lane of its own
+                parts.append([rank, kind[len("part:"):], label, start - shift, end - shift])
+                continue
             op = parse_op(label) if kind == "compute" else None
             slices.append(Slice(rank, start - shift, end - shift, op, label))
     meta = {"time_unit": "s", "schedule": schedule.name, "options": dict(schedule.options)}
+    if parts:
+        meta["parts"] = parts  # [rank, lane, label, start, end]: compute parts and comm in flight
     return Timeline(name or schedule.name, schedule.num_ranks, schedule.num_microbatches, slices, schedule.placement, "measured", None, meta)

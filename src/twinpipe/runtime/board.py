@@ -47,10 +47,12 @@ class SharedBoard:
             os.close(fd)
         raw = torch.frombuffer(self._map, dtype=torch.uint8).view(2, size, slot)
         self._frames = raw[:, :, _HEADER:]
-        self._headers = raw[:, :, :_HEADER].reshape(2, size, _HEADER // 8, 8)
+        headers = raw[:, :, :_HEADER]
+        # Per (parity, rank): its round number and frame length, as int64 views made once.
+        self._header_words = [[headers[p, r].view(torch.int64) for r in range(size)] for p in range(2)]
 
     def _words(self, parity: int, rank: int) -> torch.Tensor:
-        return self._headers[parity, rank].view(torch.int64).reshape(-1)
+        return self._header_words[parity][rank]
 
     def post(self, data: bytes) -> int:
         """Write this rank's frame for the next round; returns the round number."""

@@ -85,7 +85,7 @@ class Executor:
         agreement_arrived=None,
     ):
         self.program, self.placement, self.modules = program, placement, modules
-        self.rank, self.store = program.rank, store
+        self.rank, self.store, self.device = program.rank, store, device
         self.recorder, self.overlap_fn = recorder, overlap_fn
         self.transport = Transport(program, p2p, device, layouts, declared, timeout, self._where, before_first_message,
                                    agreement_arrived)
@@ -196,8 +196,11 @@ class Executor:
         if roots:
             self.store.enabled = defer_w
             try:
-                with self.store.running_backward():
+                if self.device.type == "cpu":  # autograd runs CPU backward functions in this thread
                     run_backward(roots, grads)
+                else:  # and others in its device threads, which find the store this way
+                    with self.store.running_backward():
+                        run_backward(roots, grads)
             finally:
                 self.store.enabled = False
         if defer_w:

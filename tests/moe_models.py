@@ -225,3 +225,17 @@ class ExchangeStage(PartedStage):
     def _send_backward(self, n, grads):
         g_y, g_x = grads
         return Then(all_to_all(g_y, n, n, self.group), lambda g: (g, g_x))
+
+
+def run_pipeline_cases(mesh, cases) -> dict:
+    """``run_pipeline_case`` for each case on one mesh; an exception becomes that case's problem."""
+    import torch.distributed as dist
+
+    results = {}
+    for case in cases:
+        try:
+            results[case] = run_pipeline_case(mesh, *case)
+        except Exception as exc:  # report the case, keep the world going
+            results[case] = [f"{type(exc).__name__}: {exc}"]
+        dist.barrier()
+    return results

@@ -104,12 +104,7 @@ def _world(rank, world):
     results["errors"] = _errors_case(group)
     results["user"] = _user_stage_case(group)
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "ep"))
-    for case in PIPE_CASES:
-        try:
-            results[case] = mm.run_pipeline_case(mesh, *case)
-        except Exception as exc:
-            results[case] = [f"{type(exc).__name__}: {exc}"]
-        dist.barrier()
+    results.update(mm.run_pipeline_cases(mesh, PIPE_CASES))
     return results
 
 

@@ -269,18 +269,10 @@ PIPE_CASES = [
 
 
 def _world(rank, world):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
-    results = {}
-    for case in PIPE_CASES:
-        try:
-            results[case] = mm.run_pipeline_case(mesh, *case)
-        except Exception as exc:
-            results[case] = [f"{type(exc).__name__}: {exc}"]
-        dist.barrier()
-    return results
+    return mm.run_pipeline_cases(mesh, PIPE_CASES)
 
 
 @pytest.fixture(scope="module")

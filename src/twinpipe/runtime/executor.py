@@ -196,11 +196,8 @@ class Executor:
         if roots:
             self.store.enabled = defer_w
             try:
-                if self.device.type == "cpu":  # autograd runs CPU backward functions in this thread
+                with self.store.running_backward():
                     run_backward(roots, grads)
-                else:  # and others in its device threads, which find the store this way
-                    with self.store.running_backward():
-                        run_backward(roots, grads)
             finally:
                 self.store.enabled = False
         if defer_w:

@@ -80,22 +80,29 @@ class GradStore:
         finally:
             _local.store = previous
 
-    @contextmanager
-    def running_backward(self):
+    def running_backward(self) -> _RunningBackward:
         """Mark a backward in progress for this store (autograd may call layers from other threads)."""
-        key = threading.get_ident()
-        with _lock:
-            _in_backward[key] = self
-        try:
-            yield
-        finally:
-            with _lock:
-                _in_backward.pop(key, None)
+        return _RunningBackward(self)
+
+
+class _RunningBackward:
+    """``with store.running_backward():`` (a class, not a generator: it runs once per B op)."""
+
+    __slots__ = ("store", "key")
+
+    def __init__(self, store: GradStore):
+        self.store = store
+
+    def __enter__(self) -> None:
+        self.key = threading.get_ident()
+        _in_backward[self.key] = self.store  # one dict store: atomic under the GIL
+
+    def __exit__(self, *exc) -> None:
+        _in_backward.pop(self.key, None)
 
 
 _PROCESS_STORE = GradStore()
 _local = threading.local()
-_lock = threading.Lock()
 _in_backward: dict[int, GradStore] = {}
 
 
@@ -104,8 +111,7 @@ def current_store() -> GradStore:
     store = getattr(_local, "store", None)
     if store is not None:
         return store
-    with _lock:
-        running = {id(s): s for s in _in_backward.values()}
+    running = {id(s): s for s in list(_in_backward.values())}
     if len(running) == 1:  # a backward function called from one of autograd's device threads
         return next(iter(running.values()))
     if len(running) > 1:

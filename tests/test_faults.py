@@ -341,6 +341,20 @@ def case_expert_all_to_all_alone(group):
         comm.TIMEOUT = default
 
 
+def case_mirrored_copies_disagree(group):
+    """DualPipe's two copies of a stage differ in shape, then the ranks call different syncs: every
+    rank raises, nothing aborts the process and no weight lands in a gradient."""
+    import twinpipe
+
+    rank = dist.get_rank(group)
+    widths = (models.HIDDEN, models.HIDDEN if rank == 0 else models.HIDDEN + 1)
+    pipe = twinpipe.DualPipe([models.MLPStage(w).double() for w in widths], process_group=group, timeout=TIMEOUT)
+    shapes = _outcome(pipe.sync_mirrored_grads)[:3]
+    same = twinpipe.DualPipe([models.MLPStage().double(), models.MLPStage().double()], process_group=group, timeout=TIMEOUT)
+    operations = _outcome(same.sync_mirrored_grads if rank == 0 else same.sync_mirrored_weights)[:3]
+    return shapes, operations
+
+
 def case_bad_timeouts(group):
     import twinpipe
 
@@ -366,6 +380,7 @@ CASES = {
     "construction_alone": (2, case_construction_alone),
     "sync_mirrored_grads_alone": (2, case_sync_mirrored_grads_alone),
     "expert_all_to_all_alone": (2, case_expert_all_to_all_alone),
+    "mirrored_copies_disagree": (2, case_mirrored_copies_disagree),
     "bad_timeouts": (1, case_bad_timeouts),
 }
 
@@ -474,6 +489,13 @@ def test_expert_all_to_all_waits_are_bounded(out):
     kind, msg, seconds = out[0]["expert_all_to_all_alone"]
     assert kind == "PipelineTimeoutError" and "EP rank 0" in msg and "[0, 1]" in msg, (kind, msg)
     assert seconds < 1.5 + SLACK
+
+
+def test_mirrored_copies_that_disagree_raise_on_both_ranks(out):
+    for rank in (0, 1):
+        for kind, msg, seconds in out[rank]["mirrored_copies_disagree"]:
+            assert kind == "PipelineMismatchError" and "copies disagree" in msg, (rank, kind, msg)
+            assert seconds < TIMEOUT
 
 
 def test_bad_timeouts_are_refused_up_front(out):

@@ -410,13 +410,25 @@ class Pipeline(nn.Module):
             twins.setdefault(placement.rank_of(other), []).append((k, self._by_stage[s]))
         return {peer: sorted(items, key=lambda kv: kv[0]) for peer, items in twins.items()}
 
-    def _exchange(self, mine: torch.Tensor, peer: int, what: str) -> torch.Tensor:
-        theirs = torch.empty_like(mine)
+    def _exchange(self, mine: torch.Tensor, peer: int, what: str, shapes: list) -> torch.Tensor:
+        """Swap ``mine`` with ``peer``'s tensor, after checking that both sides run the same exchange
+        (operation and parameter shapes): a size mismatch would abort the process inside gloo, and
+        grads paired with weights would be silently wrong."""
         g = self.group_rank_of[peer]
-        works = [self.group.send([mine], g, 0), self.group.recv([theirs], g, 0)]
-        for w in works:
-            wait_work(w, self.timeout, f"rank {self.rank}: {what} waiting for rank {peer}")
-        return theirs
+        where = f"rank {self.rank}: {what} waiting for rank {peer}"
+        label = f"{what} of {len(shapes)} parameters, shapes #{zlib.crc32(repr(shapes).encode()):08x}"
+        header = torch.tensor([zlib.crc32(label.encode()), mine.numel()], dtype=torch.int64)
+        for tensors in ((header, torch.empty_like(header)), (mine, torch.empty_like(mine))):
+            works = [self.group.send([tensors[0]], g, 0), self.group.recv([tensors[1]], g, 0)]
+            for w in works:
+                wait_work(w, self.timeout, where)
+            if tensors[0] is header and not torch.equal(tensors[1], header):
+                raise PipelineMismatchError(
+                    f"{where}: the two copies disagree ({label}, {mine.numel()} elements here; rank {peer} sent "
+                    f"{int(tensors[1][1])} elements and another operation or other shapes). Both copies of a stage "
+                    "must be the same module, and both ranks must call the same sync_mirrored_* method."
+                )
+        return tensors[1]
 
     def sync_mirrored_grads(self) -> None:
         """Sum the gradients of each model stage's two copies, in place, so both hold the full
@@ -436,7 +448,8 @@ class Pipeline(nn.Module):
                         p.grad.copy_(total)
                         q.grad.copy_(total)
                 continue
-            theirs = self._exchange(torch.cat([p.grad.reshape(-1) for p in params]), peer, "sync_mirrored_grads()")
+            theirs = self._exchange(torch.cat([p.grad.reshape(-1) for p in params]), peer, "sync_mirrored_grads()",
+                                    [tuple(p.shape) for p in params])
             offset = 0
             for p in params:
                 n = p.numel()
@@ -449,7 +462,8 @@ class Pipeline(nn.Module):
             if peer == self.rank:
                 continue
             params = [p for _, m in items for p in m.parameters()]
-            theirs = self._exchange(torch.cat([p.detach().reshape(-1) for p in params]), peer, "sync_mirrored_weights()")
+            theirs = self._exchange(torch.cat([p.detach().reshape(-1) for p in params]), peer, "sync_mirrored_weights()",
+                                    [tuple(p.shape) for p in params])
             if self.rank < peer:
                 continue
             offset = 0

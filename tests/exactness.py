@@ -55,9 +55,8 @@ def run_case(rank: int, group, case: Case) -> list[str]:
     problems = []
     options = dict(case.options)
     placement = placement_for(case.schedule, case.ranks, **options)
-    num_model_stages = len(placement.chains[0])  # each chain is one whole copy of the model
-    model = models.make_model(KINDS[case.model], num_model_stages, seed=7)
-    pipe_modules = [copy.deepcopy(model[models.model_stage(placement, s)]) for s in placement.stages_of(rank)]
+    model = models.make_model(KINDS[case.model], placement.num_model_stages, seed=7)
+    pipe_modules = [copy.deepcopy(model[placement.model_stage(s)]) for s in placement.stages_of(rank)]
     criterion = models.mse2 if case.model == "two" else models.mse
     inputs, label = _data(case)
     n = case.chunks
@@ -110,7 +109,7 @@ def run_case(rank: int, group, case: Case) -> list[str]:
     if len(placement.chains) > 1:  # two copies of each model stage: sum their gradients
         pipe.sync_mirrored_grads()
     for s, module in zip(placement.stages_of(rank), pipe.module):
-        ref = model[models.model_stage(placement, s)]
+        ref = model[placement.model_stage(s)]
         for (name, p), q in zip(module.named_parameters(), ref.parameters()):
             got = p.grad if p.grad is not None else torch.zeros_like(p)
             err = models.grad_error(got, q.grad)

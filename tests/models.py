@@ -60,12 +60,6 @@ def mse2(out1, out2, label):
     return F.mse_loss(out1 + out2, label).clone()
 
 
-def model_stage(placement, stage: int) -> int:
-    """The model stage a pipeline stage holds: its position in its chain (every chain of a
-    multi-chain placement, DualPipe's, Chimera's, BitPipe's, is one whole copy of the model)."""
-    return placement.stage_chain_position(stage)
-
-
 def make_model(kind, num_stages: int, seed: int = 0) -> list[nn.Module]:
     torch.manual_seed(seed)
     return [kind().double() for _ in range(num_stages)]
@@ -78,7 +72,7 @@ def reference(model, placement, xs, labels, criterion):
         for j in placement.microbatches_of_chain(chain_index, len(xs)):
             out = xs[j]
             for s in chain:
-                out = model[model_stage(placement, s)](*out)
+                out = model[placement.model_stage(s)](*out)
                 out = out if isinstance(out, tuple) else (out,)
             loss = criterion(*out, labels[j]) if criterion is not None else None
             if loss is not None and torch.is_grad_enabled():

@@ -117,7 +117,7 @@ def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: 
 
     import twinpipe
     from exactness import TOL
-    from models import grad_error, model_stage
+    from models import grad_error
     from twinpipe.schedule.registry import placement_for
 
     pp_group, ep_group = mesh["pp"].get_group(), mesh["ep"].get_group()
@@ -125,8 +125,8 @@ def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: 
     pp_rank, ep_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
     placement = placement_for(schedule, pp)
     torch.manual_seed(11)
-    model = [make_stage(variant, uneven=uneven) for _ in range(pp if placement.kind == "dual" else placement.num_stages)]
-    modules = [sharded(model[model_stage(placement, s)], ep_group, phy2log) for s in placement.stages_of(pp_rank)]
+    model = [make_stage(variant, uneven=uneven) for _ in range(placement.num_model_stages)]
+    modules = [sharded(model[placement.model_stage(s)], ep_group, phy2log) for s in placement.stages_of(pp_rank)]
     for m in modules:
         m.overlap = overlap
     xs = [torch.randn(chunks * 2, SEQ, HIDDEN, dtype=torch.float64) for _ in range(ep)]
@@ -137,7 +137,7 @@ def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: 
     ref_loss = {}
     for c, chain in enumerate(placement.chains):
         for j in placement.microbatches_of_chain(c, chunks):
-            outs = reference_stages([model[model_stage(placement, s)] for s in chain], [x[j] for x in x_mb])
+            outs = reference_stages([model[placement.model_stage(s)] for s in chain], [x[j] for x in x_mb])
             losses = [mse(o, y[j]) for o, y in zip(outs, y_mb)]
             sum(losses).backward()
             ref_loss[j] = losses[ep_rank].detach()
@@ -176,7 +176,7 @@ def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: 
     for module in modules:
         reduce_replica_grads(module)
     for s, module in zip(placement.stages_of(pp_rank), modules):
-        ref = dict(model[model_stage(placement, s)].named_parameters())
+        ref = dict(model[placement.model_stage(s)].named_parameters())
         for name, p in module.named_parameters():
             got = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
             parts = name.split(".")

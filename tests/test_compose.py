@@ -162,8 +162,8 @@ def run_case(rank: int, group, case: Case) -> list[str]:
 
     CountingBackend.calls = 0
     placement = placement_for(case.schedule, WORLD)
-    model = models.make_model(models.MLPStage, WORLD if placement.kind == "dual" else placement.num_stages, seed=7)
-    stages = [wrap_stage(copy.deepcopy(model[models.model_stage(placement, s)]), case) for s in placement.stages_of(rank)]
+    model = models.make_model(models.MLPStage, placement.num_model_stages, seed=7)
+    stages = [wrap_stage(copy.deepcopy(model[placement.model_stage(s)]), case) for s in placement.stages_of(rank)]
     torch.manual_seed(1234)
     n = case.chunks
     x = torch.randn(n * 2, 3, models.HIDDEN, dtype=torch.float64)
@@ -204,7 +204,7 @@ def run_case(rank: int, group, case: Case) -> list[str]:
     # DualPipe's mirrored copies add their gradients in another order than one process does.
     bitwise = exact and case.schedule != "dualpipe"
     for s, module in zip(placement.stages_of(rank), pipe.module):
-        ref = model[models.model_stage(placement, s)]
+        ref = model[placement.model_stage(s)]
         for (name, p), q in zip(module.named_parameters(), ref.parameters()):
             if p.grad is None or not _close(p.grad, q.grad, bitwise):
                 err = "missing" if p.grad is None else f"error {models.grad_error(p.grad, q.grad):.3g}"

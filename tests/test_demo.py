@@ -81,8 +81,9 @@ def test_float32_run_warns_checks_its_tolerance_and_writes_the_trace_files_it_na
     monkeypatch.setattr(demo, "cpu_cores", lambda: 1)  # 2 ranks on "1 core"
     argv = ["--ranks", "2", "--steps", "1", "--hidden", "8", "--heads", "2", "--seq", "4",
             "--dtype", "float32", "--trace", str(tmp_path)]
-    assert demo.main(argv) == 0
+    code = demo.main(argv)
     out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
     assert "warning: 2 CPU rank(s) x 1 thread(s) on 1 core(s)" in err
     assert demo.exactness_line(True, torch.float32) in out, out
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(demo.TRACE_FILES)

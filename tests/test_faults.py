@@ -46,9 +46,8 @@ class _Setup:
 
         self.rank = dist.get_rank(group)
         self.placement = placement_for(schedule, dist.get_world_size(group))
-        stages = self.placement.num_ranks if self.placement.kind == "dual" else self.placement.num_stages
-        self.model = models.make_model(kind, stages, seed=seed)
-        mine = [copy.deepcopy(self.model[models.model_stage(self.placement, s)]) for s in self.placement.stages_of(self.rank)]
+        self.model = models.make_model(kind, self.placement.num_model_stages, seed=seed)
+        mine = [copy.deepcopy(self.model[self.placement.model_stage(s)]) for s in self.placement.stages_of(self.rank)]
         options.setdefault("timeout", TIMEOUT)
         self.pipe = twinpipe.Pipeline(mine, schedule, process_group=group, **options)
 
@@ -86,7 +85,7 @@ class _Setup:
                 if not torch.equal(loss, torch.stack([ref_losses[j].detach() for j in mbs])):
                     problems.append("losses differ from the reference")
         for s, module in zip(self.pipe.stages, self.pipe.module):
-            for p, q in zip(module.parameters(), self.model[models.model_stage(self.placement, s)].parameters()):
+            for p, q in zip(module.parameters(), self.model[self.placement.model_stage(s)].parameters()):
                 if p.grad is None or not models.grad_error(p.grad, q.grad) <= 1e-13:
                     problems.append(f"stage {s}: gradients differ from the reference")
         return problems

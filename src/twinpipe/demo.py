@@ -64,10 +64,6 @@ def _criterion(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target).clone()
 
 
-def _model_stage(placement, stage: int) -> int:
-    return placement.stage_chain_position(stage)  # with several chains, each is a whole model copy
-
-
 def _grad_error(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double(), y.double()
     denom = (x * x + y * y).sum()
@@ -85,9 +81,9 @@ def _run_rank(args) -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     placement = placement_for(args.schedule, world, **_schedule_options(args))
-    num_model_stages = len(placement.chains[0])
+    num_model_stages = placement.num_model_stages
     mine = placement.stages_of(rank)
-    modules = [_stage(_model_stage(placement, s), args, device) for s in mine]
+    modules = [_stage(placement.model_stage(s), args, device) for s in mine]
     if args.schedule == "dualpipe":
         pipe = twinpipe.DualPipe(modules)
     else:
@@ -126,7 +122,7 @@ def _run_rank(args) -> None:
         if loss is not None:
             exact &= torch.equal(loss.cpu(), torch.stack([ref_losses[j] for j in layout.label_microbatches]).cpu())
         for s, module in zip(mine, pipe.module):
-            for p, q in zip(module.parameters(), reference[_model_stage(placement, s)].parameters()):
+            for p, q in zip(module.parameters(), reference[placement.model_stage(s)].parameters()):
                 exact &= _grad_error(p.grad, q.grad) <= grad_tolerance(p.dtype)
         flag = torch.tensor([1.0 if exact else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -150,7 +146,7 @@ def _reference_model(pipe, placement, num_model_stages, args, device) -> list[nn
     """Every rank rebuilds the whole model from the pipeline's current weights."""
     mine = {}
     for s, module in zip(pipe.stages, pipe.module):
-        k = _model_stage(placement, s)
+        k = placement.model_stage(s)
         if placement.chain_of_stage(s) == 0:
             mine[k] = {n: t.detach().cpu() for n, t in module.state_dict().items()}
     gathered: list = [None] * dist.get_world_size()
@@ -171,7 +167,7 @@ def _reference_losses(model, placement, x, target, chunks) -> dict[int, torch.Te
         for j in placement.microbatches_of_chain(c, chunks):
             out = xs[j]
             for s in chain:
-                out = model[_model_stage(placement, s)](out)
+                out = model[placement.model_stage(s)](out)
             loss = _criterion(out, ts[j])
             loss.backward()
             losses[j] = loss.detach()

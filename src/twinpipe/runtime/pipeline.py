@@ -399,10 +399,10 @@ class Pipeline(nn.Module):
             return {}
         by_model: dict[int, list[int]] = {}
         for s in range(placement.num_stages):
-            by_model.setdefault(placement.stage_chain_position(s), []).append(s)
+            by_model.setdefault(placement.model_stage(s), []).append(s)
         twins: dict[int, list[tuple[int, nn.Module]]] = {}
         for s in self.stages:
-            k = placement.stage_chain_position(s)
+            k = placement.model_stage(s)
             copies = by_model[k]
             if len(copies) != 2:
                 raise ValueError(f"model stage {k} has {len(copies)} copies; mirrored sync pairs exactly two")

@@ -92,6 +92,17 @@ class Placement:
         per_chain = num_microbatches // len(self.chains)
         return range(chain * per_chain, (chain + 1) * per_chain)
 
+    @property
+    def num_model_stages(self) -> int:
+        """Stages the model is cut into: with several chains (DualPipe, Chimera, BitPipe) each chain
+        runs a whole copy of the model."""
+        return len(self.chains[0])
+
+    def model_stage(self, stage: int) -> int:
+        """The model stage ``stage`` runs: its position in its chain. Copies of one model stage
+        hold the same weights; their gradients are summed (``Pipeline.sync_mirrored_grads``)."""
+        return self.stage_chain_position(stage)
+
     def stage_chain_position(self, stage: int) -> int:
         """How many stages precede ``stage`` in its chain (0 for a first stage)."""
         return self.chains[self.chain_of_stage(stage)].index(stage)

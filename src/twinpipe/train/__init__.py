@@ -7,11 +7,11 @@ from twinpipe.train.data import BatchSampler, stdlib_corpus
 from twinpipe.train.mesh import TrainMesh, build_mesh
 from twinpipe.train.model import GPT, GPTConfig, lm_loss
 from twinpipe.train.reference import ReferenceTrainer
-from twinpipe.train.stages import Stage, model_layers, num_model_stages, split, stage_modules
+from twinpipe.train.stages import Stage, model_layers, split, stage_modules
 from twinpipe.train.trainer import StepResult, TrainConfig, Trainer
 
 __all__ = [
-    "split", "stage_modules", "num_model_stages", "model_layers", "Stage",
+    "split", "stage_modules", "model_layers", "Stage",
     "TrainMesh", "build_mesh", "TrainConfig", "Trainer", "StepResult", "ReferenceTrainer",
     "BatchSampler", "stdlib_corpus", "GPT", "GPTConfig", "lm_loss",
 ]

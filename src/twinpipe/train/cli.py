@@ -64,7 +64,6 @@ def _check(args) -> None:
     """Refuse bad settings before any process starts."""
     from twinpipe.schedule import registry
     from twinpipe.train.model import GPTConfig
-    from twinpipe.train.stages import num_model_stages
     from twinpipe.train.trainer import TrainConfig
 
     for name in ("pp", "dp", "steps"):
@@ -75,7 +74,7 @@ def _check(args) -> None:
     registry.get(args.schedule)  # names the allowed schedules
     placement = registry.placement_for(args.schedule, args.pp)
     GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers)
-    stages = num_model_stages(placement)
+    stages = placement.num_model_stages
     if args.layers + 2 < stages:
         raise ValueError(f"--layers={args.layers}: {args.schedule} on --pp={args.pp} cuts the model into {stages} stages, "
                          f"and the model has {args.layers + 2} layers (blocks, embedding, head); use --layers {stages - 2} or more")

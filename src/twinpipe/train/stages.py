@@ -19,7 +19,7 @@ from twinpipe.schedule import registry
 from twinpipe.schedule.placement import Placement
 from twinpipe.train.balance import param_weights, partition, time_weights
 
-__all__ = ["Stage", "model_layers", "split", "num_model_stages", "model_stage", "is_mirror_copy", "stage_modules"]
+__all__ = ["Stage", "model_layers", "split", "is_mirror_copy", "stage_modules"]
 
 BALANCE = ("params", "time")
 
@@ -115,18 +115,6 @@ def split(model: nn.Module, num_stages: int, balance: str | Sequence[int] = "par
     return stages
 
 
-def num_model_stages(placement: Placement) -> int:
-    """How many stages the model must be cut into for ``placement``.
-
-    With several chains (DualPipe, Chimera, BitPipe) each chain runs a whole copy of the model."""
-    return len(placement.chains[0])
-
-
-def model_stage(placement: Placement, stage: int) -> int:
-    """The model stage a pipeline stage runs: its position in its chain (the runtime's rule)."""
-    return placement.stage_chain_position(stage)
-
-
 def is_mirror_copy(placement: Placement, stage: int) -> bool:
     """True for a stage of a second (third, ...) copy of the model: left out of norms and checkpoints."""
     return placement.chain_of_stage(stage) > 0
@@ -135,12 +123,12 @@ def is_mirror_copy(placement: Placement, stage: int) -> bool:
 def stage_modules(stages: Sequence[nn.Module], schedule: str, num_ranks: int, rank: int, **options) -> list[nn.Module]:
     """The modules pipeline ``rank`` passes to ``Pipeline`` under ``schedule``, in its local order.
 
-    ``stages`` is the split model (``split(model, num_model_stages(...))``); see
+    ``stages`` is the split model (``split(model, placement.num_model_stages)``); see
     ``twinpipe.stages_of_rank`` for the stage numbers. A rank holding two copies of one model stage
     gets a deep copy for the second, so the copies never share parameters or gradients.
     """
     placement = registry.placement_for(schedule, num_ranks, **options)
-    needed = num_model_stages(placement)
+    needed = placement.num_model_stages
     if len(stages) != needed:
         raise ValueError(
             f"stages: {len(stages)} given, but {schedule!r} on {num_ranks} ranks runs a model cut into {needed} stages"
@@ -149,7 +137,7 @@ def stage_modules(stages: Sequence[nn.Module], schedule: str, num_ranks: int, ra
         raise ValueError(f"rank={rank!r}: must be an int in 0..{num_ranks - 1}")
     modules, used = [], set()
     for s in placement.stages_of(rank):
-        k = model_stage(placement, s)
+        k = placement.model_stage(s)
         modules.append(copy.deepcopy(stages[k]) if k in used else stages[k])
         used.add(k)
     return modules

@@ -35,7 +35,7 @@ from twinpipe.train.grads import (
     DataParallelReducer, clip_coefficient, clip_grads, scale_grads, squared_norms, sum_across,
 )
 from twinpipe.train.mesh import TrainMesh
-from twinpipe.train.stages import is_mirror_copy, model_layers, model_stage, num_model_stages, split, stage_modules
+from twinpipe.train.stages import is_mirror_copy, model_layers, split, stage_modules
 
 __all__ = ["TrainConfig", "StepResult", "Trainer", "model_parameter_names"]
 
@@ -100,7 +100,7 @@ class Trainer:
         model = model_fn().to(device=device, dtype=dtype)
         self.parameter_names = model_parameter_names(model)
         index = {name: i for i, (name, _) in enumerate(self.parameter_names)}
-        stages = split(model, num_model_stages(self.placement), self._layer_counts(model, device))
+        stages = split(model, self.placement.num_model_stages, self._layer_counts(model, device))
         self.stage_names = [s.names for s in stages]
         pipeline_stages = self.placement.stages_of(mesh.pp_rank)
         modules = [defer_weight_grads(m) for m in stage_modules(stages, config.schedule, mesh.pp, mesh.pp_rank, **options)]
@@ -122,7 +122,7 @@ class Trainer:
         balance = self.config.balance
         if balance != "time":
             return balance
-        n = num_model_stages(self.placement)
+        n = self.placement.num_model_stages
         counts = torch.zeros(n, dtype=torch.long, device=device)
         if dist.get_rank() == 0:  # one measurement, sent to every rank
             sample = self.sampler.batch(0, self.config.microbatch_size)[0].to(device)
@@ -204,7 +204,7 @@ class Trainer:
         digests = []
         for s, module in zip(self.placement.stages_of(self.mesh.pp_rank), self.pipe.module):
             data = b"".join(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() for p in module.parameters())
-            digests.append((model_stage(self.placement, s), hashlib.sha1(data).hexdigest()[:16]))
+            digests.append((self.placement.model_stage(s), hashlib.sha1(data).hexdigest()[:16]))
         seen: dict[int, set[str]] = {}
         for claims in gather_objects(self._agree_group, digests, self.timeout, self._where("comparing mirrored copies")):
             for k, digest in claims:

@@ -179,14 +179,9 @@ def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: 
         ref = dict(model[placement.model_stage(s)].named_parameters())
         for name, p in module.named_parameters():
             got = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-            parts = name.split(".")
-            if "experts" in parts:
-                i = parts.index("experts") + 1
-                block = module.blocks[int(parts[1])]
-                parts[i] = str(int(block.phy2log[block.first_slot + int(parts[i])]))
-            else:  # data-parallel over ep: the reference saw every ep rank's tokens
+            if "experts" not in name.split("."):  # data-parallel over ep: the reference saw every ep rank's tokens
                 dist.all_reduce(got, group=ep_group)
-            want = ref[".".join(parts)].grad
+            want = ref[reference_name(module, name)].grad
             want = want if want is not None else torch.zeros_like(got)
             err = grad_error(got, want)
             if not err <= TOL:
@@ -239,3 +234,14 @@ def run_pipeline_cases(mesh, cases) -> dict:
             results[case] = [f"{type(exc).__name__}: {exc}"]
         dist.barrier()
     return results
+
+
+def reference_name(stage, name: str) -> str:
+    """The reference model's name for ``stage``'s parameter ``name`` (with all experts local): an
+    expert slot is named after the logical expert it holds."""
+    parts = name.split(".")
+    if "experts" in parts:
+        i = parts.index("experts") + 1
+        block = stage.blocks[int(parts[1])]
+        parts[i] = str(int(block.phy2log[block.first_slot + int(parts[i])]))
+    return ".".join(parts)

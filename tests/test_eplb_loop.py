@@ -37,11 +37,7 @@ def _compare(stage, full, rank, out, want) -> list[str]:
     problems = [] if torch.equal(out, want) else [f"rank {rank}: output differs from the reference"]
     ref = dict(full.named_parameters())
     for name, p in stage.named_parameters():
-        parts = name.split(".")
-        if "experts" in parts:
-            block = stage.blocks[int(parts[1])]
-            parts[3] = str(int(block.phy2log[block.first_slot + int(parts[3])]))
-        err = grad_error(p.grad, ref[".".join(parts)].grad)
+        err = grad_error(p.grad, ref[mm.reference_name(stage, name)].grad)
         if not err <= TOL:
             problems.append(f"rank {rank} {name}: gradient error {err:.3g}")
     return problems
@@ -157,11 +153,7 @@ def _rebalance_case(group) -> list[str]:
         problems.append(f"no expert moved while training: {[str(r) for r in balancer.reports]}")
     ref = dict(full.named_parameters())
     for name, p in stage.named_parameters():
-        parts = name.split(".")
-        if "experts" in parts:
-            block = stage.blocks[int(parts[1])]
-            parts[3] = str(int(block.phy2log[block.first_slot + int(parts[3])]))
-        q = ref[".".join(parts)]
+        q = ref[mm.reference_name(stage, name)]
         for key in ("exp_avg", "exp_avg_sq"):
             err = grad_error(opt.state[p][key], ref_opt.state[q][key])
             if not err <= 1e-10:

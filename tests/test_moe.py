@@ -37,10 +37,7 @@ def _layer_case(group, variant: str, uneven: bool) -> list[str]:
     ref = dict(full.named_parameters())
     reduce_dense_grads(stage, group)
     for name, p in stage.named_parameters():
-        parts = name.split(".")
-        if "experts" in parts:
-            parts[3] = str(int(parts[3]) + stage.blocks[int(parts[1])].first_expert)
-        err = grad_error(p.grad, ref[".".join(parts)].grad)
+        err = grad_error(p.grad, ref[mm.reference_name(stage, name)].grad)
         if not err <= TOL:
             problems.append(f"{name}: gradient error {err:.3g}")
     rows = stage.blocks[0].expert_rows

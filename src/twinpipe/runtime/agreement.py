@@ -17,7 +17,7 @@ import torch
 from twinpipe.runtime.collectives import Gathering, decode_frame, encode_frame, padded_frame
 from twinpipe.runtime.errors import PipelineAbortedError, PipelineBrokenError, PipelineMismatchError
 
-__all__ = ["Claim", "AgreementRound", "short"]
+__all__ = ["Claim", "AgreementRound", "disagreements", "short"]
 
 FACT_CHARS = 96  # longer facts are shortened, keeping a checksum so differences still show
 REASON_CHARS = 600
@@ -57,6 +57,19 @@ def _same(frames: list[bytes], mine: bytes) -> bool:
 
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def disagreements(claims: list[Claim], keys) -> list[str]:
+    """``"key (rank 0: a; ranks 1, 2: b)"`` for every fact of ``keys`` the claims do not all state alike."""
+    problems = []
+    for key in keys:
+        values: dict[str, list[int]] = {}
+        for c in claims:
+            values.setdefault(c.facts.get(key, "?"), []).append(c.rank)
+        if len(values) > 1:
+            said = "; ".join(f"{_ranks(sorted(r))}: {v}" for v, r in sorted(values.items(), key=lambda kv: min(kv[1])))
+            problems.append(f"{key} ({said})")
+    return problems
 
 
 class AgreementRound:
@@ -100,14 +113,7 @@ class AgreementRound:
         if rejected and self.claim.status != "rejected":
             reasons = "; ".join(f"rank {c.rank} rejected it: {c.reason}" for c in rejected)
             raise PipelineAbortedError(f"{self.where}: step aborted on every rank before any message moved ({reasons})")
-        problems = []
-        for key in self.claim.facts:
-            values: dict[str, list[int]] = {}
-            for c in claims:
-                values.setdefault(c.facts.get(key, "?"), []).append(c.rank)
-            if len(values) > 1:
-                said = "; ".join(f"{_ranks(sorted(r))}: {v}" for v, r in sorted(values.items(), key=lambda kv: min(kv[1])))
-                problems.append(f"{key} ({said})")
+        problems = disagreements(claims, self.claim.facts)
         if problems:
             raise PipelineMismatchError(
                 f"{self.where}: ranks disagree on " + ", and on ".join(problems)

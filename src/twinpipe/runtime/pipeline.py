@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinpipe.runtime.agreement import AgreementRound, Claim, short
+from twinpipe.runtime.agreement import AgreementRound, Claim, disagreements, short
 from twinpipe.runtime.board import shared_board
 from twinpipe.runtime.collectives import checked_timeout, cpu_group, gather_objects
 from twinpipe.runtime.comm import PointToPoint, declared_layout, wait_work
@@ -196,20 +196,14 @@ class Pipeline(nn.Module):
         self._tag = 1 + int(token[:5], 16)
         if error is not None:
             return
-        rejected = [c for c in claims if c[2] == "rejected"]
+        claims = [Claim(rank, their_facts, status, reason) for rank, their_facts, status, reason, _ in claims]
+        rejected = [c for c in claims if c.status == "rejected"]
         if rejected:
-            reasons = "; ".join(f"group rank {c[0]}: {c[3]}" for c in rejected)
+            reasons = "; ".join(f"group rank {c.rank}: {c.reason}" for c in rejected)
             raise PipelineAbortedError(f"{where}: construction failed on another rank ({reasons})")
-        problems = []
-        for key, mine in facts.items():
-            values: dict[str, list[int]] = {}
-            for c in claims:
-                values.setdefault(c[1][key], []).append(c[0])
-            if len(values) > 1:
-                said = "; ".join(f"group ranks {r}: {v}" for v, r in values.items())
-                problems.append(f"{key} ({said})")
+        problems = disagreements(claims, facts)  # ranks here are group ranks
         if problems:
-            raise PipelineMismatchError(f"{where}: ranks built it differently: " + ", and ".join(problems))
+            raise PipelineMismatchError(f"{where}: ranks (numbered in the process group) built it differently: " + ", and ".join(problems))
         self._identity = f"{facts['schedule']} pipeline #{token[:8]}"
 
     @property

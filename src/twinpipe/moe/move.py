@@ -9,7 +9,6 @@ the senders of each fetched expert are spread over the ranks that hold it.
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +16,7 @@ import torch.distributed as dist
 
 from twinpipe.moe.block import MoEBlock
 from twinpipe.moe.placement import check_placement
+from twinpipe.runtime.comm import wait_work
 
 __all__ = ["MovePlan", "MoveReport", "plan_moves", "apply_placement_"]
 
@@ -97,13 +97,8 @@ def _write(tensors: list[torch.Tensor], data: torch.Tensor) -> None:
 
 
 def _wait(work, block: MoEBlock, timeout: float, what: str) -> None:
-    try:
-        done = work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        done = exc
-    if done is not True:
-        raise RuntimeError(f"apply_placement_: EP rank {block.ep_rank} waited {timeout:g} s for its peers in "
-                           f"{what} ({done}); every rank of the EP group must apply the placement")
+    wait_work(work, timeout, f"apply_placement_: EP rank {block.ep_rank} waiting for its peers in {what} "
+                             "(every rank of the EP group must apply the placement)")
 
 
 def _agreed_bytes(block: MoEBlock, slots: list[list[torch.Tensor]], new: torch.Tensor, timeout: float) -> int:

@@ -128,7 +128,7 @@ def apply_placement_(block: MoEBlock, phy2log, optimizer=None, timeout: float = 
     """Make ``block`` run placement ``phy2log`` [R] (same R, same experts), moving weights and, with
     ``optimizer``, its state tensors for them; the gradients of refilled slots are dropped. Call on
     every rank of the block's EP group with the same ``phy2log``, between training steps; each
-    collective waits at most ``timeout`` seconds (RuntimeError naming the rank)."""
+    collective waits at most ``timeout`` seconds (PipelineTimeoutError naming the rank)."""
     if not isinstance(block, MoEBlock):
         raise ValueError(f"block={type(block).__name__}: must be a MoEBlock")
     new = check_placement(phy2log, block.num_experts, block.num_slots, block.ep)

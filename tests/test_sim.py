@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from twinpipe.schedule import registry
 from twinpipe.schedule.check import ScheduleError, validate
 from twinpipe.schedule.ops import BW, F, FB
-from twinpipe.sim import CostModel, simulate
+from twinpipe.sim import CostModel, simulate, summarize
 from twinpipe.sim.cli import add_simulate_parser, run_simulate
 
 TIMES = [0.5, 1.0, 1.5, 2.0, 3.0]
@@ -452,3 +452,26 @@ def test_cli_errors_exit_2_with_a_message(capsys, argv, message):
     code, out, err = cli(capsys, *argv)
     assert code == 2 and out == ""
     assert message in err
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_summarize_gives_the_timelines_numbers(name):
+    # The planner's lean path and the Timeline come from one event loop: the same floats, bitwise.
+    costs = CostModel(t_f=1.0, t_b=1.3, t_w=0.7, t_comm=0.11, t_fb=2.2, mw=0.4)
+    for p, m in ((2, 4), (4, 12)):
+        schedule = registry.build(name, p, m)
+        timeline, summary = simulate(schedule, costs), summarize(schedule, costs)
+        stats = timeline.per_rank()
+        assert summary.makespan == timeline.makespan
+        assert summary.peak == timeline.peak_activation
+        assert summary.busy == tuple(s.busy for s in stats)
+        assert (summary.first, summary.last) == (tuple(s.start for s in stats), tuple(s.end for s in stats))
+
+
+def test_summarize_checks_like_simulate():
+    schedule = registry.build("1f1b", 2, 2)
+    broken = schedule.with_ops([list(schedule.ops[0][:-1]), list(schedule.ops[1])])
+    with pytest.raises(ScheduleError, match="missing op"):
+        summarize(broken)
+    with pytest.raises(TypeError, match="costs must be a CostModel"):
+        summarize(schedule, {"t_f": 1})

@@ -32,6 +32,9 @@ class OpKind(str, Enum):
         return self.value
 
 
+_FB_KIND = OpKind.FB
+
+
 @dataclass(frozen=True, slots=True)
 class Op:
     """One compute operation on one stage and micro-batch.
@@ -46,6 +49,8 @@ class Op:
     backward: Op | None = None
 
     def __post_init__(self) -> None:
+        if self.backward is None and self.kind is not _FB_KIND:  # the common case, first: schedules hold millions of ops
+            return
         if (self.kind is OpKind.FB) != (self.backward is not None):
             raise ValueError(f"op {self.kind}: an FB op needs a backward half, no other op has one")
         if self.backward is not None and self.backward.kind is not OpKind.BW:

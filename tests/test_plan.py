@@ -233,3 +233,17 @@ def test_cli_missing_model_or_bad_trace(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{}")
     assert main(["plan", "--from-trace", str(tmp_path / "bad.json")]) == 2
     assert "not a twinpipe Chrome trace" in capsys.readouterr().err
+
+
+def test_workers_give_the_same_plan_as_one_process():
+    # Predictions made in a process pool come back equal, field by field, and ranked the same.
+    args = (LARGE_MOE, Cluster(gpus=64), 48, [4, 8, 16])
+    serial = plan(*args, workers=1)
+    assert plan(*args, workers=3) == serial
+    assert [(r.schedule, r.pp) for r in plan(*args)] == [(r.schedule, r.pp) for r in serial]
+
+
+@pytest.mark.parametrize("workers", [0, -2, 1.5, True, "4"])
+def test_workers_must_be_a_positive_integer(workers):
+    with pytest.raises(ValueError, match=rf"workers={workers!r}: must be an integer >= 1"):
+        plan(SMALL_DENSE, Cluster(gpus=8), 8, workers=workers)

@@ -58,6 +58,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--top", type=int, default=None, help="show only the best N fitting rows")
     r.add_argument("--plot", metavar="PNG", help="also draw each step's parts as stacked bars")
     r.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    r.add_argument("--workers", type=int, default=None,
+                   help="processes to plan in (default: one per core, up to 8, when the plan is large; 1: this process)")
     return parser
 
 
@@ -105,7 +107,7 @@ def plan_from_args(args) -> tuple[list, str, str]:
         raise ValueError("missing --microbatches (per pipeline per step)")
     pp = _ints(args.pp, "--pp") if args.pp else ([traced.pp] if traced else default_pp_sizes(gpus))
     schedules = [registry.get(n.strip()).name for n in args.schedules.split(",") if n.strip()] if args.schedules else None
-    results = plan(model, cluster, m, pp, schedules, costs_for=traced.costs_for if traced else None)
+    results = plan(model, cluster, m, pp, schedules, costs_for=traced.costs_for if traced else None, workers=args.workers)
     if traced:
         c = traced.costs
         title = (f"plan from {args.from_trace} ({traced.schedule}, p={traced.pp}, m={traced.microbatches}): "

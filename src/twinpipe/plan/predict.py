@@ -17,6 +17,9 @@ pairs, and say so.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 from twinpipe.plan.costs import Layout, all_reduce_time, layout, stage_costs
@@ -24,7 +27,7 @@ from twinpipe.plan.spec import Cluster, Model
 from twinpipe.schedule import registry
 from twinpipe.schedule.limits import MAX_STAGE_MICROBATCHES
 from twinpipe.sim.costs import CostModel, for_model, stage_sizes
-from twinpipe.sim.engine import simulate
+from twinpipe.sim.engine import summarize
 
 __all__ = ["Prediction", "predict_one", "plan", "default_pp_sizes", "simulate_metrics", "PLANNED_CAP"]
 
@@ -75,15 +78,8 @@ def simulate_metrics(name: str, p: int, m: int, costs: CostModel) -> dict:
     placement = registry.placement_for(name, p)
     scaled = _scaled(costs, placement)
     options = {k: getattr(scaled, k) for k in ("t_f", "t_b", "t_w", "t_comm", "mw") if k in (registry.get(name).options or ())}
-    schedule = registry.build(name, p, m, **options)
-    timeline = simulate(schedule, scaled)
-    busy = [0.0] * p
-    first, last = float("inf"), 0.0
-    for piece in timeline.slices:  # one pass (Timeline.per_rank sorts each rank's slices)
-        if piece.op is not None:
-            busy[piece.rank] += piece.end - piece.start
-            first, last = min(first, piece.start), max(last, piece.end)
-    return {"makespan": last - first if first <= last else 0.0, "busy": busy, "peak": list(timeline.peak_activation)}
+    summary = summarize(registry.build(name, p, m, **options), scaled)
+    return {"makespan": summary.makespan, "busy": list(summary.busy), "peak": list(summary.peak)}
 
 
 def _start(p: int, m: int) -> tuple[int, int]:
@@ -258,7 +254,7 @@ def _limit(pred: Prediction, cluster: Cluster) -> str:
         f"all-reduce between its {pred.copies} weight copies": pred.mirror_all_reduce,
     }
     name, value = max(parts.items(), key=lambda kv: kv[1])
-    line = f"{name} {value / step:.0%} of the step" if value > 0 else "compute bound"
+    line = f"{name} {value / step:.0%} of the step" if value >= 0.005 * step else "compute bound"
     if pred.a2a_hidden > 1e-9 * step:
         line += f"; F&B hides {pred.a2a_hidden / (pred.a2a_hidden + pred.a2a_exposed):.0%} of the all-to-all"
     used = pred.memory.get("total", 0.0) / cluster.memory
@@ -267,20 +263,51 @@ def _limit(pred: Prediction, cluster: Cluster) -> str:
     return line
 
 
-def plan(model: Model, cluster: Cluster, microbatches: int, pp_sizes=None, schedules=None, costs_for=None) -> list[Prediction]:
+def plan(model: Model, cluster: Cluster, microbatches: int, pp_sizes=None, schedules=None, costs_for=None,
+         workers: int | None = None) -> list[Prediction]:
     """Every schedule (default ``registry.names()``) at every pipeline size (default: powers of two
     dividing the GPUs, 2..64), ranked: fitting ones by throughput (by step time without a model), then the rest.
 
     ``costs_for(name, pp)``: the op times to use instead of the model's (``predict_one``'s ``costs``).
+    ``workers``: processes to predict in (None: one per core, up to ``MAX_WORKERS``, when the plan is
+    large enough to pay for starting them; 1: in this process). The answer does not depend on it.
     """
     schedules = [registry.get(name).name for name in (schedules or registry.names())]
     pp_sizes = list(pp_sizes or default_pp_sizes(cluster.gpus))
     for p in pp_sizes:
         _check_count("pp_sizes entry", p)
     _check_count("microbatches", microbatches)
-    results = [predict_one(name, model, cluster, p, microbatches, costs_for(name, p) if costs_for else None)
-               for p in pp_sizes for name in schedules]
+    if workers is not None:
+        _check_count("workers", workers)
+    # Largest pipelines first, so that the pool's last tasks are short ones.
+    tasks = [(name, p, costs_for(name, p) if costs_for else None) for p in sorted(pp_sizes, reverse=True) for name in schedules]
+    results = _predict_all(model, cluster, microbatches, tasks, _workers(workers, tasks, microbatches))
     return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s, r.step_time, r.pp, r.schedule))
+
+
+MAX_WORKERS = 8
+PARALLEL_PAIRS = 100_000  # (stage, micro-batch) pairs simulated, roughly, above which a pool pays for its start
+
+
+def _workers(workers: int | None, tasks: list, m: int) -> int:
+    if workers is not None:
+        return min(workers, len(tasks))
+    pairs = sum(p * min(m, 4 * p) for _, p, _ in tasks)  # a triple of simulations spans about 4p micro-batches
+    return min(os.cpu_count() or 1, MAX_WORKERS, len(tasks)) if pairs > PARALLEL_PAIRS else 1
+
+
+def _predict_all(model, cluster, m: int, tasks: list, workers: int) -> list[Prediction]:
+    if workers > 1:
+        try:
+            with ProcessPoolExecutor(workers) as pool:
+                return list(pool.map(_predict_task, *zip(*((model, cluster, m, *task) for task in tasks))))
+        except (OSError, BrokenProcessPool):  # no processes here (a sandbox): the same answer, more slowly
+            pass
+    return [_predict_task(model, cluster, m, *task) for task in tasks]
+
+
+def _predict_task(model, cluster, m: int, name: str, p: int, costs) -> Prediction:
+    return predict_one(name, model, cluster, p, m, costs)
 
 
 def _check_count(name: str, value) -> None:

@@ -11,6 +11,8 @@ from twinpipe.plan.predict import GiB, Prediction
 
 __all__ = ["as_dicts", "print_table", "draw_plan", "PARTS"]
 
+WIDE = 240  # columns of the table when the output is not a terminal
+
 # Parts of a step, in the order they are stacked: attribute -> legend label.
 PARTS = {
     "compute": "compute (busiest rank)",
@@ -57,7 +59,11 @@ def print_table(predictions: list[Prediction], title: str, caption: str, top: in
                       _seconds(p.mirror_all_reduce) if p.copies > 1 and p.memory else "-", memory, _source(p), p.limit)
     for p in rest:
         table.add_row("-", p.schedule, f"{p.pp} x {p.dp}", "", "", "", "", "", "", "", _source(p), p.why, style="dim")
-    (console or Console()).print(table)
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped or redirected: rich would fold every cell to 80 columns
+            console = Console(width=WIDE)
+    console.print(table)
 
 
 def draw_plan(predictions: list[Prediction], path: str | Path, title: str, top: int = 20) -> Path:

@@ -1,5 +1,6 @@
 """MoE blocks with expert parallelism: EP=2 (2 gloo processes) against a single-process reference
-with all experts local; PP=1 x EP=2 pipelines; bad input."""
+with all experts local; PP=1 x EP=2 pipelines; bad input; EP ranks whose blocks differ (every rank
+raises, naming the ranks and what differs, before a collective whose sizes would differ)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import moe_models as mm
 from distributed import run_world
 from exactness import TOL
 from models import grad_error
-from twinpipe.moe import reduce_dense_grads
+from twinpipe.moe import ExpertLoads, apply_placement_, reduce_dense_grads, reduce_replica_grads
 
 LAYER_CASES = [(v, u) for v in mm.VARIANTS for u in (False, True)] + [("softmax", "starved")]
 PIPE_CASES = [("dualpipev", True, "grouped", True), ("dualpipev", False, "shared", False), ("1f1b", False, "softmax", True),
@@ -91,6 +92,84 @@ def _user_stage_case(group) -> list[str]:
     return problems
 
 
+# ---------------------------------------------------------------- EP ranks that differ
+# One rank's block or argument differs from its peers' (a user error). Without the check before
+# each EP collective, the first five abort both processes inside gloo (buffers of different
+# sizes); in "move-current" rank 0 plans no transfer and returns while rank 1 waits for an expert;
+# in "move-rejected" rank 0 waits for the rank that rejected its placement until the timeout.
+def _raises(fn, *fragments) -> list[str]:
+    """``fn()`` must raise a ValueError whose message holds every fragment."""
+    try:
+        fn()
+    except ValueError as exc:
+        missing = [f for f in fragments if f not in str(exc)]
+        return [f"the error lacks {missing}: {exc}"] if missing else []
+    return [f"no error; expected one naming {fragments}"]
+
+
+def _placed(group, placements, variant: str = "softmax", experts: int = 4) -> mm.MoEStage:
+    """A one-block stage sharded over ``group`` with this rank's entry of ``placements``."""
+    return mm.sharded(mm.make_stage(variant, experts=experts), group, placements[dist.get_rank(group)])
+
+
+def _forward_slots_case(group) -> list[str]:
+    stage = _placed(group, [[0, 1, 2, 3], [0, 1, 2, 3, 0, 1]])
+    x = torch.randn(2, mm.SEQ, mm.HIDDEN, dtype=torch.float64)
+    return _raises(lambda: stage(x), "MoEBlock", "num_slots differs over the EP ranks (rank 0: 4; rank 1: 6)", "phy2log")
+
+
+def _dense_grads_case(group) -> list[str]:
+    stage = mm.sharded(mm.make_stage(["softmax", "shared"][dist.get_rank(group)]), group)
+    return _raises(lambda: reduce_dense_grads(stage, group), "reduce_dense_grads",
+                   "elements differs over the EP ranks (rank 0: 304; rank 1: 400)")
+
+
+def _replica_grads_case(group) -> list[str]:
+    stage = _placed(group, [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 0, 0]])
+    return _raises(lambda: reduce_replica_grads(stage), "reduce_replica_grads",
+                   "phy2log differs over the EP ranks (rank 0: [[0, 1, 2, 3, 0, 1]]; rank 1: [[0, 1, 2, 3, 0, 0]])")
+
+
+def _loads_case(group) -> list[str]:
+    stage = mm.sharded(mm.make_stage("softmax", experts=[4, 6][dist.get_rank(group)]), group)
+    return _raises(lambda: ExpertLoads(stage).record(), "num_experts differs over the EP ranks (rank 0: [4]; rank 1: [6])")
+
+
+def _move_slots_case(group) -> list[str]:
+    placements = [[0, 1, 2, 3], [0, 1, 2, 3, 0, 1]]
+    stage = _placed(group, placements)
+    new = placements[dist.get_rank(group)][::-1]  # each rank's own slot count: valid where it runs
+    return _raises(lambda: apply_placement_(stage.blocks[0], new, timeout=10), "apply_placement_",
+                   "num_slots differs over the EP ranks (rank 0: 4; rank 1: 6)")
+
+
+def _move_current_case(group) -> list[str]:
+    """Same new placement, but the ranks were built with different ones: their move plans differ."""
+    stage = _placed(group, [[0, 1, 2, 3, 0, 1], [0, 1, 3, 2, 0, 1]])
+    return _raises(lambda: apply_placement_(stage.blocks[0], [0, 1, 2, 3, 0, 1], timeout=10),
+                   "current phy2log differs over the EP ranks (rank 0: [0, 1, 2, 3, 0, 1]; rank 1: [0, 1, 3, 2, 0, 1])")
+
+
+def _move_rejected_case(group) -> list[str]:
+    """Rank 1 passes a placement its block refuses: rank 0 hears why instead of waiting."""
+    stage = _placed(group, [[0, 1, 2, 3, 0, 1]] * 2)
+    new = [[0, 1, 2, 3, 1, 0], [0, 1, 2, 2, 1, 0]][dist.get_rank(group)]
+    if dist.get_rank(group) == 1:
+        return _raises(lambda: apply_placement_(stage.blocks[0], new, timeout=10), "no slot to experts [3]")
+    return _raises(lambda: apply_placement_(stage.blocks[0], new, timeout=10), "EP rank 1 rejected", "no slot to experts [3]")
+
+
+FAULT_CASES = {
+    "forward-slots": _forward_slots_case,
+    "dense-grads": _dense_grads_case,
+    "replica-grads": _replica_grads_case,
+    "loads": _loads_case,
+    "move-slots": _move_slots_case,
+    "move-current": _move_current_case,
+    "move-rejected": _move_rejected_case,
+}
+
+
 def _world(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -102,6 +181,8 @@ def _world(rank, world):
     results["user"] = _user_stage_case(group)
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "ep"))
     results.update(mm.run_pipeline_cases(mesh, PIPE_CASES))
+    for name, case in FAULT_CASES.items():
+        results[("fault", name)] = case(group)
     return results
 
 
@@ -122,6 +203,11 @@ def test_pp1_ep2_pipeline_matches_reference(outcomes, case):
 
 def test_ep_errors(outcomes):
     assert [o["errors"] for o in outcomes] == [[], []]
+
+
+@pytest.mark.parametrize("name", FAULT_CASES)
+def test_ep_ranks_that_differ_raise_on_every_rank(outcomes, name):
+    assert [o[("fault", name)] for o in outcomes] == [[], []]
 
 
 @pytest.mark.parametrize("kwargs,arg", [

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from twinpipe.moe.agree import agree, ep_timeout, frame_device
 from twinpipe.moe.placement import check_placement, replica_table, slots_of_copies
 from twinpipe.moe.router import TopKRouter
 from twinpipe.overlap.comm import Then, all_to_all
@@ -151,6 +152,25 @@ class MoEBlock(nn.Module):
         self._phy2log = phy2log.clone()
         log2phy, logcnt = replica_table(phy2log, self.num_experts)
         self._log2phy, self._logcnt = log2phy.to(device), logcnt.to(device)
+        self._layout_agreed = False  # the next forward compares the layout over the EP group
+
+    def _layout(self) -> dict:
+        """What this block's EP collectives follow from (their sizes, and which expert each slot
+        runs): every EP rank must hold the same."""
+        w = self.proj.weight
+        return {"num_experts": self.num_experts, "num_slots": self.num_slots, "hidden": self.hidden,
+                "dtype": str(w.dtype).removeprefix("torch."), "phy2log": self._phy2log.tolist(),
+                "expert parameters": sum(p.numel() for p in self.experts[0].parameters())}
+
+    def _agree_layout(self) -> None:
+        """Compare ``_layout()`` over the EP group before the first all-to-all with a placement.
+
+        Every EP rank comes here at the same point (the first forward after the block was built
+        or re-placed: placements change only through calls every rank makes), so this fixed-size
+        check pairs with itself; once agreed, the all-to-alls' sizes follow from agreed facts."""
+        if self.ep > 1 and not self._layout_agreed:
+            agree(self.ep_group, self._layout(), "MoEBlock", ep_timeout(None), frame_device(self.routed_tokens))
+            self._layout_agreed = True
 
     def _apply(self, fn, *args, **kwargs):  # keep the replica tables on the module's device
         out = super()._apply(fn, *args, **kwargs)
@@ -223,6 +243,7 @@ class MoEBlock(nn.Module):
                            recv=received.sum(1).tolist(), recv_counts=received)
             return (h, tokens, sent, weights, full), None
 
+        self._agree_layout()
         each = [self.local] * self.ep
         return Then(all_to_all(route.counts, each, each, self.ep_group), arrived)
 

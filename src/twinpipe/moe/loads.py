@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections import deque
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from twinpipe.moe.agree import agree, all_reduce, ep_timeout, frame_device
 from twinpipe.moe.block import MoEBlock
 
 __all__ = ["ExpertLoads", "moe_blocks"]
@@ -31,14 +31,17 @@ def moe_blocks(model) -> list[tuple[str, MoEBlock]]:
 class ExpertLoads:
     """Per-step loads of every MoE block of ``model``: ``record()`` after each step takes the
     blocks' routed-token counters (and resets them), sums them over each block's EP group and
-    keeps the last ``window`` steps. Call ``record()`` on every rank of the EP groups."""
+    keeps the last ``window`` steps. Call ``record()`` on every rank of the EP groups; each wait
+    lasts at most ``timeout`` s (default ``twinpipe.overlap.comm.TIMEOUT``)."""
 
-    def __init__(self, model, window: int = 100):
+    def __init__(self, model, window: int = 100, timeout: float | None = None):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window={window!r}: must be a positive int (steps)")
+        self.timeout = ep_timeout(timeout)
         self.blocks = moe_blocks(model)
         self.window = window
         self._steps: deque = deque(maxlen=window)
+        self._agreed = False
 
     @property
     def names(self) -> list[str]:
@@ -56,9 +59,14 @@ class ExpertLoads:
         for indices in by_group.values():  # one all-reduce per EP group
             group = self.blocks[indices[0]][1].ep_group
             flat = torch.cat([step[i] for i in indices])
-            dist.all_reduce(flat, group=group)
+            if not self._agreed:  # its size comes from the blocks, fixed since __init__: checked once
+                agree(group, {"blocks": [self.blocks[i][0] for i in indices],
+                              "num_experts": [self.blocks[i][1].num_experts for i in indices]},
+                      "ExpertLoads.record", self.timeout, frame_device(flat))
+            all_reduce(flat, group, self.timeout, "ExpertLoads.record")
             for i, part in zip(indices, flat.split([len(step[i]) for i in indices])):
                 step[i] = part
+        self._agreed = True
         step = [s.cpu() for s in step]
         self._steps.append(step)
         return step

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from twinpipe.moe.agree import agree, frame_device
 from twinpipe.moe.block import MoEBlock
 from twinpipe.moe.placement import check_placement
+from twinpipe.runtime.collectives import checked_timeout
 from twinpipe.runtime.comm import wait_work
 
 __all__ = ["MovePlan", "MoveReport", "plan_moves", "apply_placement_"]
@@ -96,46 +98,43 @@ def _write(tensors: list[torch.Tensor], data: torch.Tensor) -> None:
             offset += n
 
 
-def _wait(work, block: MoEBlock, timeout: float, what: str) -> None:
-    wait_work(work, timeout, f"apply_placement_: EP rank {block.ep_rank} waiting for its peers in {what} "
-                             "(every rank of the EP group must apply the placement)")
-
-
-def _agreed_bytes(block: MoEBlock, slots: list[list[torch.Tensor]], new: torch.Tensor, timeout: float) -> int:
-    """Bytes of one slot's state, checked equal over slots and EP ranks, and ``new`` checked to be
-    the same on every rank (ranks that disagree would wait for each other's experts forever)."""
+def _slot_state(slots: list[list[torch.Tensor]]) -> tuple[int, str]:
+    """Bytes of one slot's state and a description of its tensors (shapes, dtypes), or ValueError
+    if this rank's slots differ (an optimizer stepped for some experts only)."""
+    layouts = {tuple((tuple(t.shape), t.dtype) for t in ts) for ts in slots}
     sizes = {sum(t.numel() * t.element_size() for t in ts) for ts in slots}
-    if len(sizes) != 1:
-        raise ValueError(f"the slots of this MoE block hold different amounts of state ({sorted(sizes)} bytes): "
+    if len(layouts) != 1:
+        raise ValueError(f"the slots of this MoE block hold different state ({sorted(sizes)} bytes): "
                          "step the optimizer for all experts, or for none, before moving them")
-    size = sizes.pop()
-    if block.ep > 1:
-        mine = torch.cat([torch.tensor([size]), new])
-        both = torch.cat([mine, -mine]).to(slots[0][0].device)
-        _wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=block.ep_group, async_op=True), block, timeout,
-              "the placement check")
-        high, low = both[: len(mine)].cpu(), -both[len(mine) :].cpu()
-        if high[0] != low[0]:
-            raise ValueError(f"expert state differs in size over the EP ranks ({int(low[0])}..{int(high[0])} bytes): "
-                             "give every rank the same optimizer, stepped as often")
-        if not torch.equal(high, low):
-            raise ValueError(f"phy2log differs over the EP ranks (rank {block.ep_rank} has {new.tolist()}): "
-                             "every rank must apply the same placement")
-    return size
+    size, layout = sizes.pop(), layouts.pop()
+    return size, f"{size} bytes: " + ", ".join(f"{str(d).removeprefix('torch.')}{list(shape)}" for shape, d in layout)
 
 
 def apply_placement_(block: MoEBlock, phy2log, optimizer=None, timeout: float = 300.0) -> MoveReport:
     """Make ``block`` run placement ``phy2log`` [R] (same R, same experts), moving weights and, with
     ``optimizer``, its state tensors for them; the gradients of refilled slots are dropped. Call on
-    every rank of the block's EP group with the same ``phy2log``, between training steps; each
+    every rank of the block's EP group with the same ``phy2log``, between training steps. First the
+    ranks compare their blocks and arguments: if any differ (or a rank rejects its ``phy2log``),
+    every rank raises ValueError naming the ranks and what differs, and nothing moves. Each
     collective waits at most ``timeout`` seconds (PipelineTimeoutError naming the rank)."""
     if not isinstance(block, MoEBlock):
         raise ValueError(f"block={type(block).__name__}: must be a MoEBlock")
-    new = check_placement(phy2log, block.num_experts, block.num_slots, block.ep)
+    timeout = checked_timeout(timeout)
+    slots = _slot_tensors(block, optimizer)
+    new, state, rejected = None, None, None
+    try:
+        new = check_placement(phy2log, block.num_experts, block.num_slots, block.ep)
+        size, state = _slot_state(slots)
+    except ValueError as exc:
+        rejected = exc
+    if block.ep > 1:  # the plan and the all-to-all's sizes follow from these: every rank must hold the same
+        facts = {"num_experts": block.num_experts, "num_slots": block.num_slots, "current phy2log": block.phy2log.tolist(),
+                 "phy2log": None if new is None else new.tolist(), "expert state": state}
+        agree(block.ep_group, facts, "apply_placement_", timeout, frame_device(slots[0][0]), rejected)
+    elif rejected is not None:
+        raise rejected
     old = block.phy2log
     plan = plan_moves(old, new, block.ep)
-    slots = _slot_tensors(block, optimizer)
-    size = _agreed_bytes(block, slots, new, timeout)
     rank, first = block.ep_rank, block.first_slot
     received: dict[tuple[int, int], torch.Tensor] = {}
     if plan.transfers:
@@ -147,8 +146,8 @@ def apply_placement_(block: MoEBlock, phy2log, optimizer=None, timeout: float = 
         outgoing = sorted(out, key=lambda t: t[1])  # destination-major, plan order within
         send = torch.cat([_as_bytes(slots[t[3] - first]) for t in outgoing]) if outgoing else torch.empty(0, dtype=torch.uint8, device=device)
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=device)
-        _wait(dist.all_to_all_single(recv, send, recv_splits, send_splits, group=block.ep_group, async_op=True),
-              block, timeout, "the expert all-to-all")
+        wait_work(dist.all_to_all_single(recv, send, recv_splits, send_splits, group=block.ep_group, async_op=True),
+                  timeout, f"apply_placement_: EP rank {rank} waiting for its peers in the expert all-to-all")
         for i, t in enumerate(sorted(into, key=lambda t: t[0])):
             received[(t[0], t[2])] = recv[i * size : (i + 1) * size]
     mine = [f for f in plan.fills if f[0] // block.local == rank]

@@ -7,6 +7,7 @@ import argparse
 import itertools
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -475,3 +476,39 @@ def test_summarize_checks_like_simulate():
         summarize(broken)
     with pytest.raises(TypeError, match="costs must be a CostModel"):
         summarize(schedule, {"t_f": 1})
+
+
+def test_shared_cores_with_enough_cores_change_nothing():
+    costs = CostModel(t_f=1.0, t_b=1.3, t_w=0.7, t_comm=0.1)
+    schedule = registry.build("zb-h1", 4, 8)
+    assert summarize(schedule, CostModel(t_f=1.0, t_b=1.3, t_w=0.7, t_comm=0.1, cores=4)) == summarize(schedule, costs)
+    # One micro-batch through 1F1B: never two ranks at once, so one core is enough.
+    chain = registry.build("1f1b", 4, 1)
+    assert simulate(chain, CostModel(t_comm=0.1, cores=1)).makespan == pytest.approx(simulate(chain, CostModel(t_comm=0.1)).makespan)
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_one_shared_core_runs_all_the_work_back_to_back(name):
+    # With no message delay some rank can always run: one core is never idle, and never doubled.
+    costs = CostModel(t_f=1.0, t_b=1.3, t_w=0.7, t_fb=2.5, cores=1)
+    schedule = registry.build(name, 4, 8)
+    alone = summarize(schedule, replace(costs, cores=None))
+    shared = simulate(schedule, costs)
+    assert shared.makespan == pytest.approx(sum(alone.busy), rel=1e-12)
+    assert shared.peak_activation == alone.peak
+    assert shared.op_order(0) == simulate(schedule, replace(costs, cores=None)).op_order(0)
+
+
+def test_two_ranks_on_one_core_share_it_evenly():
+    # GPipe, 2 ranks, 2 micro-batches, T_F = 1: rank 0 runs 0F0 alone, then 0F1 beside 1F0 at half speed.
+    schedule = registry.build("gpipe", 2, 2)
+    timeline = simulate(schedule, CostModel(t_f=1.0, t_b=1.0, t_w=0.0, cores=1))
+    starts = {str(s.op): (s.start, s.end) for s in timeline.slices if s.op is not None}
+    assert starts["0F0"] == (0.0, 1.0) and starts["0F1"] == (1.0, 3.0) and starts["1F0"] == (1.0, 3.0)
+    assert timeline.makespan == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize("cores", [0, -1, 1.5, True, "2"])
+def test_cores_must_be_a_positive_integer(cores):
+    with pytest.raises(ValueError, match=rf"cores={cores!r}: must be an integer >= 1"):
+        CostModel(cores=cores)

@@ -32,6 +32,10 @@ class CostModel:
     ``t_comm`` is paid on every dependency between *different* ranks; a hand-off inside one rank
     (the turn of a V) is free. Memory: F holds ``m_b``; B turns it into ``mw * m_b`` (the inputs
     W still needs); W frees that; BW frees ``m_b`` at once. Every value is finite and >= 0.
+
+    ``cores``: how many ranks can compute at full speed at once (None: every rank has its own
+    processor). A CPU run with more ranks than cores shares them: while k > ``cores`` ranks
+    compute, each runs at ``cores / k`` of its speed (op times are the times of an op alone).
     """
 
     t_f: PerStage = 1.0
@@ -41,8 +45,11 @@ class CostModel:
     t_comm: Number = 0.0
     m_b: PerStage = 1.0
     mw: Number = 0.5
+    cores: int | None = None
 
     def __post_init__(self) -> None:
+        if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1):
+            raise ValueError(f"cores={self.cores!r}: must be an integer >= 1, or None (every rank its own processor)")
         for name in _PER_STAGE:
             value = getattr(self, name)
             if value is None:

@@ -8,7 +8,7 @@ on it. Every op is started once, so the run is O(total ops).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from twinpipe.schedule.check import ScheduleError, check_work
 from twinpipe.schedule.deps import Work, dependency_table, work_done
@@ -69,6 +69,8 @@ def _checked(schedule: Schedule, costs: CostModel | None) -> CostModel:
 
 def _run(schedule: Schedule, costs: CostModel, slices: list | None) -> Summary:
     """The event loop; appends to ``slices`` unless it is None."""
+    if costs.cores is not None and costs.cores < schedule.placement.num_ranks:
+        return _run_shared(schedule, costs, slices)
     placement = schedule.placement
     num_ranks, num_stages, m = placement.num_ranks, placement.num_stages, schedule.num_microbatches
     per_stage = costs.per_stage(num_stages)
@@ -171,6 +173,75 @@ def _run(schedule: Schedule, costs: CostModel, slices: list | None) -> Summary:
         raise _deadlock(schedule, stuck, cursor, waiters, n, m)
     ran = [r for r in range(num_ranks) if schedule.ops[r]]  # a rank with no ops has no span
     return Summary(tuple(busy), tuple(first[r] for r in ran), tuple(free[r] for r in ran), tuple(peak))
+
+
+def _run_shared(schedule: Schedule, costs: CostModel, slices: list | None) -> Summary:
+    """Ranks sharing ``costs.cores`` processors: while k ranks compute, each op advances at
+    ``min(1, cores / k)`` of its speed. Time moves from event to event (an op ends, or one's
+    inputs arrive); at each, every rank whose next op can start starts it.
+    """
+    alone = _run(schedule, replace(costs, cores=None), None)  # raises on a deadlock; peaks do not depend on timing
+    placement, m, cores, comm = schedule.placement, schedule.num_microbatches, costs.cores, float(costs.t_comm)
+    per_stage = costs.per_stage(placement.num_stages)
+    t_f, t_b, t_w = per_stage["t_f"], per_stage["t_b"], per_stage["t_w"]
+    t_fb = per_stage.get("t_fb")
+    alone_time = {
+        _F: lambda op: t_f[op.stage], _B: lambda op: t_b[op.stage], _W: lambda op: t_w[op.stage],
+        _BW: lambda op: t_b[op.stage] + t_w[op.stage],
+        _FB: lambda op: t_fb[op.stage] if t_fb is not None else t_f[op.stage] + t_b[op.backward.stage] + t_w[op.backward.stage],
+    }
+    needs = dependency_table(placement).needs
+    ends: dict[tuple, float] = {}
+    num_ranks = placement.num_ranks
+    cursor, free, busy, first = [0] * num_ranks, [0.0] * num_ranks, [0.0] * num_ranks, [0.0] * num_ranks
+    running: dict[int, list[float]] = {}  # rank -> [work left (seconds alone), start]
+    pending = [r for r in range(num_ranks) if schedule.ops[r]]
+
+    def ready_at(rank: int) -> float | None:
+        """When the rank's next op can start, or None while a work item it needs is not done."""
+        op, start = schedule.ops[rank][cursor[rank]], free[rank]
+        for part in op.parts():
+            for need in needs[part.kind][part.stage]:
+                end = ends.get((need.work, need.stage, part.microbatch))
+                if end is None:
+                    return None
+                start = max(start, end if need.local else end + comm)
+        return start
+
+    now = 0.0
+    while pending:
+        arrival = float("inf")
+        for rank in pending:
+            if rank not in running:
+                start = ready_at(rank)
+                if start is not None and start <= now:
+                    running[rank] = [alone_time[schedule.ops[rank][cursor[rank]].kind](schedule.ops[rank][cursor[rank]]), now]
+                elif start is not None:
+                    arrival = min(arrival, start)
+        rate = min(1.0, cores / len(running)) if running else 0.0
+        finish = min((now + left / rate for left, _ in running.values()), default=float("inf"))
+        later = min(finish, arrival)
+        for rank in sorted(running):
+            left, start = running[rank]
+            if now + left / rate > later:
+                running[rank][0] = left - (later - now) * rate
+                continue
+            op, i = schedule.ops[rank][cursor[rank]], cursor[rank]
+            if i == 0:
+                first[rank] = start
+            if slices is not None:
+                if start > free[rank] and i > 0:
+                    slices.append(Slice(rank, free[rank], start, None, "wait"))
+                slices.append(Slice(rank, start, later, op))
+            for item in work_done(op):
+                ends[item] = later
+            busy[rank] += later - start
+            free[rank], cursor[rank] = later, i + 1
+            del running[rank]
+        pending = [r for r in pending if cursor[r] < len(schedule.ops[r])]
+        now = later
+    ran = [r for r in range(num_ranks) if schedule.ops[r]]
+    return Summary(tuple(busy), tuple(first[r] for r in ran), tuple(free[r] for r in ran), alone.peak)
 
 
 def _deadlock(schedule: Schedule, stuck: list[int], cursor: list[int], waiters: dict, n: int, m: int) -> ScheduleError:

@@ -247,3 +247,21 @@ def test_workers_give_the_same_plan_as_one_process():
 def test_workers_must_be_a_positive_integer(workers):
     with pytest.raises(ValueError, match=rf"workers={workers!r}: must be an integer >= 1"):
         plan(SMALL_DENSE, Cluster(gpus=8), 8, workers=workers)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "dualpipev"])
+def test_a_run_on_fewer_cores_than_ranks_is_predicted_with_them_shared(tmp_path, name):
+    # A 4-rank run that shared 2 cores (simulated, so its op times alone are known): the trace says
+    # where it ran, the op times come back as times alone, and the plan shares the cores again.
+    costs = CostModel(t_f=[1.0, 1.5, 1.5, 1.0] if name != "dualpipev" else 1.0, t_b=1.25, t_w=0.5, t_comm=0.125, cores=2)
+    timeline = simulate(registry.build(name, 4, 12), costs)
+    timeline.meta.update(hosts=["node0"] * 4, cores=[2] * 4, threads=[1] * 4)
+    traced = load_traced(write_chrome_trace(timeline, tmp_path / "trace.json"))
+    assert traced.costs.cores == 2 and traced.per_stage.cores == 2
+    assert traced.per_stage.t_f == pytest.approx([1.0, 1.5, 1.5, 1.0] if name != "dualpipev" else [1.0] * 8)
+    pred = predict_one(name, None, Cluster(gpus=4), 4, 12, costs=traced.costs_for(name, 4))
+    assert pred.pipeline == pytest.approx(timeline.makespan, rel=1e-6)
+    # Told nothing about its cores, the same trace reads as slower ops on four processors.
+    timeline.meta.update(cores=[8] * 4)
+    alone = load_traced(write_chrome_trace(timeline, tmp_path / "trace.json"))
+    assert alone.costs.cores is None and alone.per_stage.t_f[0] > 1.0

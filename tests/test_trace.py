@@ -127,6 +127,8 @@ def test_recorded_order_is_the_schedule(recorded, case):
     assert min(s.start for s in timeline.slices) == 0.0
     assert len(timeline.meta["clock_error_s"]) == WORLD and timeline.meta["clock_error_s"][0] == 0.0
     assert max(timeline.meta["clock_error_s"]) < 0.05
+    assert len(set(timeline.meta["hosts"])) == 1 and timeline.meta["threads"] == [1] * WORLD  # what shared_cores reads
+    assert all(c >= 1 for c in timeline.meta["cores"]) and len(timeline.meta["cores"]) == WORLD
     assert timeline.peak_activation is not None and max(timeline.peak_activation) >= 1
 
 
@@ -183,3 +185,31 @@ def test_fb_parts_get_lanes_of_their_own_in_the_chrome_trace():
     names = {e["args"]["name"] for e in trace if e["name"] == "thread_name" and e["tid"] >= PART_TID}
     assert names == {"F&B parts", "F&B comm F"}
     assert {e["tid"] for e in trace if e.get("cat") == "part"} == {PART_TID, PART_TID + 1}
+
+
+@pytest.mark.parametrize("meta,expected", [
+    (dict(hosts=["a"] * 4, cores=[2] * 4, threads=[1] * 4), 2),  # four ranks on two cores
+    (dict(hosts=["a"] * 4, cores=[8] * 4, threads=[4] * 4), 2),  # four threads each: two ranks fit at once
+    (dict(hosts=["a"] * 4, cores=[4] * 4, threads=[1] * 4), None),  # a core each
+    (dict(hosts=["a", "a", "b", "b"], cores=[1] * 4, threads=[1] * 4), None),  # several hosts: not modelled
+    (dict(hosts=["a"] * 4, cores=[2] * 3, threads=[1] * 4), None),  # incomplete
+    ({}, None),  # an older trace
+])
+def test_shared_cores_reads_where_the_ranks_ran(meta, expected):
+    from twinpipe.timeline import Timeline
+    from twinpipe.trace.costs import shared_cores
+
+    assert shared_cores(Timeline("1f1b", 4, 4, [], None, "measured", None, meta)) == expected
+
+
+def test_alone_durations_undo_the_sharing():
+    # On one core: 0F0 alone for 1 s, then 0F1 and 1F0 side by side for 2 s (1 s of work each).
+    from twinpipe.schedule.ops import F
+    from twinpipe.timeline import Slice, Timeline
+    from twinpipe.trace.costs import alone_durations
+
+    slices = [Slice(0, 0.0, 1.0, F(0, 0)), Slice(0, 1.0, 3.0, F(0, 1)), Slice(1, 1.0, 3.0, F(1, 0)), Slice(1, 3.0, 3.5, None, "wait")]
+    timeline = Timeline("gpipe", 2, 2, slices, None, "measured")
+    assert alone_durations(timeline, 1) == pytest.approx([1.0, 1.0, 1.0])
+    assert alone_durations(timeline, 2) == pytest.approx([1.0, 2.0, 2.0])
+    assert alone_durations(timeline, None) == [1.0, 2.0, 2.0]

@@ -20,7 +20,7 @@ from twinpipe.schedule.ops import parse_op
 from twinpipe.sim.costs import CostModel, stage_sizes
 from twinpipe.timeline import Slice, Timeline
 from twinpipe.trace.chrome import COMPUTE_TID
-from twinpipe.trace.costs import estimate_costs
+from twinpipe.trace.costs import PROCESSOR_KEYS, estimate_costs
 
 __all__ = ["Traced", "read_trace", "traced_costs", "load_traced"]
 
@@ -51,7 +51,7 @@ class Traced:
         k = self.pp / pp
         c = self.costs
         return CostModel(t_f=c.t_f * k, t_b=c.t_b * k, t_w=c.t_w * k, t_fb=None if c.t_fb is None else c.t_fb * k,
-                         t_comm=c.t_comm, mw=c.mw)
+                         t_comm=c.t_comm, mw=c.mw, cores=c.cores)
 
 
 def read_trace(path: str | Path) -> Timeline:
@@ -78,7 +78,8 @@ def read_trace(path: str | Path) -> Timeline:
                                         for part in piece.op.parts()):
             raise ValueError(f"trace={str(path)!r}: op {piece.op} on rank {piece.rank} does not match {schedule}'s default placement "
                              f"on {ranks} ranks (was it run with other options?)")
-    return Timeline(schedule, ranks, m, slices, placement, "measured", None, {"time_unit": "s"})
+    meta = {"time_unit": "s", **{key: other[key] for key in PROCESSOR_KEYS if key in other}}
+    return Timeline(schedule, ranks, m, slices, placement, "measured", None, meta)
 
 
 def traced_costs(timeline: Timeline) -> tuple[CostModel, bool]:
@@ -101,7 +102,7 @@ def traced_costs(timeline: Timeline) -> tuple[CostModel, bool]:
     if split:
         t_b = t_w = t_b / 2
     return CostModel(t_f=one(per_stage.t_f), t_b=t_b, t_w=t_w, t_fb=None if per_stage.t_fb is None else one(per_stage.t_fb),
-                     t_comm=per_stage.t_comm), split
+                     t_comm=per_stage.t_comm, cores=per_stage.cores), split
 
 
 def load_traced(path: str | Path) -> Traced:

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from twinpipe.timeline import Slice, Timeline
+from twinpipe.trace.costs import PROCESSOR_KEYS
 
 __all__ = ["chrome_trace", "write_chrome_trace", "COMPUTE_TID", "WAIT_TID"]
 
@@ -76,7 +77,7 @@ def chrome_trace(timeline: Timeline, us_per_unit: float | None = None) -> dict:
     }
     if timeline.peak_activation:
         other["peak_activation"] = list(timeline.peak_activation)
-    for key in ("clock_method", "clock_error_s"):
+    for key in ("clock_method", "clock_error_s", *PROCESSOR_KEYS):
         if key in timeline.meta:
             other[key] = timeline.meta[key]
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}

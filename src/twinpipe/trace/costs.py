@@ -10,15 +10,50 @@ from twinpipe.schedule.ops import OpKind
 from twinpipe.sim import CostModel
 from twinpipe.timeline import Timeline
 
-__all__ = ["mean_op_times", "estimate_comm", "estimate_costs"]
+__all__ = ["mean_op_times", "estimate_comm", "estimate_costs", "shared_cores", "alone_durations", "PROCESSOR_KEYS"]
+
+# What a traced run records about where each rank ran (``meta[key]``: one entry per rank).
+PROCESSOR_KEYS = ("hosts", "cores", "threads")
 
 
-def mean_op_times(timeline: Timeline) -> dict[str, dict[int, float]]:
-    """``{kind: {stage: mean seconds}}`` for F, B, W, BW and FB (FB keyed by its forward's stage)."""
+def shared_cores(timeline: Timeline) -> int | None:
+    """How many ranks could compute at full speed at once, when the run had fewer than its ranks.
+
+    All ranks on one host, each running ``threads`` torch threads on the host's ``cores``: that
+    many ranks fit at once is ``cores // threads`` (at least 1). None when that covers every rank,
+    when the ranks ran on several hosts (not modelled), or when the trace does not say.
+    """
+    meta = timeline.meta
+    if not all(len(meta.get(key) or ()) == timeline.num_ranks for key in PROCESSOR_KEYS) or len(set(meta["hosts"])) != 1:
+        return None
+    slots = max(1, min(meta["cores"]) // max(1, max(meta["threads"])))
+    return slots if slots < timeline.num_ranks else None
+
+
+def alone_durations(timeline: Timeline, cores: int | None) -> list[float]:
+    """Each compute slice's time had its rank had a core of its own: while k ranks computed at once
+    on ``cores`` cores, each advanced at ``min(1, cores / k)`` (the simulator's rule, inverted).
+    In the order of ``timeline.slices``' compute slices; their durations when ``cores`` is None."""
+    compute = [s for s in timeline.slices if s.op is not None]
+    if cores is None:
+        return [s.duration for s in compute]
+    edges = sorted([(s.start, 1) for s in compute] + [(s.end, -1) for s in compute])
+    # progress[t]: integral of min(1, cores / k) from the first edge to edge time t
+    progress, running, last, total = {}, 0, edges[0][0] if edges else 0.0, 0.0
+    for t, step in edges:
+        if running:
+            total += (t - last) * min(1.0, cores / running)
+        progress[t], running, last = total, running + step, t
+    return [progress[s.end] - progress[s.start] for s in compute]
+
+
+def mean_op_times(timeline: Timeline, cores: int | None = None) -> dict[str, dict[int, float]]:
+    """``{kind: {stage: mean seconds}}`` for F, B, W, BW and FB (FB keyed by its forward's stage);
+    with ``cores``, the times each op would have taken alone (``alone_durations``)."""
     samples: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for s in timeline.slices:
-        if s.op is not None:
-            samples[s.op.kind.value][s.op.stage].append(s.duration)
+    compute = [s for s in timeline.slices if s.op is not None]
+    for s, duration in zip(compute, alone_durations(timeline, cores)):
+        samples[s.op.kind.value][s.op.stage].append(duration)
     return {kind: {stage: statistics.fmean(v) for stage, v in by_stage.items()} for kind, by_stage in samples.items()}
 
 
@@ -64,11 +99,13 @@ def estimate_costs(timeline: Timeline, comm: bool = True) -> CostModel:
 
     A stage that only ran full backwards gets T_B = mean BW and T_W = 0 (the simulator charges
     T_B + T_W for a BW). Stages without an FB get T_FB = T_F + T_B + T_W; times missing on a
-    stage fall back to that kind's mean over all stages.
+    stage fall back to that kind's mean over all stages. A run whose ranks shared fewer cores
+    (``shared_cores``) gives the times of each op alone and ``cores``, so the simulator shares them too.
     """
     if timeline.placement is None:
         raise ValueError("timeline has no placement: cannot tell which stage each time belongs to")
-    means = mean_op_times(timeline)
+    cores = shared_cores(timeline)
+    means = mean_op_times(timeline, cores)
     num_stages = timeline.placement.num_stages
 
     def per_stage(kind: str) -> list[float | None]:
@@ -87,4 +124,5 @@ def estimate_costs(timeline: Timeline, comm: bool = True) -> CostModel:
             t_b.append(bw[s] or 0.0)
             t_w.append(0.0)
         t_fb.append(fb[s] if fb[s] is not None else t_f[s] + t_b[s] + t_w[s])
-    return CostModel(t_f=t_f, t_b=t_b, t_w=t_w, t_fb=t_fb if "FB" in means else None, t_comm=estimate_comm(timeline) if comm else 0.0)
+    return CostModel(t_f=t_f, t_b=t_b, t_w=t_w, t_fb=t_fb if "FB" in means else None, t_comm=estimate_comm(timeline) if comm else 0.0,
+                     cores=cores)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 from twinpipe.schedule.lower import forward_only
 from twinpipe.schedule.ops import parse_op
 from twinpipe.timeline import Slice, Timeline
 from twinpipe.trace.clock import estimate_offsets
+from twinpipe.trace.costs import PROCESSOR_KEYS
 
 __all__ = ["gather_timeline", "build_timeline"]
 
@@ -25,16 +29,16 @@ def gather_timeline(pipeline, num_chunks: int, name: str | None = None, rounds: 
     reference = pipeline.global_rank_of[0]
     peers = [pipeline.global_rank_of[r] for r in range(1, pipeline.num_ranks)]
     offsets = estimate_offsets(group, reference, peers, pipeline.device, rounds)
-    mine = (pipeline.rank, dist.get_rank(), pipeline.last_trace, pipeline.last_peak_live)
+    mine = (pipeline.rank, dist.get_rank(), pipeline.last_trace, pipeline.last_peak_live, _processors())
     gathered = [None] * pipeline.num_ranks if dist.get_rank() == reference else None
     dist.gather_object(mine, gathered, dst=reference, group=group)
     if gathered is None:
         return None
-    traces, peaks, clock = {}, {}, {}
-    for pp_rank, global_rank, events, peak in gathered:
+    traces, peaks, clock, processors = {}, {}, {}, {}
+    for pp_rank, global_rank, events, peak, where in gathered:
         if events is None:
             raise ValueError(f"rank {pp_rank} has no trace: call pipeline.step(..., trace=True) on every rank first")
-        traces[pp_rank], peaks[pp_rank] = events, peak
+        traces[pp_rank], peaks[pp_rank], processors[pp_rank] = events, peak, where
         clock[pp_rank] = offsets.get(global_rank, (0.0, 0.0))
     schedule = pipeline.schedule_for(num_chunks)
     timeline = build_timeline(traces, schedule, name=name, offsets={r: o for r, (o, _) in clock.items()})
@@ -48,8 +52,17 @@ def gather_timeline(pipeline, num_chunks: int, name: str | None = None, rounds: 
         clock_method="ping-pong against pipeline rank 0",
         clock_offset_s=[clock[r][0] for r in range(schedule.num_ranks)],
         clock_error_s=[clock[r][1] for r in range(schedule.num_ranks)],
+        **{key: [processors[r][key] for r in range(schedule.num_ranks)] for key in PROCESSOR_KEYS},
     )
     return timeline
+
+
+def _processors() -> dict:
+    """This rank's host, the cores it may run on and torch's intra-op threads (see ``trace.costs.shared_cores``)."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {"hosts": socket.gethostname(), "cores": cores, "threads": torch.get_num_threads()}
 
 
 def build_timeline(traces: dict[int, list], schedule, name: str | None = None, offsets: dict[int, float] | None = None) -> Timeline:

@@ -371,6 +371,8 @@ def test_cli_costs_reach_the_simulator_and_the_planners(capsys):
     assert json.loads(out)["per_rank"][0]["busy"] == 3 * 4 * 3  # 3 stages of T_F+T_B+T_W = 3 each
     _, out, _ = cli(capsys, "interleaved-1f1b", "-p", "2", "-m", "4", "--stages-per-rank", "3", "--json")
     assert json.loads(out)["per_rank"][0]["busy"] == pytest.approx(3 * 4)  # the same model: 3 stages of a third each
+    _, out, _ = cli(capsys, "1f1b", "-p", "4", "-m", "8", "--cores", "1", "--json")
+    assert json.loads(out)["makespan"] == pytest.approx(4 * 8 * 3)  # every op of every rank on one core
 
 
 def test_cli_compare_json_and_table(capsys):

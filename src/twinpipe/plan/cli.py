@@ -112,7 +112,8 @@ def plan_from_args(args) -> tuple[list, str, str]:
         c = traced.costs
         title = (f"plan from {args.from_trace} ({traced.schedule}, p={traced.pp}, m={traced.microbatches}): "
                  f"1F1B-stage T_F={c.t_f * 1e3:.2f} ms, T_B={c.t_b * 1e3:.2f} ms, T_W={c.t_w * 1e3:.2f} ms, T_comm={c.t_comm * 1e6:.0f} us"
-                 + (" (the run had only full backwards: T_B and T_W are its halves)" if traced.split_assumed else ""))
+                 + (" (the run had only full backwards: T_B and T_W are its halves)" if traced.split_assumed else "")
+                 + (f"; its {traced.pp} ranks shared {c.cores} cores: op times alone, cores shared again" if c.cores else ""))
     else:
         kind = f"MoE {model.experts} experts top-{model.top_k}" if model.moe else "dense"
         title = (f"plan: {model.layers} layers x {model.hidden} ({kind}, {model.total_params() / 1e9:.1f}B params), seq {model.seq} x "

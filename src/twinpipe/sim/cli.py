@@ -48,6 +48,8 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--fb", type=float, default=None, metavar="TFB", help="overlapped forward+full backward (DualPipe F&B); default TF+TB+TW")
     parser.add_argument("--comm", type=float, default=0.0, metavar="TC", help="time of one message between ranks, any schedule (default 0)")
     parser.add_argument("--mw", type=float, default=0.5, metavar="RATIO", help="M_W/M_B: memory kept from B until W (default 0.5)")
+    parser.add_argument("--cores", type=int, default=None, metavar="C",
+                        help="ranks that can compute at once (a CPU run with more ranks than cores); default: all")
     parser.add_argument("--mem-limit", type=float, default=None, metavar="X",
                         help="activation limit per rank (zb-auto, zbv), in M_B of a 1F1B stage (with --hold stage: of the "
                         "schedule's own stages); default: 1F1B's peak, p M_B of 1F1B stages")
@@ -158,7 +160,7 @@ def _costs(args) -> CostModel:
     for flag, value in (("--f", args.f), ("--b", args.b), ("--w", args.w), ("--fb", args.fb), ("--comm", args.comm), ("--mw", args.mw)):
         if value is not None:
             check_cost(flag, value)
-    return CostModel(t_f=args.f, t_b=args.b, t_w=args.w, t_fb=args.fb, t_comm=args.comm, mw=args.mw)
+    return CostModel(t_f=args.f, t_b=args.b, t_w=args.w, t_fb=args.fb, t_comm=args.comm, mw=args.mw, cores=args.cores)
 
 
 def _build(name: str, args, costs: CostModel, strict: bool, size: Fraction | None = Fraction(1)):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import sys
 import time
 
@@ -18,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from twinpipe.launch import run_local
 
 __all__ = ["Block", "add_demo_parser", "run_demo", "main", "grad_tolerance", "exactness_line",
            "cpu_cores", "oversubscription_warning", "GRAD_TOLERANCE", "TRACE_FILES"]
@@ -190,21 +191,8 @@ def _write_trace(pipe, chunks, args, rank) -> None:
 
 
 # --------------------------------------------------------------------------- launching
-def _worker(rank: int, world: int, port: int, args) -> None:
-    torch.set_num_threads(args.threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
-        _run_rank(args)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int, world: int, args) -> None:
+    _run_rank(args)
 
 
 TRACE_FILES = {
@@ -337,12 +325,10 @@ def run_demo(args) -> int:
         finally:
             dist.destroy_process_group()
         return 0
-    import torch.multiprocessing as mp
-
     try:
-        mp.start_processes(_worker, args=(args.ranks, _free_port(), args), nprocs=args.ranks, start_method="spawn")
-    except mp.ProcessExitedException as exc:
-        print(f"twinpipe demo: a rank failed ({exc})", file=sys.stderr)
+        run_local(args.ranks, _worker, args, threads=args.threads, backend="nccl" if args.device == "cuda" else "gloo")
+    except RuntimeError as exc:
+        print(f"twinpipe demo: {exc}", file=sys.stderr)
         return 1
     return 0
 

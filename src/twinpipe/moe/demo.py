@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+
+from twinpipe.launch import run_local
 
 __all__ = ["main", "add_arguments"]
 
@@ -55,61 +56,55 @@ def _check(args) -> None:
         raise SystemExit(f"--tokens={args.tokens}: must be a multiple of the sequence length 16")
 
 
-def _rank(rank: int, world: int, port: int, args, queue) -> None:
+def _rank(rank: int, world: int, args) -> dict:
     import twinpipe
     from torch.distributed.device_mesh import init_device_mesh
     from twinpipe.moe import MoEBlock, MoEStage, pp_ep_groups
     from twinpipe.overlap import comm_hidden
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (args.pp, args.ep), mesh_dim_names=("pp", "ep"))
-        pp_group, ep_group = pp_ep_groups(mesh)
-        pp_rank = mesh.get_local_rank("pp")
-        stages = twinpipe.stages_of_rank("dualpipev", args.pp, pp_rank)
-        modules = []
-        for s in stages:
-            torch.manual_seed(100 + s)  # same dense weights on every EP rank of a stage
-            modules.append(MoEStage([MoEBlock(args.hidden, 4 if args.hidden % 4 == 0 else 1, args.experts, args.top_k,
-                                              args.expert_hidden, shared_hidden=args.expert_hidden, score="sigmoid",
-                                              ep_group=None if args.eplb else ep_group) for _ in range(args.blocks)]))
-        balancer = _skewed_and_balanced(modules, ep_group, args) if args.eplb else None
-        pipe = twinpipe.DualPipeV(modules, process_group=pp_group)
-        torch.manual_seed(7 + mesh.get_local_rank("ep"))
-        x = torch.randn(args.chunks * args.tokens // 16, 16, args.hidden)
-        label = torch.randn_like(x)
-        first = 0 in pipe.stages
-        out = {"times": {False: [], True: []}, "same_loss": True, "in_flight": 0.0, "hidden": 0.0, "events": [], "eplb": []}
-        for step in range(args.steps):
-            losses = {}
-            for overlap in (False, True):
-                for m in modules:
-                    m.overlap = overlap
-                    m.fb_events.clear()
-                    m.zero_grad(set_to_none=True)
-                dist.barrier()
-                t0 = time.perf_counter()
-                loss, _ = pipe.step(*((x,) if first else ()), num_chunks=args.chunks,
-                                    criterion=(lambda o, y: torch.nn.functional.mse_loss(o, y)) if first else None,
-                                    labels=(label,) if first else ())
-                out["times"][overlap].append(time.perf_counter() - t0)
-                losses[overlap] = loss
-            if first and not torch.equal(losses[False], losses[True]):
-                out["same_loss"] = False
-            if balancer is not None:
-                out["eplb"].append(_balance_line(step, balancer, balancer.step()))
-            if step == args.steps - 1:
-                for m in modules:
-                    for events in m.fb_events:
-                        out["events"].append(events)
-                        flying, hid = comm_hidden(events)
-                        out["in_flight"] += flying
-                        out["hidden"] += hid
-        queue.put((rank, out))
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (args.pp, args.ep), mesh_dim_names=("pp", "ep"))
+    pp_group, ep_group = pp_ep_groups(mesh)
+    pp_rank = mesh.get_local_rank("pp")
+    stages = twinpipe.stages_of_rank("dualpipev", args.pp, pp_rank)
+    modules = []
+    for s in stages:
+        torch.manual_seed(100 + s)  # same dense weights on every EP rank of a stage
+        modules.append(MoEStage([MoEBlock(args.hidden, 4 if args.hidden % 4 == 0 else 1, args.experts, args.top_k,
+                                          args.expert_hidden, shared_hidden=args.expert_hidden, score="sigmoid",
+                                          ep_group=None if args.eplb else ep_group) for _ in range(args.blocks)]))
+    balancer = _skewed_and_balanced(modules, ep_group, args) if args.eplb else None
+    pipe = twinpipe.DualPipeV(modules, process_group=pp_group)
+    torch.manual_seed(7 + mesh.get_local_rank("ep"))
+    x = torch.randn(args.chunks * args.tokens // 16, 16, args.hidden)
+    label = torch.randn_like(x)
+    first = 0 in pipe.stages
+    out = {"times": {False: [], True: []}, "same_loss": True, "in_flight": 0.0, "hidden": 0.0, "events": [], "eplb": []}
+    for step in range(args.steps):
+        losses = {}
+        for overlap in (False, True):
+            for m in modules:
+                m.overlap = overlap
+                m.fb_events.clear()
+                m.zero_grad(set_to_none=True)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss, _ = pipe.step(*((x,) if first else ()), num_chunks=args.chunks,
+                                criterion=(lambda o, y: torch.nn.functional.mse_loss(o, y)) if first else None,
+                                labels=(label,) if first else ())
+            out["times"][overlap].append(time.perf_counter() - t0)
+            losses[overlap] = loss
+        if first and not torch.equal(losses[False], losses[True]):
+            out["same_loss"] = False
+        if balancer is not None:
+            out["eplb"].append(_balance_line(step, balancer, balancer.step()))
+        if step == args.steps - 1:
+            for m in modules:
+                for events in m.fb_events:
+                    out["events"].append(events)
+                    flying, hid = comm_hidden(events)
+                    out["in_flight"] += flying
+                    out["hidden"] += hid
+    return out
 
 
 def _skewed_and_balanced(modules, ep_group, args):
@@ -142,22 +137,8 @@ def _balance_line(step: int, balancer, report) -> str:
 def main(argv=None) -> int:
     args = add_arguments(argparse.ArgumentParser(prog="twinpipe demo --moe", description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)).parse_args(argv)
     _check(args)
-    import torch.multiprocessing as mp
-
     world = args.pp * args.ep
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, args, queue), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(queue.get(timeout=600) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
+    results = dict(enumerate(run_local(world, _rank, args, timeout=600)))
     m = statistics.median
     off = max(m(r["times"][False]) for r in results.values())
     on = max(m(r["times"][True]) for r in results.values())

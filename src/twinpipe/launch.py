@@ -1,0 +1,93 @@
+"""Run one function as N ranks of a process group on this host: how the demos and the bench
+scripts start their ranks when torchrun does not.
+
+Each rank is a fresh (spawned) process that joins the group, runs ``fn(rank, world, *args)``
+and sends back what it returned; the caller gets every rank's value in rank order, or an error
+naming the rank that failed, died or ran out of time, never a wait without end. torch is
+imported only when ranks start, so importing this module stays cheap for ``--help``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+
+__all__ = ["free_port", "run_local"]
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host now (for the group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, fn, args: tuple, results, backend: str, threads: int | None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world)
+        results.put((rank, None, fn(rank, world, *args)))
+    except BaseException:  # reported to the parent, which would otherwise wait for this rank
+        results.put((rank, traceback.format_exc(), None))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local(world: int, fn, *args, timeout: float | None = None, threads: int | None = 1,
+              backend: str = "gloo") -> list:
+    """``[fn(rank, world, *args) for rank in range(world)]``, each rank in its own process, all in
+    one process group (``backend``; with ``"nccl"`` rank r uses GPU r % count). ``fn`` must be a
+    module-level function and its arguments and result picklable; ``threads``: torch threads per
+    rank (None: torch's default). Raises RuntimeError with a rank's traceback if it fails or dies,
+    TimeoutError when not every rank returned within ``timeout`` seconds (None: no limit)."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world={world!r}: must be a positive int (processes)")
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results, backend, threads))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    values: dict[int, object] = {}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while len(values) < world:
+            try:
+                rank, error, value = results.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode is not None]
+                if dead and results.empty():
+                    raise RuntimeError(f"rank {dead[0]} exited (code {procs[dead[0]].exitcode}) without a result") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(values))} of {world} did not finish "
+                                       f"within {timeout:g} s") from None
+                continue
+            if error is not None:  # a rank that died first is the likelier cause: name it too
+                dead = [f"rank {r} exited (code {p.exitcode}) without a result" for r, p in enumerate(procs)
+                        if r != rank and r not in values and p.exitcode is not None]
+                raise RuntimeError(f"rank {rank} failed{'; ' + '; '.join(dead) if dead else ''}:\n{error}")
+            values[rank] = value
+    finally:
+        grace = 30.0 if len(values) == world else 1.0  # after a failure the others may wait on it
+        for p in procs:
+            p.join(timeout=grace)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [values[r] for r in range(world)]

@@ -1,0 +1,47 @@
+"""``twinpipe.launch.run_local``: every rank's value in rank order; a rank that fails or dies is
+named at once, while its peers still wait in a collective, instead of a wait without end."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from twinpipe.launch import run_local
+
+
+def _sum_ranks(rank: int, world: int, offset: int):
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([rank + offset])
+    dist.all_reduce(total)
+    return rank, world, int(total), torch.get_num_threads()
+
+
+def _fail(rank: int, world: int, how: str) -> None:
+    import torch.distributed as dist
+
+    if rank == 1:
+        if how == "raise":
+            raise ValueError("rank one refuses")
+        os._exit(3)
+    dist.barrier()  # rank 0 waits for rank 1 (gloo's default timeout: 30 minutes)
+
+
+def test_values_come_back_in_rank_order_from_one_process_group():
+    assert run_local(2, _sum_ranks, 10, threads=1, timeout=120) == [(0, 2, 21, 1), (1, 2, 21, 1)]
+
+
+@pytest.mark.parametrize("how,message", [("raise", "rank 1 failed:"), ("die", "rank 1 exited (code 3) without a result")])
+def test_a_rank_that_fails_or_dies_is_named(how, message):
+    with pytest.raises(RuntimeError) as info:
+        run_local(2, _fail, how, timeout=120)
+    assert message in str(info.value)
+    if how == "raise":
+        assert "ValueError: rank one refuses" in str(info.value)
+
+
+def test_world_must_be_a_positive_int():
+    with pytest.raises(ValueError, match="world=0"):
+        run_local(0, _sum_ranks, 0)

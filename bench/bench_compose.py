@@ -18,16 +18,16 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from twinpipe.launch import run_local
 
 RANKS = 2
 MICROBATCHES = 8
@@ -131,19 +131,13 @@ def _timing(schedule: str, hidden: int, x, y, rank: int, steps: int) -> dict[str
     return times
 
 
-def _worker(rank: int, port: int, args, queue) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
-    try:
-        torch.manual_seed(1)
-        x = torch.randn(MICROBATCHES * args.rows, args.hidden)
-        y = torch.randn_like(x)
-        memory = {(s, c): _memory(s, c, args.hidden, x, y, rank) for s in MEMORY_SCHEDULES for c in (False, True)}
-        timing = {s: _timing(s, args.hidden, x, y, rank, args.steps) for s in SCHEDULES} if args.steps >= BLOCK else {}
-        queue.put((rank, memory, timing))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, args) -> tuple:
+    torch.manual_seed(1)
+    x = torch.randn(MICROBATCHES * args.rows, args.hidden)
+    y = torch.randn_like(x)
+    memory = {(s, c): _memory(s, c, args.hidden, x, y, rank) for s in MEMORY_SCHEDULES for c in (False, True)}
+    timing = {s: _timing(s, args.hidden, x, y, rank, args.steps) for s in SCHEDULES} if args.steps >= BLOCK else {}
+    return memory, timing
 
 
 def main() -> None:
@@ -152,25 +146,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64, help="rows per micro-batch (default 64)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (default 30; 0: memory only)")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(RANKS)]
-    for p in procs:
-        p.start()
-    results = []
-    while len(results) < RANKS:
-        try:
-            results.append(queue.get(timeout=5))
-        except Exception:
-            dead = [r for r, p in enumerate(procs) if p.exitcode is not None]
-            if dead and queue.empty():
-                raise SystemExit(f"rank {dead[0]} exited (code {procs[dead[0]].exitcode}) without a result") from None
-    results.sort(key=lambda r: r[0])
-    for p in procs:
-        p.join()
+    results = run_local(RANKS, _worker, args)  # [(memory, timing)] by rank
 
     act_mib = args.rows * args.hidden * 4 / 2**20
     print(f"{RANKS} CPU ranks, {MICROBATCHES} micro-batches of {args.rows} x {args.hidden} float32 "
@@ -179,16 +155,16 @@ def main() -> None:
     print(f"{'schedule':<10} {'checkpointing':<14} " + "  ".join(f"rank {r}: live   MiB" for r in range(RANKS)))
     for s in MEMORY_SCHEDULES:
         for c in (False, True):
-            cells = "  ".join(f"{res[1][(s, c)][0]:>12} {res[1][(s, c)][1] / 2**20:>6.2f}" for res in results)
+            cells = "  ".join(f"{res[0][(s, c)][0]:>12} {res[0][(s, c)][1] / 2**20:>6.2f}" for res in results)
             print(f"{s:<10} {'non-reentrant' if c else 'off':<14} {cells}")
-        ratios = [res[1][(s, True)][1] / res[1][(s, False)][1] for res in results]
+        ratios = [res[0][(s, True)][1] / res[0][(s, False)][1] for res in results]
         print(f"{'':<10} {'ratio':<14} " + "  ".join(f"{'':>12} {r:>6.2f}" for r in ratios))
 
-    if not results[0][2]:
+    if not results[0][1]:
         return
     print(f"\nstep time, rank 0 (median of {args.steps // BLOCK} blocks of {BLOCK} steps; paired ratio = median of compiled/eager per pair)")
     for s in SCHEDULES:
-        t = results[0][2][s]
+        t = results[0][1][s]
         eager, compiled = statistics.median(t["eager"]), statistics.median(t["inductor"])
         paired = statistics.median(c / e for c, e in zip(t["inductor"], t["eager"]))
         print(f"{s:<10} eager {eager * 1e3:7.2f} ms   inductor {compiled * 1e3:7.2f} ms   compiled/eager {paired:.3f}")

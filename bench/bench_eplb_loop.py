@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from twinpipe.launch import run_local
 
 EXPERTS, HIDDEN, TOP_K, SEQ = 64, 64, 4, 16
 
@@ -79,52 +79,46 @@ def _phase(blocks, group, steps: int, tokens: int, seed: int):
     return [(_rank_rows(block, group), t) for block, t in zip(blocks, times)]
 
 
-def _rank(rank: int, port: int, args, queue) -> None:
+def _rank(rank: int, world: int, args) -> dict:
     from twinpipe.eplb import Balancer, rebalance_experts
     from twinpipe.moe import MoEBlock, plan_moves
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    ep = args.ep
-    dist.init_process_group("gloo", rank=rank, world_size=ep)
+    ep = world
     group = dist.group.WORLD
-    try:
-        gen = torch.Generator().manual_seed(1)
-        zipf = 1.0 / torch.arange(1, EXPERTS + 1, dtype=torch.float64) ** args.zipf
-        popularity = zipf[torch.randperm(EXPERTS, generator=gen)]
-        out = {}
-        for extra in (0, 8, 16):
-            slots = EXPERTS + extra
-            uniform = rebalance_experts(torch.ones(1, EXPERTS), slots, 1, 1, ep)[0][0]
-            blocks, gens = [], []
-            for _ in range(2):  # kept on the old placement / rebalanced
-                torch.manual_seed(0)
-                blocks.append(MoEBlock(HIDDEN, 4, EXPERTS, TOP_K, args.width, score="softmax").shard_experts_(group, uniform))
-                gens.append(_zipf_router(blocks[-1].router, popularity, seed=100 + rank))
-            old, block = blocks
-            balancer = Balancer(block, interval=args.steps, window=args.steps, threshold=1.0)
-            _phase([block], group, args.steps, args.tokens, seed=10 + rank)  # loads to balance on
-            # the routed counters were left by the phase: one record for the whole phase
-            balancer.loads.record()
-            weight = balancer.loads.window_sum()[0]
-            unaware = rebalance_experts(weight[None].double(), slots, 1, 1, ep)[0][0]
-            dist.barrier(group)
-            start = time.perf_counter()
-            report = balancer.rebalance()
-            rebalance_s = time.perf_counter() - start
-            for g in gens:  # both blocks route the same fresh tokens alike
-                g.manual_seed(200 + rank)
-            (rows0, t0), (rows1, t1) = _phase([old, block], group, args.steps, args.tokens, seed=20 + rank)
-            layer = report.layers[0]
-            size = layer.move.bytes_all // slots if layer.move else 0
-            out[extra] = dict(rows0=rows0, rows1=rows1, t0=t0, t1=t1, predicted=(layer.before, layer.after),
-                              sent=layer.move.bytes_sent if layer.move else 0, all=size * slots,
-                              unaware=size * len(plan_moves(uniform, unaware, ep).transfers),
-                              transfers=layer.move.transfers if layer.move else 0, rebalance_s=rebalance_s,
-                              copies=layer.move.local_copies if layer.move else 0)
-        queue.put((rank, out))
-    finally:
-        dist.destroy_process_group()
+    gen = torch.Generator().manual_seed(1)
+    zipf = 1.0 / torch.arange(1, EXPERTS + 1, dtype=torch.float64) ** args.zipf
+    popularity = zipf[torch.randperm(EXPERTS, generator=gen)]
+    out = {}
+    for extra in (0, 8, 16):
+        slots = EXPERTS + extra
+        uniform = rebalance_experts(torch.ones(1, EXPERTS), slots, 1, 1, ep)[0][0]
+        blocks, gens = [], []
+        for _ in range(2):  # kept on the old placement / rebalanced
+            torch.manual_seed(0)
+            blocks.append(MoEBlock(HIDDEN, 4, EXPERTS, TOP_K, args.width, score="softmax").shard_experts_(group, uniform))
+            gens.append(_zipf_router(blocks[-1].router, popularity, seed=100 + rank))
+        old, block = blocks
+        balancer = Balancer(block, interval=args.steps, window=args.steps, threshold=1.0)
+        _phase([block], group, args.steps, args.tokens, seed=10 + rank)  # loads to balance on
+        # the routed counters were left by the phase: one record for the whole phase
+        balancer.loads.record()
+        weight = balancer.loads.window_sum()[0]
+        unaware = rebalance_experts(weight[None].double(), slots, 1, 1, ep)[0][0]
+        dist.barrier(group)
+        start = time.perf_counter()
+        report = balancer.rebalance()
+        rebalance_s = time.perf_counter() - start
+        for g in gens:  # both blocks route the same fresh tokens alike
+            g.manual_seed(200 + rank)
+        (rows0, t0), (rows1, t1) = _phase([old, block], group, args.steps, args.tokens, seed=20 + rank)
+        layer = report.layers[0]
+        size = layer.move.bytes_all // slots if layer.move else 0
+        out[extra] = dict(rows0=rows0, rows1=rows1, t0=t0, t1=t1, predicted=(layer.before, layer.after),
+                          sent=layer.move.bytes_sent if layer.move else 0, all=size * slots,
+                          unaware=size * len(plan_moves(uniform, unaware, ep).transfers),
+                          transfers=layer.move.transfers if layer.move else 0, rebalance_s=rebalance_s,
+                          copies=layer.move.local_copies if layer.move else 0)
+    return out
 
 
 def _ratio(rows: torch.Tensor) -> float:
@@ -140,17 +134,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256, help="hidden width of each expert")
     parser.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of expert popularity")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, args, queue), daemon=True) for r in range(args.ep)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=900) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
+    results = dict(enumerate(run_local(args.ep, _rank, args, timeout=900)))
     med = statistics.median
     print(f"EPLB in the loop: {EXPERTS} experts, top-{TOP_K}, Zipf {args.zipf:g} popularity, EP={args.ep} "
           f"({args.ep} CPU processes, gloo, {os.cpu_count()} cores), {args.tokens} tokens/rank/step, "

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from twinpipe.launch import run_local
 
 # (tokens per micro-batch, hidden, expert width, top-k): communication grows with
 # tokens*hidden*top_k, expert compute with tokens*hidden*width*top_k, attention with tokens*hidden^2.
@@ -159,29 +159,12 @@ def _e2e(rank: int, reps: int):
     return statistics.median(times[False]), statistics.median(times[True])
 
 
-def _worker(rank, world, port, mode, reps, draw, queue):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        queue.put((rank, _sweep(rank, reps, draw) if mode == "sweep" else _e2e(rank, reps)))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, world, mode, reps, draw):
+    return _sweep(rank, reps, draw) if mode == "sweep" else _e2e(rank, reps)
 
 
 def _run(world: int, mode: str, reps: int, draw: str | None):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, mode, reps, draw, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
-    return results
+    return dict(enumerate(run_local(world, _worker, mode, reps, draw, timeout=1800)))
 
 
 def _draw(events, path: str) -> None:

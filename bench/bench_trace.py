@@ -13,9 +13,9 @@ costs, and prints both bubble rates. With --out, writes the last step's report t
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
+
+from twinpipe.launch import run_local
 
 
 def _stage(hidden: int):
@@ -26,49 +26,40 @@ def _stage(hidden: int):
     return twinpipe.defer_weight_grads(nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)))
 
 
-def _worker(rank: int, args, port: int, queue) -> None:
+def _worker(rank: int, world: int, args) -> list | None:
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     import twinpipe
     from twinpipe.schedule.registry import placement_for
     from twinpipe.trace import compare_numbers, estimate_costs, gather_timeline, predict, write_run_report
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
-    try:
-        placement = placement_for(args.schedule, args.ranks)
-        torch.manual_seed(rank)
-        pipe = twinpipe.Pipeline([_stage(args.hidden) for _ in placement.stages_of(rank)], args.schedule)
-        first = any(placement.is_first(s) for s in pipe.stages)
-        last = any(placement.is_last(s) for s in pipe.stages)
-        rows = args.chunks * args.batch
-        x, y = torch.randn(rows, args.hidden), torch.randn(rows, args.hidden)
-        kwargs = {"criterion": lambda out, label: F.mse_loss(out, label), "labels": (y,)} if last else {}
-        results = []
-        for step in range(args.warmup + args.steps):
-            traced = step >= args.warmup
-            pipe.zero_grad()
-            pipe.step(*((x,) if first else ()), num_chunks=args.chunks, trace=traced, **kwargs)
-            if traced:
-                timeline = gather_timeline(pipe, args.chunks)
-                if timeline is not None:
-                    schedule = pipe.schedule_for(args.chunks)
-                    if args.out and step == args.warmup + args.steps - 1:
-                        results.append(write_run_report(args.out, timeline, schedule))
-                    else:
-                        costs = estimate_costs(timeline)
-                        results.append(compare_numbers(timeline, predict(timeline, schedule, costs), costs))
-        queue.put(results if rank == 0 else None)
-    finally:
-        dist.destroy_process_group()
+    placement = placement_for(args.schedule, args.ranks)
+    torch.manual_seed(rank)
+    pipe = twinpipe.Pipeline([_stage(args.hidden) for _ in placement.stages_of(rank)], args.schedule)
+    first = any(placement.is_first(s) for s in pipe.stages)
+    last = any(placement.is_last(s) for s in pipe.stages)
+    rows = args.chunks * args.batch
+    x, y = torch.randn(rows, args.hidden), torch.randn(rows, args.hidden)
+    kwargs = {"criterion": lambda out, label: F.mse_loss(out, label), "labels": (y,)} if last else {}
+    results = []
+    for step in range(args.warmup + args.steps):
+        traced = step >= args.warmup
+        pipe.zero_grad()
+        pipe.step(*((x,) if first else ()), num_chunks=args.chunks, trace=traced, **kwargs)
+        if traced:
+            timeline = gather_timeline(pipe, args.chunks)
+            if timeline is not None:
+                schedule = pipe.schedule_for(args.chunks)
+                if args.out and step == args.warmup + args.steps - 1:
+                    results.append(write_run_report(args.out, timeline, schedule))
+                else:
+                    costs = estimate_costs(timeline)
+                    results.append(compare_numbers(timeline, predict(timeline, schedule, costs), costs))
+    return results if rank == 0 else None
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="dualpipev")
     parser.add_argument("--ranks", type=int, default=2)
@@ -80,17 +71,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the last step's report (trace.json, PNGs) here")
     args = parser.parse_args()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args, port, queue)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    results = next(r for r in (queue.get(timeout=600) for _ in procs) if r is not None)
-    for p in procs:
-        p.join()
+    results = run_local(args.ranks, _worker, args, timeout=600)[0]
 
     print(f"{args.schedule}: {args.ranks} ranks x 1 thread, {args.chunks} micro-batches of {args.batch} x {args.hidden}, gloo on CPU")
     print(f"{'step':>4} {'measured bubble':>16} {'predicted':>10} {'measured makespan':>18} {'predicted':>10} {'waits':>6} {'overhead':>9} {'T_comm':>8}")

@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from twinpipe.launch import run_local
 
 
-def _worker(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, args) -> dict:
     from twinpipe.train import GPT, GPTConfig, TrainConfig, Trainer, build_mesh, lm_loss
     from twinpipe.train.data import BatchSampler, stdlib_corpus
 
@@ -46,9 +42,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
                 if rnd:
                     for key, value in result.times.items():
                         times[name].setdefault(key, []).append(value)
-    if rank == 0:
-        queue.put(times)
-    dist.destroy_process_group()
+    return times
 
 
 def main() -> None:
@@ -65,17 +59,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     args = parser.parse_args()
     world = args.pp * args.dp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    times = queue.get(timeout=1800)
-    for p in procs:
-        p.join()
+    times = run_local(world, _worker, args, timeout=1800)[0]
     tokens = args.batch_size * args.seq_len
     print(f"PP={args.pp} x DP={args.dp} on {os.cpu_count()} CPU cores (gloo), GPT dim={args.dim} layers={args.layers}, "
           f"{tokens} tokens/step, {args.rounds} rounds x {args.steps} steps per schedule; medians")

@@ -13,16 +13,15 @@ the slow drift of a shared machine.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+from twinpipe.launch import run_local
 
 RANKS = 2
 MICROBATCHES = 8
@@ -48,13 +47,10 @@ def _stages(hidden: int, rank: int) -> list[nn.Module]:
     return [full[rank], full[2 * RANKS - 1 - rank]]
 
 
-def _worker(rank, port, hidden, rows, steps, transport, queue):
+def _worker(rank, world, hidden, rows, steps, transport):
     import twinpipe
     from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
     device = torch.device("cpu")
     torch.manual_seed(1)
     x = torch.randn(MICROBATCHES * rows, hidden)
@@ -96,22 +92,11 @@ def _worker(rank, port, hidden, rows, steps, transport, queue):
                 fn()
             dist.barrier()
             times[name].append((time.perf_counter() - start) / BLOCK)
-    if rank == 0:
-        queue.put(times)
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return times
 
 
 def measure(hidden: int, rows: int, steps: int, transport: str = "auto") -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    mp.start_processes(_worker, args=(_free_port(), hidden, rows, steps, transport, queue), nprocs=RANKS, start_method="spawn")
-    return queue.get(timeout=600)
+    return run_local(RANKS, _worker, hidden, rows, steps, transport, timeout=600)[0]
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -31,17 +30,21 @@ def _speed(repeats: int) -> None:
 
     model, cluster, m = Model(layers=64, hidden=4096, seq=4096), Cluster(gpus=64), 1024
     cases = {"pp 2..64": None, "pp 64 alone": [64], "pp 16,32": [16, 32]}
-    print(f"plan speed: {model.layers} layers x {model.hidden}, {cluster.gpus} GPUs, m={m}, {len(registry.names())} schedules")
+    print(f"plan speed: {model.layers} layers x {model.hidden}, {cluster.gpus} GPUs, m={m}, {len(registry.names())} schedules, "
+          f"{os.cpu_count()} cores")
     for label, sizes in cases.items():
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            results = plan(model, cluster, m, sizes)
-            times.append(time.perf_counter() - start)
+        medians = {}
+        for workers in (None, 1):  # the default (a process per core when large) against one process
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                results = plan(model, cluster, m, sizes, workers=workers)
+                times.append(time.perf_counter() - start)
+            medians[workers] = statistics.median(times)
         skipped = sum(r.why.startswith("skipped") for r in results)
         approx = sum(bool(r.extrapolated_from and len(r.extrapolated_from) == 3) for r in results)
-        print(f"  {label:12} median {statistics.median(times):6.2f} s over {repeats} (min {min(times):.2f} s); "
-              f"{len(results)} predictions, {skipped} skipped, {approx} approximate")
+        print(f"  {label:12} median {medians[None]:6.2f} s (workers=1: {medians[1]:.2f} s, {medians[1] / medians[None]:.1f}x) "
+              f"over {repeats}; {len(results)} predictions, {skipped} skipped, {approx} approximate")
     fast = [n for n in registry.names() if registry.get(n).max_pairs >= 2**17]
     whole, planned = [], []
     for _ in range(repeats):
@@ -52,10 +55,10 @@ def _speed(repeats: int) -> None:
                 simulate_metrics(name, p, m, costs)
         whole.append(time.perf_counter() - start)
         start = time.perf_counter()
-        plan(model, cluster, m, [16, 32], fast)
+        plan(model, cluster, m, [16, 32], fast, workers=1)
         planned.append(time.perf_counter() - start)
     print(f"  baseline: simulating {len(fast)} schedules whole at pp 16 and 32, m={m}: median {statistics.median(whole):.2f} s; "
-          f"plan on the same: {statistics.median(planned):.2f} s ({statistics.median(whole) / statistics.median(planned):.1f}x faster)")
+          f"plan on the same, one process: {statistics.median(planned):.2f} s ({statistics.median(whole) / statistics.median(planned):.1f}x faster)")
 
 
 def _stage(hidden: int):
@@ -66,7 +69,7 @@ def _stage(hidden: int):
     return twinpipe.defer_weight_grads(nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)))
 
 
-def _worker(rank: int, world: int, port: int, args, queue) -> None:
+def _worker(rank: int, world: int, args) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -75,55 +78,38 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     from twinpipe.schedule.registry import placement_for
     from twinpipe.trace import gather_timeline, write_chrome_trace
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        out = {}
-        for schedule in args.schedules.split(","):
-            placement = placement_for(schedule, world)
-            torch.manual_seed(rank)
-            pipe = twinpipe.Pipeline([_stage(args.hidden) for _ in placement.stages_of(rank)], schedule)
-            first = any(placement.is_first(s) for s in pipe.stages)
-            last = any(placement.is_last(s) for s in pipe.stages)
-            x, y = torch.randn(args.chunks * args.batch, args.hidden), torch.randn(args.chunks * args.batch, args.hidden)
-            kwargs = {"criterion": lambda o, t: F.mse_loss(o, t), "labels": (y,)} if last else {}
-            steps, path, traced_step = [], None, None
-            for step in range(args.warmup + args.steps + 1):
-                traced = step == args.warmup + args.steps
-                pipe.zero_grad()
-                dist.barrier()
-                start = time.perf_counter()
-                pipe.step(*((x,) if first else ()), num_chunks=args.chunks, trace=traced, **kwargs)
-                dist.barrier()
-                if traced:
-                    traced_step = time.perf_counter() - start
-                elif step >= args.warmup:
-                    steps.append(time.perf_counter() - start)
-            timeline = gather_timeline(pipe, args.chunks, name=schedule)
-            if timeline is not None:
-                path = str(write_chrome_trace(timeline, os.path.join(args.out, f"{schedule}-{world}.json")))
-            out[schedule] = (steps, traced_step, path)
-        queue.put((rank, out))
-    finally:
-        dist.destroy_process_group()
+    out = {}
+    for schedule in args.schedules.split(","):
+        placement = placement_for(schedule, world)
+        torch.manual_seed(rank)
+        pipe = twinpipe.Pipeline([_stage(args.hidden) for _ in placement.stages_of(rank)], schedule)
+        first = any(placement.is_first(s) for s in pipe.stages)
+        last = any(placement.is_last(s) for s in pipe.stages)
+        x, y = torch.randn(args.chunks * args.batch, args.hidden), torch.randn(args.chunks * args.batch, args.hidden)
+        kwargs = {"criterion": lambda o, t: F.mse_loss(o, t), "labels": (y,)} if last else {}
+        steps, path, traced_step = [], None, None
+        for step in range(args.warmup + args.steps + 1):
+            traced = step == args.warmup + args.steps
+            pipe.zero_grad()
+            dist.barrier()
+            start = time.perf_counter()
+            pipe.step(*((x,) if first else ()), num_chunks=args.chunks, trace=traced, **kwargs)
+            dist.barrier()
+            if traced:
+                traced_step = time.perf_counter() - start
+            elif step >= args.warmup:
+                steps.append(time.perf_counter() - start)
+        timeline = gather_timeline(pipe, args.chunks, name=schedule)
+        if timeline is not None:
+            path = str(write_chrome_trace(timeline, os.path.join(args.out, f"{schedule}-{world}.json")))
+        out[schedule] = (steps, traced_step, path)
+    return out
 
 
 def _run(world: int, args) -> dict:
-    import torch.multiprocessing as mp
+    from twinpipe.launch import run_local
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=900) for _ in procs)
-    for p in procs:
-        p.join()
-    return results[0]
+    return run_local(world, _worker, args, timeout=900)[0]
 
 
 def _accuracy(args) -> None:

@@ -17,6 +17,7 @@ pairs, and say so.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -299,7 +300,10 @@ def _workers(workers: int | None, tasks: list, m: int) -> int:
 def _predict_all(model, cluster, m: int, tasks: list, workers: int) -> list[Prediction]:
     if workers > 1:
         try:
-            with ProcessPoolExecutor(workers) as pool:
+            # forkserver: a fresh process forks the workers, never this one and its threads (torch's, a test runner's)
+            methods = multiprocessing.get_all_start_methods()
+            context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+            with ProcessPoolExecutor(workers, mp_context=context) as pool:
                 return list(pool.map(_predict_task, *zip(*((model, cluster, m, *task) for task in tasks))))
         except (OSError, BrokenProcessPool):  # no processes here (a sandbox): the same answer, more slowly
             pass

@@ -38,21 +38,43 @@ def _run_case(rank: int, schedule: str, n: int, trace: bool = True):
     return gather_timeline(pipe, n)
 
 
+def _outcome(fn) -> str | None:
+    try:
+        fn()
+        return None
+    except Exception as error:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(error).__name__}: {error}"
+
+
 def _world(rank: int, world: int) -> dict:
     out = {case: _run_case(rank, *case) for case in CASES}
-    try:
-        _run_case(rank, "1f1b", 4, trace=False)
-        out["untraced"] = None
-    except ValueError as error:
-        out["untraced"] = str(error)
+    out["untraced"] = _outcome(lambda: _run_case(rank, "1f1b", 4, trace=False))
+    out["one untraced"] = _outcome(lambda: _run_case(rank, "1f1b", 4, trace=rank == 0))
+    out["other num_chunks"] = _outcome(lambda: _run_case(rank, "1f1b", 4 + rank))
+    # Last: rank 1 never calls gather_timeline; rank 0 must not wait past its timeout.
+    import twinpipe
+    from twinpipe.trace import gather_timeline
+
+    pipe = twinpipe.Pipeline([models.MLPStage()], "1f1b")
+    if rank == 0:
+        pipe.step(torch.randn(8, models.HIDDEN), num_chunks=2, trace=True)
+    else:
+        pipe.step(num_chunks=2, trace=True, criterion=models.mse, labels=(torch.randn(8, models.HIDDEN),))
+    if rank == 0:
+        out["absent"] = _outcome(lambda: gather_timeline(pipe, 2, timeout=1.0))
+    else:
+        import time
+
+        time.sleep(2.0)  # alive, just not calling it
+        out["absent"] = None
     return out
 
 
 @pytest.fixture(scope="module")
 def recorded():
     per_rank = run_world(WORLD, _world)
-    assert all(v is None for k, v in per_rank[1].items() if k != "untraced"), "only rank 0 gets the timeline"
-    return per_rank[0]
+    assert all(per_rank[1][case] is None for case in CASES), "only rank 0 gets the timeline"
+    return per_rank[0] | {"per_rank": per_rank}
 
 
 # --------------------------------------------------------------------------- Chrome trace format
@@ -134,6 +156,15 @@ def test_recorded_order_is_the_schedule(recorded, case):
 
 def test_gather_without_trace_says_so(recorded):
     assert "trace=True" in recorded["untraced"]
+
+
+def test_gather_faults_raise_on_every_rank(recorded):
+    per_rank = recorded["per_rank"]
+    for rank in range(WORLD):
+        assert per_rank[rank]["untraced"].startswith("ValueError") and "rank(s) 0, 1 have no trace" in per_rank[rank]["untraced"]
+        assert "rank(s) 1 have no trace" in per_rank[rank]["one untraced"]
+        assert "ranks disagree on num_chunks (rank 0: 4; rank 1: 5)" in per_rank[rank]["other num_chunks"]
+    assert per_rank[0]["absent"].startswith("PipelineTimeoutError") and "rank 0: gather_timeline" in per_rank[0]["absent"]
 
 
 def test_measured_vs_predicted_report(recorded, tmp_path):

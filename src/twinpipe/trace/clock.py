@@ -14,33 +14,43 @@ import time
 __all__ = ["estimate_offsets"]
 
 
-def estimate_offsets(group, reference: int, peers: list[int], device, rounds: int = 16, clock=time.perf_counter) -> dict[int, tuple[float, float]] | None:
+def estimate_offsets(group, reference: int, peers: list[int], device=None, rounds: int = 16, clock=time.perf_counter,
+                     timeout: float = 60.0) -> dict[int, tuple[float, float]] | None:
     """Collective over ``group`` (global ranks ``reference`` and ``peers``): every member calls it.
 
     Returns, on ``reference``, ``{peer: (offset, error_bound)}`` in seconds, where
-    ``peer_clock - offset`` is the reference's clock; None elsewhere.
+    ``peer_clock - offset`` is the reference's clock; None elsewhere. Every message waits at most
+    ``timeout`` seconds (PipelineTimeoutError naming the rank and its peer). ``device``: where the
+    one-number messages live (None: the CPU, what a gloo group carries).
     """
     import torch
     import torch.distributed as dist
+
+    from twinpipe.runtime.comm import wait_work
 
     if rounds < 1:
         raise ValueError(f"rounds={rounds!r}: must be >= 1")
     me = dist.get_rank()
     buf = torch.zeros(1, dtype=torch.float64, device=device)
+
+    def swap(send_first: bool, peer: int) -> None:
+        what = f"rank {me}: clock ping-pong with rank {peer} (gather_timeline)"
+        for move in ((dist.isend, dist.irecv) if send_first else (dist.irecv, dist.isend)):
+            wait_work(move(buf, peer, group=group), timeout, what)
+            if not send_first and move is dist.irecv:
+                buf.fill_(clock())
+
     if me != reference:
         if me in peers:
             for _ in range(rounds):
-                dist.recv(buf, src=reference, group=group)
-                buf.fill_(clock())
-                dist.send(buf, dst=reference, group=group)
+                swap(False, reference)
         return None
     result = {}
     for peer in peers:
         best = None
         for _ in range(rounds):
             t0 = clock()
-            dist.send(buf, dst=peer, group=group)
-            dist.recv(buf, src=peer, group=group)
+            swap(True, peer)
             remote = float(buf.item())  # .item() also waits for a device copy
             t1 = clock()
             if best is None or t1 - t0 < best[1]:

@@ -14,32 +14,55 @@ from twinpipe.trace.costs import PROCESSOR_KEYS
 __all__ = ["gather_timeline", "build_timeline"]
 
 
-def gather_timeline(pipeline, num_chunks: int, name: str | None = None, rounds: int = 16) -> Timeline | None:
+def gather_timeline(pipeline, num_chunks: int, name: str | None = None, rounds: int = 16, timeout: float | None = None) -> Timeline | None:
     """Collective: every rank of ``pipeline.group`` calls it after ``step(..., trace=True)``.
 
     Gathers each rank's ``last_trace`` (and peak live activations) to the rank running pipeline
     rank 0, which returns a measured Timeline (seconds, first slice at 0); the others return None.
     Clocks are aligned by a ping-pong against pipeline rank 0 (``rounds`` round trips per rank,
     the shortest kept): each rank's error is at most half that round trip, recorded in
-    ``meta["clock_error_s"]`` (0.1-2 ms over gloo on a busy 2-core host).
+    ``meta["clock_error_s"]`` (0.1-2 ms over gloo on a busy 2-core host). Every wait is bounded by
+    ``timeout`` (default: the pipeline's); ranks that disagree on ``num_chunks``, or that have no
+    trace, raise on every rank.
     """
+    import pickle
+
+    import torch
     import torch.distributed as dist
 
-    group = pipeline.group
+    from twinpipe.runtime.collectives import Gathering, checked_timeout, cpu_group, gather_objects
+    from twinpipe.runtime.errors import PipelineMismatchError
+
+    timeout = pipeline.timeout if timeout is None else checked_timeout(timeout)
+    group = cpu_group(pipeline.group, timeout)
+    where = f"rank {pipeline.rank}: gather_timeline"
+    payload = pickle.dumps((pipeline.rank, pipeline.last_trace, pipeline.last_peak_live, _processors()))
+    mine = ["gather_timeline", pipeline.rank, num_chunks if isinstance(num_chunks, int) else repr(num_chunks),
+            pipeline.last_trace is not None, len(payload)]
+    said = gather_objects(group, mine, timeout, f"{where}: waiting for every rank to call it")
+    if any(not isinstance(s, list) or len(s) != len(mine) or s[0] != mine[0] for s in said):
+        raise PipelineMismatchError(f"{where}: another rank runs a different collective on this process group now; "
+                                    "every rank must call gather_timeline after the same traced step")
+    untraced = sorted(s[1] for s in said if not s[3])
+    if untraced:
+        raise ValueError(f"{where}: rank(s) {', '.join(map(str, untraced))} have no trace: call pipeline.step(..., trace=True) "
+                         "on every rank first")
+    chunks = {s[2] for s in said}
+    if len(chunks) > 1:
+        raise ValueError(f"{where}: ranks disagree on num_chunks ({'; '.join(f'rank {s[1]}: {s[2]}' for s in said)})")
     reference = pipeline.global_rank_of[0]
     peers = [pipeline.global_rank_of[r] for r in range(1, pipeline.num_ranks)]
-    offsets = estimate_offsets(group, reference, peers, pipeline.device, rounds)
-    mine = (pipeline.rank, dist.get_rank(), pipeline.last_trace, pipeline.last_peak_live, _processors())
-    gathered = [None] * pipeline.num_ranks if dist.get_rank() == reference else None
-    dist.gather_object(mine, gathered, dst=reference, group=group)
-    if gathered is None:
+    offsets = estimate_offsets(group, reference, peers, None, rounds, timeout=timeout)
+    frame = torch.zeros(max(s[4] for s in said), dtype=torch.uint8)
+    frame[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    parts = Gathering(group, frame, timeout, f"{where}: gathering the ranks' traces").result()
+    if dist.get_rank() != reference:
         return None
     traces, peaks, clock, processors = {}, {}, {}, {}
-    for pp_rank, global_rank, events, peak, where in gathered:
-        if events is None:
-            raise ValueError(f"rank {pp_rank} has no trace: call pipeline.step(..., trace=True) on every rank first")
-        traces[pp_rank], peaks[pp_rank], processors[pp_rank] = events, peak, where
-        clock[pp_rank] = offsets.get(global_rank, (0.0, 0.0))
+    for part in parts:
+        pp_rank, events, peak, where_ran = pickle.loads(part.numpy().tobytes())
+        traces[pp_rank], peaks[pp_rank], processors[pp_rank] = events, peak, where_ran
+        clock[pp_rank] = offsets.get(pipeline.global_rank_of[pp_rank], (0.0, 0.0))
     schedule = pipeline.schedule_for(num_chunks)
     timeline = build_timeline(traces, schedule, name=name, offsets={r: o for r, (o, _) in clock.items()})
     expected = (schedule, forward_only(schedule))

@@ -376,9 +376,15 @@ def test_balancer_needs_a_moe_block_and_sane_settings():
     with pytest.raises(ValueError, match="no MoEBlock"):
         Balancer(torch.nn.Linear(2, 2))
     stage = mm.make_stage("softmax")
-    for kwargs, arg in [(dict(interval=0), "interval"), (dict(threshold=0.5), "threshold"), (dict(window=0), "window")]:
+    for kwargs, arg in [(dict(interval=0), "interval"), (dict(threshold=0.5), "threshold"), (dict(window=0), "window"),
+                        (dict(timeout=0), "timeout=0"), (dict(timeout=float("inf")), "timeout=inf")]:
         with pytest.raises(ValueError, match=arg):
             Balancer(stage, **kwargs)
+
+
+def test_balancer_timeout_reaches_its_loads():
+    # One setting bounds every wait of the loop: the moves had it, the loads' all-reduces too.
+    assert Balancer(mm.make_stage("softmax"), timeout=7).loads.timeout == 7.0
 
 
 # ---------------------------------------------------------------- twinpipe demo --moe --eplb

@@ -14,6 +14,7 @@ import torch
 
 from twinpipe.moe.loads import ExpertLoads
 from twinpipe.moe.move import MoveReport, apply_placement_
+from twinpipe.runtime.collectives import checked_timeout
 
 from .balance import rebalance_experts
 from .report import gpu_loads, imbalance
@@ -64,6 +65,8 @@ class Balancer:
     keeping as many replicas where they are as possible; ``refine`` as there), applied only if it
     is better, by moving the changed experts' weights and ``optimizer`` state between EP ranks.
     The slot count stays the blocks' own (set it with ``MoEBlock.shard_experts_(group, phy2log)``).
+    Every wait of the loop (the loads' all-reduces, the moves, the checks before them) lasts at
+    most ``timeout`` seconds.
     """
 
     def __init__(self, model, *, optimizer=None, interval: int = 100, window: int | None = None,
@@ -72,11 +75,10 @@ class Balancer:
             raise ValueError(f"interval={interval!r}: must be a positive int (steps)")
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 1.0:
             raise ValueError(f"threshold={threshold!r}: must be a number >= 1 (a max/mean load ratio)")
-        if not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout={timeout!r}: must be a number of seconds > 0")
-        self.loads = ExpertLoads(model, interval if window is None else window)
+        self.timeout = checked_timeout(timeout)
+        self.loads = ExpertLoads(model, interval if window is None else window, timeout=self.timeout)
         self.optimizer, self.interval, self.threshold = optimizer, interval, float(threshold)
-        self.refine, self.timeout = refine, float(timeout)
+        self.refine = refine
         self.steps = 0
         self.reports: list[RebalanceReport] = []
 

@@ -265,3 +265,18 @@ def test_a_run_on_fewer_cores_than_ranks_is_predicted_with_them_shared(tmp_path,
     timeline.meta.update(cores=[8] * 4)
     alone = load_traced(write_chrome_trace(timeline, tmp_path / "trace.json"))
     assert alone.costs.cores is None and alone.per_stage.t_f[0] > 1.0
+
+
+def test_workers_never_run_the_callers_script_again(tmp_path):
+    # An unguarded script (no `if __name__ == "__main__"`): workers that re-imported __main__, as
+    # spawn and forkserver do, would print its line once more each, or crash.
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("from twinpipe.plan import Cluster, Model, plan\nprint('script ran')\n"
+                      "rows = plan(Model(layers=8, hidden=256, seq=256), Cluster(gpus=8), 16, [2, 4], workers=2)\n"
+                      "print(len(rows), 'rows')\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["script ran", f"{2 * len(registry.names())} rows"]

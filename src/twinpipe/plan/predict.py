@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -293,17 +294,28 @@ PARALLEL_PAIRS = 100_000  # (stage, micro-batch) pairs simulated, roughly, above
 def _workers(workers: int | None, tasks: list, m: int) -> int:
     if workers is not None:
         return min(workers, len(tasks))
+    if "fork" not in multiprocessing.get_all_start_methods() or _threads() > 1:
+        return 1  # see _predict_all: only a single-threaded process forks its workers unasked
     pairs = sum(p * min(m, 4 * p) for _, p, _ in tasks)  # a triple of simulations spans about 4p micro-batches
     return min(os.cpu_count() or 1, MAX_WORKERS, len(tasks)) if pairs > PARALLEL_PAIRS else 1
 
 
+def _threads() -> int:
+    """Threads of this process, the ones Python did not start (torch's, OpenMP's) included where the OS says."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
 def _predict_all(model, cluster, m: int, tasks: list, workers: int) -> list[Prediction]:
-    if workers > 1:
+    # Workers are forked: they start at once and never re-run the caller's script (spawn and
+    # forkserver import its __main__ again, which runs any unguarded script a second time).
+    # Forking a process that has other threads is unsafe in general; the workers only run this
+    # module's pure Python, and an unasked pool is never forked from such a process (_workers).
+    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
         try:
-            # forkserver: a fresh process forks the workers, never this one and its threads (torch's, a test runner's)
-            methods = multiprocessing.get_all_start_methods()
-            context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-            with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
                 return list(pool.map(_predict_task, *zip(*((model, cluster, m, *task) for task in tasks))))
         except (OSError, BrokenProcessPool):  # no processes here (a sandbox): the same answer, more slowly
             pass

@@ -2,7 +2,7 @@
 physical expert slots (replicas), measured loads and live re-placement for EPLB in the loop."""
 
 from twinpipe.moe.block import FeedForward, MoEBlock
-from twinpipe.moe.grads import reduce_dense_grads, reduce_replica_grads
+from twinpipe.moe.grads import expert_parameters, reduce_dense_grads, reduce_replica_grads
 from twinpipe.moe.loads import ExpertLoads, moe_blocks
 from twinpipe.moe.mesh import pp_ep_groups
 from twinpipe.moe.move import MovePlan, MoveReport, apply_placement_, plan_moves
@@ -11,5 +11,5 @@ from twinpipe.moe.router import TopKRouter
 from twinpipe.moe.stage import MoEStage, expert_counts
 
 __all__ = ["MoEBlock", "MoEStage", "TopKRouter", "FeedForward", "expert_counts", "reduce_dense_grads", "pp_ep_groups",
-           "reduce_replica_grads", "ExpertLoads", "moe_blocks", "apply_placement_", "plan_moves", "MovePlan", "MoveReport",
+           "expert_parameters", "reduce_replica_grads", "ExpertLoads", "moe_blocks", "apply_placement_", "plan_moves", "MovePlan", "MoveReport",
            "check_placement", "replica_table", "slots_of_copies"]

@@ -9,7 +9,13 @@ from torch import nn
 from twinpipe.moe.agree import agree, all_reduce, ep_timeout, frame_device
 from twinpipe.moe.block import MoEBlock
 
-__all__ = ["reduce_dense_grads", "reduce_replica_grads"]
+__all__ = ["reduce_dense_grads", "reduce_replica_grads", "expert_parameters"]
+
+
+def expert_parameters(module: nn.Module) -> set[int]:
+    """``id()`` of every routed-expert parameter of ``module``'s MoE blocks: the parameters each
+    EP rank holds its own share of (everything else is replicated over the EP group)."""
+    return {id(p) for block in module.modules() if isinstance(block, MoEBlock) for p in block.experts.parameters()}
 
 
 def reduce_dense_grads(module: nn.Module, ep_group, timeout: float | None = None) -> None:
@@ -23,7 +29,7 @@ def reduce_dense_grads(module: nn.Module, ep_group, timeout: float | None = None
     ``twinpipe.overlap.comm.TIMEOUT``).
     """
     timeout = ep_timeout(timeout)
-    experts = {id(p) for block in module.modules() if isinstance(block, MoEBlock) for p in block.experts.parameters()}
+    experts = expert_parameters(module)
     dense = [p for p in module.parameters() if id(p) not in experts and p.requires_grad]
     if ep_group is None or dist.get_world_size(ep_group) == 1:
         return

@@ -2,9 +2,10 @@
 
 Keys: ``model.<name>`` for each parameter, ``optim.<name>.<state>`` for its optimizer state, and
 ``trainer`` (JSON: step, optimizer class and hyper-parameters). Each model
-parameter is written once: by data-parallel replica 0, from the copy that is not DualPipe's mirror.
+parameter is written once: by data-parallel replica 0 (a MoE expert by the data-parallel rank that
+holds it, under the expert's own name), from the copy that is not DualPipe's mirror.
 Because keys name model parameters, not ranks or stages, a checkpoint loads under any schedule,
-pipeline size or data-parallel size. Saving and loading are collective over the world, on a gloo group whose
+pipeline size or data-parallel size (each rank reads the experts it holds). Saving and loading are collective over the world, on a gloo group whose
 timeout is the trainer's.
 """
 
@@ -22,10 +23,8 @@ __all__ = ["save_checkpoint", "load_checkpoint"]
 def save_checkpoint(trainer, path: str, step: int) -> None:
     """Write the model, optimizer and ``step`` (the next step to run) to directory ``path``."""
     state: dict[str, object] = {}
-    if trainer.mesh.dp_rank == 0:
-        for name, p, owned in trainer.held:
-            if not owned:
-                continue
+    for name, p, owned in trainer.held:
+        if owned:  # dp replica 0's first copy; a MoE expert from the one rank holding it
             state[f"model.{name}"] = p.detach()
             for key, value in trainer.optimizer.state.get(p, {}).items():
                 state[f"optim.{name}.{key}"] = value

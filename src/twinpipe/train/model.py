@@ -3,6 +3,11 @@
 ``GPT`` is written for ``split``: its children run in registration order (``embed``, then every
 block of ``blocks``, then ``head``), each taking and returning one tensor, so any contiguous run
 of them is a pipeline stage. Linear layers defer their weight gradients to W (zero bubble).
+
+With ``experts > 0`` every block is a ``twinpipe.moe.MoEBlock`` (pre-norm attention, then a routed
+mixture of ``experts`` experts, ``top_k`` per token, each as wide as the dense MLP), built with all
+experts local; ``Trainer`` keeps each data-parallel rank's share (expert parallelism over the
+stage's data-parallel group).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twinpipe.moe.block import MoEBlock
 from twinpipe.runtime.weight_grad import DeferredLinear
 
 __all__ = ["GPTConfig", "GPT", "lm_loss"]
@@ -21,21 +27,28 @@ __all__ = ["GPTConfig", "GPT", "lm_loss"]
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Sizes of the model: ``vocab`` 256 for bytes."""
+    """Sizes of the model: ``vocab`` 256 for bytes; ``experts`` 0 for a dense MLP in every block,
+    else that many routed experts per block, ``top_k`` of them per token."""
 
     vocab: int = 256
     seq_len: int = 64
     dim: int = 64
     heads: int = 4
     layers: int = 4
+    experts: int = 0
+    top_k: int = 2
 
     def __post_init__(self):
-        for name in ("vocab", "seq_len", "dim", "heads", "layers"):
+        for name in ("vocab", "seq_len", "dim", "heads", "layers", "top_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an int >= 1")
         if self.dim % self.heads:
             raise ValueError(f"dim={self.dim}: must be a multiple of heads={self.heads}")
+        if isinstance(self.experts, bool) or not isinstance(self.experts, int) or self.experts < 0:
+            raise ValueError(f"experts={self.experts!r}: must be an int >= 0 (0: dense MLPs)")
+        if self.experts and self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k}: must be at most experts={self.experts}")
 
 
 class Embed(nn.Module):
@@ -99,7 +112,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = Embed(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList((_moe_block(cfg) if cfg.experts else Block(cfg)) for _ in range(cfg.layers))
         self.head = Head(cfg)
         self.apply(_init)
 
@@ -108,6 +121,11 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+def _moe_block(cfg: GPTConfig) -> MoEBlock:
+    """A MoE block with all ``cfg.experts`` experts local, each 4 x dim wide (as the dense MLP)."""
+    return MoEBlock(cfg.dim, cfg.heads, cfg.experts, cfg.top_k, 4 * cfg.dim)
 
 
 def _init(module: nn.Module) -> None:

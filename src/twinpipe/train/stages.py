@@ -4,7 +4,8 @@ A splittable model is a sequence of layers, each taking and returning one tensor
 ``nn.Sequential``, or a module whose children run in registration order with one
 ``nn.ModuleList`` of blocks among them (an embedding before it, a head after it, as in
 ``twinpipe.train.model.GPT``). Stages keep the model's own parameter names, so checkpoints are
-stored by those names and load under any split.
+stored by those names and load under any split; a MoE block's expert slot is named after the
+expert it runs, so an expert keeps its name on whichever expert-parallel rank holds it.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from twinpipe.moe.block import MoEBlock
+from twinpipe.overlap import stage as overlap_stage
 from twinpipe.schedule import registry
 from twinpipe.schedule.placement import Placement
 from twinpipe.train.balance import param_weights, partition, time_weights
 
-__all__ = ["Stage", "model_layers", "split", "is_mirror_copy", "stage_modules"]
+__all__ = ["Stage", "PartedStage", "model_layers", "split", "is_mirror_copy", "stage_modules"]
 
 BALANCE = ("params", "time")
 
@@ -40,11 +43,42 @@ class Stage(nn.Module):
     def named_model_parameters(self):
         """``(name in the unsplit model, parameter)`` pairs, in model order."""
         for name, layer in zip(self.names, self.layers):
-            for sub, p in layer.named_parameters():
+            for sub, p in _layer_parameters(layer):
                 yield f"{name}.{sub}", p
 
     def extra_repr(self) -> str:
         return f"layers {self.names[0]}..{self.names[-1]}" if len(self.names) > 1 else f"layer {self.names[0]}"
+
+
+class PartedStage(Stage, overlap_stage.PartedStage):
+    """A stage with MoE blocks (layers that declare ``parts()``, ``twinpipe.overlap``): in F&B ops
+    (DualPipe, DualPipeV) one micro-batch's forward parts run interleaved with another's backward
+    parts, so each all-to-all of one runs while the other computes. Results are those of ``Stage``."""
+
+    def __init__(self, names: Sequence[str], layers: Sequence[nn.Module]):
+        super().__init__(names, layers)
+        self.overlap = True
+
+    parts = overlap_stage.PartedSequential.parts  # the layers' parts in order; other layers one part each
+    forward = overlap_stage.PartedStage.forward
+
+
+def _layer_parameters(layer: nn.Module):
+    """``layer.named_parameters()``, with each MoE expert slot named after its logical expert
+    (``experts.<slot>.`` -> ``experts.<expert>.``): the name the expert has in the unsplit model."""
+    renames = {}
+    for prefix, block in layer.named_modules():
+        if isinstance(block, MoEBlock):
+            head = f"{prefix}." if prefix else ""
+            phy2log = block.phy2log
+            for slot in range(len(block.experts)):
+                renames[f"{head}experts.{slot}."] = f"{head}experts.{int(phy2log[block.first_slot + slot])}."
+    for sub, p in layer.named_parameters():
+        for old, new in renames.items():
+            if sub.startswith(old):
+                sub = new + sub[len(old):]
+                break
+        yield sub, p
 
 
 def model_layers(model: nn.Module, blocks: str | None = None) -> list[tuple[str, nn.Module]]:
@@ -75,7 +109,8 @@ def model_layers(model: nn.Module, blocks: str | None = None) -> list[tuple[str,
 
 def split(model: nn.Module, num_stages: int, balance: str | Sequence[int] = "params", *, sample: torch.Tensor | None = None,
           blocks: str | None = None) -> list[Stage]:
-    """Cut ``model`` into ``num_stages`` contiguous stages (sharing its parameters).
+    """Cut ``model`` into ``num_stages`` contiguous stages (sharing its parameters): ``Stage``s, or
+    ``PartedStage``s when a layer declares parts (MoE blocks), for the F&B overlap.
 
     ``balance``: ``"params"`` (equal parameter counts, as far as whole layers allow), ``"time"``
     (equal measured forward+backward time on ``sample``, the model's input) or a list of layer
@@ -107,10 +142,12 @@ def split(model: nn.Module, num_stages: int, balance: str | Sequence[int] = "par
                 f"balance={balance!r}: a list must give {num_stages} layer counts (ints >= 1) summing to the "
                 f"model's {len(layers)} layers"
             )
+    # One stage class for the whole model (the pipeline overlaps F&B ops only when a rank's stages agree).
+    kind = PartedStage if any(hasattr(m, "parts") for _, m in layers) else Stage
     stages, start = [], 0
     for count in counts:
         chunk = layers[start : start + count]
-        stages.append(Stage([n for n, _ in chunk], [m for _, m in chunk]))
+        stages.append(kind([n for n, _ in chunk], [m for _, m in chunk]))
         start += count
     return stages
 

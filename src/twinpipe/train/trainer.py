@@ -3,10 +3,12 @@
 Per step, in this order (the order the single-process reference follows, so results are exact):
 1. ``Pipeline.step`` on this replica's rows: gradients summed over micro-batches into ``.grad``;
 2. DualPipe: the two copies of each stage add their gradients (one exchange with rank P-1-r);
-3. data parallel: gradients summed across replicas (bucketed all-reduce), then divided by the
-   number of micro-batches in the global batch;
-4. one all-reduce over the pipeline carries every parameter's squared gradient norm (each model
-   parameter counted once: DualPipe's second copy is left out) and the micro-batch losses;
+3. data parallel: dense gradients summed across replicas (bucketed all-reduce); MoE experts, each
+   held by one data-parallel rank (``experts.py``), only as ``twinpipe.moe.reduce_replica_grads``
+   says (nothing without replicas); then all divided by the number of micro-batches in the global batch;
+4. one all-reduce over the pipeline, then one over the replicas, carry every parameter's squared
+   gradient norm (each model parameter counted once: by data-parallel rank 0, an expert by its
+   holder, never DualPipe's second copy) and the micro-batch losses;
 5. clipping (if ``max_norm``), then the optimizer.
 The reductions run after ``step()`` returns: deferred weight gradients bypass autograd hooks, and the
 runtime has no per-stage "gradients ready" signal, so they are not overlapped with W.
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from twinpipe.moe.grads import reduce_replica_grads
 from twinpipe.runtime.batches import batch_layout
 from twinpipe.runtime.collectives import checked_timeout, cpu_group, gather_objects
 from twinpipe.runtime.comm import wait_work
@@ -31,6 +34,7 @@ from twinpipe.runtime.pipeline import Pipeline
 from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule import registry
 from twinpipe.train.data import BatchSampler, replica_rows
+from twinpipe.train.experts import check_experts, expert_ids, shard_experts
 from twinpipe.train.grads import (
     DataParallelReducer, clip_coefficient, clip_grads, scale_grads, squared_norms, sum_across,
 )
@@ -98,18 +102,24 @@ class Trainer:
         self.layout = batch_layout(config.schedule, mesh.pp, mesh.pp_rank, self.num_chunks, **options)
         torch.manual_seed(config.seed)
         model = model_fn().to(device=device, dtype=dtype)
+        self.experts = check_experts(model, mesh.dp)
         self.parameter_names = model_parameter_names(model)
         index = {name: i for i, (name, _) in enumerate(self.parameter_names)}
         stages = split(model, self.placement.num_model_stages, self._layer_counts(model, device))
         self.stage_names = [s.names for s in stages]
         pipeline_stages = self.placement.stages_of(mesh.pp_rank)
         modules = [defer_weight_grads(m) for m in stage_modules(stages, config.schedule, mesh.pp, mesh.pp_rank, **options)]
-        # (model parameter name, parameter, owned): owned parameters count in norms and checkpoints.
-        self.held = [(name, p, not is_mirror_copy(self.placement, s))
+        if mesh.dp > 1:
+            shard_experts(modules, mesh.dp_group)  # expert parallelism over the stage's data-parallel group
+        experts = expert_ids(modules)
+        # (model parameter name, parameter, owned): owned parameters count in norms and checkpoints. One
+        # rank owns each model parameter: data-parallel rank 0 (an expert: its only holder), first copy.
+        self.held = [(name, p, not is_mirror_copy(self.placement, s) and (mesh.dp_rank == 0 or id(p) in experts))
                      for s, m in zip(pipeline_stages, modules) for name, p in m.named_model_parameters()]
         self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned], dtype=torch.long, device=device)
         self.params = [p for _, p, _ in self.held]
-        self.reducer = DataParallelReducer(self.params, mesh.dp_group, self.timeout, mode=config.dp_reduce)
+        self._dense = [p for p in self.params if id(p) not in experts]  # the same on every data-parallel replica
+        self.reducer = DataParallelReducer(self._dense, mesh.dp_group, self.timeout, mode=config.dp_reduce)
         self.pipe = Pipeline(modules, config.schedule, process_group=mesh.pp_group, timeout=self.timeout, **options)
         self.optimizer = optimizer_fn(self.params)
         self._agree_group = cpu_group(mesh.pp_group, self.timeout)  # small CPU exchanges (mirrors_equal)
@@ -139,15 +149,16 @@ class Trainer:
         return f"rank dp={self.mesh.dp_rank} pp={self.mesh.pp_rank}: {what}"
 
     def _sync_start(self) -> None:
-        """Every replica and mirrored copy starts from dp replica 0's (lower rank's) weights."""
-        if self.mesh.dp > 1:
-            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        """Every replica and mirrored copy starts from dp replica 0's (lower rank's) weights (experts:
+        each is on one replica only, built there from the same seed)."""
+        if self.mesh.dp > 1 and self._dense:
+            flat = torch.cat([p.detach().reshape(-1) for p in self._dense])
             src = dist.get_global_rank(self.mesh.dp_group, 0)
             wait_work(dist.broadcast(flat, src=src, group=self.mesh.dp_group, async_op=True), self.timeout,
                       self._where("broadcasting the initial weights across data-parallel replicas"))
             offset = 0
             with torch.no_grad():
-                for p in self.params:
+                for p in self._dense:
                     p.copy_(flat[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
         if self.is_dual:
@@ -172,10 +183,13 @@ class Trainer:
         times["mirror"] = time.perf_counter() - mark
         mark = time.perf_counter()
         self.reducer.all_reduce(self._where(f"step {step}"))
+        if self.experts:
+            reduce_replica_grads(self.pipe.module, self.timeout)
         times["dp"] = time.perf_counter() - mark
         mark = time.perf_counter()
         scale_grads(self.params, m * dp)
-        # One vector over the pipeline: squared norms by model parameter (if clipping), then losses.
+        # One vector over the pipeline, then the replicas: squared norms by model parameter (if
+        # clipping), then losses. Each entry has one non-zero contribution (its owner's): exact sums.
         clip = self.config.max_norm is not None
         n_norms = len(self.parameter_names) if clip else 0
         vec = torch.zeros(n_norms + dp * m, dtype=torch.float64, device=device)  # on the device: NCCL moves no CPU tensors
@@ -185,9 +199,8 @@ class Trainer:
             idx = torch.tensor(list(self.layout.label_microbatches), device=device) + self.mesh.dp_rank * m
             vec[n_norms + idx] = loss.detach().to(torch.float64)
         sum_across(vec, self.mesh.pp_group, self.timeout, self._where(f"step {step}: norms and losses over the pipeline"))
-        losses = vec[n_norms:].clone()
-        sum_across(losses, self.mesh.dp_group, self.timeout, self._where(f"step {step}: losses over data-parallel replicas"))
-        losses = losses.cpu()
+        sum_across(vec, self.mesh.dp_group, self.timeout, self._where(f"step {step}: norms and losses over data-parallel replicas"))
+        losses = vec[n_norms:].cpu()
         norm = None
         if clip:
             norm, factor = clip_coefficient(vec[:n_norms], self.config.max_norm)

@@ -1,7 +1,8 @@
 """The device mesh training runs on: data-parallel x pipeline ranks (``("dp", "pp")``).
 
 Pipeline ranks are the inner dimension (global rank = dp_rank * pp + pp_rank), so a pipeline's
-neighbours are neighbouring processes. An expert-parallel dimension would be a third name here.
+neighbours are neighbouring processes. MoE models need no third dimension: a stage's expert-parallel
+group is its data-parallel group (``experts.py``).
 """
 
 from __future__ import annotations

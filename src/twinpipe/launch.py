@@ -1,5 +1,5 @@
-"""Run one function as N ranks of a process group on this host: how the demos and the bench
-scripts start their ranks when torchrun does not.
+"""Run one function as N ranks of a process group on this host: how the demos, the bench
+scripts, ``twinpipe train`` and the multi-process tests start their ranks when torchrun does not.
 
 Each rank is a fresh (spawned) process that joins the group, runs ``fn(rank, world, *args)``
 and sends back what it returned; the caller gets every rank's value in rank order, or an error
@@ -27,7 +27,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, fn, args: tuple, results, backend: str, threads: int | None) -> None:
+def _rank_main(rank: int, world: int, port: int, fn, args: tuple, results, backend: str, threads: int | None,
+               group_timeout: float | None) -> None:
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -37,7 +40,8 @@ def _rank_main(rank: int, world: int, port: int, fn, args: tuple, results, backe
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        timeout = None if group_timeout is None else datetime.timedelta(seconds=group_timeout)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         results.put((rank, None, fn(rank, world, *args)))
     except BaseException:  # reported to the parent, which would otherwise wait for this rank
         results.put((rank, traceback.format_exc(), None))
@@ -47,20 +51,28 @@ def _rank_main(rank: int, world: int, port: int, fn, args: tuple, results, backe
 
 
 def run_local(world: int, fn, *args, timeout: float | None = None, threads: int | None = 1,
-              backend: str = "gloo") -> list:
+              backend: str = "gloo", group_timeout: float | None = None, allow_deaths: bool = False) -> list:
     """``[fn(rank, world, *args) for rank in range(world)]``, each rank in its own process, all in
     one process group (``backend``; with ``"nccl"`` rank r uses GPU r % count). ``fn`` must be a
     module-level function and its arguments and result picklable; ``threads``: torch threads per
-    rank (None: torch's default). Raises RuntimeError with a rank's traceback if it fails or dies,
-    TimeoutError when not every rank returned within ``timeout`` seconds (None: no limit)."""
+    rank (None: torch's default); ``group_timeout``: the process group's own timeout in seconds
+    (None: torch's default). Raises RuntimeError with a rank's traceback if it fails or dies,
+    TimeoutError when not every rank returned within ``timeout`` seconds (None: no limit). With
+    ``allow_deaths`` a rank that exits without a result gives ``("died", exit code)`` instead of
+    an error, and the others go on (for runs that kill ranks on purpose)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"world={world!r}: must be a positive int (processes)")
     import torch.multiprocessing as mp
 
+    if group_timeout is not None:
+        from twinpipe.runtime.collectives import checked_timeout
+
+        group_timeout = checked_timeout(group_timeout, "group_timeout")
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results, backend, threads))
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results, backend, threads, group_timeout))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -73,7 +85,9 @@ def run_local(world: int, fn, *args, timeout: float | None = None, threads: int 
             except queue_module.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode is not None]
                 if dead and results.empty():
-                    raise RuntimeError(f"rank {dead[0]} exited (code {procs[dead[0]].exitcode}) without a result") from None
+                    if not allow_deaths:
+                        raise RuntimeError(f"rank {dead[0]} exited (code {procs[dead[0]].exitcode}) without a result") from None
+                    values.update((r, ("died", procs[r].exitcode)) for r in dead)
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"ranks {sorted(set(range(world)) - set(values))} of {world} did not finish "
                                        f"within {timeout:g} s") from None

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from twinpipe.launch import free_port
 from twinpipe.train.cli import add_train_parser, run_train
 
 TINY = ["--layers", "2", "--dim", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--microbatch-size", "2",
@@ -28,7 +29,7 @@ def test_train_saves_and_resumes_under_another_schedule(tmp_path, monkeypatch, c
     log = json.loads((tmp_path / "a" / "train-log.json").read_text())["steps"]
     assert [e["step"] for e in log] == [0, 1, 2] and log[2]["loss"] < log[0]["loss"] + 1
     # Resume in this process, as torchrun would start it (RANK set): one rank, 1F1B.
-    port = str(_free_port())
+    port = str(free_port())
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
         monkeypatch.setenv(key, value)
     argv = [*TINY, "--schedule", "1f1b", "--pp", "1", "--steps", "3", "--resume", str(tmp_path / "a" / "checkpoint-step2"),
@@ -37,14 +38,6 @@ def test_train_saves_and_resumes_under_another_schedule(tmp_path, monkeypatch, c
     resumed = json.loads((tmp_path / "b" / "train-log.json").read_text())["steps"]
     assert [e["step"] for e in resumed] == [2]
     assert resumed[0]["loss"] == log[2]["loss"]  # the same weights, optimizer state and batch: the same loss, bitwise
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _args(*argv):
@@ -58,6 +51,7 @@ def _args(*argv):
     (["--dp", "2", "--batch-size", "6", "--microbatch-size", "2"], "batch_size=6: must be a multiple of dp=2 x microbatch_size=2"),
     (["--dim", "30", "--heads", "4"], "dim=30: must be a multiple of heads=4"),
     (["--resume", "/nonexistent/ckpt"], "--resume=/nonexistent/ckpt: not a checkpoint directory"),
+    (["--timeout", "0"], "--timeout=0.0: must be finite and at least"),
 ])
 def test_bad_settings_are_refused_before_any_process_starts(argv, message, capsys):
     assert run_train(_args(*argv)) == 2

@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -66,9 +65,12 @@ def _check(args) -> None:
     from twinpipe.train.model import GPTConfig
     from twinpipe.train.trainer import TrainConfig
 
+    from twinpipe.runtime.collectives import checked_timeout
+
     for name in ("pp", "dp", "steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}={getattr(args, name)}: must be >= 1")
+    checked_timeout(args.timeout, "--timeout")
     if args.save_every < 0:
         raise ValueError(f"--save-every={args.save_every}: must be >= 0")
     registry.get(args.schedule)  # names the allowed schedules
@@ -84,7 +86,8 @@ def _check(args) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Run ``twinpipe train``; 0 on success, 2 (message on stderr) on bad input."""
+    """Run ``twinpipe train``; 0 on success, 2 (message on stderr) on bad input, 1 (the rank and its
+    traceback on stderr) when a rank it started fails or dies."""
     try:
         _check(args)
     except ValueError as error:
@@ -96,42 +99,54 @@ def run_train(args: argparse.Namespace) -> int:
             print(f"twinpipe train: error: --pp={args.pp} x --dp={args.dp} = {world} processes, but torchrun started "
                   f"{os.environ.get('WORLD_SIZE')}: the mesh sizes must multiply to the world size", file=sys.stderr)
             return 2
-        _worker(int(os.environ.get("LOCAL_RANK", 0)), args, None)
+        _torchrun_worker(int(os.environ.get("LOCAL_RANK", 0)), args)
         return 0
-    import torch.multiprocessing as mp
+    from twinpipe.launch import run_local
 
     if args.device == "cpu" and world > (os.cpu_count() or 1):
         print(f"note: {world} processes on {os.cpu_count()} CPU cores; they take turns", file=sys.stderr)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    try:
-        mp.start_processes(_worker, args=(args, (world, port)), nprocs=world, join=True, start_method="spawn")
-    except mp.ProcessRaisedException as error:
-        print(f"twinpipe train: a rank failed:\n{error}", file=sys.stderr)
+    try:  # the group's timeout bounds mesh setup too
+        run_local(world, _spawned_worker, args, threads=_threads(args), backend=_backend(args), group_timeout=args.timeout)
+    except RuntimeError as error:  # names the rank that failed or died, with its traceback
+        print(f"twinpipe train: {error}", file=sys.stderr)
         return 1
     return 0
 
 
-def _worker(local_rank: int, args, spawned) -> None:
+def _backend(args) -> str:
+    return "nccl" if args.device == "cuda" else "gloo"
+
+
+def _threads(args) -> int | None:
+    """Torch threads per rank: on CPU the host's cores shared out over the ranks; on CUDA torch's default."""
+    return max(1, (os.cpu_count() or 1) // (args.pp * args.dp)) if args.device == "cpu" else None
+
+
+def _spawned_worker(rank: int, world: int, args) -> None:
+    """One rank started by ``run_local``, which made the process group (and chose the GPU)."""
+    _train(args, _device(args))
+
+
+def _torchrun_worker(local_rank: int, args) -> None:
+    """One rank started by torchrun: the process group comes from its environment."""
     import torch
     import torch.distributed as dist
 
-    if spawned is not None:
-        world, port = spawned
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank), WORLD_SIZE=str(world))
     if args.device == "cuda":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=args.timeout))
-        device = torch.device("cuda", torch.cuda.current_device())
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (args.pp * args.dp)))
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))  # bounds mesh setup too
-        device = torch.device("cpu")
+        torch.set_num_threads(_threads(args))
+    dist.init_process_group(_backend(args), timeout=datetime.timedelta(seconds=args.timeout))  # bounds mesh setup too
     try:
-        _train(args, device)
+        _train(args, _device(args))
     finally:
         dist.destroy_process_group()
+
+
+def _device(args):
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
 
 
 def _train(args, device) -> None:

@@ -8,6 +8,7 @@ Launches its own ranks (CPU processes with gloo by default), or runs under torch
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import os
 import sys
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinpipe.launch import run_local
+
+GROUP_TIMEOUT = 300.0  # seconds any of the demo's own collectives (barriers, result gathering) may wait
 
 __all__ = ["Block", "add_demo_parser", "run_demo", "main", "grad_tolerance", "exactness_line",
            "cpu_cores", "oversubscription_warning", "GRAD_TOLERANCE", "TRACE_FILES"]
@@ -319,14 +322,15 @@ def run_demo(args) -> int:
             print(f"twinpipe demo: {warning}", file=sys.stderr, flush=True)
     if _under_torchrun():
         torch.set_num_threads(args.threads)
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT))
         try:
             _run_rank(args)
         finally:
             dist.destroy_process_group()
         return 0
     try:
-        run_local(args.ranks, _worker, args, threads=args.threads, backend="nccl" if args.device == "cuda" else "gloo")
+        run_local(args.ranks, _worker, args, threads=args.threads, backend="nccl" if args.device == "cuda" else "gloo",
+                  group_timeout=GROUP_TIMEOUT)
     except RuntimeError as exc:
         print(f"twinpipe demo: {exc}", file=sys.stderr)
         return 1

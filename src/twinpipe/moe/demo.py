@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     args = add_arguments(argparse.ArgumentParser(prog="twinpipe demo --moe", description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)).parse_args(argv)
     _check(args)
     world = args.pp * args.ep
-    results = dict(enumerate(run_local(world, _rank, args, timeout=600)))
+    results = dict(enumerate(run_local(world, _rank, args, timeout=600, group_timeout=300.0)))
     m = statistics.median
     off = max(m(r["times"][False]) for r in results.values())
     on = max(m(r["times"][True]) for r in results.values())

@@ -26,6 +26,8 @@ def _fail(rank: int, world: int, how: str) -> None:
         if how == "raise":
             raise ValueError("rank one refuses")
         os._exit(3)
+    if how == "die-alone":
+        return None
     dist.barrier()  # rank 0 waits for rank 1 (gloo's default timeout: 30 minutes)
 
 
@@ -45,3 +47,28 @@ def test_a_rank_that_fails_or_dies_is_named(how, message):
 def test_world_must_be_a_positive_int():
     with pytest.raises(ValueError, match="world=0"):
         run_local(0, _sum_ranks, 0)
+
+
+def _late(rank: int, world: int) -> float | None:
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        time.sleep(5.0)  # alive, but not at the barrier: when it exits, the barrier fails anyway
+        return None
+    start = time.perf_counter()
+    try:
+        dist.barrier()
+    except RuntimeError:
+        pass
+    return time.perf_counter() - start
+
+
+def test_group_timeout_bounds_the_groups_own_collectives():
+    waited = run_local(2, _late, timeout=120, group_timeout=1.0)[1]
+    assert 0.9 < waited < 3.5  # its own timeout, not rank 0's exit
+
+
+def test_allow_deaths_reports_a_dead_rank_and_keeps_the_others():
+    assert run_local(2, _fail, "die-alone", timeout=120, allow_deaths=True) == [None, ("died", 3)]

@@ -277,3 +277,42 @@ def test_moe_gpt_splits_into_parted_stages_that_run_it_bitwise():
     assert torch.equal(out, model(x))
     dense = GPT(GPTConfig(vocab=32, seq_len=8, dim=8, heads=2, layers=2))
     assert all(type(b) is Block for b in dense.blocks) and all(type(s) is Stage for s in split(dense, 2))
+
+
+# ---------------------------------------------------------------- twinpipe train --experts
+def _cli_args(*argv):
+    import argparse
+
+    from twinpipe.train.cli import add_train_parser
+
+    return add_train_parser(argparse.ArgumentParser().add_subparsers()).parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--experts", "3", "--dp", "2", "--batch-size", "4"], "--experts=3: must be a multiple of --dp=2"),
+    (["--experts", "-2"], "--experts=-2: must be >= 0"),
+    (["--experts", "4", "--top-k", "5"], "--top-k=5: must be in 1..--experts (4)"),
+    (["--experts", "4", "--top-k", "0"], "--top-k=0: must be in 1..--experts (4)"),
+])
+def test_cli_refuses_bad_experts_before_any_process_starts(argv, message, capsys):
+    from twinpipe.train.cli import run_train
+
+    assert run_train(_cli_args(*argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("twinpipe train: error:") and message in err, err
+
+
+def test_cli_trains_a_moe_model(tmp_path, capfd):
+    import json
+
+    from twinpipe.train.cli import run_train
+
+    argv = ["--layers", "1", "--dim", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--microbatch-size", "1",
+            "--corpus-bytes", "20000", "--schedule", "1f1b", "--pp", "1", "--dp", "2", "--experts", "4", "--top-k", "2",
+            "--steps", "2", "--out", str(tmp_path)]
+    assert run_train(_cli_args(*argv)) == 0
+    out = capfd.readouterr().out
+    assert "4 experts (top-2)" in out and "bits per byte" in out, out
+    log = json.loads((tmp_path / "train-log.json").read_text())["steps"]
+    assert [e["step"] for e in log] == [0, 1] and all(e["loss"] > 0 for e in log)
+    assert (tmp_path / "checkpoint-final" / ".metadata").exists()

@@ -43,6 +43,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dim", type=int, default=64, help="model width (default 64)")
     parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     parser.add_argument("--layers", type=int, default=6, help="transformer blocks (default 6; the embedding and the head are layers too)")
+    parser.add_argument("--experts", type=int, default=0,
+                        help="routed experts per block (default 0: dense MLPs); a multiple of --dp: each data-parallel rank "
+                             "of a stage holds experts/dp of them (expert parallelism)")
+    parser.add_argument("--top-k", type=int, default=2, help="experts each token is routed to, with --experts (default 2)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--max-norm", type=float, default=1.0, help="clip gradients to this global norm (default 1; 0 turns clipping off)")
     parser.add_argument("--dp-reduce", default="all-reduce", choices=("all-reduce", "ordered"),
@@ -62,7 +66,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check(args) -> None:
     """Refuse bad settings before any process starts."""
     from twinpipe.schedule import registry
-    from twinpipe.train.model import GPTConfig
     from twinpipe.train.trainer import TrainConfig
 
     from twinpipe.runtime.collectives import checked_timeout
@@ -75,7 +78,10 @@ def _check(args) -> None:
         raise ValueError(f"--save-every={args.save_every}: must be >= 0")
     registry.get(args.schedule)  # names the allowed schedules
     placement = registry.placement_for(args.schedule, args.pp)
-    GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers)
+    _model_config(args)
+    if args.experts % args.dp:
+        raise ValueError(f"--experts={args.experts}: must be a multiple of --dp={args.dp} (each data-parallel rank of a "
+                         "stage holds experts/dp of every MoE block)")
     stages = placement.num_model_stages
     if args.layers + 2 < stages:
         raise ValueError(f"--layers={args.layers}: {args.schedule} on --pp={args.pp} cuts the model into {stages} stages, "
@@ -155,12 +161,12 @@ def _train(args, device) -> None:
     from twinpipe.train.checkpoint import load_checkpoint, save_checkpoint
     from twinpipe.train.data import BatchSampler, stdlib_corpus
     from twinpipe.train.mesh import build_mesh
-    from twinpipe.train.model import GPT, GPTConfig, lm_loss
+    from twinpipe.train.model import GPT, lm_loss
     from twinpipe.train.report import bits_per_byte, plot_losses, print_summary, summary_rows
     from twinpipe.train.trainer import TrainConfig, Trainer
 
     dtype = getattr(torch, args.dtype)
-    cfg = GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers)
+    cfg = _model_config(args)
     sampler = BatchSampler(stdlib_corpus(args.corpus_bytes), args.seq_len, seed=args.seed)
     config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                          max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout,
@@ -180,7 +186,8 @@ def _train(args, device) -> None:
     tokens = args.batch_size * args.seq_len
     log: list[dict] = []
     times: dict[str, list[float]] = {}
-    title = f"{args.schedule}, PP={args.pp} x DP={args.dp}, {sum(p.numel() for p in GPT(cfg).parameters()):,} parameters"
+    moe = f", {args.experts} experts (top-{args.top_k})" if args.experts else ""
+    title = f"{args.schedule}, PP={args.pp} x DP={args.dp}, {sum(p.numel() for p in GPT(cfg).parameters()):,} parameters{moe}"
     progress = _progress(first, title, start, args.steps)
     began = time.perf_counter()
     with progress:
@@ -205,6 +212,18 @@ def _train(args, device) -> None:
     rows.append(("wall time", f"{elapsed:.1f} s"))
     rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / 'checkpoint-final'}"))
     print_summary(title, rows)
+
+
+def _model_config(args):
+    """The GPT the options describe (ValueError naming the option when they do not make one)."""
+    from twinpipe.train.model import GPTConfig
+
+    if args.experts < 0:
+        raise ValueError(f"--experts={args.experts}: must be >= 0 (0: dense MLPs)")
+    if args.experts and not 1 <= args.top_k <= args.experts:
+        raise ValueError(f"--top-k={args.top_k}: must be in 1..--experts ({args.experts})")
+    return GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers,
+                     experts=args.experts, top_k=args.top_k if args.experts else 2)
 
 
 def _progress(show: bool, title: str, start: int, total: int):

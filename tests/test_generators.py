@@ -170,6 +170,36 @@ def test_chimera_basic_unit_op_order():
     assert [schedule.placement.stages_of(r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
 
 
+# Chimera with two pairs, D = 4, N = 4: chain 2i goes down from rank 2i, chain 2i+1 up from rank
+# 2i-1 (mod 4); one micro-batch per chain, F on chain position k in slot k and BW in slot 7 - k.
+CHIMERA_4_PAIRS_2 = [
+    "0F0 13F3 10F2 7F1 7BW1 10BW2 13BW3 0BW0",
+    "12F3 1F0 6F1 11F2 11BW2 6BW1 1BW0 12BW3",
+    "8F2 5F1 2F0 15F3 15BW3 2BW0 5BW1 8BW2",
+    "4F1 9F2 14F3 3F0 3BW0 14BW3 9BW2 4BW1",
+]
+
+
+def test_chimera_two_pairs_op_order():
+    schedule = checked("chimera", 4, 4, pairs=2)
+    assert [" ".join(ops) for ops in schedule.to_strings()] == CHIMERA_4_PAIRS_2
+    assert [schedule.placement.stages_of(r) for r in range(4)] == [(0, 7, 10, 13), (1, 6, 11, 12), (2, 5, 8, 15), (3, 4, 9, 14)]
+    assert registry.placement_for("chimera", 4, pairs=2) == schedule.placement
+    assert registry.placement_for("chimera", 4, pairs=1) == registry.placement_for("chimera", 4) == checked("chimera", 4, 4).placement
+
+
+@pytest.mark.parametrize("p", [2, 4, 6, 8, 12])
+def test_chimera_every_allowed_pair_count_is_valid(p):
+    # Each micro-batch's F and BW on every stage of its chain exactly once, in a deadlock-free order.
+    for pairs in range(1, p // 2 + 1):
+        if p % (2 * pairs):
+            assert not accepts("chimera", p, 2 * p, pairs=pairs)
+            continue
+        for m in (2 * pairs, 4 * pairs, p, 3 * p, 2 * p + 2 * pairs):
+            schedule = checked("chimera", p, m, pairs=pairs)
+            assert len(schedule.placement.chains) == 2 * pairs and schedule.num_microbatches == m
+
+
 def test_bitpipe_unit_matches_the_paper_figure():
     # arXiv 2410.19367, D = 4: worker 0 runs F1c0 F2c0 F3c3 F3c4 F4c3 F4c4 F1c7 B1c7 F2c7 B2c7
     # B3c4 B3c3 B4c4 B4c3 B1c0 B2c0 (micro-batches 1-4, chunks of each direction's V).
@@ -222,6 +252,14 @@ BAD = [
     ("zbv", 4, 8, {"t_w": 0}, r"t_w=0 is not allowed; it must be a finite number > 0"),
     ("chimera", 3, 6, {}, r"chimera: num_ranks=3 is not allowed; it must be an even integer >= 2"),
     ("chimera", 4, 5, {}, r"chimera: num_microbatches=5 is not allowed; it must be an even integer >= 2"),
+    ("chimera", 8, 8, {"pairs": 3}, r"chimera: pairs=3 is not allowed with num_ranks=8; it must be an integer >= 1 with "
+                                    r"2\*pairs dividing num_ranks \(here: 1, 2, 4\)$"),
+    ("chimera", 6, 6, {"pairs": 2}, r"chimera: pairs=2 is not allowed with num_ranks=6; .* \(here: 1, 3\)$"),
+    ("chimera", 4, 8, {"pairs": 0}, r"chimera: pairs=0 is not allowed with num_ranks=4"),
+    ("chimera", 4, 8, {"pairs": True}, r"chimera: pairs=True is not allowed"),
+    ("chimera", 4, 8, {"pairs": 2.0}, r"chimera: pairs=2.0 is not allowed"),
+    ("chimera", 4, 6, {"pairs": 2}, r"chimera: num_microbatches=6 is not allowed with pairs=2; it must be a multiple of 2\*pairs = 4"),
+    ("chimera", 3, 6, {"pairs": 2}, r"chimera: num_ranks=3 is not allowed; it must be an even integer >= 2"),
     ("bitpipe", 1, 2, {}, r"bitpipe: num_ranks=1 is not allowed; it must be an even integer >= 2"),
     ("bitpipe", 2, 3, {}, r"bitpipe: num_microbatches=3 is not allowed; it must be an even integer >= 2"),
 ]
@@ -241,6 +279,7 @@ def test_bad_input_names_argument_value_and_allowed(name, p, m, options, message
         ("dualpipe", {"stages_per_rank": 2}, "dualpipe takes no options"),
         ("zbv", {"mem_limt": 9}, "zbv takes mem_limit, t_f, t_b, t_w, t_comm, mw"),
         ("interleaved", {"stages": 2}, "interleaved-1f1b takes stages_per_rank"),
+        ("chimera", {"pair": 2}, "chimera takes pairs"),
     ],
 )
 def test_unknown_option_is_refused_the_same_way_by_every_schedule(name, options, allowed):

@@ -13,6 +13,9 @@ its stages as local modules in ascending stage order: ``modules[i]`` is ``stages
 - ``dual_v(p)``: BitPipe; two V's in opposite directions, stages 0..2p-1 (the ``vshape`` chain:
   rank r holds model stages r and 2p-1-r) and 2p..4p-1 (its mirror: rank r holds model stages
   p-1-r and p+r). Four stages per rank.
+- ``dual_pairs(p, k)``: Chimera with k pipeline pairs; 2k chains of p stages, chain 2i going down
+  the ranks from rank i*p/k, chain 2i+1 going up from rank i*p/k - 1 (mod p). 2k stages per rank;
+  ``dual_pairs(p, 1)`` is ``dual(p)``.
 
 With several chains, each chain is one whole copy of the model: the stage at position k of any
 chain is model stage k (the runtime's mirrored-gradient sync pairs copies by that position).
@@ -23,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-__all__ = ["Placement", "linear", "looped", "vshape", "dual", "dual_v"]
+__all__ = ["Placement", "linear", "looped", "vshape", "dual", "dual_v", "dual_pairs"]
 
 
 @dataclass(frozen=True)
@@ -151,3 +154,22 @@ def dual_v(num_ranks: int) -> Placement:
     down = _v_ranks(p)
     up = tuple(p - 1 - r for r in down)  # the mirror: rank r <-> p-1-r
     return Placement("dual-v", p, down + up, (tuple(range(2 * p)), tuple(range(2 * p, 4 * p))))
+
+
+def dual_pairs(num_ranks: int, pairs: int) -> Placement:
+    """k = ``pairs`` down/up chain pairs over p ranks, 2k divides p (Chimera, "more than two pipelines").
+
+    Chain 2i (down pipeline i) puts model stage s on rank (s + i*p/k) mod p, chain 2i+1 (up
+    pipeline i) on rank (p-1-s + i*p/k) mod p: pair i is pair 0 rotated by i*p/k ranks. Chain c
+    holds stages c*p .. c*p+p-1, so with k = 1 this is ``dual(p)``.
+    """
+    _check_ranks(num_ranks)
+    if not _is_count(pairs) or num_ranks % (2 * pairs):
+        raise ValueError(f"pairs={pairs!r}: must be an integer >= 1 with 2*pairs dividing num_ranks={num_ranks}")
+    p, shift = num_ranks, num_ranks // pairs
+    ranks: list[int] = []
+    for i in range(pairs):
+        ranks += [(s + i * shift) % p for s in range(p)]  # down pipeline i
+        ranks += [(p - 1 - s + i * shift) % p for s in range(p)]  # up pipeline i
+    chains = tuple(tuple(range(c * p, (c + 1) * p)) for c in range(2 * pairs))
+    return Placement("dual", p, tuple(ranks), chains)

@@ -62,7 +62,8 @@ BUILTIN: tuple[ScheduleInfo, ...] = (
     ScheduleInfo("v-min", vshape_memory.v_min, vshape, "V-Min: V placement, a third of 1F1B's activation memory, bubble about 2p/(3m)", (), _PLANNED),
     ScheduleInfo("dualpipe", dualpipe.dualpipe, dual, "DeepSeek DualPipe: bidirectional, two mirrored weight copies"),
     ScheduleInfo("dualpipev", dualpipe.dualpipev, vshape, "DeepSeek DualPipeV: V-shaped cut-in-half DualPipe, one weight copy"),
-    ScheduleInfo("chimera", chimera.chimera, dual, "Chimera: two 1F1B pipelines in opposite directions, two mirrored weight copies"),
+    ScheduleInfo("chimera", chimera.chimera, chimera.placement,
+                 "Chimera: 1F1B pipelines in opposite directions, k pairs (pairs=k, default 1), 2k weight copies"),
     ScheduleInfo("bitpipe", bitpipe.bitpipe, dual_v, "BitPipe: a V-shaped pipeline in each direction, four half-size stages per rank, two weight copies"),
 )
 

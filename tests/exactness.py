@@ -7,6 +7,7 @@ training and in forward-only mode; the live activation count must equal the simu
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -106,8 +107,9 @@ def run_case(rank: int, group, case: Case) -> list[str]:
     predicted = simulate(schedule, CostModel(mw=1.0)).peak_activation[rank]
     if pipe.last_peak_live != predicted:
         problems.append(f"peak live activations {pipe.last_peak_live} != simulated {predicted}")
-    if len(placement.chains) > 1:  # two copies of each model stage: sum their gradients
+    if len(placement.chains) > 1:  # several copies of each model stage: sum their gradients
         pipe.sync_mirrored_grads()
+        problems += _copies_differ(placement, pipe, rank, group)
     for s, module in zip(placement.stages_of(rank), pipe.module):
         ref = model[placement.model_stage(s)]
         for (name, p), q in zip(module.named_parameters(), ref.parameters()):
@@ -132,6 +134,21 @@ def run_case(rank: int, group, case: Case) -> list[str]:
         problems.append("overlapped_forward_backward was never called")
     models.OverlapStage.calls = 0
     return problems
+
+
+def _copies_differ(placement, pipe, rank, group) -> list[str]:
+    """After sync_mirrored_grads every copy of a model stage holds the same gradient bits, on every rank."""
+    digests = {}
+    for s, module in zip(placement.stages_of(rank), pipe.module):
+        data = b"".join(p.grad.detach().cpu().numpy().tobytes() for p in module.parameters())
+        digests.setdefault(placement.model_stage(s), set()).add(hashlib.sha256(data).hexdigest())
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, digests, group=group)
+    merged = {}
+    for theirs in everyone:
+        for k, found in theirs.items():
+            merged.setdefault(k, set()).update(found)
+    return [f"model stage {k}: its copies' gradients differ after sync_mirrored_grads" for k, found in sorted(merged.items()) if len(found) > 1]
 
 
 def _has_fb(placement, case, rank) -> bool:

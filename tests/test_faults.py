@@ -9,6 +9,7 @@ gets a world of its own.
 from __future__ import annotations
 
 import copy
+import functools
 import glob
 import os
 import threading
@@ -286,7 +287,9 @@ def case_pass_through_gloo(group):
 
 def case_two_pipelines_two_threads(group):
     """Two zero-bubble pipelines (deferred W) on two groups, stepped at once from two threads."""
-    groups = [dist.new_group([0, 1]), dist.new_group([0, 1])]
+    # Only ranks 0 and 1 run this: groups made without the other ranks must not count for theirs
+    # (else a later case's group over all three ranks waits forever for rank 2).
+    groups = [dist.new_group([0, 1], use_local_synchronization=True) for _ in range(2)]
     setups = [_Setup(g, schedule="zb-h1", seed=20 + i) for i, g in enumerate(groups)]
     results: list = [None, None]
 
@@ -354,6 +357,87 @@ def case_mirrored_copies_disagree(group):
     return shapes, operations
 
 
+def _copies_pipeline(group, chain_ranks, widths=None):
+    """A pipeline over a placement whose chains are whole copies of a 2-stage model, chain c's
+    stages on ranks ``chain_ranks[c]`` (several copies of one stage may share a rank)."""
+    import twinpipe
+    from twinpipe.schedule.ops import BW, F, Schedule
+    from twinpipe.schedule.placement import Placement
+
+    n = len(chain_ranks[0])
+    chains = tuple(tuple(range(c * n, (c + 1) * n)) for c in range(len(chain_ranks)))
+    placement = Placement("copies", dist.get_world_size(group), tuple(r for ranks in chain_ranks for r in ranks), chains)
+    slots = [[] for _ in range(placement.num_ranks)]  # micro-batch c down chain c, then back (GPipe-like)
+    for c, chain in enumerate(chains):
+        for q, stage in enumerate(chain):
+            slots[placement.rank_of(stage)] += [((q, c), F(stage, c)), ((2 * n - 1 - q, c), BW(stage, c))]
+    ops = tuple(tuple(op for _, op in sorted(rank_slots)) for rank_slots in slots)
+    rank = dist.get_rank(group)
+    mine = placement.stages_of(rank)
+    widths = widths or [models.HIDDEN] * len(mine)
+    modules = [models.MLPStage(w).double() for w in widths]
+    return twinpipe.Pipeline(modules, Schedule("copies", placement, len(chains), ops), process_group=group, timeout=TIMEOUT), placement
+
+
+def _seeded(stage: int, params, salt: int) -> list:
+    """What copy ``stage`` holds in this test: tensors drawn from a seed of its own."""
+    gen = torch.Generator().manual_seed(1000 * salt + stage)
+    return [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]
+
+
+def case_mirrored_three_copies(group, chain_ranks):
+    """Three copies of each model stage: after sync_mirrored_grads every copy holds the sum of the
+    three in chain order, bitwise; after sync_mirrored_weights the lowest rank's copy (its lowest
+    chain's, where it holds two). Returns what differs."""
+    pipe, placement = _copies_pipeline(group, chain_ranks)
+    rank, problems = dist.get_rank(group), []
+    copies = {}  # model stage -> its stages, in chain order
+    for chain in placement.chains:
+        for q, stage in enumerate(chain):
+            copies.setdefault(q, []).append(stage)
+    shapes = list(pipe.module[0].parameters())
+    for s, m in zip(pipe.stages, pipe.module):
+        for p, g in zip(m.parameters(), _seeded(s, shapes, 1)):
+            p.grad = g
+        with torch.no_grad():
+            for p, w in zip(m.parameters(), _seeded(s, shapes, 2)):
+                p.copy_(w)
+    pipe.sync_mirrored_grads()
+    pipe.sync_mirrored_weights()
+    for s, m in zip(pipe.stages, pipe.module):
+        stages = copies[placement.model_stage(s)]
+        a, b, c = (_seeded(t, shapes, 1) for t in stages)
+        in_order = [(x + y) + z for x, y, z in zip(a, b, c)]
+        if all(torch.equal(u, v) for u, v in zip(in_order, [(x + z) + y for x, y, z in zip(a, b, c)])):
+            problems.append("the data cannot tell one summation order from another")
+        if not all(torch.equal(p.grad, t) for p, t in zip(m.parameters(), in_order)):
+            problems.append(f"stage {s}: gradients are not the chain-order sum of the copies")
+        source = min(stages, key=lambda t: (placement.rank_of(t), placement.chain_of_stage(t)))
+        if not all(torch.equal(p, t) for p, t in zip(m.parameters(), _seeded(source, shapes, 2))):
+            problems.append(f"stage {s}: weights are not those of stage {source}")
+    return problems
+
+
+def case_mirrored_three_copies_disagree(group):
+    """Three copies of each model stage on three ranks; rank 2's are wider, then rank 2 calls the
+    other sync: every rank raises PipelineMismatchError, none aborts or waits for its timeout."""
+    rank = dist.get_rank(group)
+    chain_ranks = ((0, 1), (1, 2), (2, 0))
+    width = models.HIDDEN + (1 if rank == 2 else 0)
+    pipe, _ = _copies_pipeline(group, chain_ranks, [width, width])
+    shapes = _outcome(pipe.sync_mirrored_grads)[:3]
+    same, _ = _copies_pipeline(group, chain_ranks)
+    operations = _outcome(same.sync_mirrored_weights if rank == 2 else same.sync_mirrored_grads)[:3]
+    return shapes, operations
+
+
+def case_mirrored_own_copies_disagree(group):
+    """Rank 0 holds two copies of model stage 0 that differ: both ranks raise PipelineMismatchError."""
+    widths = [models.HIDDEN, models.HIDDEN, models.HIDDEN + 1] if dist.get_rank(group) == 0 else None
+    pipe, _ = _copies_pipeline(group, ((0, 1), (1, 0), (0, 1)), widths)
+    return _outcome(pipe.sync_mirrored_grads)[:3]
+
+
 def case_bad_timeouts(group):
     import twinpipe
 
@@ -380,6 +464,11 @@ CASES = {
     "sync_mirrored_grads_alone": (2, case_sync_mirrored_grads_alone),
     "expert_all_to_all_alone": (2, case_expert_all_to_all_alone),
     "mirrored_copies_disagree": (2, case_mirrored_copies_disagree),
+    # Model stage 0's copies: chains 0 and 2 on rank 0, chain 1 on rank 1 (and the reverse for stage 1).
+    "mirrored_three_copies_two_ranks": (2, functools.partial(case_mirrored_three_copies, chain_ranks=((0, 1), (1, 0), (0, 1)))),
+    "mirrored_three_copies_three_ranks": (3, functools.partial(case_mirrored_three_copies, chain_ranks=((0, 1), (1, 2), (2, 0)))),
+    "mirrored_three_copies_disagree": (3, case_mirrored_three_copies_disagree),
+    "mirrored_own_copies_disagree": (2, case_mirrored_own_copies_disagree),
     "bad_timeouts": (1, case_bad_timeouts),
 }
 
@@ -495,6 +584,30 @@ def test_mirrored_copies_that_disagree_raise_on_both_ranks(out):
         for kind, msg, seconds in out[rank]["mirrored_copies_disagree"]:
             assert kind == "PipelineMismatchError" and "copies disagree" in msg, (rank, kind, msg)
             assert seconds < TIMEOUT
+
+
+@pytest.mark.parametrize("ranks", ["two", "three"])
+def test_mirrored_sync_of_three_copies(out, ranks):
+    n = {"two": 2, "three": 3}[ranks]
+    for rank in range(n):
+        assert out[rank][f"mirrored_three_copies_{ranks}_ranks"] == [], (rank, out[rank][f"mirrored_three_copies_{ranks}_ranks"])
+
+
+def test_three_copies_that_disagree_raise_on_every_rank(out):
+    for rank in range(3):
+        result = out[rank]["mirrored_three_copies_disagree"]
+        assert not isinstance(result, str), f"rank {rank}: {result}"
+        for kind, msg, seconds in result:
+            assert kind == "PipelineMismatchError" and "copies disagree" in msg, (rank, kind, msg)
+            assert seconds < TIMEOUT
+
+
+def test_copies_that_disagree_on_one_rank_raise_on_every_rank(out):
+    for rank in range(2):
+        kind, msg, seconds = out[rank]["mirrored_own_copies_disagree"]
+        assert kind == "PipelineMismatchError" and "copies disagree" in msg, (rank, kind, msg)
+        assert rank == 1 or "rank 0's own copies of model stages [0] differ" in msg, msg
+        assert seconds < TIMEOUT
 
 
 def test_bad_timeouts_are_refused_up_front(out):

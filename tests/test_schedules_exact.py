@@ -37,6 +37,10 @@ def _cases() -> list[Case]:
     cases.append(Case("bitpipe", 2, 6, "two"))
     for name, p, m in (("gpipe", 4, 8), ("1f1b", 2, 7), ("zb-h1", 4, 8), ("zbv", 4, 10), ("chimera", 4, 8)):
         cases.append(Case(name, p, m, "mlp", transport="process-group"))
+    # Chimera with two pipeline pairs: four copies of each model stage, summed by sync_mirrored_grads.
+    cases += [Case("chimera", 4, m, "mlp", (("pairs", 2),)) for m in (4, 8, 12)]
+    cases.append(Case("chimera", 4, 8, "two", (("pairs", 2),), transport="process-group"))
+    cases.append(Case("chimera", 2, 4, "mlp", (("pairs", 1),)))
     return cases
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import uuid
 import zlib
+from functools import cached_property
 from typing import Callable, Sequence
 
 import torch
@@ -382,90 +383,132 @@ class Pipeline(nn.Module):
         return loss, outputs
 
     # ------------------------------------------------------------------ mirrored copies
-    def _twins(self) -> dict[int, list[tuple[int, nn.Module]]]:
-        """Peer rank -> [(model stage, local module)] whose other copy that peer holds, by model stage.
+    @cached_property
+    def _copies(self) -> dict[int, list[tuple[int, int]]]:
+        """Model stage -> all its copies as (rank, stage), in chain order, for each model stage this
+        rank holds that has more than one copy.
 
-        With several chains, each chain is a whole copy of the model and a stage is the model stage
-        at its position in its chain (DualPipe: rank r holds stage r of one copy and P-1-r of the
-        other). Both ranks of a pair list the same model stages in the same order."""
+        With several chains each chain is a whole copy of the model, and a stage runs the model
+        stage at its position in its chain (``Placement.model_stage``): DualPipe, BitPipe and
+        Chimera keep two copies of each, Chimera with k pairs 2k. Copies may share a rank."""
         placement = self._placement()
-        if len(placement.chains) == 1:
-            return {}
-        by_model: dict[int, list[int]] = {}
-        for s in range(placement.num_stages):
-            by_model.setdefault(placement.model_stage(s), []).append(s)
-        twins: dict[int, list[tuple[int, nn.Module]]] = {}
-        for s in self.stages:
-            k = placement.model_stage(s)
-            copies = by_model[k]
-            if len(copies) != 2:
-                raise ValueError(f"model stage {k} has {len(copies)} copies; mirrored sync pairs exactly two")
-            other = copies[0] if copies[1] == s else copies[1]
-            twins.setdefault(placement.rank_of(other), []).append((k, self._by_stage[s]))
-        return {peer: sorted(items, key=lambda kv: kv[0]) for peer, items in twins.items()}
+        copies: dict[int, list[tuple[int, int]]] = {}
+        if len(placement.chains) > 1:
+            for chain in placement.chains:
+                for stage in chain:
+                    copies.setdefault(placement.model_stage(stage), []).append((placement.rank_of(stage), stage))
+        mine = sorted({placement.model_stage(s) for s in self.stages})
+        return {k: copies[k] for k in mine if len(copies.get(k, ())) > 1}
 
-    def _exchange(self, mine: torch.Tensor, peer: int, what: str, shapes: list) -> torch.Tensor:
-        """Swap ``mine`` with ``peer``'s tensor, after checking that both sides run the same exchange
-        (operation and parameter shapes): a size mismatch would abort the process inside gloo, and
-        grads paired with weights would be silently wrong."""
-        g = self.group_rank_of[peer]
-        where = f"rank {self.rank}: {what} waiting for rank {peer}"
-        label = f"{what} of {len(shapes)} parameters, shapes #{zlib.crc32(repr(shapes).encode()):08x}"
-        header = torch.tensor([zlib.crc32(label.encode()), mine.numel()], dtype=torch.int64)
-        for tensors in ((header, torch.empty_like(header)), (mine, torch.empty_like(mine))):
-            works = [self.group.send([tensors[0]], g, 0), self.group.recv([tensors[1]], g, 0)]
-            for w in works:
-                wait_work(w, self.timeout, where)
-            if tensors[0] is header and not torch.equal(tensors[1], header):
-                raise PipelineMismatchError(
-                    f"{where}: the two copies disagree ({label}, {mine.numel()} elements here; rank {peer} sent "
-                    f"{int(tensors[1][1])} elements and another operation or other shapes). Both copies of a stage "
-                    "must be the same module, and both ranks must call the same sync_mirrored_* method."
-                )
-        return tensors[1]
+    def _flat(self, stage: int, grads: bool) -> torch.Tensor:
+        """A new flat tensor of the gradients (or weights) of this rank's ``stage``."""
+        parts = [(p.grad if grads else p.detach()).reshape(-1) for p in self._by_stage[stage].parameters()]
+        return torch.cat(parts) if parts else torch.zeros(0, device=self.device)
 
-    def sync_mirrored_grads(self) -> None:
-        """Sum the gradients of each model stage's two copies, in place, so both hold the full
-        gradient (bitwise equal). A no-op for schedules that hold one copy of each stage."""
-        for peer, items in self._twins().items():
-            params = [p for _, m in items for p in m.parameters()]
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            if peer == self.rank:  # both copies here: pair them up locally
-                by_stage: dict[int, list] = {}
-                for k, m in items:
-                    by_stage.setdefault(k, []).append(list(m.parameters()))
-                for a, b in by_stage.values():
-                    for p, q in zip(a, b):
-                        total = p.grad + q.grad
-                        p.grad.copy_(total)
-                        q.grad.copy_(total)
-                continue
-            theirs = self._exchange(torch.cat([p.grad.reshape(-1) for p in params]), peer, "sync_mirrored_grads()",
-                                    [tuple(p.shape) for p in params])
-            offset = 0
-            for p in params:
+    def _unflat(self, stage: int, flat: torch.Tensor, grads: bool) -> None:
+        """Copy ``flat`` into the gradients (or weights) of this rank's ``stage``."""
+        offset = 0
+        with torch.no_grad():
+            for p in self._by_stage[stage].parameters():
                 n = p.numel()
-                p.grad.add_(theirs[offset : offset + n].view_as(p.grad))
+                (p.grad if grads else p).copy_(flat[offset : offset + n].view_as(p))
                 offset += n
 
-    def sync_mirrored_weights(self) -> None:
-        """Make both copies of each model stage identical (the lower rank's copy wins), in place."""
-        for peer, items in self._twins().items():
-            if peer == self.rank:
-                continue
-            params = [p for _, m in items for p in m.parameters()]
-            theirs = self._exchange(torch.cat([p.detach().reshape(-1) for p in params]), peer, "sync_mirrored_weights()",
-                                    [tuple(p.shape) for p in params])
-            if self.rank < peer:
-                continue
+    def _swap(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor], what: str) -> None:
+        """Send ``outgoing[peer]`` to each peer and receive ``incoming[peer]``: all posted, then each awaited."""
+        works = []
+        for peer in outgoing:
+            g = self.group_rank_of[peer]
+            works += [(peer, self.group.send([outgoing[peer]], g, 0)), (peer, self.group.recv([incoming[peer]], g, 0))]
+        for peer, work in works:
+            wait_work(work, self.timeout, f"rank {self.rank}: {what} waiting for rank {peer}")
+
+    def _all_copies(self, what: str, grads: bool) -> dict[int, torch.Tensor]:
+        """Stage -> flat gradients (or weights) of every copy of this rank's mirrored model stages:
+        its own, and the other ranks' received from them.
+
+        Each rank sends a peer its copies of the model stages they share, by model stage then chain.
+        A header goes first, and both sides check it: the operation, the parameters' shapes and
+        dtypes, and the element counts each sends and expects. The check is symmetric, so both
+        ranks of a pair raise ``PipelineMismatchError`` before any payload moves (a size mismatch
+        would abort the process inside gloo; grads paired with weights would be silently wrong).
+        In the registered placements the ranks holding copies of one model stage all hold the same
+        model stages, so a disagreement reaches every one of them."""
+        copies = self._copies
+        flats = {s: self._flat(s, grads) for items in copies.values() for r, s in items if r == self.rank}
+        signature, numel, differ = {}, {}, []
+        for k, items in copies.items():
+            local = [s for r, s in items if r == self.rank]
+            layouts = {repr([(tuple(p.shape), str(p.dtype)) for p in self._by_stage[s].parameters()]) for s in local}
+            signature[k] = sorted(layouts)
+            if len(layouts) > 1:
+                differ.append(k)
+            numel[k] = flats[local[0]].numel()
+        # Copies on this rank that differ make every header differ, so that every peer raises too.
+        own = f"; rank {self.rank}'s own copies of model stages {differ} differ" if differ else ""
+        peers = sorted({r for items in copies.values() for r, _ in items} - {self.rank})
+        plan, outgoing, headers, replies = {}, {}, {}, {}
+        for peer in peers:
+            shared = [k for k, items in copies.items() if any(r == peer for r, _ in items)]
+            theirs = [(k, s) for k in shared for r, s in copies[k] if r == peer]
+            mine = [flats[s] for k in shared for r, s in copies[k] if r == self.rank]
+            outgoing[peer] = torch.cat(mine)
+            expect = sum(numel[k] for k, _ in theirs)
+            label = f"{what} of model stages {shared}, parameters #{zlib.crc32(repr([signature[k] for k in shared]).encode()):08x}{own}"
+            plan[peer] = (theirs, expect, label)
+            headers[peer] = torch.tensor([zlib.crc32(label.encode()), outgoing[peer].numel(), expect], dtype=torch.int64)
+            replies[peer] = torch.empty_like(headers[peer])
+        self._swap(headers, replies, what)
+        for peer in peers:
+            theirs, expect, label = plan[peer]
+            crc, sent, expected = replies[peer].tolist()
+            if [crc, sent, expected] != [zlib.crc32(label.encode()), expect, outgoing[peer].numel()]:
+                raise PipelineMismatchError(
+                    f"rank {self.rank}: {what} with rank {peer}: the copies disagree ({label}; {outgoing[peer].numel()} "
+                    f"elements to send here and {expect} expected; rank {peer} sends {sent}, expects {expected}, and its "
+                    f"header is #{crc:08x}: another operation or other shapes or dtypes). Every copy of a stage must be "
+                    "the same module, and every rank must call the same sync_mirrored_* method."
+                )
+        if differ:  # every copy is on this rank (no peer to disagree with)
+            raise PipelineMismatchError(f"rank {self.rank}: {what}: the copies disagree{own} in shapes or dtypes")
+        incoming = {peer: torch.empty(plan[peer][1], dtype=outgoing[peer].dtype, device=outgoing[peer].device) for peer in peers}
+        self._swap(outgoing, incoming, what)
+        for peer in peers:
             offset = 0
-            with torch.no_grad():
-                for p in params:
-                    n = p.numel()
-                    p.copy_(theirs[offset : offset + n].view_as(p))
-                    offset += n
+            for k, s in plan[peer][0]:
+                flats[s] = incoming[peer][offset : offset + numel[k]]
+                offset += numel[k]
+        return flats
+
+    def sync_mirrored_grads(self) -> None:
+        """Sum the gradients of all copies of each model stage, in place, so that every copy holds
+        the full gradient, bitwise equal on every rank: each rank adds the copies in chain order
+        (with two copies no order could differ, as a + b == b + a). A no-op for schedules that hold
+        one copy of each stage. Every rank holding a copy must call it."""
+        copies = self._copies
+        for items in copies.values():
+            for p in (p for r, s in items if r == self.rank for p in self._by_stage[s].parameters()):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        flats = self._all_copies("sync_mirrored_grads()", grads=True)
+        for items in copies.values():
+            total = flats[items[0][1]]
+            for _, s in items[1:]:
+                total = total + flats[s]
+            for r, s in items:
+                if r == self.rank:
+                    self._unflat(s, total, grads=True)
+
+    def sync_mirrored_weights(self) -> None:
+        """Give every copy of each model stage the weights of one copy, in place: the copy on the
+        lowest rank (of several copies there, the lowest chain's)."""
+        copies = self._copies
+        flats = self._all_copies("sync_mirrored_weights()", grads=False)
+        for items in copies.values():
+            source = min(range(len(items)), key=lambda i: (items[i][0], i))
+            for i, (r, s) in enumerate(items):
+                if r == self.rank and i != source:
+                    self._unflat(s, flats[items[source][1]], grads=False)
 
 
 class DualPipeV(Pipeline):

@@ -371,6 +371,8 @@ def test_cli_costs_reach_the_simulator_and_the_planners(capsys):
     assert json.loads(out)["per_rank"][0]["busy"] == 3 * 4 * 3  # 3 stages of T_F+T_B+T_W = 3 each
     _, out, _ = cli(capsys, "interleaved-1f1b", "-p", "2", "-m", "4", "--stages-per-rank", "3", "--json")
     assert json.loads(out)["per_rank"][0]["busy"] == pytest.approx(3 * 4)  # the same model: 3 stages of a third each
+    _, out, _ = cli(capsys, "chimera", "-p", "8", "-m", "16", "--pairs", "2", "--b", "0.5", "--w", "0.5", "--json")
+    assert json.loads(out)["makespan"] == 2 * 16 + 8 // 2 - 2  # Chimera's span with k pairs, F = BW: 2m + D/k - 2 slots
     _, out, _ = cli(capsys, "1f1b", "-p", "4", "-m", "8", "--cores", "1", "--json")
     assert json.loads(out)["makespan"] == pytest.approx(4 * 8 * 3)  # every op of every rank on one core
 

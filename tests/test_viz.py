@@ -90,6 +90,15 @@ def test_fb_pairs_and_two_directions():
     assert len(cells.outlines) == ops and sum(len(v) for v in cells.faces.values()) == ops + fb
 
 
+def test_chimera_pairs_shade_down_and_up_chains():
+    from twinpipe.viz.style import direction_names
+
+    timeline = simulate(build("chimera", 8, 16, pairs=2))
+    assert timeline_cells(timeline).shades == {0, 1}
+    assert direction_names(timeline.placement) == ("down chains (even)", "up chains (odd)")
+    assert direction_names(build("chimera", 8, 16).placement)[0] == "chain 0 (rank 0 -> p-1)"
+
+
 def test_linear_schedule_has_one_shade():
     assert timeline_cells(simulate(build("1f1b", 4, 8))).shades == {0}
 

@@ -24,7 +24,7 @@ from twinpipe.timeline import Timeline
 __all__ = ["add_simulate_parser", "run_simulate", "summarize", "simulate_from_args", "held_equal"]
 
 # CLI flag -> generator keyword, for the options some generators take.
-_OPTIONS = {"mem_limit": "--mem-limit", "stages_per_rank": "--stages-per-rank"}
+_OPTIONS = {"mem_limit": "--mem-limit", "stages_per_rank": "--stages-per-rank", "pairs": "--pairs"}
 # CostModel fields that are also generator keywords (heuristics that plan with the costs).
 _COST_OPTIONS = ("t_f", "t_b", "t_w", "t_comm", "mw")
 HOLD = ("model", "stage")
@@ -54,6 +54,7 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                         help="activation limit per rank (zb-auto, zbv), in M_B of a 1F1B stage (with --hold stage: of the "
                         "schedule's own stages); default: 1F1B's peak, p M_B of 1F1B stages")
     parser.add_argument("--stages-per-rank", type=int, default=None, metavar="V", help="stages per rank (interleaved-1f1b; default 2)")
+    parser.add_argument("--pairs", type=int, default=None, metavar="K", help="down/up pipeline pairs (chimera; default 1; 2K must divide P)")
     parser.add_argument("--hold", choices=HOLD, default="model",
                         help="what is the same for every schedule: 'model' (default): the times and M_B are those of one "
                         "1F1B stage (1/p of the model) and each schedule's stages get their share (1/v for V-shaped and "

@@ -41,6 +41,8 @@ def direction(placement: Placement | None, stage: int) -> int:
 def direction_names(placement: Placement | None) -> tuple[str, str] | None:
     """Legend words for the two shades, or None where there is one direction only."""
     kind = placement.kind if placement is not None else None
+    if kind == "dual" and len(placement.chains) > 2:  # Chimera with k pairs: even chains go down, odd ones up
+        return ("down chains (even)", "up chains (odd)")
     if kind == "dual":
         return ("chain 0 (rank 0 -> p-1)", "chain 1 (rank p-1 -> 0)")
     if kind == "dual-v":

@@ -81,6 +81,10 @@ def test_copies_of_the_weights_pay_their_all_reduce_and_memory():
         chains = len(registry.placement_for(name, 4).chains)
         pred = predict_one(name, SMALL_DENSE, cluster, 4, 32)
         assert (pred.mirror_all_reduce > 0) == (chains > 1) or not pred.fits, name
+    four = predict_one("chimera", SMALL_DENSE, cluster, 4, 32, options={"pairs": 2})  # 2k = 4 copies of every stage
+    assert four.label == "chimera pairs=2" and four.copies == 4
+    assert 3.5 < four.memory["params"] / one.memory["params"] < 4.0  # four copies of the layers; the embedding and head spread
+    assert four.mirror_all_reduce == pytest.approx(all_reduce_time(four.memory["grads"], 4, cluster.inter_bw, cluster.latency))
 
 
 def test_the_seed_observation_dualpipe_behind_1f1b_small_dense_ahead_large_moe():
@@ -99,12 +103,13 @@ def test_the_seed_observation_dualpipe_behind_1f1b_small_dense_ahead_large_moe()
 def test_impossible_cases_are_reported_per_schedule_never_raised():
     tiny = Cluster(gpus=8, memory=2**30)
     results = plan(SMALL_DENSE, tiny, 3, pp_sizes=[2, 3, 4, 64])
-    assert len(results) == 4 * len(registry.names())
+    assert len(results) == sum(len(registry.variants(n, p)) for p in (2, 3, 4, 64) for n in registry.names())
     by = {(r.schedule, r.pp): r for r in results}
     assert all(not r.fits and r.why for r in results)
     assert by[("1f1b", 2)].why.startswith("does not fit: needs") and "GiB available" in by[("1f1b", 2)].why
     assert "pipeline size 3 does not divide the 8 GPUs" in by[("1f1b", 3)].why
-    assert "num_chunks=3" in by[("dualpipe", 2)].why  # an odd count: DualPipe splits it in two directions
+    assert "before any activation" in by[("dualpipe", 2)].why  # the weights alone are too large: not simulated
+    assert "num_chunks=3" in predict_one("dualpipe", SMALL_DENSE, Cluster(gpus=8), 2, 3).why  # an odd count: two directions
     assert "does not divide" in by[("1f1b", 64)].why
 
 
@@ -194,7 +199,8 @@ def test_cli_table_json_and_plot(tmp_path, capsys, monkeypatch):
     assert "what limits it" in out and "dualpipe" in out and (tmp_path / "plan.png").stat().st_size > 1000
     assert main(args + ["--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert len(rows) == 2 * len(registry.names())
+    assert len(rows) == sum(len(registry.variants(n, p)) for p in (2, 4) for n in registry.names())
+    assert {r["label"] for r in rows if r["schedule"] == "chimera" and r["pp"] == 4} == {"chimera", "chimera pairs=2"}
     fitting = [r for r in rows if r["fits"]]
     assert fitting and [r["tokens_per_s"] for r in fitting] == sorted((r["tokens_per_s"] for r in fitting), reverse=True)
 
@@ -220,11 +226,24 @@ def test_cli_bad_input_names_the_option(extra, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_trace_of_another_placement_is_refused(tmp_path):
+def test_a_trace_says_its_options_and_one_that_does_not_match_is_refused(tmp_path):
     timeline = simulate(registry.build("interleaved-1f1b", 2, 6, stages_per_rank=3))
-    path = write_chrome_trace(timeline, tmp_path / "trace.json")  # default placement: 2 stages per rank
-    with pytest.raises(ValueError, match=r"does not match interleaved-1f1b's default placement on 2 ranks"):
+    path = write_chrome_trace(timeline, tmp_path / "trace.json")
+    assert load_traced(path).timeline.placement.num_stages == 6  # 3 stages per rank, as built
+    data = json.loads(path.read_text())
+    del data["otherData"]["options"]  # read as the default placement: 2 stages per rank
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"does not match interleaved-1f1b's placement on 2 ranks with options \{\}"):
         load_traced(path)
+
+
+def test_a_traced_chimera_with_pairs_plans_its_own_variant_with_its_stage_times(tmp_path):
+    costs = CostModel(t_f=[0.01 * (1 + s % 3) for s in range(16)], t_b=0.01, t_w=0.005)
+    timeline = simulate(registry.build("chimera", 4, 8, pairs=2), costs)
+    traced = load_traced(write_chrome_trace(timeline, tmp_path / "trace.json"))
+    rows = {r.label: r for r in plan(None, Cluster(gpus=4), 8, [4], ["chimera"], costs_for=traced.costs_for)}
+    assert set(rows) == {"chimera", "chimera pairs=2"} and all(r.fits for r in rows.values())
+    assert rows["chimera pairs=2"].pipeline == pytest.approx(timeline.makespan, rel=1e-9)
 
 
 def test_cli_missing_model_or_bad_trace(tmp_path, capsys):
@@ -279,4 +298,5 @@ def test_workers_never_run_the_callers_script_again(tmp_path):
                       "print(len(rows), 'rows')\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:2] == ["script ran", f"{2 * len(registry.names())} rows"]
+    rows = sum(len(registry.variants(n, p)) for p in (2, 4) for n in registry.names())
+    assert out.stdout.split("\n")[:2] == ["script ran", f"{rows} rows"]

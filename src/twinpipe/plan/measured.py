@@ -37,11 +37,11 @@ class Traced:
     split_assumed: bool = False  # the run had only full backwards: T_B = T_W = half of one
     per_stage: CostModel | None = None  # the traced schedule's own per-stage means
 
-    def costs_for(self, name: str, pp: int) -> CostModel:
-        """The traced per-stage times for a schedule on the traced placement, else ``costs_at(pp)``."""
+    def costs_for(self, name: str, pp: int, options: dict | None = None) -> CostModel:
+        """The traced per-stage times for a schedule (with ``options``) on the traced placement, else ``costs_at(pp)``."""
         placement = self.timeline.placement
         if self.per_stage is not None and pp == self.pp:
-            other = registry.placement_for(name, pp)
+            other = registry.placement_for(name, pp, **(options or {}))
             if (other.stage_ranks, other.chains) == (placement.stage_ranks, placement.chains):
                 return self.per_stage
         return self.costs_at(pp)
@@ -65,7 +65,11 @@ def read_trace(path: str | Path) -> Timeline:
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"trace={str(path)!r}: not a twinpipe Chrome trace ({type(error).__name__}: {error})") from None
     schedule = name.removesuffix(" (predicted)")
-    placement = registry.placement_for(schedule, ranks)
+    options = other.get("options") or {}
+    try:
+        placement = registry.placement_for(schedule, ranks, **options)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"trace={str(path)!r}: schedule {schedule!r} with options {options} on {ranks} ranks: {error}") from None
     slices = []
     for e in events:
         if e.get("ph") != "X":
@@ -76,9 +80,9 @@ def read_trace(path: str | Path) -> Timeline:
     for piece in slices:
         if piece.op is not None and any(part.stage >= placement.num_stages or placement.rank_of(part.stage) != piece.rank
                                         for part in piece.op.parts()):
-            raise ValueError(f"trace={str(path)!r}: op {piece.op} on rank {piece.rank} does not match {schedule}'s default placement "
-                             f"on {ranks} ranks (was it run with other options?)")
-    meta = {"time_unit": "s", **{key: other[key] for key in PROCESSOR_KEYS if key in other}}
+            raise ValueError(f"trace={str(path)!r}: op {piece.op} on rank {piece.rank} does not match {schedule}'s placement "
+                             f"on {ranks} ranks with options {options} (was it run with other options?)")
+    meta = {"time_unit": "s", "options": options, **{key: other[key] for key in PROCESSOR_KEYS if key in other}}
     return Timeline(schedule, ranks, m, slices, placement, "measured", None, meta)
 
 

@@ -46,6 +46,7 @@ class Prediction:
     schedule: str
     pp: int
     microbatches: int
+    options: dict = field(default_factory=dict)  # the schedule's options (a variant: Chimera's pairs=k)
     dp: int = 1
     ep: int = 1
     fits: bool = False
@@ -69,17 +70,24 @@ class Prediction:
     def status(self) -> str:
         return "fits" if self.fits else self.why
 
+    @property
+    def label(self) -> str:
+        """The schedule with its options: ``chimera pairs=2``."""
+        return " ".join([self.schedule, *(f"{k}={v}" for k, v in sorted(self.options.items()))])
+
 
 def _scaled(costs: CostModel, placement) -> CostModel:
     """Costs of one 1F1B stage scaled to ``placement`` (``for_model``); per-stage costs are used as given."""
     return costs if isinstance(costs.t_f, (list, tuple)) else for_model(costs, placement)
 
 
-def simulate_metrics(name: str, p: int, m: int, costs: CostModel) -> dict:
-    """Makespan, per-rank busy time and peak activations (M_B of a 1F1B stage) of ``name`` simulated at (p, m)."""
-    placement = registry.placement_for(name, p)
+def simulate_metrics(name: str, p: int, m: int, costs: CostModel, options: dict | None = None) -> dict:
+    """Makespan, per-rank busy time and peak activations (M_B of a 1F1B stage) of ``name`` (with
+    ``options``) simulated at (p, m)."""
+    options = dict(options or {})
+    placement = registry.placement_for(name, p, **options)
     scaled = _scaled(costs, placement)
-    options = {k: getattr(scaled, k) for k in ("t_f", "t_b", "t_w", "t_comm", "mw") if k in (registry.get(name).options or ())}
+    options |= {k: getattr(scaled, k) for k in ("t_f", "t_b", "t_w", "t_comm", "mw") if k in (registry.get(name).options or ())}
     summary = summarize(registry.build(name, p, m, **options), scaled)
     return {"makespan": summary.makespan, "busy": list(summary.busy), "peak": list(summary.peak)}
 
@@ -103,7 +111,7 @@ def _extend(a, b, m1: int, m2: int, m: int):
     return b + (b - a) * (m - m2) / (m2 - m1)
 
 
-def _metrics(name: str, p: int, m: int, costs: CostModel, num_stages: int, max_pairs: int) -> tuple[dict, tuple | None]:
+def _metrics(name: str, p: int, m: int, costs: CostModel, num_stages: int, max_pairs: int, options: dict) -> tuple[dict, tuple | None]:
     """Simulated metrics at m, or extended linearly from the first three counts (spaced q, congruent
     to m) that lie on one line; up to ``SHIFTS`` later triples are tried. ``None`` or the counts used,
     with ``"approximate"`` appended when no triple was linear (the last two are extended anyway).
@@ -113,16 +121,19 @@ def _metrics(name: str, p: int, m: int, costs: CostModel, num_stages: int, max_p
     if max_pairs < MAX_STAGE_MICROBATCHES and num_stages * largest > PLANNED_CAP:
         raise _Skip(f"skipped: {name} searches its order, and simulating it here ({num_stages} stages x {largest} micro-batches) "
                     f"is over the planner's cap of {PLANNED_CAP} pairs (docs/limits.md); try a smaller pp")
+    if num_stages * largest > max_pairs:
+        raise _Skip(f"skipped: simulating it here ({num_stages} stages x {largest} micro-batches) is over the simulator's limit "
+                    f"of {max_pairs} pairs (docs/limits.md)")
     if m <= m0 + 2 * q:
-        return simulate_metrics(name, p, m, costs), None
+        return simulate_metrics(name, p, m, costs, options), None
     try:
-        runs = {k: simulate_metrics(name, p, k, costs) for k in (m0, m0 + q, m0 + 2 * q)}
+        runs = {k: simulate_metrics(name, p, k, costs, options) for k in (m0, m0 + q, m0 + 2 * q)}
         shifts = 0
         searching = max_pairs < MAX_STAGE_MICROBATCHES
         while (not _linear(*(runs[k] for k in (m0, m0 + q, m0 + 2 * q))) and shifts < SHIFTS and m > m0 + 3 * q
                and not (searching and num_stages * (m0 + 3 * q) > PLANNED_CAP)):
             m0, shifts = m0 + q, shifts + 1
-            runs[m0 + 2 * q] = simulate_metrics(name, p, m0 + 2 * q, costs)
+            runs[m0 + 2 * q] = simulate_metrics(name, p, m0 + 2 * q, costs, options)
     except ValueError as error:  # a generator refuses a count by its size and residue: m's residue stands in for m
         text = str(error)
         for k in range(m0, m0 + 3 * q, q):
@@ -131,7 +142,7 @@ def _metrics(name: str, p: int, m: int, costs: CostModel, num_stages: int, max_p
     used = (m0 + q, m0 + 2 * q)
     exact = _linear(*(runs[k] for k in (m0, *used)))
     if not exact and num_stages * m <= (PLANNED_CAP if searching else DIRECT_PAIRS):
-        return simulate_metrics(name, p, m, costs), None
+        return simulate_metrics(name, p, m, costs, options), None
     a, b = runs[used[0]], runs[used[1]]
     return {key: _extend(a[key], b[key], *used, m) for key in a}, used + (() if exact else ("approximate",))
 
@@ -159,8 +170,10 @@ def _rank_params(model: Model, placement, lay: Layout) -> list[tuple[float, floa
     return per_rank
 
 
-def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, microbatches: int, costs: CostModel | None = None) -> Prediction:
-    """Predict schedule ``name`` at pipeline size ``pp``; an impossible case comes back with ``why``, never raised.
+def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, microbatches: int, costs: CostModel | None = None,
+                options: dict | None = None) -> Prediction:
+    """Predict schedule ``name`` (with ``options``, e.g. ``{"pairs": 2}``) at pipeline size ``pp``; an
+    impossible case comes back with ``why``, never raised.
 
     ``costs``: the op times of one 1F1B stage to use instead of the model's (from a traced run), or
     per-stage op times of ``name``'s own stages at ``pp``, used as given (the traced schedule itself).
@@ -170,11 +183,11 @@ def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, micro
         raise ValueError("model=None: give a Model, or the costs of a traced run")
     _check_count("pp", pp)
     _check_count("microbatches", microbatches)
-    pred = Prediction(registry.get(name).name, pp, microbatches)
+    pred = Prediction(registry.get(name).name, pp, microbatches, dict(options or {}))
     try:
         lay = layout(model, cluster, pp)
         pred.dp, pred.ep = lay.dp, lay.ep
-        placement = registry.placement_for(name, pp)
+        placement = registry.placement_for(name, pp, **pred.options)
         a2a_op, m_b = 0.0, 0.0  # measured op times hold their all-to-alls (if any)
         if model is not None:
             if any((model.layers * size / pp).denominator != 1 for size in set(stage_sizes(placement))):
@@ -183,7 +196,13 @@ def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, micro
             model_costs, per_layer, m_b = stage_costs(model, cluster, lay)
             if costs is None:
                 costs, a2a_op = model_costs, model.layers / pp * 4 * per_layer.a2a  # all-to-alls in one F + B of a 1F1B stage
-        metrics, pred.extrapolated_from = _metrics(pred.schedule, pp, microbatches, costs, placement.num_stages, registry.get(name).max_pairs)
+            pred.copies = len(placement.chains)
+            _memory(pred, model, _rank_params(model, placement, lay), [0.0] * pp)
+            if pred.memory["total"] > cluster.memory:  # the weights alone: no need to simulate
+                pred.why = _too_big(pred, cluster, before_activations=True)
+                return pred
+        metrics, pred.extrapolated_from = _metrics(pred.schedule, pp, microbatches, costs, placement.num_stages, registry.get(name).max_pairs,
+                                                   pred.options)
     except _Skip as skip:
         pred.why = str(skip)
         return pred
@@ -229,21 +248,30 @@ def _collectives_and_memory(pred: Prediction, model: Model, cluster: Cluster, la
     if pred.copies > 1:
         pred.mirror_all_reduce = max(all_reduce_time((d + e) * model.grad_bytes, pred.copies, cluster.bandwidth(span), cluster.latency)
                                      for d, e in params)
+    _memory(pred, model, params, [max(0.0, a) * m_b for a in peak])
+    if pred.memory["total"] > cluster.memory:
+        pred.why = _too_big(pred, cluster)
+
+
+def _memory(pred: Prediction, model: Model, params: list, activations: list) -> None:
+    """The fullest rank's memory parts and every rank's total, from its parameters and activation bytes."""
     totals = []
-    for r, (d, e) in enumerate(params):
+    for (d, e), act in zip(params, activations):
         n = d + e
         parts = {"params": n * model.param_bytes, "grads": n * model.grad_bytes, "optimizer": n * model.optimizer_bytes,
-                 "activations": max(0.0, peak[r]) * m_b}
+                 "activations": act}
         parts["total"] = sum(parts.values())
         totals.append(parts)
     pred.memory = max(totals, key=lambda t: t["total"])
     pred.memory_per_rank = [t["total"] for t in totals]
-    if pred.memory["total"] > cluster.memory:
-        mem = {k: v / GiB for k, v in pred.memory.items()}
-        copies = f" in {pred.copies} copies" if pred.copies > 1 else ""
-        pred.why = (f"does not fit: needs {mem['total']:.1f} GiB on its fullest rank ({mem['params']:.1f} weights{copies}, "
-                    f"{mem['grads']:.1f} grads, {mem['optimizer']:.1f} optimizer, {mem['activations']:.1f} activations), "
-                    f"{cluster.memory / GiB:.1f} GiB available")
+
+
+def _too_big(pred: Prediction, cluster: Cluster, before_activations: bool = False) -> str:
+    mem = {k: v / GiB for k, v in pred.memory.items()}
+    copies = f" in {pred.copies} copies" if pred.copies > 1 else ""
+    what = "before any activation" if before_activations else f"{mem['activations']:.1f} activations"
+    return (f"does not fit: needs {mem['total']:.1f} GiB on its fullest rank ({mem['params']:.1f} weights{copies}, "
+            f"{mem['grads']:.1f} grads, {mem['optimizer']:.1f} optimizer, {what}), {cluster.memory / GiB:.1f} GiB available")
 
 
 def _limit(pred: Prediction, cluster: Cluster) -> str:
@@ -270,7 +298,8 @@ def plan(model: Model, cluster: Cluster, microbatches: int, pp_sizes=None, sched
     """Every schedule (default ``registry.names()``) at every pipeline size (default: powers of two
     dividing the GPUs, 2..64), ranked: fitting ones by throughput (by step time without a model), then the rest.
 
-    ``costs_for(name, pp)``: the op times to use instead of the model's (``predict_one``'s ``costs``).
+    Schedules with variants (``registry.variants``: Chimera's pipeline pairs) get a row for each.
+    ``costs_for(name, pp, options)``: the op times to use instead of the model's (``predict_one``'s ``costs``).
     ``workers``: processes to predict in (None: one per core, up to ``MAX_WORKERS``, when the plan is
     large enough to pay for starting them; 1: in this process). The answer does not depend on it.
     """
@@ -282,9 +311,10 @@ def plan(model: Model, cluster: Cluster, microbatches: int, pp_sizes=None, sched
     if workers is not None:
         _check_count("workers", workers)
     # Largest pipelines first, so that the pool's last tasks are short ones.
-    tasks = [(name, p, costs_for(name, p) if costs_for else None) for p in sorted(pp_sizes, reverse=True) for name in schedules]
+    tasks = [(name, p, options, costs_for(name, p, options) if costs_for else None)
+             for p in sorted(pp_sizes, reverse=True) for name in schedules for options in registry.variants(name, p)]
     results = _predict_all(model, cluster, microbatches, tasks, _workers(workers, tasks, microbatches))
-    return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s, r.step_time, r.pp, r.schedule))
+    return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s, r.step_time, r.pp, r.label))
 
 
 MAX_WORKERS = 8
@@ -296,7 +326,7 @@ def _workers(workers: int | None, tasks: list, m: int) -> int:
         return min(workers, len(tasks))
     if "fork" not in multiprocessing.get_all_start_methods() or _threads() > 1:
         return 1  # see _predict_all: only a single-threaded process forks its workers unasked
-    pairs = sum(p * min(m, 4 * p) for _, p, _ in tasks)  # a triple of simulations spans about 4p micro-batches
+    pairs = sum(p * min(m, 4 * p) for _, p, _, _ in tasks)  # a triple of simulations spans about 4p micro-batches
     return min(os.cpu_count() or 1, MAX_WORKERS, len(tasks)) if pairs > PARALLEL_PAIRS else 1
 
 
@@ -322,8 +352,8 @@ def _predict_all(model, cluster, m: int, tasks: list, workers: int) -> list[Pred
     return [_predict_task(model, cluster, m, *task) for task in tasks]
 
 
-def _predict_task(model, cluster, m: int, name: str, p: int, costs) -> Prediction:
-    return predict_one(name, model, cluster, p, m, costs)
+def _predict_task(model, cluster, m: int, name: str, p: int, options: dict, costs) -> Prediction:
+    return predict_one(name, model, cluster, p, m, costs, options)
 
 
 def _check_count(name: str, value) -> None:

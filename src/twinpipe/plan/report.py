@@ -24,7 +24,7 @@ PARTS = {
 
 
 def as_dicts(predictions: list[Prediction]) -> list[dict]:
-    return [asdict(p) | {"status": p.status} for p in predictions]
+    return [asdict(p) | {"status": p.status, "label": p.label} for p in predictions]
 
 
 def _seconds(x: float) -> str:
@@ -54,11 +54,11 @@ def print_table(predictions: list[Prediction], title: str, caption: str, top: in
     for i, p in enumerate(shown, 1):
         a2a = f"{_seconds(p.a2a_exposed)}/{_seconds(p.a2a_hidden)}" if p.a2a_exposed or p.a2a_hidden else "-"
         memory = f"{p.memory['total'] / GiB:.1f}" if p.memory else "-"
-        table.add_row(str(i), p.schedule, f"{p.pp} x {p.dp}", _seconds(p.step_time), f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "-",
+        table.add_row(str(i), p.label, f"{p.pp} x {p.dp}", _seconds(p.step_time), f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "-",
                       f"{p.bubble / p.step_time:.1%}" if p.step_time else "-", a2a, _seconds(p.dp_all_reduce) if p.dp_all_reduce else "-",
                       _seconds(p.mirror_all_reduce) if p.copies > 1 and p.memory else "-", memory, _source(p), p.limit)
     for p in rest:
-        table.add_row("-", p.schedule, f"{p.pp} x {p.dp}", "", "", "", "", "", "", "", _source(p), p.why, style="dim")
+        table.add_row("-", p.label, f"{p.pp} x {p.dp}", "", "", "", "", "", "", "", _source(p), p.why, style="dim")
     if console is None:
         console = Console()
         if not console.is_terminal:  # piped or redirected: rich would fold every cell to 80 columns
@@ -77,7 +77,7 @@ def draw_plan(predictions: list[Prediction], path: str | Path, title: str, top: 
     if not rows:
         raise ValueError("nothing fits: no picture to draw (see the table for why)")
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.32 * len(rows)))
-    labels = [f"{p.schedule}  pp={p.pp}" for p in rows]
+    labels = [f"{p.label}  pp={p.pp}" for p in rows]
     left = [0.0] * len(rows)
     colors = ("#4c72b0", "#dd8452", "#c0c0c0", "#55a868", "#c44e52")
     for (attr, label), color in zip(PARTS.items(), colors):

@@ -36,7 +36,7 @@ from __future__ import annotations
 from twinpipe.schedule.ops import BW, F, Op, Schedule
 from twinpipe.schedule.placement import Placement, dual, dual_pairs
 
-__all__ = ["chimera", "slots", "check_even", "placement", "allowed_pairs"]
+__all__ = ["chimera", "slots", "check_even", "placement", "allowed_pairs", "variants"]
 
 _NAME = "chimera"
 
@@ -51,6 +51,11 @@ def check_even(schedule: str, name: str, value) -> int:
 def allowed_pairs(num_ranks: int) -> list[int]:
     """The pair counts k that ``num_ranks`` ranks allow: 2k divides num_ranks."""
     return [k for k in range(1, num_ranks // 2 + 1) if num_ranks % (2 * k) == 0]
+
+
+def variants(num_ranks: int) -> list[dict]:
+    """More than one pair, for the planner to compare: ``{"pairs": k}`` for each allowed k > 1."""
+    return [{"pairs": k} for k in allowed_pairs(num_ranks) if k > 1]
 
 
 def _check_pairs(num_ranks: int, pairs) -> int:

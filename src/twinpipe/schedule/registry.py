@@ -11,7 +11,7 @@ generator checks the option values.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Callable
 
@@ -21,7 +21,7 @@ from twinpipe.schedule.limits import MAX_STAGE_MICROBATCHES, check_counts, check
 from twinpipe.schedule.ops import Schedule
 from twinpipe.schedule.placement import Placement, dual, dual_v, linear, vshape
 
-__all__ = ["ScheduleInfo", "BUILTIN", "register", "get", "names", "build", "placement_for", "stages_of_rank"]
+__all__ = ["ScheduleInfo", "BUILTIN", "register", "get", "names", "variants", "build", "placement_for", "stages_of_rank"]
 
 
 def _keywords(fn: Callable, skip: int) -> tuple[str, ...] | None:
@@ -42,6 +42,8 @@ class ScheduleInfo:
     summary: str
     aliases: tuple[str, ...] = ()
     max_pairs: int = MAX_STAGE_MICROBATCHES  # stages x micro-batches (limits.py)
+    # Other option sets worth comparing at p ranks (the planner's rows), beside the defaults.
+    variants: Callable[[int], list[dict]] | None = None
 
     @cached_property
     def options(self) -> tuple[str, ...] | None:
@@ -63,7 +65,8 @@ BUILTIN: tuple[ScheduleInfo, ...] = (
     ScheduleInfo("dualpipe", dualpipe.dualpipe, dual, "DeepSeek DualPipe: bidirectional, two mirrored weight copies"),
     ScheduleInfo("dualpipev", dualpipe.dualpipev, vshape, "DeepSeek DualPipeV: V-shaped cut-in-half DualPipe, one weight copy"),
     ScheduleInfo("chimera", chimera.chimera, chimera.placement,
-                 "Chimera: 1F1B pipelines in opposite directions, k pairs (pairs=k, default 1), 2k weight copies"),
+                 "Chimera: 1F1B pipelines in opposite directions, k pairs (pairs=k, default 1), 2k weight copies",
+                 variants=chimera.variants),
     ScheduleInfo("bitpipe", bitpipe.bitpipe, dual_v, "BitPipe: a V-shaped pipeline in each direction, four half-size stages per rank, two weight copies"),
 )
 
@@ -72,15 +75,24 @@ _ALIASES: dict[str, str] = {alias: info.name for info in BUILTIN for alias in in
 
 
 def register(name: str, generator: Callable[..., Schedule], placement: Callable[..., Placement], summary: str,
-             aliases: tuple[str, ...] = (), max_pairs: int = MAX_STAGE_MICROBATCHES) -> ScheduleInfo:
-    """Make your own ``generator`` available under ``name`` (and ``aliases``) to every tool."""
+             aliases: tuple[str, ...] = (), max_pairs: int = MAX_STAGE_MICROBATCHES,
+             variants: Callable[[int], list[dict]] | None = None) -> ScheduleInfo:
+    """Make your own ``generator`` available under ``name`` (and ``aliases``) to every tool;
+    ``variants(p)``: option sets the planner compares beside the defaults."""
     taken = [n for n in (name, *aliases) if n.lower() in _REGISTRY or n.lower() in _ALIASES]
     if taken:
         raise ValueError(f"schedule name(s) {', '.join(map(repr, taken))} already registered; choose another")
-    info = ScheduleInfo(name.lower(), generator, placement, summary, tuple(a.lower() for a in aliases), max_pairs)
+    info = ScheduleInfo(name.lower(), generator, placement, summary, tuple(a.lower() for a in aliases), max_pairs, variants)
     _REGISTRY[info.name] = info
     _ALIASES.update({alias: info.name for alias in info.aliases})
     return info
+
+
+def variants(name: str, num_ranks: int) -> list[dict]:
+    """The option sets of ``name`` to compare at ``num_ranks`` ranks: the defaults ``{}`` first, then
+    the schedule's own variants (Chimera: each allowed number of pipeline pairs)."""
+    info = get(name)
+    return [{}] + (info.variants(num_ranks) if info.variants else [])
 
 
 def names() -> list[str]:
@@ -116,7 +128,9 @@ def build(name: str, num_ranks: int, num_microbatches: int, **options) -> Schedu
     _check_options(info, options)
     p, m = check_counts(info.name, num_ranks, num_microbatches)
     check_size(info.name, _placement(info, p, options).num_stages, m, info.max_pairs)
-    return info.generator(p, m, **options)
+    schedule = info.generator(p, m, **options)
+    missing = {k: v for k, v in options.items() if k not in schedule.options}
+    return replace(schedule, options={**schedule.options, **missing}) if missing else schedule  # a trace says how it was built
 
 
 def placement_for(name: str, num_ranks: int, **options) -> Placement:

@@ -77,6 +77,8 @@ def chrome_trace(timeline: Timeline, us_per_unit: float | None = None) -> dict:
     }
     if timeline.peak_activation:
         other["peak_activation"] = list(timeline.peak_activation)
+    if timeline.meta.get("options"):
+        other["options"] = timeline.meta["options"]  # how the schedule was built: its placement depends on them
     for key in ("clock_method", "clock_error_s", *PROCESSOR_KEYS):
         if key in timeline.meta:
             other[key] = timeline.meta[key]

@@ -300,3 +300,17 @@ def test_workers_never_run_the_callers_script_again(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = sum(len(registry.variants(n, p)) for p in (2, 4) for n in registry.names())
     assert out.stdout.split("\n")[:2] == ["script ran", f"{rows} rows"]
+
+
+def test_a_registered_schedule_is_checked_on_every_simulation(monkeypatch):
+    # Built-in generators are validated by their tests; one a user registers is checked at every use,
+    # so a schedule that forgets an op is a row that says so, not a fast wrong makespan.
+    def forgetful(p, m):
+        schedule = registry.build("1f1b", p, m)
+        return schedule.with_ops([list(ops[:-1]) if rank == 0 else list(ops) for rank, ops in enumerate(schedule.ops)])
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    registry.register("forgetful-1f1b", forgetful, registry.get("1f1b").placement, "1F1B missing rank 0's last op")
+    pred = predict_one("forgetful-1f1b", None, Cluster(gpus=4), 4, 64, costs=COSTS)
+    assert not pred.fits and "missing op" in pred.why
+    assert predict_one("1f1b", None, Cluster(gpus=4), 4, 64, costs=COSTS).fits

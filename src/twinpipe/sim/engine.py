@@ -52,18 +52,23 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
                     "simulated", summary.peak, meta)
 
 
-def summarize(schedule: Schedule, costs: CostModel | None = None) -> Summary:
-    """``simulate``'s numbers without recording its slices: same checks, same times, about half the work."""
-    return _run(schedule, _checked(schedule, costs), None)
+def summarize(schedule: Schedule, costs: CostModel | None = None, check: bool = True) -> Summary:
+    """``simulate``'s numbers without recording its slices: same checks, same times, about half the work.
+
+    ``check=False`` skips ``check_work`` (a tenth of the time) for schedules known to be whole, such
+    as the built-in generators' (their tests validate them); a deadlock is still an error.
+    """
+    return _run(schedule, _checked(schedule, costs, check), None)
 
 
-def _checked(schedule: Schedule, costs: CostModel | None) -> CostModel:
+def _checked(schedule: Schedule, costs: CostModel | None, check: bool = True) -> CostModel:
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
     costs = CostModel() if costs is None else costs
     if not isinstance(costs, CostModel):
         raise TypeError(f"costs must be a CostModel, got {type(costs).__name__}")
-    check_work(schedule)
+    if check:
+        check_work(schedule)
     return costs
 
 

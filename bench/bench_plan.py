@@ -5,9 +5,10 @@
    the same run: simulating the same (schedule, size) pairs whole at m=1024, for the sizes where
    that is affordable (16 and 32; the searching schedules are left out of both).
 2. Accuracy: real runs on CPU (gloo, one thread per rank, MLP stages) on 2 and 4 ranks; each
-   step's wall time (barrier to barrier) is measured, the last step is traced and written as
-   trace.json, and the planner's step time from that file (the path `twinpipe plan --from-trace`
-   takes) is compared with that traced step's wall time and with the median of the others.
+   step's wall time (barrier to barrier) is measured. --steps untraced steps give the baseline;
+   then --steps traced steps, each written as a trace.json, and the planner's step time from each
+   file (the path `twinpipe plan --from-trace` takes) is compared with that step's own wall time
+   (median and range of the ratios) and with the untraced steps' median.
 
     PYTHONPATH=src python bench/bench_plan.py
     PYTHONPATH=src python bench/bench_plan.py --skip-speed --ranks 2 --schedules 1f1b
@@ -87,22 +88,22 @@ def _worker(rank: int, world: int, args) -> dict:
         last = any(placement.is_last(s) for s in pipe.stages)
         x, y = torch.randn(args.chunks * args.batch, args.hidden), torch.randn(args.chunks * args.batch, args.hidden)
         kwargs = {"criterion": lambda o, t: F.mse_loss(o, t), "labels": (y,)} if last else {}
-        steps, path, traced_step = [], None, None
-        for step in range(args.warmup + args.steps + 1):
-            traced = step == args.warmup + args.steps
+        untraced, traced = [], []  # wall times; (wall time, trace path) of the traced steps
+        for step in range(args.warmup + 2 * args.steps):
+            tracing = step >= args.warmup + args.steps
             pipe.zero_grad()
             dist.barrier()
             start = time.perf_counter()
-            pipe.step(*((x,) if first else ()), num_chunks=args.chunks, trace=traced, **kwargs)
+            pipe.step(*((x,) if first else ()), num_chunks=args.chunks, trace=tracing, **kwargs)
             dist.barrier()
-            if traced:
-                traced_step = time.perf_counter() - start
+            wall = time.perf_counter() - start
+            if tracing:
+                timeline = gather_timeline(pipe, args.chunks, name=schedule)
+                path = None if timeline is None else str(write_chrome_trace(timeline, os.path.join(args.out, f"{schedule}-{world}-{step}.json")))
+                traced.append((wall, path))
             elif step >= args.warmup:
-                steps.append(time.perf_counter() - start)
-        timeline = gather_timeline(pipe, args.chunks, name=schedule)
-        if timeline is not None:
-            path = str(write_chrome_trace(timeline, os.path.join(args.out, f"{schedule}-{world}.json")))
-        out[schedule] = (steps, traced_step, path)
+                untraced.append(wall)
+        out[schedule] = (untraced, traced)
     return out
 
 
@@ -117,16 +118,22 @@ def _accuracy(args) -> None:
     from twinpipe.plan.measured import load_traced
 
     print(f"plan vs a real CPU run: MLP stages {args.hidden}-{4 * args.hidden}-{args.hidden}, {args.chunks} micro-batches of "
-          f"{args.batch} rows, gloo, 1 thread per rank, {os.cpu_count()} cores; median of {args.steps} steps after {args.warmup} warm-up")
+          f"{args.batch} rows, gloo, 1 thread per rank, {os.cpu_count()} cores; {args.steps} untraced then {args.steps} traced steps "
+          f"after {args.warmup} warm-up")
     for world in args.ranks:
         results = _run(world, args)
-        for schedule, (steps, traced_step, path) in results.items():
-            traced = load_traced(path)  # what `twinpipe plan --from-trace` reads
-            predicted = predict_one(schedule, None, Cluster(gpus=world), world, args.chunks, costs=traced.costs_for(schedule, world)).step_time
-            measured = statistics.median(steps)
-            print(f"  {schedule:10} {world} ranks: traced step {traced_step * 1e3:6.1f} ms, predicted from its op times "
-                  f"{predicted * 1e3:6.1f} ms ({predicted / traced_step:.3f}x); other steps median {measured * 1e3:6.1f} ms "
-                  f"({predicted / measured:.3f}x; min {min(steps) * 1e3:.1f}, max {max(steps) * 1e3:.1f})")
+        for schedule, (untraced, traced) in results.items():
+            ratios, predictions = [], []
+            for wall, path in traced:
+                costs = load_traced(path).costs_for(schedule, world)  # what `twinpipe plan --from-trace` reads
+                predicted = predict_one(schedule, None, Cluster(gpus=world), world, args.chunks, costs=costs).step_time
+                ratios.append(predicted / wall)
+                predictions.append(predicted)
+            base = statistics.median(untraced)
+            print(f"  {schedule:10} {world} ranks: predicted / its traced step median {statistics.median(ratios):.3f}x "
+                  f"(min {min(ratios):.3f}, max {max(ratios):.3f}, {len(ratios)} steps); median prediction "
+                  f"{statistics.median(predictions) * 1e3:6.1f} ms / untraced steps' median {base * 1e3:6.1f} ms = "
+                  f"{statistics.median(predictions) / base:.3f}x")
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from distributed import run_world
-from test_train_exact import tiny_setup
+from train_setup import tiny_setup
 
 WORLD = 4
 

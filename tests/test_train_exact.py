@@ -7,33 +7,15 @@ clipping active in some; DualPipe's mirrored copies are compared bitwise after e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from distributed import run_world
+from train_setup import Case, tiny_setup
 from twinpipe.schedule import registry
 
 WORLD = 4
 STEPS = 30
 TOL = 1e-12
-
-
-@dataclass(frozen=True)
-class Case:
-    schedule: str
-    pp: int
-    dp: int
-    optimizer: str  # "sgd" (momentum) | "adamw"
-    max_norm: float | None = None
-    dp_reduce: str = "all-reduce"
-    steps: int = STEPS
-
-    @property
-    def id(self) -> str:
-        clip = f"-clip{self.max_norm}" if self.max_norm is not None else ""
-        ordered = "-ordered" if self.dp_reduce == "ordered" else ""
-        return f"{self.schedule}-pp{self.pp}-dp{self.dp}-{self.optimizer}{clip}{ordered}-{self.steps}steps"
 
 
 CASES = [
@@ -51,27 +33,6 @@ CASES = [
 CASES += [Case(name, 2, 2, "sgd", max_norm=0.3, steps=3) for name in registry.names() if name not in {c.schedule for c in CASES}]
 
 
-def tiny_setup(schedule: str, seed: int = 0, max_norm=None, optimizer: str = "sgd", dp_reduce: str = "all-reduce"):
-    """Model factory, sampler, criterion, optimizer factory and config shared by the train tests."""
-    import torch
-
-    from twinpipe.train.data import BatchSampler
-    from twinpipe.train.model import GPT, GPTConfig, lm_loss
-    from twinpipe.train.trainer import TrainConfig
-
-    cfg = GPTConfig(vocab=32, seq_len=8, dim=8, heads=2, layers=6)
-    corpus = torch.randint(0, cfg.vocab, (4096,), generator=torch.Generator().manual_seed(5))
-    sampler = BatchSampler(corpus, cfg.seq_len, seed=seed)
-
-    def make_optimizer(params):
-        if optimizer == "sgd":
-            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
-
-    config = TrainConfig(schedule=schedule, batch_size=8, microbatch_size=2, max_norm=max_norm, seed=seed, dp_reduce=dp_reduce)
-    return (lambda: GPT(cfg)), sampler, lm_loss, make_optimizer, config
-
-
 def _run_case(rank: int, case: Case) -> list[str]:
     import torch
     import torch.distributed as dist
@@ -86,14 +47,14 @@ def _run_case(rank: int, case: Case) -> list[str]:
     expected = [None]
     if rank == 0:  # one reference run, shared (the ranks share two cores)
         ref = ReferenceTrainer(model_fn, sampler, criterion, make_opt, config, case.dp, case.pp, dtype=torch.float64)
-        steps = [ref.step(step) for step in range(case.steps)]
+        steps = [ref.step(step) for step in range(case.steps or STEPS)]
         expected = [(steps, {k: v.detach() for k, v in ref.named_parameters().items()})]
     dist.broadcast_object_list(expected, src=0)
     steps, final = expected[0]
     mesh = build_mesh(case.dp, case.pp)
     trainer = Trainer(model_fn, sampler, criterion, make_opt, mesh, config, dtype=torch.float64)
     problems, clipped = [], 0
-    for step in range(case.steps):
+    for step in range(case.steps or STEPS):
         got = trainer.step(step)
         loss, losses, norm = steps[step]
         if not torch.equal(got.losses, losses):

@@ -10,31 +10,14 @@ bitwise, after it only expert weights differ, and losses, norms and weights stay
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from distributed import run_world
+from train_setup import Case, tiny_setup
 
 WORLD = 4
 STEPS = 5
 REL = 1e-12  # where EP legitimately regroups a sum (module docstring); measured <= 3e-14
-
-
-@dataclass(frozen=True)
-class Case:
-    schedule: str
-    pp: int
-    dp: int
-    optimizer: str  # "sgd" (momentum) | "adamw"
-    max_norm: float | None = None
-    dp_reduce: str = "all-reduce"
-
-    @property
-    def id(self) -> str:
-        clip = f"-clip{self.max_norm}" if self.max_norm is not None else ""
-        ordered = "-ordered" if self.dp_reduce == "ordered" else ""
-        return f"{self.schedule}-pp{self.pp}-dp{self.dp}-{self.optimizer}{clip}{ordered}"
 
 
 CASES = [
@@ -44,27 +27,6 @@ CASES = [
     Case("1f1b", 1, 4, "adamw", dp_reduce="ordered"),  # EP=4: one expert per rank
     Case("dualpipe", 4, 1, "adamw", max_norm=0.3),  # EP=1: bitwise throughout
 ]
-
-
-def moe_setup(schedule: str, optimizer: str = "sgd", max_norm=None, dp_reduce: str = "all-reduce", experts: int = 4):
-    """Model factory, sampler, criterion, optimizer factory and config of the MoE train tests."""
-    import torch
-
-    from twinpipe.train.data import BatchSampler
-    from twinpipe.train.model import GPT, GPTConfig, lm_loss
-    from twinpipe.train.trainer import TrainConfig
-
-    cfg = GPTConfig(vocab=32, seq_len=8, dim=8, heads=2, layers=2, experts=experts, top_k=2)
-    corpus = torch.randint(0, cfg.vocab, (4096,), generator=torch.Generator().manual_seed(5))
-    sampler = BatchSampler(corpus, cfg.seq_len)
-
-    def make_optimizer(params):
-        if optimizer == "sgd":
-            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
-
-    config = TrainConfig(schedule=schedule, batch_size=8, microbatch_size=1, max_norm=max_norm, dp_reduce=dp_reduce)
-    return (lambda: GPT(cfg)), sampler, lm_loss, make_optimizer, config
 
 
 def _rel(a, b) -> float:
@@ -83,7 +45,7 @@ def _run_case(rank: int, case: Case) -> list[str]:
     from twinpipe.train.reference import ReferenceTrainer
     from twinpipe.train.trainer import Trainer
 
-    model_fn, sampler, criterion, make_opt, config = moe_setup(case.schedule, case.optimizer, case.max_norm, case.dp_reduce)
+    model_fn, sampler, criterion, make_opt, config = tiny_setup(case.schedule, optimizer=case.optimizer, max_norm=case.max_norm, dp_reduce=case.dp_reduce, experts=4)
     expected = [None]
     if rank == 0:  # one reference run, shared
         ref = ReferenceTrainer(model_fn, sampler, criterion, make_opt, config, case.dp, case.pp, dtype=torch.float64)
@@ -149,7 +111,7 @@ def _checkpoints(rank: int, root: str) -> list[str]:
     from twinpipe.train.trainer import Trainer
 
     def make(schedule, dp, pp):
-        fn, sampler, criterion, make_opt, config = moe_setup(schedule, "adamw", max_norm=0.3)
+        fn, sampler, criterion, make_opt, config = tiny_setup(schedule, optimizer="adamw", max_norm=0.3, experts=4)
         return Trainer(fn, sampler, criterion, make_opt, build_mesh(dp, pp), config, dtype=torch.float64)
 
     problems = []
@@ -190,14 +152,14 @@ def _bad_input(rank: int, root: str) -> list[str]:
     problems = []
     for dp, pp, experts, want in ((4, 1, 6, "dp=4: the model's MoE blocks have 6 experts"),
                                   (2, 2, 3, "dp=2: the model's MoE blocks have 3 experts")):
-        fn, sampler, criterion, make_opt, config = moe_setup("1f1b", experts=experts)
+        fn, sampler, criterion, make_opt, config = tiny_setup("1f1b", experts=experts)
         try:
             Trainer(fn, sampler, criterion, make_opt, build_mesh(dp, pp), config, dtype=torch.float64)
             problems.append(f"dp={dp} with {experts} experts was accepted")
         except ValueError as exc:
             if want not in str(exc) or "allowed: 1, " not in str(exc):
                 problems.append(f"dp={dp} with {experts} experts: unclear error {exc}")
-    fn, sampler, criterion, make_opt, config = moe_setup("1f1b", "adamw", max_norm=0.3)
+    fn, sampler, criterion, make_opt, config = tiny_setup("1f1b", optimizer="adamw", max_norm=0.3, experts=4)
     dense = Trainer(lambda: GPT(GPTConfig(vocab=32, seq_len=8, dim=8, heads=2, layers=2)), sampler, criterion, make_opt,
                     build_mesh(1, 4), config, dtype=torch.float64)
     try:

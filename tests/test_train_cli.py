@@ -38,6 +38,12 @@ def test_train_saves_and_resumes_under_another_schedule(tmp_path, monkeypatch, c
     resumed = json.loads((tmp_path / "b" / "train-log.json").read_text())["steps"]
     assert [e["step"] for e in resumed] == [2]
     assert resumed[0]["loss"] == log[2]["loss"]  # the same weights, optimizer state and batch: the same loss, bitwise
+    # Another model than the checkpoint's is refused before any rank starts, naming the options.
+    capfd.readouterr()
+    other = [*argv[:argv.index("--dim")], "--dim", "8", *argv[argv.index("--dim") + 2:], "--experts", "2"]
+    assert run_train(_args(*other)) == 2
+    err = capfd.readouterr().err
+    assert "--dim=8 (the checkpoint's model has 16)" in err and "--experts=2 (the checkpoint's model has 0)" in err, err
 
 
 def _args(*argv):

@@ -89,6 +89,26 @@ def _check(args) -> None:
     TrainConfig(batch_size=args.batch_size, microbatch_size=args.microbatch_size).num_microbatches(args.dp)
     if args.resume is not None and not Path(args.resume, ".metadata").exists():
         raise ValueError(f"--resume={args.resume}: not a checkpoint directory (no .metadata file)")
+    if args.resume is not None:
+        _check_resume(args)
+
+
+def _check_resume(args) -> None:
+    """The checkpoint's model against the options (blocks, width, experts), before any process starts:
+    inside the ranks the same mismatch is an error too, but with a traceback per rank."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shapes = {k[len("model."):]: list(m.size) for k, m in FileSystemReader(args.resume).read_metadata().state_dict_metadata.items()
+              if k.startswith("model.")}
+    saved = {
+        "--layers": len({n.split(".")[1] for n in shapes if n.startswith("blocks.")}),
+        "--dim": shapes.get("embed.tokens.weight", [0, args.dim])[1],
+        "--experts": len({n.split(".experts.")[1].split(".")[0] for n in shapes if n.startswith("blocks.0.experts.")}),
+    }
+    wrong = [f"{flag}={getattr(args, flag[2:])} (the checkpoint's model has {value})" for flag, value in saved.items()
+             if value != getattr(args, flag[2:])]
+    if wrong:
+        raise ValueError(f"--resume={args.resume}: holds another model than the options describe: {'; '.join(wrong)}")
 
 
 def run_train(args: argparse.Namespace) -> int:

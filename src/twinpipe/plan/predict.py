@@ -12,7 +12,11 @@ are checked to lie on one line and extended to m (``extrapolated_from``); if the
 triples are tried, then m itself if small enough (``DIRECT_PAIRS``), else the result is marked
 approximate. The schedules that plan their order with a search (``registry`` ``max_pairs`` below
 the default) are skipped when one simulation would exceed ``PLANNED_CAP`` (stage, micro-batch)
-pairs, and say so.
+pairs, and say so; any schedule when one would pass the simulator's own size limit.
+
+``plan`` predicts a row per schedule, variant (``registry.variants``) and pipeline size, in a pool of
+forked processes when the plan is large (``workers``); rows are independent, so the answer is the
+same in one process.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Per op: receive what it needs (``Transport``), compute, hand the results on. Outputs that were
 sent are freed at once (autograd keeps only what backward needs). B defers weight gradients to the
-pipeline's ``GradStore`` under the op's (stage, micro-batch); W runs them.
+pipeline's ``GradStore`` under the op's (stage, micro-batch); W runs them. An optional
+``on_grads_ready(stage)`` runs right after the last op of the step that writes the stage's weight
+gradients (``last_grad_writes``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from twinpipe.schedule.lower import Message, RankProgram
 from twinpipe.schedule.ops import Op, OpKind
 from twinpipe.schedule.placement import Placement
 
-__all__ = ["StepData", "StepResult", "Executor", "run_backward"]
+__all__ = ["StepData", "StepResult", "Executor", "run_backward", "last_grad_writes"]
 
 
 @dataclass
@@ -57,6 +59,22 @@ def run_backward(tensors, grads) -> None:
     Variable._execution_engine.run_backward(tuple(tensors), tuple(grads), False, False, (), True, True)
 
 
+def last_grad_writes(ops) -> dict[int, list[int]]:
+    """Op index -> the stages whose weight gradients are final once that op has run: for each stage,
+    its last W, BW or F&B (by its BW half) in ``ops``. B counts too (layers that do not defer
+    compute their weight gradients in B), though a valid schedule always runs its W later."""
+    last: dict[int, int] = {}
+    for index, op in enumerate(ops):
+        if op.kind is OpKind.FB:
+            last[op.backward.stage] = index
+        elif op.kind is not OpKind.F:
+            last[op.stage] = index
+    ready: dict[int, list[int]] = {}
+    for stage, index in last.items():
+        ready.setdefault(index, []).append(stage)
+    return ready
+
+
 def _as_tuple(value) -> tuple:
     if isinstance(value, torch.Tensor):
         return (value,)
@@ -83,10 +101,11 @@ class Executor:
         overlap_fn=None,
         before_first_message=None,
         agreement_arrived=None,
+        on_grads_ready=None,
     ):
         self.program, self.placement, self.modules = program, placement, modules
         self.rank, self.store, self.device = program.rank, store, device
-        self.recorder, self.overlap_fn = recorder, overlap_fn
+        self.recorder, self.overlap_fn, self.on_grads_ready = recorder, overlap_fn, on_grads_ready
         self.transport = Transport(program, p2p, device, layouts, declared, timeout, self._where, before_first_message,
                                    agreement_arrived)
         self.acts: dict[tuple[int, int], tuple] = {}  # inputs waiting for a forward
@@ -240,6 +259,9 @@ class Executor:
         self._num_mb = num_microbatches
         self.result = StepResult()
         program, rec = self.program, self.recorder
+        hook = self.on_grads_ready if data.training else None  # forward-only steps write no gradients
+        ready = last_grad_writes(program.ops) if hook is not None else {}
+        unwritten = sorted(set(self.modules) - {s for stages in ready.values() for s in stages}) if hook is not None else ()
         for index, op in enumerate(program.ops):
             self.op_index = index
             if program.recvs[index]:
@@ -265,7 +287,12 @@ class Executor:
             self.transport.open_if_agreed()
             if self.transport.in_flight:
                 self.transport.retire(wait=False)
+            if ready and index in ready:  # after the op's sends went out: peers wait on them, not on the hook
+                for stage in ready[index]:
+                    hook(stage)
         self.op_index = len(program.ops)
+        for stage in unwritten:  # a stage no op of this step computes a gradient for
+            hook(stage)
         t0 = rec.mark() if rec else 0.0
         self.transport.finish()
         if rec and self.transport.channels:

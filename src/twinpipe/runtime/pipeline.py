@@ -247,8 +247,15 @@ class Pipeline(nn.Module):
         return self._lowered[key]
 
     # ------------------------------------------------------------------ step
-    def step(self, *inputs, num_chunks: int = 0, criterion=None, labels=(), return_outputs: bool = False, trace: bool = False):
+    def step(self, *inputs, num_chunks: int = 0, criterion=None, labels=(), return_outputs: bool = False, trace: bool = False,
+             on_grads_ready: Callable[[int], None] | None = None):
         """Run one pipelined step over ``num_chunks`` micro-batches. Returns ``(loss, outputs)``.
+
+        ``on_grads_ready(stage)``, in training, is called once for each of this rank's stages, right
+        after the last op of this step that writes that stage's parameter gradients (its last W, BW
+        or F&B), while later ops still wait: a data-parallel reduction of those gradients can start
+        there. ``stage`` is the pipeline stage number (its module: ``self.module[self.stages.index(stage)]``).
+        An exception in it fails the step like a failing stage.
 
         Before any message moves, every rank checks that all run the same step (see
         ``twinpipe.runtime.agreement``); a rank that rejects its inputs makes the others raise
@@ -260,6 +267,8 @@ class Pipeline(nn.Module):
         where = f"rank {self.rank}, step {round_index}"
         error = None
         try:
+            if on_grads_ready is not None and not callable(on_grads_ready):
+                raise ValueError(f"on_grads_ready={on_grads_ready!r}: must be a callable taking a stage number, or None")
             lowered, data = self._prepare(inputs, num_chunks, criterion, labels, return_outputs, training)
         except Exception as exc:  # reported to every rank before raising
             error = exc
@@ -308,7 +317,7 @@ class Pipeline(nn.Module):
         executor = Executor(
             lowered.programs[self.rank], lowered.schedule.placement, self._by_stage, self._p2p, self.device,
             self._layouts, declared, self.timeout, self.store, recorder, self._overlap, before_first_message,
-            agreement.arrived if agreement is not None else None,
+            agreement.arrived if agreement is not None else None, on_grads_ready,
         )
         self.store.clear()
         try:

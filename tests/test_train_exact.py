@@ -28,6 +28,12 @@ CASES = [
     Case("dualpipe", 4, 1, "adamw", max_norm=0.3),
     Case("dualpipe", 2, 2, "sgd"),
     Case("1f1b", 1, 4, "adamw", dp_reduce="ordered"),  # four replicas, added in order: still bitwise
+    # The data-parallel reduction off the pipeline step (overlap_dp=False), and overlapped with two
+    # stages per rank (buckets per stage: other buckets than the serial path's), ordered for four replicas.
+    Case("zb-h1", 2, 2, "sgd", overlap_dp=False),
+    Case("dualpipev", 2, 2, "adamw", overlap_dp=False),
+    Case("dualpipev", 1, 4, "adamw", max_norm=0.3, dp_reduce="ordered"),
+    Case("dualpipev", 1, 4, "adamw", max_norm=0.3, dp_reduce="ordered", overlap_dp=False),
 ]
 # Every other registered schedule (Chimera and BitPipe keep two copies too): a few steps each.
 CASES += [Case(name, 2, 2, "sgd", max_norm=0.3, steps=3) for name in registry.names() if name not in {c.schedule for c in CASES}]
@@ -43,7 +49,7 @@ def _run_case(rank: int, case: Case) -> list[str]:
     from models import grad_error
 
     model_fn, sampler, criterion, make_opt, config = tiny_setup(case.schedule, max_norm=case.max_norm, optimizer=case.optimizer,
-                                                                dp_reduce=case.dp_reduce)
+                                                                dp_reduce=case.dp_reduce, overlap_dp=case.overlap_dp)
     expected = [None]
     if rank == 0:  # one reference run, shared (the ranks share two cores)
         ref = ReferenceTrainer(model_fn, sampler, criterion, make_opt, config, case.dp, case.pp, dtype=torch.float64)
@@ -54,8 +60,17 @@ def _run_case(rank: int, case: Case) -> list[str]:
     mesh = build_mesh(case.dp, case.pp)
     trainer = Trainer(model_fn, sampler, criterion, make_opt, mesh, config, dtype=torch.float64)
     problems, clipped = [], 0
+    # Where the reduction starts: inside the pipeline step, once per stage of this rank (overlap_dp
+    # with one chain and replicas), else after it.
+    overlapped = case.overlap_dp and len(trainer.placement.chains) == 1 and case.dp > 1
+    events = _watch_reduction(trainer)
     for step in range(case.steps or STEPS):
+        events.clear()
         got = trainer.step(step)
+        starts = [e for e in events[1 : events.index("end")] if e != "end"] if "end" in events else events
+        want = list(range(len(trainer.pipe.stages))) if overlapped else []
+        if sorted(starts) != want:
+            problems.append(f"step {step}: reduction parts started inside the pipeline step: {starts}, expected {want}")
         loss, losses, norm = steps[step]
         if not torch.equal(got.losses, losses):
             problems.append(f"step {step}: losses {got.losses.tolist()} != reference {losses.tolist()}")
@@ -78,6 +93,26 @@ def _run_case(rank: int, case: Case) -> list[str]:
         elif not torch.equal(p.detach(), final[name]):  # the same additions in the same order: the same bits
             problems.append(f"{name}: final parameters within {TOL} but not bitwise equal")
     return problems
+
+
+def _watch_reduction(trainer) -> list:
+    """Record 'begin'/'end' of each pipeline step and the reducer parts started, in order."""
+    events = []
+    step, start = trainer.pipe.step, trainer.reducer.start
+
+    def watched_step(*args, **kwargs):
+        events.append("begin")
+        try:
+            return step(*args, **kwargs)
+        finally:
+            events.append("end")
+
+    def watched_start(part):
+        events.append(part)
+        start(part)
+
+    trainer.pipe.step, trainer.reducer.start = watched_step, watched_start
+    return events
 
 
 def _mirror_check(rank: int) -> list[str]:

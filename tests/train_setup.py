@@ -15,16 +15,19 @@ class Case:
     max_norm: float | None = None
     dp_reduce: str = "all-reduce"
     steps: int | None = None  # None: the test module's own count
+    overlap_dp: bool = True  # data-parallel reduction started inside the pipeline step (TrainConfig)
 
     @property
     def id(self) -> str:
         clip = f"-clip{self.max_norm}" if self.max_norm is not None else ""
         ordered = "-ordered" if self.dp_reduce == "ordered" else ""
         steps = f"-{self.steps}steps" if self.steps is not None else ""
-        return f"{self.schedule}-pp{self.pp}-dp{self.dp}-{self.optimizer}{clip}{ordered}{steps}"
+        serial = "" if self.overlap_dp else "-no-overlap"
+        return f"{self.schedule}-pp{self.pp}-dp{self.dp}-{self.optimizer}{clip}{ordered}{steps}{serial}"
 
 
-def tiny_setup(schedule: str, seed: int = 0, max_norm=None, optimizer: str = "sgd", dp_reduce: str = "all-reduce", experts: int = 0):
+def tiny_setup(schedule: str, seed: int = 0, max_norm=None, optimizer: str = "sgd", dp_reduce: str = "all-reduce", experts: int = 0,
+               overlap_dp: bool = True):
     """Model factory, sampler, criterion, optimizer factory and config of the training tests: a
     6-block dense GPT in micro-batches of 2, or (``experts`` > 0) a 2-block MoE GPT, top-2, in micro-batches of 1."""
     import torch
@@ -44,5 +47,5 @@ def tiny_setup(schedule: str, seed: int = 0, max_norm=None, optimizer: str = "sg
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
     config = TrainConfig(schedule=schedule, batch_size=8, microbatch_size=1 if experts else 2, max_norm=max_norm, seed=seed,
-                         dp_reduce=dp_reduce)
+                         dp_reduce=dp_reduce, overlap_dp=overlap_dp)
     return (lambda: GPT(cfg)), sampler, lm_loss, make_optimizer, config

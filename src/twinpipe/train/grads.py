@@ -43,45 +43,64 @@ DP_REDUCE = ("all-reduce", "ordered")
 class DataParallelReducer:
     """Sums gradients across data-parallel replicas in flat buckets: one collective per bucket.
 
-    Buckets hold up to ``bucket_bytes`` of gradients in parameter order; all are started at once
-    and awaited with ``timeout`` each. ``mode="all-reduce"`` adds in the backend's order (exact for
-    two replicas: a + b == b + a); ``"ordered"`` all-gathers the buckets and adds them replica by
-    replica, the same bits for any number of replicas and any backend, for dp times the memory.
+    ``parts`` are lists of parameters (one per pipeline stage when reducing during the step, or
+    one list of all): each is cut into buckets of up to ``bucket_bytes`` in parameter order, never
+    spanning two parts. ``start(i)`` starts part i's collectives (its gradients must be final);
+    ``wait`` awaits every started one, ``timeout`` each, and writes the sums back. ``mode="all-reduce"``
+    adds in the backend's order (exact for two replicas: a + b == b + a; for more, the order can
+    depend on an element's place in its bucket, so other buckets can change the last bits);
+    ``"ordered"`` all-gathers the buckets and adds them replica by replica, the same bits for any
+    number of replicas, any buckets and any backend, for dp times the memory.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], group, timeout: float, bucket_bytes: int = 25 << 20,
+    def __init__(self, parts: Sequence[Sequence[torch.Tensor]], group, timeout: float, bucket_bytes: int = 25 << 20,
                  mode: str = "all-reduce"):
         if mode not in DP_REDUCE:
             raise ValueError(f"dp_reduce={mode!r}: allowed are {', '.join(map(repr, DP_REDUCE))}")
-        self.params, self.group, self.timeout, self.mode = list(params), group, timeout, mode
-        self.buckets: list[list[torch.Tensor]] = []
+        self.group, self.timeout, self.mode = group, timeout, mode
+        self.parts: list[list[list[torch.Tensor]]] = [self._buckets(list(params), bucket_bytes) for params in parts]
+        self._started: list[tuple[list[torch.Tensor], list[torch.Tensor], object, str]] = []
+
+    @staticmethod
+    def _buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+        buckets: list[list[torch.Tensor]] = []
         size = bucket_bytes + 1
-        for p in self.params:
+        for p in params:
             nbytes = p.numel() * p.element_size()
             if size + nbytes > bucket_bytes:
-                self.buckets.append([])
+                buckets.append([])
                 size = 0
-            self.buckets[-1].append(p)
+            buckets[-1].append(p)
             size += nbytes
+        return buckets
 
-    def all_reduce(self, where: str) -> None:
-        if dist.get_world_size(self.group) == 1:
+    @property
+    def active(self) -> bool:
+        """Whether there is anything to reduce (more than one replica)."""
+        return dist.get_world_size(self.group) > 1
+
+    def start(self, part: int) -> None:
+        """Start the collectives of ``part``'s buckets (a copy of its gradients is taken now)."""
+        if not self.active:
             return
-        flats, works = [], []
-        for bucket in self.buckets:
+        for bucket in self.parts[part]:
             for p in bucket:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             flat = torch.cat([p.grad.reshape(-1) for p in bucket])
             if self.mode == "ordered":
                 parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(self.group))]
-                works.append(dist.all_gather(parts, flat, group=self.group, async_op=True))
-                flats.append(parts)
+                work = dist.all_gather(parts, flat, group=self.group, async_op=True)
             else:
-                works.append(dist.all_reduce(flat, group=self.group, async_op=True))
-                flats.append([flat])
-        for i, (bucket, parts, work) in enumerate(zip(self.buckets, flats, works)):
-            wait_work(work, self.timeout, f"{where}: data-parallel {self.mode} of gradient bucket {i + 1}/{len(flats)}")
+                parts = [flat]
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._started.append((bucket, parts, work, f"part {part + 1}/{len(self.parts)}"))
+
+    def wait(self, where: str) -> None:
+        """Await every started collective and write the sums into the gradients."""
+        started, self._started = self._started, []
+        for i, (bucket, parts, work, label) in enumerate(started):
+            wait_work(work, self.timeout, f"{where}: data-parallel {self.mode} of gradient bucket {i + 1}/{len(started)} ({label})")
             flat = parts[0]
             for part in parts[1:]:
                 flat.add_(part)  # replica 0 + replica 1 + ..., left to right
@@ -89,6 +108,16 @@ class DataParallelReducer:
             for p in bucket:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
+
+    def abandon(self) -> None:
+        """Forget started collectives without awaiting them (the step failed; peers time out)."""
+        self._started = []
+
+    def all_reduce(self, where: str) -> None:
+        """Every part at once: start all, then wait."""
+        for part in range(len(self.parts)):
+            self.start(part)
+        self.wait(where)
 
 
 def clip_grads(params: Iterable[torch.Tensor], factor: float) -> None:

@@ -2,7 +2,8 @@
 
 Per step, in this order (the order the single-process reference follows, so results are exact):
 1. ``Pipeline.step`` on this replica's rows: gradients summed over micro-batches into ``.grad``;
-2. DualPipe: the two copies of each stage add their gradients (one exchange with rank P-1-r);
+2. schedules with mirrored copies (DualPipe, Chimera, BitPipe): the copies of each stage add their
+   gradients (``sync_mirrored_grads``);
 3. data parallel: dense gradients summed across replicas (bucketed all-reduce); MoE experts, each
    held by one data-parallel rank (``experts.py``), only as ``twinpipe.moe.reduce_replica_grads``
    says (nothing without replicas); then all divided by the number of micro-batches in the global batch;
@@ -10,8 +11,10 @@ Per step, in this order (the order the single-process reference follows, so resu
    gradient norm (each model parameter counted once: by data-parallel rank 0, an expert by its
    holder, never DualPipe's second copy) and the micro-batch losses;
 5. clipping (if ``max_norm``), then the optimizer.
-The reductions run after ``step()`` returns: deferred weight gradients bypass autograd hooks, and the
-runtime has no per-stage "gradients ready" signal, so they are not overlapped with W.
+With ``overlap_dp`` and one chain (no mirrored copies), step 3's dense collectives start inside
+step 1: each stage's buckets as soon as its last gradient-writing op has run (the pipeline's
+``on_grads_ready``), and the trainer awaits them after ``step()`` returns. With mirrored copies the
+mirrored sum comes first (the summation order in ``grads.py``), so the reduction waits for it.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class TrainConfig:
     seed: int = 0
     timeout: float = 60.0
     dp_reduce: str = "all-reduce"  # or "ordered": bitwise the same for any number of replicas (grads.py)
+    overlap_dp: bool = True  # start a stage's data-parallel reduction inside the pipeline step (one chain only)
     schedule_options: tuple = ()  # (name, value) pairs
 
     def num_microbatches(self, dp: int) -> int:
@@ -119,7 +123,17 @@ class Trainer:
         self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned], dtype=torch.long, device=device)
         self.params = [p for _, p, _ in self.held]
         self._dense = [p for p in self.params if id(p) not in experts]  # the same on every data-parallel replica
-        self.reducer = DataParallelReducer(self._dense, mesh.dp_group, self.timeout, mode=config.dp_reduce)
+        if not isinstance(config.overlap_dp, bool):
+            raise ValueError(f"overlap_dp={config.overlap_dp!r}: must be True or False")
+        # Overlapped: one part per stage, started by the pipeline's on_grads_ready; else one part of all.
+        self.overlap_dp = config.overlap_dp and len(self.placement.chains) == 1
+        if self.overlap_dp:
+            dense = set(map(id, self._dense))
+            parts = [[p for _, p in m.named_model_parameters() if id(p) in dense] for m in modules]
+            self._part_of = {s: i for i, s in enumerate(pipeline_stages)}
+        else:
+            parts = [self._dense]
+        self.reducer = DataParallelReducer(parts, mesh.dp_group, self.timeout, mode=config.dp_reduce)
         self.pipe = Pipeline(modules, config.schedule, process_group=mesh.pp_group, timeout=self.timeout, **options)
         self.optimizer = optimizer_fn(self.params)
         self._agree_group = cpu_group(mesh.pp_group, self.timeout)  # small CPU exchanges (mirrors_equal)
@@ -175,14 +189,23 @@ class Trainer:
         x, y = x[rows].to(device), y[rows].to(device)
         for p in self.params:
             p.grad = None
-        loss, _ = self.pipe.step(*self.layout.inputs(x), num_chunks=m, criterion=self.criterion, labels=self.layout.labels(y))
+        overlap = self.overlap_dp and self.reducer.active
+        try:
+            loss, _ = self.pipe.step(*self.layout.inputs(x), num_chunks=m, criterion=self.criterion, labels=self.layout.labels(y),
+                                     on_grads_ready=self._start_reduction if overlap else None)
+        except BaseException:
+            self.reducer.abandon()  # its peers' waits time out, naming the step
+            raise
         times["pipeline"] = time.perf_counter() - start
         mark = time.perf_counter()
         if self.is_dual:
             self.pipe.sync_mirrored_grads()
         times["mirror"] = time.perf_counter() - mark
         mark = time.perf_counter()
-        self.reducer.all_reduce(self._where(f"step {step}"))
+        if overlap:
+            self.reducer.wait(self._where(f"step {step}"))
+        else:
+            self.reducer.all_reduce(self._where(f"step {step}"))
         if self.experts:
             reduce_replica_grads(self.pipe.module, self.timeout)
         times["dp"] = time.perf_counter() - mark
@@ -209,6 +232,10 @@ class Trainer:
         times["update"] = time.perf_counter() - mark
         times["total"] = time.perf_counter() - start
         return StepResult(step, float(losses.mean()), losses, norm, times)
+
+    def _start_reduction(self, stage: int) -> None:
+        """The pipeline's ``on_grads_ready``: ``stage``'s gradients are final, start its buckets."""
+        self.reducer.start(self._part_of[stage])
 
     def mirrors_equal(self) -> bool:
         """Whether every copy of every model stage is bitwise equal across the pipeline (collective)."""

@@ -33,7 +33,7 @@ def test_train_saves_and_resumes_under_another_schedule(tmp_path, monkeypatch, c
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
         monkeypatch.setenv(key, value)
     argv = [*TINY, "--schedule", "1f1b", "--pp", "1", "--steps", "3", "--resume", str(tmp_path / "a" / "checkpoint-step2"),
-            "--out", str(tmp_path / "b")]
+            "--out", str(tmp_path / "b"), "--no-overlap-dp"]
     assert run_train(_args(*argv)) == 0
     resumed = json.loads((tmp_path / "b" / "train-log.json").read_text())["steps"]
     assert [e["step"] for e in resumed] == [2]
@@ -44,6 +44,10 @@ def test_train_saves_and_resumes_under_another_schedule(tmp_path, monkeypatch, c
     assert run_train(_args(*other)) == 2
     err = capfd.readouterr().err
     assert "--dim=8 (the checkpoint's model has 16)" in err and "--experts=2 (the checkpoint's model has 0)" in err, err
+
+
+def test_overlap_dp_is_on_unless_turned_off():
+    assert _args().overlap_dp is True and _args("--no-overlap-dp").overlap_dp is False
 
 
 def _args(*argv):

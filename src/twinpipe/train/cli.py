@@ -52,6 +52,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp-reduce", default="all-reduce", choices=("all-reduce", "ordered"),
                         help="how replicas' gradients are added: all-reduce (default) or ordered (all-gather, then replica by "
                         "replica: bitwise reproducible for any --dp)")
+    parser.add_argument("--no-overlap-dp", dest="overlap_dp", action="store_false",
+                        help="reduce the data-parallel gradients after the pipeline step, not stage by stage during it")
     parser.add_argument("--balance", default="params", choices=("params", "time"), help="how layers are cut into stages (default params)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (gloo) or cuda (NCCL, one GPU per process)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"), help="parameter dtype (default float32)")
@@ -190,7 +192,7 @@ def _train(args, device) -> None:
     sampler = BatchSampler(stdlib_corpus(args.corpus_bytes), args.seq_len, seed=args.seed)
     config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                          max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout,
-                         dp_reduce=args.dp_reduce)
+                         dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp)
     mesh = build_mesh(args.dp, args.pp, device.type)
     trainer = Trainer(lambda: GPT(cfg), sampler, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01),
                       mesh, config, device=device, dtype=dtype)

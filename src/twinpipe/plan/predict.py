@@ -88,11 +88,10 @@ def _scaled(costs: CostModel, placement) -> CostModel:
 def simulate_metrics(name: str, p: int, m: int, costs: CostModel, options: dict | None = None) -> dict:
     """Makespan, per-rank busy time and peak activations (M_B of a 1F1B stage) of ``name`` (with
     ``options``) simulated at (p, m)."""
-    options = dict(options or {})
+    info, options = registry.get(name), dict(options or {})
     placement = registry.placement_for(name, p, **options)
     scaled = _scaled(costs, placement)
-    options |= {k: getattr(scaled, k) for k in ("t_f", "t_b", "t_w", "t_comm", "mw") if k in (registry.get(name).options or ())}
-    info = registry.get(name)
+    options |= {k: getattr(scaled, k) for k in ("t_f", "t_b", "t_w", "t_comm", "mw") if k in (info.options or ())}
     # Built-in generators are validated by their tests at every size; a registered one at every use.
     summary = summarize(registry.build(name, p, m, **options), scaled, check=info not in registry.BUILTIN)
     return {"makespan": summary.makespan, "busy": list(summary.busy), "peak": list(summary.peak)}
@@ -124,7 +123,8 @@ def _metrics(name: str, p: int, m: int, costs: CostModel, num_stages: int, max_p
     """
     m0, q = _start(p, m)
     largest = m if m <= m0 + 2 * q else m0 + 2 * q
-    if max_pairs < MAX_STAGE_MICROBATCHES and num_stages * largest > PLANNED_CAP:
+    searching = max_pairs < MAX_STAGE_MICROBATCHES
+    if searching and num_stages * largest > PLANNED_CAP:
         raise _Skip(f"skipped: {name} searches its order, and simulating it here ({num_stages} stages x {largest} micro-batches) "
                     f"is over the planner's cap of {PLANNED_CAP} pairs (docs/limits.md); try a smaller pp")
     if num_stages * largest > max_pairs:
@@ -135,7 +135,6 @@ def _metrics(name: str, p: int, m: int, costs: CostModel, num_stages: int, max_p
     try:
         runs = {k: simulate_metrics(name, p, k, costs, options) for k in (m0, m0 + q, m0 + 2 * q)}
         shifts = 0
-        searching = max_pairs < MAX_STAGE_MICROBATCHES
         while (not _linear(*(runs[k] for k in (m0, m0 + q, m0 + 2 * q))) and shifts < SHIFTS and m > m0 + 3 * q
                and not (searching and num_stages * (m0 + 3 * q) > PLANNED_CAP)):
             m0, shifts = m0 + q, shifts + 1
@@ -194,6 +193,7 @@ def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, micro
         lay = layout(model, cluster, pp)
         pred.dp, pred.ep = lay.dp, lay.ep
         placement = registry.placement_for(name, pp, **pred.options)
+        pred.copies = len(placement.chains)
         a2a_op, m_b = 0.0, 0.0  # measured op times hold their all-to-alls (if any)
         if model is not None:
             if any((model.layers * size / pp).denominator != 1 for size in set(stage_sizes(placement))):
@@ -202,7 +202,6 @@ def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, micro
             model_costs, per_layer, m_b = stage_costs(model, cluster, lay)
             if costs is None:
                 costs, a2a_op = model_costs, model.layers / pp * 4 * per_layer.a2a  # all-to-alls in one F + B of a 1F1B stage
-            pred.copies = len(placement.chains)
             _memory(pred, model, _rank_params(model, placement, lay), [0.0] * pp)
             if pred.memory["total"] > cluster.memory:  # the weights alone: no need to simulate
                 pred.why = _too_big(pred, cluster, before_activations=True)
@@ -229,7 +228,6 @@ def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, micro
 def _pipeline(pred: Prediction, placement, costs: CostModel, a2a_op: float, metrics: dict) -> None:
     """Makespan, and on the busiest rank: compute alone, all-to-all exposed and hidden, bubble."""
     sizes = stage_sizes(placement)
-    pred.copies = len(placement.chains)
     pred.pipeline = metrics["makespan"]
     busiest = max(range(placement.num_ranks), key=lambda r: metrics["busy"][r])
     busy = metrics["busy"][busiest]

@@ -217,12 +217,12 @@ def _run_shared(schedule: Schedule, costs: CostModel, slices: list | None) -> Su
     while pending:
         arrival = float("inf")
         for rank in pending:
-            if rank not in running:
-                start = ready_at(rank)
-                if start is not None and start <= now:
-                    running[rank] = [alone_time[schedule.ops[rank][cursor[rank]].kind](schedule.ops[rank][cursor[rank]]), now]
-                elif start is not None:
-                    arrival = min(arrival, start)
+            start = None if rank in running else ready_at(rank)
+            if start is not None and start <= now:
+                op = schedule.ops[rank][cursor[rank]]
+                running[rank] = [alone_time[op.kind](op), now]
+            elif start is not None:
+                arrival = min(arrival, start)
         rate = min(1.0, cores / len(running)) if running else 0.0
         finish = min((now + left / rate for left, _ in running.values()), default=float("inf"))
         later = min(finish, arrival)

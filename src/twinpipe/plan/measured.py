@@ -50,8 +50,7 @@ class Traced:
         """The 1F1B-stage costs at pipeline size ``pp``: the model's share per stage scales by self.pp / pp."""
         k = self.pp / pp
         c = self.costs
-        return CostModel(t_f=c.t_f * k, t_b=c.t_b * k, t_w=c.t_w * k, t_fb=None if c.t_fb is None else c.t_fb * k,
-                         t_comm=c.t_comm, mw=c.mw, cores=c.cores)
+        return replace(c, t_f=c.t_f * k, t_b=c.t_b * k, t_w=c.t_w * k, t_fb=None if c.t_fb is None else c.t_fb * k)
 
 
 def read_trace(path: str | Path) -> Timeline:
@@ -105,8 +104,8 @@ def traced_costs(timeline: Timeline) -> tuple[CostModel, bool]:
     split = t_w == 0 and t_b > 0
     if split:
         t_b = t_w = t_b / 2
-    return CostModel(t_f=one(per_stage.t_f), t_b=t_b, t_w=t_w, t_fb=None if per_stage.t_fb is None else one(per_stage.t_fb),
-                     t_comm=per_stage.t_comm, cores=per_stage.cores), split
+    return replace(per_stage, t_f=one(per_stage.t_f), t_b=t_b, t_w=t_w,
+                   t_fb=None if per_stage.t_fb is None else one(per_stage.t_fb)), split
 
 
 def load_traced(path: str | Path) -> Traced:

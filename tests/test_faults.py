@@ -357,6 +357,17 @@ def case_mirrored_copies_disagree(group):
     return shapes, operations
 
 
+def case_mirrored_sync_of_different_pipelines(group):
+    """Two DualPipes alike on one group; rank 0 syncs the first, rank 1 the second: both raise,
+    and no rank's gradients are summed with another pipeline's."""
+    import twinpipe
+
+    rank = dist.get_rank(group)
+    pipes = [twinpipe.DualPipe([models.MLPStage().double(), models.MLPStage().double()], process_group=group, timeout=TIMEOUT)
+             for _ in range(2)]
+    return _outcome(pipes[rank].sync_mirrored_grads)[:3]
+
+
 def _copies_pipeline(group, chain_ranks, widths=None):
     """A pipeline over a placement whose chains are whole copies of a 2-stage model, chain c's
     stages on ranks ``chain_ranks[c]`` (several copies of one stage may share a rank)."""
@@ -464,6 +475,7 @@ CASES = {
     "sync_mirrored_grads_alone": (2, case_sync_mirrored_grads_alone),
     "expert_all_to_all_alone": (2, case_expert_all_to_all_alone),
     "mirrored_copies_disagree": (2, case_mirrored_copies_disagree),
+    "mirrored_sync_of_different_pipelines": (2, case_mirrored_sync_of_different_pipelines),
     # Model stage 0's copies: chains 0 and 2 on rank 0, chain 1 on rank 1 (and the reverse for stage 1).
     "mirrored_three_copies_two_ranks": (2, functools.partial(case_mirrored_three_copies, chain_ranks=((0, 1), (1, 0), (0, 1)))),
     "mirrored_three_copies_three_ranks": (3, functools.partial(case_mirrored_three_copies, chain_ranks=((0, 1), (1, 2), (2, 0)))),
@@ -584,6 +596,13 @@ def test_mirrored_copies_that_disagree_raise_on_both_ranks(out):
         for kind, msg, seconds in out[rank]["mirrored_copies_disagree"]:
             assert kind == "PipelineMismatchError" and "copies disagree" in msg, (rank, kind, msg)
             assert seconds < TIMEOUT
+
+
+def test_mirrored_sync_of_different_pipelines_raises_on_both_ranks(out):
+    for rank in (0, 1):
+        kind, msg, seconds = out[rank]["mirrored_sync_of_different_pipelines"]
+        assert kind == "PipelineMismatchError" and "copies disagree" in msg and "pipeline #" in msg, (rank, kind, msg)
+        assert seconds < TIMEOUT
 
 
 @pytest.mark.parametrize("ranks", ["two", "three"])

@@ -437,10 +437,11 @@ class Pipeline(nn.Module):
         its own, and the other ranks' received from them.
 
         Each rank sends a peer its copies of the model stages they share, by model stage then chain.
-        A header goes first, and both sides check it: the operation, the parameters' shapes and
-        dtypes, and the element counts each sends and expects. The check is symmetric, so both
-        ranks of a pair raise ``PipelineMismatchError`` before any payload moves (a size mismatch
-        would abort the process inside gloo; grads paired with weights would be silently wrong).
+        A header goes first, and both sides check it: the operation, the pipeline, the parameters'
+        shapes and dtypes, and the element counts each sends and expects. The check is symmetric,
+        so both ranks of a pair raise ``PipelineMismatchError`` before any payload moves (a size
+        mismatch would abort the process inside gloo; grads paired with weights, or with another
+        pipeline's, would be silently wrong).
         In the registered placements the ranks holding copies of one model stage all hold the same
         model stages, so a disagreement reaches every one of them."""
         copies = self._copies
@@ -463,7 +464,8 @@ class Pipeline(nn.Module):
             mine = [flats[s] for k in shared for r, s in copies[k] if r == self.rank]
             outgoing[peer] = torch.cat(mine)
             expect = sum(numel[k] for k, _ in theirs)
-            label = f"{what} of model stages {shared}, parameters #{zlib.crc32(repr([signature[k] for k in shared]).encode()):08x}{own}"
+            label = (f"{what} of {self._identity}'s model stages {shared}, "
+                     f"parameters #{zlib.crc32(repr([signature[k] for k in shared]).encode()):08x}{own}")
             plan[peer] = (theirs, expect, label)
             headers[peer] = torch.tensor([zlib.crc32(label.encode()), outgoing[peer].numel(), expect], dtype=torch.int64)
             replies[peer] = torch.empty_like(headers[peer])
@@ -475,8 +477,9 @@ class Pipeline(nn.Module):
                 raise PipelineMismatchError(
                     f"rank {self.rank}: {what} with rank {peer}: the copies disagree ({label}; {outgoing[peer].numel()} "
                     f"elements to send here and {expect} expected; rank {peer} sends {sent}, expects {expected}, and its "
-                    f"header is #{crc:08x}: another operation or other shapes or dtypes). Every copy of a stage must be "
-                    "the same module, and every rank must call the same sync_mirrored_* method."
+                    f"header is #{crc:08x}: another operation or pipeline, or other shapes or dtypes). Every copy of a "
+                    "stage must be the same module, and every rank must call the same sync_mirrored_* method "
+                    "of the same pipeline."
                 )
         if differ:  # every copy is on this rank (no peer to disagree with)
             raise PipelineMismatchError(f"rank {self.rank}: {what}: the copies disagree{own} in shapes or dtypes")

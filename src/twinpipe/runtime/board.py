@@ -96,7 +96,7 @@ class SharedBoard:
 _BOARDS: dict = {}  # process group -> its board (None: the group's ranks cannot share one)
 
 
-def shared_board(group, rank: int, size: int, timeout: float, device: torch.device) -> SharedBoard | None:
+def shared_board(group, rank: int, size: int, timeout: float) -> SharedBoard | None:
     """The board of ``group`` (made on first use; collective then), or None when its ranks are not
     all on one host with usable shared memory: the agreement then goes through the group."""
     if size < 2:

@@ -121,7 +121,7 @@ class Pipeline(nn.Module):
         if error is not None:
             raise error
         # Step agreements go through shared memory when every rank is on this host (collective).
-        self._board = shared_board(self._agree_group, group_rank, self.num_ranks, self.timeout, self.device)
+        self._board = shared_board(self._agree_group, group_rank, self.num_ranks, self.timeout)
         pipes = None
         if transport == "auto":  # collective: every rank of the group takes part
             placement = self._placement()

@@ -318,6 +318,17 @@ def case_construction_alone(group):
     return _outcome(lambda: _Setup(group))[:3]
 
 
+def case_long_construction_facts(group):
+    """150 declared message tensors (a fact longer than the agreement's frame): the pipeline
+    builds; when rank 1 declares one more, both ranks name the difference."""
+    rank = dist.get_rank(group)
+    shapes = [(2, 3, models.HIDDEN)] * 150
+    built = _outcome(lambda: _Setup(group, tensor_shapes=shapes, tensor_dtype=torch.float64))[:3]
+    extra = [(2, 3, models.HIDDEN)] if rank == 1 else []
+    differ = _outcome(lambda: _Setup(group, tensor_shapes=shapes + extra, tensor_dtype=torch.float64))[:3]
+    return built, differ
+
+
 def case_sync_mirrored_grads_alone(group):
     import twinpipe
 
@@ -472,6 +483,7 @@ CASES = {
     "pass_through_gloo": (3, case_pass_through_gloo),
     "two_pipelines_two_threads": (2, case_two_pipelines_two_threads),
     "construction_alone": (2, case_construction_alone),
+    "long_construction_facts": (2, case_long_construction_facts),
     "sync_mirrored_grads_alone": (2, case_sync_mirrored_grads_alone),
     "expert_all_to_all_alone": (2, case_expert_all_to_all_alone),
     "mirrored_copies_disagree": (2, case_mirrored_copies_disagree),
@@ -577,6 +589,15 @@ def test_construction_waits_are_bounded(out):
     kind, msg, seconds = out[0]["construction_alone"]
     assert kind == "PipelineTimeoutError" and "rank 0" in msg, msg
     assert seconds < TIMEOUT + SLACK
+
+
+def test_long_construction_facts(out):
+    for rank in (0, 1):
+        built, differ = out[rank]["long_construction_facts"]
+        assert built[0] == "none", (rank, built)
+        kind, msg, seconds = differ
+        assert kind == "PipelineMismatchError" and "message layouts" in msg, (rank, kind, msg)
+        assert seconds < TIMEOUT
 
 
 def test_sync_mirrored_grads_waits_are_bounded(out):

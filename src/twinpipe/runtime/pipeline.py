@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinpipe.runtime.agreement import AgreementRound, Claim, disagreements, short
+from twinpipe.runtime.agreement import REASON_CHARS, AgreementRound, Claim, disagreements, short
 from twinpipe.runtime.board import shared_board
 from twinpipe.runtime.collectives import checked_timeout, cpu_group, gather_objects
 from twinpipe.runtime.comm import PointToPoint, declared_layout, wait_work
@@ -187,8 +187,10 @@ class Pipeline(nn.Module):
                 "message layouts": f"declared [{self._declared}]" if self._declared else
                                    ("discovered every step" if dynamic else "discovered on the first step"),
             }
-        claim = (group_rank, facts, "ready" if error is None else "rejected",
-                 "" if error is None else short(f"{type(error).__name__}: {error}", 600), uuid.uuid4().hex)
+        # Long facts (a rank_mapping of hundreds of ranks, many declared tensors) are shortened as a
+        # step's claims are, keeping a checksum: the claim must fit the agreement's fixed frame.
+        claim = (group_rank, {k: short(v) for k, v in facts.items()}, "ready" if error is None else "rejected",
+                 "" if error is None else short(f"{type(error).__name__}: {error}", REASON_CHARS), uuid.uuid4().hex)
         claims = gather_objects(self._agree_group, claim, self.timeout, f"{where}: waiting for every rank to build it")
         token = min(c[4] for c in claims)  # the same on every rank, new for every pipeline
         self._identity = f"#{token[:8]}"

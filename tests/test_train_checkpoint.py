@@ -21,6 +21,7 @@ def _world(rank: int, world: int, root: str) -> dict:
     import torch
     import torch.distributed as dist
 
+    from twinpipe.runtime.errors import PipelineMismatchError
     from twinpipe.train.checkpoint import load_checkpoint, save_checkpoint
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.model import GPT, GPTConfig
@@ -123,12 +124,18 @@ def _world(rank: int, world: int, root: str) -> dict:
         build_mesh(3, 1)
         return "built a 3x1 mesh on 4 ranks"
 
-    case("uninterrupted", uninterrupted)
-    case("resumed", resumed)
-    case("other_schedule", other_schedule)
-    case("sgd_resume", sgd_resume)
-    case("other_model", other_model)
-    case("other_optimizer", other_optimizer)
+    def different_steps():
+        # The last pipeline rank is asked for another step: its labels would belong to another batch.
+        trainer = make("dualpipe", 1, 4)
+        try:
+            trainer.step(1 if rank == world - 1 else 0)
+            return "stepped on different batches"
+        except PipelineMismatchError as error:
+            if "trained on different global batches" not in str(error):
+                return f"PipelineMismatchError: {error}"
+        loss = trainer.step(0).loss  # nothing was updated: the first step of the uninterrupted run
+        return "ok" if loss == straight["losses"][0] else f"after the refused step, loss {loss!r} != {straight['losses'][0]!r}"
+
     def missing_replica():
         fn, sampler, criterion, make_opt, config = tiny_setup("1f1b")
         config = dataclasses.replace(config, timeout=2.0)
@@ -138,8 +145,15 @@ def _world(rank: int, world: int, root: str) -> dict:
         trainer.step(0)
         return "stepped without replica 1"
 
+    case("uninterrupted", uninterrupted)
+    case("resumed", resumed)
+    case("other_schedule", other_schedule)
+    case("sgd_resume", sgd_resume)
+    case("other_model", other_model)
+    case("other_optimizer", other_optimizer)
     case("time_balance", time_balance)
     case("bad_mesh", bad_mesh)
+    case("different_steps", different_steps)
     case("missing_replica", missing_replica)  # last: gloo closes a connection whose wait timed out
     return results
 
@@ -172,6 +186,10 @@ def test_checkpoint_of_another_optimizer_is_refused(outcomes):
 def test_mesh_sizes_must_multiply_to_the_world(outcomes):
     for message in _all(outcomes, "bad_mesh").values():
         assert message == "ValueError: dp=3 x pp=1 = 3 ranks, but the world has 4: the mesh sizes must multiply to the world size"
+
+
+def test_ranks_asked_for_different_steps_are_refused_on_every_rank(outcomes):
+    assert all(v == "ok" for v in _all(outcomes, "different_steps").values()), _all(outcomes, "different_steps")
 
 
 def test_a_replica_that_never_steps_gives_a_timeout_not_a_hang(outcomes):

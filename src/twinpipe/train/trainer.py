@@ -9,7 +9,8 @@ Per step, in this order (the order the single-process reference follows, so resu
    says (nothing without replicas); then all divided by the number of micro-batches in the global batch;
 4. one all-reduce over the pipeline, then one over the replicas, carry every parameter's squared
    gradient norm (each model parameter counted once: by data-parallel rank 0, an expert by its
-   holder, never DualPipe's second copy) and the micro-batch losses;
+   holder, never DualPipe's second copy), the micro-batch losses and a digest of the global batch
+   (ranks that sampled different batches raise ``PipelineMismatchError`` before the update);
 5. clipping (if ``max_norm``), then the optimizer.
 With ``overlap_dp`` and one chain (no mirrored copies), step 3's dense collectives start inside
 step 1: each stage's buckets as soon as its last gradient-writing op has run (the pipeline's
@@ -22,6 +23,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -33,6 +35,7 @@ from twinpipe.moe.grads import reduce_replica_grads
 from twinpipe.runtime.batches import batch_layout
 from twinpipe.runtime.collectives import checked_timeout, cpu_group, gather_objects
 from twinpipe.runtime.comm import wait_work
+from twinpipe.runtime.errors import PipelineMismatchError
 from twinpipe.runtime.pipeline import Pipeline
 from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule import registry
@@ -184,6 +187,7 @@ class Trainer:
         start = time.perf_counter()
         dp, m = self.mesh.dp, self.num_chunks
         x, y = self.sampler.batch(step, self.config.batch_size)
+        digest = zlib.crc32(y.cpu().numpy().tobytes(), zlib.crc32(x.cpu().numpy().tobytes())) & 0xFFFF
         rows = replica_rows(self.config.batch_size, dp, self.mesh.dp_rank)
         device = self.pipe.device
         x, y = x[rows].to(device), y[rows].to(device)
@@ -213,9 +217,13 @@ class Trainer:
         scale_grads(self.params, m * dp)
         # One vector over the pipeline, then the replicas: squared norms by model parameter (if
         # clipping), then losses. Each entry has one non-zero contribution (its owner's): exact sums.
+        # The last two carry a 16-bit digest of the global batch and its square from every rank: ranks
+        # asked for different steps (or with other samplers) pair one batch's inputs with another's
+        # labels, and n digests are all equal only when sum**2 == n * (sum of squares).
         clip = self.config.max_norm is not None
         n_norms = len(self.parameter_names) if clip else 0
-        vec = torch.zeros(n_norms + dp * m, dtype=torch.float64, device=device)  # on the device: NCCL moves no CPU tensors
+        vec = torch.zeros(n_norms + dp * m + 2, dtype=torch.float64, device=device)  # on the device: NCCL moves no CPU tensors
+        vec[-2:] = torch.tensor([digest, digest * digest], dtype=torch.float64)
         if clip:
             vec[self._owned_index] = squared_norms([p for _, p, owned in self.held if owned])
         if loss is not None:
@@ -223,7 +231,12 @@ class Trainer:
             vec[n_norms + idx] = loss.detach().to(torch.float64)
         sum_across(vec, self.mesh.pp_group, self.timeout, self._where(f"step {step}: norms and losses over the pipeline"))
         sum_across(vec, self.mesh.dp_group, self.timeout, self._where(f"step {step}: norms and losses over data-parallel replicas"))
-        losses = vec[n_norms:].cpu()
+        total, squares = (int(v) for v in vec[-2:].tolist())
+        if total * total != self.mesh.dp * self.mesh.pp * squares:
+            raise PipelineMismatchError(self._where(
+                f"step {step}: the ranks trained on different global batches (other step numbers, samplers or seeds); "
+                "every rank must call step() with the same step and build its trainer alike (nothing was updated)"))
+        losses = vec[n_norms:-2].cpu()
         norm = None
         if clip:
             norm, factor = clip_coefficient(vec[:n_norms], self.config.max_norm)

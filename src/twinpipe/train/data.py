@@ -9,7 +9,6 @@ then the pipeline's ``batch_layout``).
 from __future__ import annotations
 
 import sysconfig
-import zlib
 from pathlib import Path
 
 import torch
@@ -51,7 +50,6 @@ class BatchSampler:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len < tokens.numel():
             raise ValueError(f"seq_len={seq_len!r}: must be an int in 1..{tokens.numel() - 1} (the corpus length - 1)")
         self.tokens, self.seq_len, self.seed = tokens.long(), seq_len, int(seed)
-        self.fingerprint = f"{zlib.crc32(tokens.numpy().tobytes()):08x}/{tokens.numel()}"
 
     def batch(self, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed((self.seed << 32) + step)

@@ -120,3 +120,10 @@ def test_stdlib_corpus_is_bytes():
 def test_batch_must_divide_into_microbatches_per_replica():
     with pytest.raises(ValueError, match=r"batch_size=10: must be a multiple of dp=2 x microbatch_size=4"):
         TrainConfig(batch_size=10, microbatch_size=4).num_microbatches(2)
+
+
+def test_overlap_dp_must_be_a_bool_and_is_refused_before_the_mesh_is_used():
+    from twinpipe.train.trainer import Trainer
+
+    with pytest.raises(ValueError, match=r"overlap_dp='yes': must be True or False"):
+        Trainer(_gpt, None, None, None, None, TrainConfig(schedule="1f1b", overlap_dp="yes"))  # no mesh: nothing collective ran

@@ -103,6 +103,8 @@ class Trainer:
                  mesh: TrainMesh, config: TrainConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
         self.config, self.mesh, self.sampler, self.criterion = config, mesh, sampler, criterion
         self.timeout = checked_timeout(config.timeout, "config.timeout")
+        if not isinstance(config.overlap_dp, bool):
+            raise ValueError(f"overlap_dp={config.overlap_dp!r}: must be True or False")
         options = dict(config.schedule_options)
         self.placement = registry.placement_for(config.schedule, mesh.pp, **options)
         self.num_chunks = config.num_microbatches(mesh.dp)
@@ -126,10 +128,8 @@ class Trainer:
         self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned], dtype=torch.long, device=device)
         self.params = [p for _, p, _ in self.held]
         self._dense = [p for p in self.params if id(p) not in experts]  # the same on every data-parallel replica
-        if not isinstance(config.overlap_dp, bool):
-            raise ValueError(f"overlap_dp={config.overlap_dp!r}: must be True or False")
         # Overlapped: one part per stage, started by the pipeline's on_grads_ready; else one part of all.
-        self.overlap_dp = config.overlap_dp and len(self.placement.chains) == 1
+        self.overlap_dp = config.overlap_dp and not self.is_dual
         if self.overlap_dp:
             dense = set(map(id, self._dense))
             parts = [[p for _, p in m.named_model_parameters() if id(p) in dense] for m in modules]

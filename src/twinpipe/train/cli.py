@@ -96,8 +96,9 @@ def _check(args) -> None:
 
 
 def _check_resume(args) -> None:
-    """The checkpoint's model against the options (blocks, width, experts), before any process starts:
-    inside the ranks the same mismatch is an error too, but with a traceback per rank."""
+    """The checkpoint's model against the options that shape it (blocks, width, sequence length,
+    experts), before any process starts: inside the ranks the same mismatch is an error too, but
+    with a traceback per rank."""
     from torch.distributed.checkpoint import FileSystemReader
 
     shapes = {k[len("model."):]: list(m.size) for k, m in FileSystemReader(args.resume).read_metadata().state_dict_metadata.items()
@@ -105,12 +106,17 @@ def _check_resume(args) -> None:
     saved = {
         "--layers": len({n.split(".")[1] for n in shapes if n.startswith("blocks.")}),
         "--dim": shapes.get("embed.tokens.weight", [0, args.dim])[1],
+        "--seq-len": shapes.get("embed.positions.weight", [args.seq_len])[0],
         "--experts": len({n.split(".experts.")[1].split(".")[0] for n in shapes if n.startswith("blocks.0.experts.")}),
     }
-    wrong = [f"{flag}={getattr(args, flag[2:])} (the checkpoint's model has {value})" for flag, value in saved.items()
-             if value != getattr(args, flag[2:])]
+    wrong = [f"{flag}={_option(args, flag)} (the checkpoint's model has {value})" for flag, value in saved.items()
+             if value != _option(args, flag)]
     if wrong:
         raise ValueError(f"--resume={args.resume}: holds another model than the options describe: {'; '.join(wrong)}")
+
+
+def _option(args, flag: str):
+    return getattr(args, flag[2:].replace("-", "_"))
 
 
 def run_train(args: argparse.Namespace) -> int:

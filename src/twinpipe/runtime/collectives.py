@@ -4,26 +4,15 @@ than the pipeline's ``timeout`` (the process group's own default is 30 minutes).
 from __future__ import annotations
 
 import json
-import math
 
 import torch
 import torch.distributed as dist
 
+from twinpipe.checks import MIN_TIMEOUT, checked_timeout  # noqa: F401  (re-exported: older imports)
 from twinpipe.runtime import comm
 from twinpipe.runtime.errors import PipelineMismatchError
 
 __all__ = ["checked_timeout", "Gathering", "encode_frame", "padded_frame", "decode_frame", "gather_objects", "barrier", "cpu_group"]
-
-MIN_TIMEOUT = 1e-3  # gloo counts whole milliseconds, and reads 0 as "wait forever"
-
-
-def checked_timeout(timeout, name: str = "timeout") -> float:
-    """``timeout`` in seconds as a float, or a ValueError naming it."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise ValueError(f"{name}={timeout!r}: must be a number of seconds (int or float)")
-    if not math.isfinite(timeout) or timeout < MIN_TIMEOUT:
-        raise ValueError(f"{name}={timeout!r}: must be finite and at least {MIN_TIMEOUT:g} s")
-    return float(timeout)
 
 
 class Gathering:

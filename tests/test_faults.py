@@ -96,7 +96,8 @@ class _Setup:
 
 
 def case_extra_eval_step(group):
-    """Rank 0 runs an evaluation step the others do not; then everyone trains again."""
+    """Rank 0 runs an evaluation step the others do not; every rank resyncs and trains again
+    (tests/test_step_agreement.py follows such ranks further)."""
     setup = _Setup(group)
     xs, labels = setup.data(4, seed=1)
     first = setup.exact_step(xs, labels)
@@ -105,6 +106,7 @@ def case_extra_eval_step(group):
             odd = _outcome(lambda: setup.step(xs, labels))
     else:
         odd = _outcome(lambda: setup.step(xs, labels))
+    setup.pipe.resync()
     after = setup.exact_step(*setup.data(4, seed=2))
     return first, odd[:3], after
 

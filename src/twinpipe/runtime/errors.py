@@ -8,6 +8,7 @@ __all__ = [
     "PipelineMismatchError",
     "PipelineAbortedError",
     "PipelineBrokenError",
+    "PipelineOutOfStepError",
 ]
 
 
@@ -22,8 +23,10 @@ class PipelineTimeoutError(PipelineCommError):
 class PipelineMismatchError(RuntimeError):
     """Ranks disagree on what they run (step, mode, schedule, micro-batches, message layouts).
 
-    Raised on every rank of the pipeline before any message of the step moves, so the pipeline
-    stays usable once the ranks agree again."""
+    Raised on every rank of the pipeline before any message of the step moves. When the ranks
+    differ only in how they run the same step (``num_chunks``, message layouts) the pipeline stays
+    usable; when they run different steps (an extra ``step()`` on one rank, another ``step_id``)
+    it stays out of step until every rank calls ``resync()`` (see ``PipelineOutOfStepError``)."""
 
 
 class PipelineAbortedError(RuntimeError):
@@ -37,3 +40,10 @@ class PipelineBrokenError(RuntimeError):
     """A rank failed in the middle of an earlier step, so messages may be left half-way: this
     pipeline cannot run again. Build a new one on every rank, on a new process group: gloo closes a
     connection whose wait timed out."""
+
+
+class PipelineOutOfStepError(RuntimeError):
+    """The ranks were found running different steps (an extra ``step()`` on one rank, another
+    ``step_id``, another pipeline's step), so skipping a step would not realign them: every
+    ``step()`` raises this, on every rank, until every rank calls ``pipe.resync()``. Not a
+    ``PipelineMismatchError``, so that a loop that skips mismatched steps stops here."""

@@ -10,6 +10,7 @@ steps. Training runs when grad mode is on; under ``torch.no_grad()`` only forwar
 from __future__ import annotations
 
 import uuid
+import weakref
 import zlib
 from functools import cached_property
 from typing import Callable, Sequence
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinpipe.runtime.agreement import REASON_CHARS, AgreementRound, Claim, disagreements, short
+from twinpipe.checks import check_int
+from twinpipe.runtime.agreement import REASON_CHARS, AgreementRound, Claim, disagreements, out_of_step_error, short
 from twinpipe.runtime.board import shared_board
 from twinpipe.runtime.collectives import checked_timeout, cpu_group, gather_objects
 from twinpipe.runtime.comm import PointToPoint, declared_layout, wait_work
@@ -32,6 +34,11 @@ from twinpipe.schedule.lower import LoweredSchedule, forward_only, lower
 from twinpipe.schedule.ops import Schedule
 
 __all__ = ["Pipeline", "DualPipe", "DualPipeV"]
+
+# Every pipeline of this process by the name its claims give it, so that ranks found out of step
+# mark every pipeline the mismatched claims name (rank 0 stepping A while rank 1 steps B puts both
+# out of step, on both ranks).
+_BY_IDENTITY: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _device_of(modules: Sequence[nn.Module]) -> torch.device:
@@ -83,6 +90,8 @@ class Pipeline(nn.Module):
     group. Construction is collective, and ranks that disagree on how they built the pipeline
     (schedule, options, transport, declared layouts) all raise ``PipelineMismatchError``.
     """
+
+    _out_of_step: str | None = None  # why the ranks are known to run different steps (until resync())
 
     def __init__(
         self,
@@ -208,6 +217,7 @@ class Pipeline(nn.Module):
         if problems:
             raise PipelineMismatchError(f"{where}: ranks (numbered in the process group) built it differently: " + ", and ".join(problems))
         self._identity = f"{facts['schedule']} pipeline #{token[:8]}"
+        _BY_IDENTITY[short(self._identity)] = self
 
     @property
     def shared_memory_peers(self) -> set[int]:
@@ -250,7 +260,7 @@ class Pipeline(nn.Module):
 
     # ------------------------------------------------------------------ step
     def step(self, *inputs, num_chunks: int = 0, criterion=None, labels=(), return_outputs: bool = False, trace: bool = False,
-             on_grads_ready: Callable[[int], None] | None = None):
+             on_grads_ready: Callable[[int], None] | None = None, step_id: int | None = None):
         """Run one pipelined step over ``num_chunks`` micro-batches. Returns ``(loss, outputs)``.
 
         ``on_grads_ready(stage)``, in training, is called once for each of this rank's stages, right
@@ -261,30 +271,35 @@ class Pipeline(nn.Module):
 
         Before any message moves, every rank checks that all run the same step (see
         ``twinpipe.runtime.agreement``); a rank that rejects its inputs makes the others raise
-        ``PipelineAbortedError``, and the pipeline stays usable for the next step.
+        ``PipelineAbortedError``, and the pipeline stays usable for the next step. ``step_id``, an
+        int the user numbers steps with (the batch's index, say), joins that check: ranks with
+        different ids raise ``PipelineMismatchError`` naming them. Ranks found running different
+        steps (other ids, or one rank's extra step) stay out of step: every later ``step()``
+        raises ``PipelineOutOfStepError`` until every rank calls ``resync()``.
         """
         training = torch.is_grad_enabled()
         round_index = self._rounds
         self._rounds += 1
         where = f"rank {self.rank}, step {round_index}"
+        if self._out_of_step is not None:  # every rank knows: raise without an exchange (see agreement.py)
+            raise out_of_step_error(where, self._out_of_step)
         error = None
         try:
             if on_grads_ready is not None and not callable(on_grads_ready):
                 raise ValueError(f"on_grads_ready={on_grads_ready!r}: must be a callable taking a stage number, or None")
+            if step_id is not None:
+                check_int(step_id, "step_id")
             lowered, data = self._prepare(inputs, num_chunks, criterion, labels, return_outputs, training)
         except Exception as exc:  # reported to every rank before raising
             error = exc
-        if self._broken is not None:
-            status, reason = "broken", self._broken
-        elif error is not None:
-            status, reason = "rejected", f"{type(error).__name__}: {error}"
-        else:
-            status, reason = "ready", ""
+        status, reason = self._status(error)
         declared = self._declared
         discovering = declared is None and (self.dynamic_shapes or self._layout_key != num_chunks)
         facts = {
+            "call": "step()",
             "pipeline": self._identity,
             "step": str(round_index),
+            "step_id": "none" if step_id is None else str(step_id),
             "mode": "training" if training else "forward-only (torch.no_grad())",
             "num_chunks": repr(num_chunks),
             "message layouts": f"declared [{declared}]" if declared is not None else
@@ -292,21 +307,9 @@ class Pipeline(nn.Module):
         }
         agreement = None
         if self.num_ranks > 1:
-            agreement = AgreementRound(self._agree_group, self._board, Claim(self.rank, facts, status, reason), self.timeout, where)
+            agreement = self._agreement(Claim(self.rank, facts, status, reason), where, "start the step", f"step {round_index}")
         if status != "ready":
-            if agreement is not None:
-                try:
-                    agreement.confirm()  # let the others know; hear from them
-                except PipelineBrokenError:
-                    raise
-                except PipelineCommError as exc:  # the others never started this step
-                    if status == "rejected":
-                        self._broken = f"rank {self.rank}: step {round_index} never started on every rank ({exc})"
-                except (PipelineMismatchError, PipelineAbortedError):
-                    pass  # this rank's own error says more
-            if status == "broken":
-                raise PipelineBrokenError(f"{where}: this pipeline cannot run again ({reason}). Build a new pipeline on every rank, on a new process group (gloo closes a connection whose wait timed out).")
-            raise error
+            self._refuse(agreement, status, reason, error, where, round_index)
 
         def before_first_message() -> None:
             if agreement is not None:
@@ -344,6 +347,57 @@ class Pipeline(nn.Module):
         self.last_peak_live = result.peak_live
         self.last_trace = recorder.events if recorder else None
         return self._collect(result)
+
+    def _status(self, error: Exception | None) -> tuple[str, str]:
+        """This rank's status for the next agreement round, and why."""
+        if self._broken is not None:
+            return "broken", self._broken
+        if error is not None:
+            return "rejected", f"{type(error).__name__}: {error}"
+        return "ready", ""
+
+    def _agreement(self, claim: Claim, where: str, what: str, label: str) -> AgreementRound:
+        return AgreementRound(self._agree_group, self._board, claim, self.timeout, where, what, _fell_out_of_step, label)
+
+    def _refuse(self, agreement, status: str, reason: str, error, where: str, round_index: int):
+        """A step this rank will not run: tell the others (they raise too) and raise."""
+        if agreement is not None:
+            try:
+                agreement.confirm()  # let the others know; hear from them
+            except PipelineBrokenError:
+                raise
+            except PipelineCommError as exc:  # the others never started this step
+                if status == "rejected":
+                    self._broken = f"rank {self.rank}: step {round_index} never started on every rank ({exc})"
+            except (PipelineMismatchError, PipelineAbortedError):
+                pass  # this rank's own error says more
+        if status == "broken":
+            raise PipelineBrokenError(f"{where}: this pipeline cannot run again ({reason}). Build a new pipeline on every rank, on a new process group (gloo closes a connection whose wait timed out).")
+        raise error
+
+    def resync(self) -> None:
+        """Realign the ranks after they were found running different steps: collective, every
+        rank of the pipeline calls it at the same point of its loop, so that each rank's next
+        ``step()`` is the same step. The ranks agree that they all resync this pipeline and take
+        the highest step count among them; a rank that calls ``step()`` or another pipeline's
+        ``resync()`` instead makes every rank raise ``PipelineMismatchError`` (nothing changes), and
+        ranks that never call it make the others raise ``PipelineTimeoutError`` after the timeout
+        (the pipeline is then broken). A pipeline broken half-way cannot be resynced
+        (``PipelineBrokenError`` on every rank). Harmless when the ranks are in step."""
+        where = f"rank {self.rank}: resync()"
+        status = "broken" if self._broken is not None else "ready"
+        claim = Claim(self.rank, {"call": "resync()", "pipeline": self._identity}, status, self._broken or "", str(self._rounds))
+        claims = None
+        if self.num_ranks > 1:
+            try:
+                claims = self._agreement(claim, where, "call resync()", "resync()").confirm()
+            except PipelineCommError as exc:
+                self._broken = f"rank {self.rank}: resync() did not complete on every rank ({exc})"
+                raise
+        if status == "broken":
+            raise PipelineBrokenError(f"{where}: this pipeline cannot run again ({self._broken}). Build a new pipeline on every rank, on a new process group.")
+        self._rounds = max(int(c.note) for c in claims) if claims else self._rounds
+        self._out_of_step = None
 
     def _prepare(self, inputs, num_chunks, criterion, labels, return_outputs, training) -> tuple[LoweredSchedule, StepData]:
         """Check this rank's arguments and split its batch; raises before anything is sent."""
@@ -523,6 +577,14 @@ class Pipeline(nn.Module):
             for i, (r, s) in enumerate(items):
                 if r == self.rank and i != source:
                     self._unflat(s, flats[items[source][1]], grads=False)
+
+
+def _fell_out_of_step(reason: str, identities: set) -> None:
+    """Mark this process's pipelines named ``identities`` out of step (keeping an earlier reason)."""
+    for identity in identities:
+        pipe = _BY_IDENTITY.get(identity)
+        if pipe is not None and pipe._out_of_step is None:
+            pipe._out_of_step = reason
 
 
 class DualPipeV(Pipeline):

@@ -479,12 +479,18 @@ class Pipeline(nn.Module):
                 (p.grad if grads else p).copy_(flat[offset : offset + n].view_as(p))
                 offset += n
 
+    @property
+    def _swap_tag(self) -> int:
+        """The p2p tag of the mirrored copies' swaps: this pipeline's own, like its messages' ``_tag``
+        (1 to 2**20) but above every pipeline's, and never 0 (gloo's default, the user's)."""
+        return self._tag + (1 << 20)
+
     def _swap(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor], what: str) -> None:
         """Send ``outgoing[peer]`` to each peer and receive ``incoming[peer]``: all posted, then each awaited."""
-        works = []
+        works, tag = [], self._swap_tag
         for peer in outgoing:
             g = self.group_rank_of[peer]
-            works += [(peer, self.group.send([outgoing[peer]], g, 0)), (peer, self.group.recv([incoming[peer]], g, 0))]
+            works += [(peer, self.group.send([outgoing[peer]], g, tag)), (peer, self.group.recv([incoming[peer]], g, tag))]
         for peer, work in works:
             wait_work(work, self.timeout, f"rank {self.rank}: {what} waiting for rank {peer}")
 

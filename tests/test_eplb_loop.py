@@ -5,6 +5,7 @@ Balancer changes nothing the model computes; measured loads; pure properties of 
 from __future__ import annotations
 
 import copy
+import time
 from functools import partial
 
 import pytest
@@ -222,6 +223,48 @@ def _disagree_case(group) -> list[str]:
     return []
 
 
+def _settings_differ_case(group) -> list:
+    """EP ranks whose balancers are configured differently all raise at construction, naming the
+    setting and each rank's value, instead of one rank moving experts alone."""
+    rank = dist.get_rank(group)
+    stage = copy.deepcopy(mm.make_stage("softmax")).shard_experts_(group, PLACEMENTS[2])
+    optimizers = (torch.optim.Adam(stage.parameters()), None)
+    out = []
+    for field, values in [("threshold", (1.1, 1.5)), ("interval", (1, 2)), ("window", (1, 2)), ("refine", (False, True)),
+                          ("optimizer", optimizers)]:
+        start = time.monotonic()
+        try:
+            Balancer(stage, timeout=5, **{field: values[rank]})
+            out.append((field, "built", time.monotonic() - start))
+        except ValueError as exc:
+            out.append((field, str(exc), time.monotonic() - start))
+    start = time.monotonic()
+    try:  # the same block, named otherwise
+        Balancer(stage if rank == 0 else stage.blocks, timeout=5)
+        out.append(("blocks", "built", time.monotonic() - start))
+    except ValueError as exc:
+        out.append(("blocks", str(exc), time.monotonic() - start))
+    return out
+
+
+def _windows_differ_case(group):
+    """EP ranks whose load windows differ (set by hand here) decide from the same loads, the
+    windows summed over the ranks: both move the same experts (the old code moved on one rank
+    only, which then waited for its peer until the timeout)."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    stage = copy.deepcopy(mm.make_stage("grouped", blocks=2, uneven=True)).shard_experts_(group, STALE[ep])
+    balancer = Balancer(stage, interval=1, window=1, threshold=1.5, timeout=5)
+    # Under STALE, even loads give max/mean 1.25 (kept), these 1.99 (moved); their mean 1.875.
+    loads = [[10, 10, 10, 10], [100, 100, 1, 1]][rank]
+    balancer.loads._steps.append([torch.tensor(loads) for _ in stage.blocks])
+    try:
+        report = balancer.rebalance()
+    except Exception as exc:  # compared across ranks by the test, with no collective after this
+        return f"{type(exc).__name__}: {exc}"
+    slots = [[torch.cat([p.detach().reshape(-1) for p in e.parameters()]) for e in b.experts] for b in stage.blocks]
+    return str(report), [b.phy2log.tolist() for b in stage.blocks], slots
+
+
 CASES = {
     "redundant-ep2-softmax": (2, partial(_redundant_case, "softmax")),
     "redundant-ep2-grouped": (2, partial(_redundant_case, "grouped")),
@@ -231,7 +274,10 @@ CASES = {
     "loads-ep2": (2, _loads_case),
     "disagree-ep2": (2, _disagree_case),
     "gating-ep2": (2, _gating_case),
+    "settings-differ-ep2": (2, _settings_differ_case),
+    "windows-differ-ep2": (2, _windows_differ_case),
 }
+SPECIAL = {"settings-differ-ep2", "windows-differ-ep2"}  # checked by their own tests below
 
 
 @pytest.fixture(scope="module")
@@ -239,10 +285,35 @@ def outcomes():
     return run_world(4, run_cases, CASES, timeout=300)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", sorted(set(CASES) - SPECIAL))
 def test_distributed_case(outcomes, name):
     ranks = CASES[name][0]
     assert [o[name] for o in outcomes[:ranks]] == [[]] * ranks
+
+
+def test_balancers_configured_differently_raise_on_every_rank(outcomes):
+    results = [o["settings-differ-ep2"] for o in outcomes[:2]]
+    for rank, result in enumerate(results):
+        assert not isinstance(result, str), result
+        for field, message, seconds in result:
+            said = {"threshold": "(rank 0: 1.1; rank 1: 1.5)", "interval": "(rank 0: 1; rank 1: 2)",
+                    "window": "(rank 0: 1; rank 1: 2)", "refine": "(rank 0: False; rank 1: True)",
+                    "optimizer": "(rank 0: Adam; rank 1: None)", "blocks": "(rank 0: ['layers.0']; rank 1: ['0'])"}[field]
+            assert message.startswith("Balancer: ") and f"{field} differs over the EP ranks {said}" in message, (rank, message)
+            assert seconds < 5, (rank, field, seconds)  # found by the comparison, not by a timeout
+        assert [field for field, _, _ in result][-1] == "blocks", result
+
+
+def test_balancers_with_different_windows_decide_alike(outcomes):
+    results = [o["windows-differ-ep2"] for o in outcomes[:2]]
+    assert not any(isinstance(r, str) for r in results), results
+    (report0, phy0, slots0), (report1, phy1, slots1) = results
+    assert report0 == report1 and phy0 == phy1 and "kept" not in report0, (report0, report1)
+    for b, placement in enumerate(phy0):  # every replica of an expert holds the same weights, on both ranks
+        every = slots0[b] + slots1[b]
+        for e in set(placement):
+            same = [every[s] for s, x in enumerate(placement) if x == e]
+            assert all(torch.equal(same[0], t) for t in same[1:]), (b, e)
 
 
 # ---------------------------------------------------------------- one process, pure functions
@@ -380,6 +451,22 @@ def test_balancer_needs_a_moe_block_and_sane_settings():
                         (dict(timeout=0), "timeout=0"), (dict(timeout=float("inf")), "timeout=inf")]:
         with pytest.raises(ValueError, match=arg):
             Balancer(stage, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(refine="yes"), "refine='yes': must be True or False"),
+    (dict(refine=1), "refine=1: must be True or False"),
+    (dict(interval=True), "interval=True: must be an int >= 1"),
+    (dict(interval=2.0), "interval=2.0: must be an int >= 1"),
+    (dict(window=1.5), "window=1.5: must be an int >= 1"),
+    (dict(threshold=float("nan")), "threshold=nan: must be a finite number >= 1"),
+    (dict(threshold="1.2"), "threshold='1.2': must be a finite number >= 1"),
+    (dict(optimizer="adam"), "optimizer='adam': must be a torch.optim.Optimizer or None"),
+])
+def test_balancer_checks_every_argument(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        Balancer(mm.make_stage("softmax"), **kwargs)
+    assert str(error.value).startswith(message), str(error.value)
 
 
 def test_balancer_timeout_reaches_its_loads():

@@ -2,8 +2,10 @@
 ``interval`` steps re-places the experts of the blocks whose rank loads are too uneven.
 
 This module uses ``twinpipe.moe`` (the layers it balances); eplb's placement modules never import
-it. Every rank of the EP groups runs the same ``Balancer`` calls: the loads are summed over the
-group, so all ranks compute the same placement and move experts together.
+it. Every rank of the EP groups runs the same ``Balancer`` calls. The ranks compare their
+balancers' settings when they are built, and decide every rebalance from the same loads (the
+ranks' windows summed over the group), so all compute the same placement and move experts
+together, or all raise.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from twinpipe.checks import bad, check_bool, check_float, check_int
+from twinpipe.moe.agree import agree, all_reduce, frame_device
 from twinpipe.moe.loads import ExpertLoads
 from twinpipe.moe.move import MoveReport, apply_placement_
 from twinpipe.runtime.collectives import checked_timeout
@@ -67,20 +71,56 @@ class Balancer:
     The slot count stays the blocks' own (set it with ``MoEBlock.shard_experts_(group, phy2log)``).
     Every wait of the loop (the loads' all-reduces, the moves, the checks before them) lasts at
     most ``timeout`` seconds.
+
+    Construction is collective over the blocks' EP groups: the ranks compare ``interval``,
+    ``window``, ``threshold``, ``refine``, the optimizer's class and the blocks, and all raise a
+    ValueError naming what differs. Each rebalance decides from the ranks' window loads summed
+    over the EP group (one all-reduce), so every rank takes the same decision.
     """
 
     def __init__(self, model, *, optimizer=None, interval: int = 100, window: int | None = None,
                  threshold: float = 1.1, refine: bool = False, timeout: float = 300.0):
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(f"interval={interval!r}: must be a positive int (steps)")
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 1.0:
-            raise ValueError(f"threshold={threshold!r}: must be a number >= 1 (a max/mean load ratio)")
+        check_int(interval, "interval", low=1)
+        if window is not None:
+            check_int(window, "window", low=1)
+        threshold = check_float(threshold, "threshold", low=1.0)  # a max/mean load ratio
+        check_bool(refine, "refine")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise bad("optimizer", optimizer, "must be a torch.optim.Optimizer or None")
         self.timeout = checked_timeout(timeout)
         self.loads = ExpertLoads(model, interval if window is None else window, timeout=self.timeout)
-        self.optimizer, self.interval, self.threshold = optimizer, interval, float(threshold)
+        self.optimizer, self.interval, self.threshold = optimizer, interval, threshold
         self.refine = refine
         self.steps = 0
         self.reports: list[RebalanceReport] = []
+        for blocks in self._ep_groups():  # collective: every EP rank's balancer must decide alike
+            settings = {"interval": interval, "window": self.loads.window, "threshold": threshold, "refine": refine,
+                        "optimizer": None if optimizer is None else type(optimizer).__name__,
+                        "blocks": [self.loads.blocks[i][0] for i in blocks]}
+            block = self.loads.blocks[blocks[0]][1]
+            agree(block.ep_group, settings, "Balancer", self.timeout, frame_device(block.routed_tokens))
+
+    def _ep_groups(self) -> list[list[int]]:
+        """Indices of the blocks (in block order) of each EP group with more than one rank."""
+        groups: dict[int, list[int]] = {}
+        for i, (_, block) in enumerate(self.loads.blocks):
+            if block.ep > 1:
+                groups.setdefault(id(block.ep_group), []).append(i)
+        return list(groups.values())
+
+    def _decision_loads(self) -> list[torch.Tensor]:
+        """Per block, the window loads every EP rank decides from: the ranks' windows summed over
+        the block's EP group (one all-reduce per group) and divided by its size. The window itself
+        when the ranks' windows agree (each step's loads were summed when recorded), the same
+        loads on every rank when they do not."""
+        windows = self.loads.window_sum()
+        for blocks in self._ep_groups():
+            block = self.loads.blocks[blocks[0]][1]
+            flat = torch.cat([windows[i] for i in blocks]).to(block.routed_tokens.device)
+            all_reduce(flat, block.ep_group, self.timeout, "Balancer.rebalance: summing the EP ranks' load windows")
+            for i, part in zip(blocks, flat.cpu().split([len(windows[i]) for i in blocks])):
+                windows[i] = part // block.ep
+        return windows
 
     def step(self) -> RebalanceReport | None:
         """Record this step's loads; every ``interval`` steps rebalance (returns the report)."""
@@ -95,7 +135,7 @@ class Balancer:
     def rebalance(self, force: bool = False) -> RebalanceReport:
         """Re-place the blocks above the threshold (all blocks with ``force``) now."""
         layers = []
-        for weight, (name, block) in zip(self.loads.window_sum(), self.loads.blocks):
+        for weight, (name, block) in zip(self._decision_loads(), self.loads.blocks):
             old = block.phy2log
             before = _ratio(weight, old, block.ep)
             move, after = None, before

@@ -40,6 +40,10 @@ __all__ = ["Pipeline", "DualPipe", "DualPipeV"]
 # out of step, on both ranks).
 _BY_IDENTITY: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
+# The p2p tag of every pipeline's mirrored-copy headers: above every pipeline's message tags
+# (1 to 2**20) and mirrored payload tags (2**20 + 1 to 2**21), and not 0 (the user's default).
+_SWAP_HEADER_TAG = (1 << 21) + 1
+
 
 def _device_of(modules: Sequence[nn.Module]) -> torch.device:
     for module in modules:
@@ -481,13 +485,14 @@ class Pipeline(nn.Module):
 
     @property
     def _swap_tag(self) -> int:
-        """The p2p tag of the mirrored copies' swaps: this pipeline's own, like its messages' ``_tag``
-        (1 to 2**20) but above every pipeline's, and never 0 (gloo's default, the user's)."""
+        """The p2p tag of the mirrored copies' payloads: this pipeline's own, like its messages'
+        ``_tag`` (1 to 2**20) but above every pipeline's, and never 0 (gloo's default, the user's)."""
         return self._tag + (1 << 20)
 
-    def _swap(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor], what: str) -> None:
-        """Send ``outgoing[peer]`` to each peer and receive ``incoming[peer]``: all posted, then each awaited."""
-        works, tag = [], self._swap_tag
+    def _swap(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor], what: str, tag: int) -> None:
+        """Send ``outgoing[peer]`` to each peer and receive ``incoming[peer]`` under p2p ``tag``: all
+        posted, then each awaited."""
+        works = []
         for peer in outgoing:
             g = self.group_rank_of[peer]
             works += [(peer, self.group.send([outgoing[peer]], g, tag)), (peer, self.group.recv([incoming[peer]], g, tag))]
@@ -531,7 +536,9 @@ class Pipeline(nn.Module):
             plan[peer] = (theirs, expect, label)
             headers[peer] = torch.tensor([zlib.crc32(label.encode()), outgoing[peer].numel(), expect], dtype=torch.int64)
             replies[peer] = torch.empty_like(headers[peer])
-        self._swap(headers, replies, what)
+        # Headers go under one tag for every pipeline, so that two ranks syncing different pipelines
+        # meet and raise at once; payloads under this pipeline's own (see _swap_tag).
+        self._swap(headers, replies, what, _SWAP_HEADER_TAG)
         for peer in peers:
             theirs, expect, label = plan[peer]
             crc, sent, expected = replies[peer].tolist()
@@ -546,7 +553,7 @@ class Pipeline(nn.Module):
         if differ:  # every copy is on this rank (no peer to disagree with)
             raise PipelineMismatchError(f"rank {self.rank}: {what}: the copies disagree{own} in shapes or dtypes")
         incoming = {peer: torch.empty(plan[peer][1], dtype=outgoing[peer].dtype, device=outgoing[peer].device) for peer in peers}
-        self._swap(outgoing, incoming, what)
+        self._swap(outgoing, incoming, what, self._swap_tag)
         for peer in peers:
             offset = 0
             for k, s in plan[peer][0]:

@@ -156,12 +156,13 @@ class AgreementRound:
             said = ", and on ".join(shifted)
             if self._on_out_of_step is not None:
                 self._on_out_of_step(f"at {self._label}: ranks disagreed on {said}", {c.facts.get("pipeline") for c in claims})
+            hint = " Pass step_id= to step() to have every step's identity checked." if self.claim.facts.get("step_id") == "none" else ""
             raise PipelineMismatchError(
                 f"{self.where}: ranks disagree on {said}, so they are not running the same step: one rank called "
                 f"{self.claim.facts.get('call', 'step()')} when the others did not (an extra evaluation step?), or "
                 "another pipeline's. Nothing was sent. Skipping this step on every rank would leave the ranks a call "
                 "apart, so this pipeline runs no step until every rank calls pipe.resync() at the same point of its "
-                "loop, or builds a new pipeline. Pass step_id= to step() to have every step's identity checked."
+                f"loop, or builds a new pipeline.{hint}"
             )
         rejected = [c for c in claims if c.status == "rejected" and c.rank != self.claim.rank]
         if rejected and self.claim.status != "rejected":

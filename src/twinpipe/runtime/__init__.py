@@ -3,7 +3,8 @@
 from twinpipe.runtime.batches import BatchLayout, batch_layout
 from twinpipe.runtime.comm import set_p2p_tensor_dtype, set_p2p_tensor_shapes
 from twinpipe.runtime.errors import (
-    PipelineAbortedError, PipelineBrokenError, PipelineCommError, PipelineMismatchError, PipelineTimeoutError,
+    PipelineAbortedError, PipelineBrokenError, PipelineCommError, PipelineMismatchError, PipelinePeerFailedError,
+    PipelineTimeoutError,
 )
 from twinpipe.runtime.executor import run_backward
 from twinpipe.runtime.pipeline import DualPipe, DualPipeV, Pipeline
@@ -13,4 +14,5 @@ __all__ = [
     "Pipeline", "DualPipe", "DualPipeV", "WeightGradStore", "GradStore", "DeferredLinear", "defer_weight_grads",
     "set_p2p_tensor_shapes", "set_p2p_tensor_dtype", "run_backward", "batch_layout", "BatchLayout",
     "PipelineCommError", "PipelineTimeoutError", "PipelineMismatchError", "PipelineAbortedError", "PipelineBrokenError",
+    "PipelinePeerFailedError",
 ]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from twinpipe.checks import DEFAULT_TIMEOUT
 from twinpipe.moe.loads import ExpertLoads
 from twinpipe.moe.move import MoveReport, apply_placement_
 from twinpipe.runtime.collectives import checked_timeout
@@ -70,7 +71,7 @@ class Balancer:
     """
 
     def __init__(self, model, *, optimizer=None, interval: int = 100, window: int | None = None,
-                 threshold: float = 1.1, refine: bool = False, timeout: float = 300.0):
+                 threshold: float = 1.1, refine: bool = False, timeout: float = DEFAULT_TIMEOUT):
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"interval={interval!r}: must be a positive int (steps)")
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 1.0:

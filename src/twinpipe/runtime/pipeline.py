@@ -120,9 +120,14 @@ class Pipeline(nn.Module):
                             dynamic_shapes, transport, schedule_options)
         except Exception as exc:  # tell the other ranks before raising, so that none of them waits
             error = exc
-        self._agree_on_construction(group_rank, error, schedule, schedule_options, rank_mapping, tensor_shapes,
-                                    tensor_dtype, dynamic_shapes, transport)
+        try:
+            self._agree_on_construction(group_rank, error, schedule, schedule_options, rank_mapping, tensor_shapes,
+                                        tensor_dtype, dynamic_shapes, transport)
+        except BaseException:
+            release_cpu_group(self._agree_group)  # as every rank does: none built it
+            raise
         if error is not None:
+            release_cpu_group(self._agree_group)
             raise error
         # Step agreements go through shared memory when every rank is on this host (collective).
         self._board = shared_board(self._agree_group, group_rank, self.num_ranks, self.timeout)

@@ -4,6 +4,7 @@ that stop at a published failure, the shared gloo group's bookkeeping, and the d
 
 from __future__ import annotations
 
+import datetime
 import pathlib
 import re
 import time
@@ -13,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from twinpipe.checks import DEFAULT_TIMEOUT
-from twinpipe.runtime import collectives, waits
+from twinpipe.runtime import collectives, comm, waits
 from twinpipe.runtime.comm import wait_work
 from twinpipe.runtime.errors import PipelinePeerFailedError, PipelineTimeoutError
 
@@ -104,8 +105,10 @@ class _SlowWork:
 
 @pytest.fixture
 def store(monkeypatch):
+    """A real store (as the default group's), and the stand-in groups taken for gloo groups."""
     store = dist.HashStore()
     monkeypatch.setattr(waits, "_store", lambda: store)
+    monkeypatch.setattr(comm, "_gloo_only", lambda group: True)
     return store
 
 
@@ -142,8 +145,26 @@ def test_a_finished_wait_does_not_look_at_the_store(monkeypatch):
         raise AssertionError("looked at the store")
 
     monkeypatch.setattr(waits, "_store", no_store)
+    monkeypatch.setattr(comm, "_gloo_only", lambda group: True)
     wait_work(_SlowWork(0), 1.0, "done", _Group("g"))
     wait_work(_SlowWork(0.05), 1.0, "done within its first slice", _Group("g"))
+
+
+def test_only_gloo_collectives_wait_in_slices(monkeypatch):
+    """A collective of another backend (NCCL) is waited for as before, in one call with its limit."""
+    def no_store():
+        raise AssertionError("looked at the store")
+
+    waited = []
+
+    class _Once(_SlowWork):
+        def wait(self, timeout=None):
+            waited.append(timeout)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(waits, "_store", no_store)
+    wait_work(_Once(0.3), 5.0, "nccl-like", _Group("n"))  # a stand-in group: not a gloo one
+    assert waited == [datetime.timedelta(seconds=5)]
 
 
 def test_overlap_comm_timeout_is_deprecated_and_cannot_be_set():

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from twinpipe.runtime import waits
 from twinpipe.runtime.errors import PipelineCommError, PipelinePeerFailedError, PipelineTimeoutError
@@ -176,11 +177,11 @@ def wait_work(work, timeout: float, what: str, group=None) -> None:
 
     ``group``: the group of a collective (never give it for a send or receive: gloo closes the
     connection of a send or receive whose wait times out, so those cannot wait in slices). A
-    collective not finished at once is waited for in slices of ``waits.POLL`` seconds, with a look
-    at ``group``'s failure notices between them."""
+    collective of a gloo group not finished at once is waited for in slices of ``waits.POLL``
+    seconds, with a look at ``group``'s failure notices between them."""
     start = time.monotonic()
     try:
-        if group is None or work.is_completed():
+        if group is None or work.is_completed() or not _gloo_only(group):
             done = work.wait(datetime.timedelta(seconds=timeout))
         else:
             done = _wait_in_slices(work, start + timeout, group, what)
@@ -200,6 +201,16 @@ def wait_work(work, timeout: float, what: str, group=None) -> None:
         raise PipelineCommError(f"{what}: failed ({exc}); the peer may have died") from exc
     if done is False:
         raise PipelineTimeoutError(f"{what}: did not complete within {timeout:g} s")
+
+
+def _gloo_only(group) -> bool:
+    """Whether every collective of ``group`` runs on gloo, whose waits can be retried in slices (an
+    NCCL wait does not block the CPU, or, with TORCH_NCCL_BLOCKING_WAIT, aborts the communicator
+    when it times out)."""
+    try:
+        return dist.get_backend(group) == "gloo"
+    except Exception:
+        return False
 
 
 def _wait_in_slices(work, deadline: float, group, what: str) -> bool:

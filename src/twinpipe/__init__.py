@@ -16,6 +16,7 @@ _RUNTIME = {
     "set_p2p_tensor_shapes", "set_p2p_tensor_dtype", "run_backward", "batch_layout", "BatchLayout",
     "PipelineCommError", "PipelineTimeoutError", "PipelineMismatchError", "PipelineAbortedError", "PipelineBrokenError",
     "PipelineOutOfStepError",
+    "PipelinePeerFailedError",
 }
 
 _MOE = {

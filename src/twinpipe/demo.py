@@ -19,9 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from twinpipe.checks import DEFAULT_TIMEOUT
 from twinpipe.launch import run_local
 
-GROUP_TIMEOUT = 300.0  # seconds any of the demo's own collectives (barriers, result gathering) may wait
+GROUP_TIMEOUT = DEFAULT_TIMEOUT  # seconds any of the demo's own collectives (barriers, result gathering) may wait
 
 __all__ = ["Block", "add_demo_parser", "run_demo", "main", "grad_tolerance", "exactness_line",
            "cpu_cores", "oversubscription_warning", "GRAD_TOLERANCE", "TRACE_FILES"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from twinpipe.checks import bad, check_bool, check_float, check_int
+from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_float, check_int
 from twinpipe.moe.agree import agree, all_reduce, frame_device
 from twinpipe.moe.loads import ExpertLoads
 from twinpipe.moe.move import MoveReport, apply_placement_
@@ -79,7 +79,7 @@ class Balancer:
     """
 
     def __init__(self, model, *, optimizer=None, interval: int = 100, window: int | None = None,
-                 threshold: float = 1.1, refine: bool = False, timeout: float = 300.0):
+                 threshold: float = 1.1, refine: bool = False, timeout: float = DEFAULT_TIMEOUT):
         check_int(interval, "interval", low=1)
         if window is not None:
             check_int(window, "window", low=1)

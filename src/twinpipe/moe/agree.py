@@ -12,17 +12,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from twinpipe.overlap import comm as overlap_comm
+from twinpipe.runtime import waits
 from twinpipe.runtime.agreement import Claim, disagreements
-from twinpipe.runtime.collectives import Gathering, checked_timeout, padded_frame
+from twinpipe.runtime.collectives import Gathering, padded_frame
 from twinpipe.runtime.comm import wait_work
 
 __all__ = ["agree", "ep_timeout", "frame_device", "all_reduce"]
 
 
 def ep_timeout(timeout) -> float:
-    """``timeout`` checked, or the EP default ``twinpipe.overlap.comm.TIMEOUT`` when None."""
-    return checked_timeout(overlap_comm.TIMEOUT if timeout is None else timeout)
+    """``timeout`` checked; when None the limit in force (a pipeline's ``timeout`` inside its step,
+    ``twinpipe.runtime.waits.limit``), else ``twinpipe.checks.DEFAULT_TIMEOUT``."""
+    return waits.timeout_for(timeout)
 
 
 def agree(group, facts: dict, what: str, timeout: float, device=None, rejected: Exception | None = None) -> None:
@@ -31,6 +32,7 @@ def agree(group, facts: dict, what: str, timeout: float, device=None, rejected: 
     re-raised here after the peers heard of it (they raise a ValueError naming this rank).
     ``device``: where the frame goes (``frame_device``); CPU by default."""
     rank = dist.get_rank(group)
+    waits.note(group, moved=False)  # inside a pipeline's step, a failure of the step breaks this group too
     claim = Claim(rank, {k: str(v) for k, v in facts.items()}, "rejected" if rejected else "ready",
                   str(rejected) if rejected else "")
     frame = padded_frame(claim.encode())
@@ -60,5 +62,6 @@ def frame_device(tensor: torch.Tensor) -> torch.device | None:
 
 def all_reduce(tensor: torch.Tensor, group, timeout: float, what: str) -> None:
     """Sum ``tensor`` over ``group`` in place, waiting at most ``timeout`` s (PipelineTimeoutError with ``what``)."""
+    waits.note(group)
     wait_work(dist.all_reduce(tensor, group=group, async_op=True), timeout,
-              f"{what}: EP rank {dist.get_rank(group)} waiting for its peers in the all-reduce")
+              f"{what}: EP rank {dist.get_rank(group)} waiting for its peers in the all-reduce", group)

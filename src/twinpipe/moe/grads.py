@@ -25,8 +25,8 @@ def reduce_dense_grads(module: nn.Module, ep_group, timeout: float | None = None
     and see different tokens (data parallel), so their gradients must be summed after backward;
     each routed expert lives on one rank and already holds its full gradient. Call on every rank
     of the group, after ``step()``. The ranks first compare what they would sum (ValueError on
-    every rank if it differs); each wait lasts at most ``timeout`` s (default
-    ``twinpipe.overlap.comm.TIMEOUT``).
+    every rank if it differs); each wait lasts at most ``timeout`` s (default: the limit in force,
+    see ``twinpipe.runtime.waits``, else ``twinpipe.checks.DEFAULT_TIMEOUT``).
     """
     timeout = ep_timeout(timeout)
     experts = expert_parameters(module)
@@ -59,7 +59,7 @@ def reduce_replica_grads(module: nn.Module, timeout: float | None = None) -> Non
     group); a missing gradient counts as zero. Call on every rank of the group after ``step()``
     (deferred weight gradients included), before the optimizer step. The ranks first compare
     their blocks (ValueError on every rank if they differ); each wait lasts at most ``timeout`` s
-    (default ``twinpipe.overlap.comm.TIMEOUT``).
+    (default: the limit in force, else ``twinpipe.checks.DEFAULT_TIMEOUT``).
     """
     timeout = ep_timeout(timeout)
     blocks = [b for b in module.modules() if isinstance(b, MoEBlock)]

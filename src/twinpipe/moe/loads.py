@@ -32,7 +32,8 @@ class ExpertLoads:
     """Per-step loads of every MoE block of ``model``: ``record()`` after each step takes the
     blocks' routed-token counters (and resets them), sums them over each block's EP group and
     keeps the last ``window`` steps. Call ``record()`` on every rank of the EP groups; each wait
-    lasts at most ``timeout`` s (default ``twinpipe.overlap.comm.TIMEOUT``)."""
+    lasts at most ``timeout`` s (default: the limit in force where it is made, see
+    ``twinpipe.runtime.waits``, else ``twinpipe.checks.DEFAULT_TIMEOUT``)."""
 
     def __init__(self, model, window: int = 100, timeout: float | None = None):
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:

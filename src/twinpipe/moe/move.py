@@ -14,10 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from twinpipe.moe.agree import agree, frame_device
+from twinpipe.moe.agree import agree, ep_timeout, frame_device
 from twinpipe.moe.block import MoEBlock
 from twinpipe.moe.placement import check_placement
-from twinpipe.runtime.collectives import checked_timeout
 from twinpipe.runtime.comm import wait_work
 
 __all__ = ["MovePlan", "MoveReport", "plan_moves", "apply_placement_"]
@@ -110,16 +109,17 @@ def _slot_state(slots: list[list[torch.Tensor]]) -> tuple[int, str]:
     return size, f"{size} bytes: " + ", ".join(f"{str(d).removeprefix('torch.')}{list(shape)}" for shape, d in layout)
 
 
-def apply_placement_(block: MoEBlock, phy2log, optimizer=None, timeout: float = 300.0) -> MoveReport:
+def apply_placement_(block: MoEBlock, phy2log, optimizer=None, timeout: float | None = None) -> MoveReport:
     """Make ``block`` run placement ``phy2log`` [R] (same R, same experts), moving weights and, with
     ``optimizer``, its state tensors for them; the gradients of refilled slots are dropped. Call on
     every rank of the block's EP group with the same ``phy2log``, between training steps. First the
     ranks compare their blocks and arguments: if any differ (or a rank rejects its ``phy2log``),
     every rank raises ValueError naming the ranks and what differs, and nothing moves. Each
-    collective waits at most ``timeout`` seconds (PipelineTimeoutError naming the rank)."""
+    collective waits at most ``timeout`` seconds (PipelineTimeoutError naming the rank; default: the
+    limit in force, see ``twinpipe.runtime.waits``, else ``twinpipe.checks.DEFAULT_TIMEOUT``)."""
     if not isinstance(block, MoEBlock):
         raise ValueError(f"block={type(block).__name__}: must be a MoEBlock")
-    timeout = checked_timeout(timeout)
+    timeout = ep_timeout(timeout)
     slots = _slot_tensors(block, optimizer)
     new, state, rejected = None, None, None
     try:
@@ -147,7 +147,7 @@ def apply_placement_(block: MoEBlock, phy2log, optimizer=None, timeout: float = 
         send = torch.cat([_as_bytes(slots[t[3] - first]) for t in outgoing]) if outgoing else torch.empty(0, dtype=torch.uint8, device=device)
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=device)
         wait_work(dist.all_to_all_single(recv, send, recv_splits, send_splits, group=block.ep_group, async_op=True),
-                  timeout, f"apply_placement_: EP rank {rank} waiting for its peers in the expert all-to-all")
+                  timeout, f"apply_placement_: EP rank {rank} waiting for its peers in the expert all-to-all", block.ep_group)
         for i, t in enumerate(sorted(into, key=lambda t: t[0])):
             received[(t[0], t[2])] = recv[i * size : (i + 1) * size]
     mine = [f for f in plan.fills if f[0] // block.local == rank]

@@ -5,33 +5,63 @@ The CUDA path is small and untested here (no GPU in the test machine): the colle
 launched on a side stream after that stream waits for the compute stream; ``wait()`` makes the
 compute stream wait for an event recorded after it, and ``record_stream`` keeps both buffers
 alive until the side stream is done with them.
+
+A CPU all-to-all waits as long as the limit in force where it starts (``twinpipe.runtime.waits``):
+inside ``Pipeline.step`` the pipeline's ``timeout``, else ``twinpipe.checks.DEFAULT_TIMEOUT``,
+unless ``timeout=`` says otherwise; it gives up early when an EP peer publishes a failure.
 """
 
 from __future__ import annotations
 
+import sys
+import types
+import warnings
+
 import torch
 import torch.distributed as dist
 
+from twinpipe.checks import DEFAULT_TIMEOUT
 from twinpipe.overlap.parts import Done, Pending
+from twinpipe.runtime import waits
 from twinpipe.runtime.comm import wait_work
 
-__all__ = ["all_to_all", "Then", "group_size", "TIMEOUT"]
+__all__ = ["all_to_all", "Then", "group_size"]
 
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-# How long an all-to-all may wait for its peers before PipelineTimeoutError names it (seconds).
-TIMEOUT = 300.0
+_MOVED = ("twinpipe.overlap.comm.TIMEOUT is deprecated and sets nothing: an EP all-to-all waits as long as the pipeline's timeout= "
+          "inside Pipeline.step, else twinpipe.checks.DEFAULT_TIMEOUT; pass all_to_all(..., timeout=) or run the "
+          "code inside `with twinpipe.runtime.waits.limit(seconds):`")
+
+
+class _Module(types.ModuleType):
+    """Reading the old ``TIMEOUT`` gives the default (deprecated); setting it raises, as it no
+    longer sets anything (a silently ignored setting would be worse)."""
+
+    def __getattr__(self, name):
+        if name == "TIMEOUT":
+            warnings.warn(_MOVED, DeprecationWarning, stacklevel=2)
+            return DEFAULT_TIMEOUT
+        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+
+    def __setattr__(self, name, value):
+        if name == "TIMEOUT":
+            raise AttributeError(_MOVED)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Module
 
 
 class _Work(Pending):
-    def __init__(self, work, value, what: str):
-        self.work, self.value, self.what = work, value, what
+    def __init__(self, work, value, what: str, group, timeout: float):
+        self.work, self.value, self.what, self.group, self.timeout = work, value, what, group, timeout
 
     def wait(self):
-        wait_work(self.work, TIMEOUT, self.what)
+        wait_work(self.work, self.timeout, self.what, self.group)
         return self.value
 
 
@@ -63,11 +93,14 @@ def _side_stream(device: torch.device):
     return _side_streams[device]
 
 
-def all_to_all(tensor: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> Pending:
+def all_to_all(tensor: torch.Tensor, out_splits: list[int], in_splits: list[int], group, timeout: float | None = None) -> Pending:
     """Start an all-to-all of ``tensor``'s rows (``in_splits`` rows to each rank, ``out_splits``
-    from each); ``wait()`` gives the received rows. With one rank it is the tensor itself."""
+    from each); ``wait()`` gives the received rows. With one rank it is the tensor itself.
+    ``timeout``: seconds ``wait()`` may take (default: the limit in force, see the module's doc)."""
     if group_size(group) == 1:
         return Done(tensor)
+    timeout = waits.timeout_for(timeout)
+    waits.note(group)  # a failure of the step breaks this group too
     tensor = tensor.contiguous()
     out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
     if tensor.is_cuda:
@@ -82,4 +115,4 @@ def all_to_all(tensor: torch.Tensor, out_splits: list[int], in_splits: list[int]
         return _CudaWork(event, out)
     work = dist.all_to_all_single(out, tensor, out_splits, in_splits, group=group, async_op=True)
     peers = [r for r, n in enumerate(out_splits) if n]
-    return _Work(work, out, f"EP rank {dist.get_rank(group)}: all-to-all receiving from EP ranks {peers}")
+    return _Work(work, out, f"EP rank {dist.get_rank(group)}: all-to-all receiving from EP ranks {peers}", group, timeout)

@@ -4,6 +4,7 @@ from twinpipe.runtime.batches import BatchLayout, batch_layout
 from twinpipe.runtime.comm import set_p2p_tensor_dtype, set_p2p_tensor_shapes
 from twinpipe.runtime.errors import (
     PipelineAbortedError, PipelineBrokenError, PipelineCommError, PipelineMismatchError, PipelineOutOfStepError,
+    PipelinePeerFailedError,
     PipelineTimeoutError,
 )
 from twinpipe.runtime.executor import run_backward
@@ -15,4 +16,5 @@ __all__ = [
     "set_p2p_tensor_shapes", "set_p2p_tensor_dtype", "run_backward", "batch_layout", "BatchLayout",
     "PipelineCommError", "PipelineTimeoutError", "PipelineMismatchError", "PipelineAbortedError", "PipelineBrokenError",
     "PipelineOutOfStepError",
+    "PipelinePeerFailedError",
 ]

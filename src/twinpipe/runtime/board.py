@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from twinpipe.runtime import shm
+from twinpipe.runtime import shm, waits
 from twinpipe.runtime.collectives import FRAME_BYTES, gather_objects
 from twinpipe.runtime.errors import PipelineMismatchError, PipelineTimeoutError
 
-__all__ = ["SharedBoard", "shared_board"]
+__all__ = ["SharedBoard", "shared_board", "release_board"]
 
 _HEADER = 64  # per slot: round number (int64) and frame length (int64), on their own cache line
 
@@ -32,6 +32,8 @@ class SharedBoard:
 
     def __init__(self, path: str, size: int, rank: int, create: bool):
         self.size, self.rank, self.round = size, rank, 0
+        self.group = None  # the process group it serves (set by shared_board)
+        self.users = 0  # pipelines using it (shared_board / release_board)
         slot = _HEADER + FRAME_BYTES
         nbytes = 2 * size * slot
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
@@ -50,6 +52,14 @@ class SharedBoard:
         headers = raw[:, :, :_HEADER]
         # Per (parity, rank): its round number and frame length, as int64 views made once.
         self._header_words = [[headers[p, r].view(torch.int64) for r in range(size)] for p in range(2)]
+
+    def close(self) -> None:
+        """Unmap the board (its file was unlinked when every rank had mapped it)."""
+        self._frames = self._header_words = None  # the views first: a mapping with views cannot close
+        try:
+            self._map.close()
+        except BufferError:
+            pass
 
     def _words(self, parity: int, rank: int) -> torch.Tensor:
         return self._header_words[parity][rank]
@@ -70,8 +80,9 @@ class SharedBoard:
         return all(int(self._words(parity, r)[0]) == round_ for r in range(self.size))
 
     def collect(self, round_: int, timeout: float, what: str) -> list[bytes]:
-        """Every rank's frame of ``round_``, in group-rank order, or PipelineTimeoutError."""
-        parity, deadline, spins = round_ % 2, time.monotonic() + timeout, 0
+        """Every rank's frame of ``round_``, in group-rank order, or PipelineTimeoutError
+        (PipelinePeerFailedError when a failure notice of the pipeline's groups is out)."""
+        parity, deadline, spins, watch = round_ % 2, time.monotonic() + timeout, 0, None
         frames: list[bytes | None] = [None] * self.size
         while True:
             for r in range(self.size):
@@ -88,9 +99,13 @@ class SharedBoard:
             spins += 1
             if spins > 64:  # ranks may share cores: yield after a short spin
                 time.sleep(0 if spins < 256 else 2e-5)
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise PipelineTimeoutError(
                         f"{what}: group rank(s) {missing} did not start this step within {timeout:g} s")
+                if watch is None:
+                    watch = waits.Watch(self.group, now)
+                watch.check(now, f"{what} (group rank(s) {missing})")
 
 
 _BOARDS: dict = {}  # process group -> its board (None: the group's ranks cannot share one)
@@ -102,7 +117,10 @@ def shared_board(group, rank: int, size: int, timeout: float) -> SharedBoard | N
     if size < 2:
         return None
     if group in _BOARDS:
-        return _BOARDS[group]
+        board = _BOARDS[group]
+        if board is not None:
+            board.users += 1
+        return board
     what = f"group rank {rank}: setting up the agreement board"
     ok = shm._eligible(torch.device("cpu"), 2 * size * (_HEADER + FRAME_BYTES))
     everyone = gather_objects(group, (shm._host_id(), ok, os.urandom(8).hex()), timeout, what)
@@ -126,5 +144,20 @@ def shared_board(group, rank: int, size: int, timeout: float) -> SharedBoard | N
         failed = any(gather_objects(group, failed, timeout, what))
     finally:
         shm._unlink(path)  # every rank has mapped it, or never will
+    if failed and board is not None:
+        board.close()
     _BOARDS[group] = None if failed else board
+    if board is not None and not failed:
+        board.group, board.users = group, 1
     return _BOARDS[group]
+
+
+def release_board(board: SharedBoard | None) -> None:
+    """A pipeline is done with ``board``: the last one to release it unmaps it. Every rank of the
+    group must release it alike (as it made it): a board made again is a new file."""
+    if board is None:
+        return
+    board.users -= 1
+    if board.users <= 0:
+        _BOARDS.pop(board.group, None)
+        board.close()

@@ -1,5 +1,6 @@
-"""Collectives with deadlines: every wait names rank, operation and peer, and none waits longer
-than the pipeline's ``timeout`` (the process group's own default is 30 minutes)."""
+"""Collectives with deadlines: every wait names rank, operation and peer, none waits longer than
+the pipeline's ``timeout`` (the process group's own default is 30 minutes), and each gives up early
+when another rank publishes a failure that breaks it (``twinpipe.runtime.waits``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from twinpipe.checks import MIN_TIMEOUT, checked_timeout  # noqa: F401  (re-expo
 from twinpipe.runtime import comm
 from twinpipe.runtime.errors import PipelineMismatchError
 
-__all__ = ["checked_timeout", "Gathering", "encode_frame", "padded_frame", "decode_frame", "gather_objects", "barrier", "cpu_group"]
+__all__ = ["checked_timeout", "Gathering", "encode_frame", "padded_frame", "decode_frame", "gather_objects", "barrier", "cpu_group",
+           "release_cpu_group"]
 
 
 class Gathering:
@@ -32,7 +34,7 @@ class Gathering:
 
     def result(self) -> list[torch.Tensor]:
         if self.work is not None:
-            comm.wait_work(self.work, self.timeout, self.what)
+            comm.wait_work(self.work, self.timeout, self.what, self.group)
             self.work = None
         return self.parts
 
@@ -80,11 +82,17 @@ def barrier(group, timeout: float, what: str) -> None:
     gather_objects(group, None, timeout, what)
 
 
+_CPU_GROUPS: dict = {}  # (ranks, timeout) -> [gloo group, pipelines using it]
+
+
 def cpu_group(group, timeout: float):
     """``group`` when it carries CPU tensors (gloo), else a gloo group of the same ranks.
 
     Agreement messages are a few hundred bytes read on the CPU: on an NCCL-only group they would
-    cost a device round trip and a stream synchronisation every step."""
+    cost a device round trip and a stream synchronisation every step. The gloo group is made once
+    per set of ranks (and timeout: gloo's own timer) and shared: every caller must give it back
+    with ``release_cpu_group`` (``Pipeline.close()`` does), and the last one destroys it. Made
+    and released collectively: every rank of ``group`` calls both alike."""
     try:
         group._get_backend(torch.device("cpu"))
         return group
@@ -92,5 +100,23 @@ def cpu_group(group, timeout: float):
         pass
     import datetime
 
-    ranks = dist.get_process_group_ranks(group)
-    return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout), backend="gloo", use_local_synchronization=True)
+    key = (tuple(dist.get_process_group_ranks(group)), float(timeout))
+    entry = _CPU_GROUPS.get(key)
+    if entry is None:
+        made = dist.new_group(list(key[0]), timeout=datetime.timedelta(seconds=timeout), backend="gloo",
+                              use_local_synchronization=True)
+        entry = _CPU_GROUPS[key] = [made, 0]
+    entry[1] += 1
+    return entry[0]
+
+
+def release_cpu_group(group) -> None:
+    """Give back a group ``cpu_group`` returned; the last user of a gloo group it made destroys it
+    (a group it did not make, the caller's own, is left alone)."""
+    for key, entry in list(_CPU_GROUPS.items()):
+        if entry[0] is group:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del _CPU_GROUPS[key]
+                dist.destroy_process_group(group)
+            return

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import datetime
 import math
+import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from twinpipe.runtime.errors import PipelineCommError, PipelineTimeoutError
+from twinpipe.runtime import waits
+from twinpipe.runtime.errors import PipelineCommError, PipelinePeerFailedError, PipelineTimeoutError
 
 __all__ = [
     "Layout",
@@ -167,17 +170,64 @@ def unpack(buffers: list[torch.Tensor], shapes) -> list[torch.Tensor]:
     return out
 
 
-def wait_work(work, timeout: float, what: str) -> None:
+def wait_work(work, timeout: float, what: str, group=None) -> None:
     """Wait for a P2P request or collective, raising PipelineTimeoutError with ``what`` after
-    ``timeout`` s, or PipelineCommError if it failed (e.g. the peer's process died)."""
+    ``timeout`` s, PipelinePeerFailedError when another rank published a failure that breaks this
+    wait (``twinpipe.runtime.waits``), or PipelineCommError if it failed (e.g. the peer died).
+
+    ``group``: the group of a collective (never give it for a send or receive: gloo closes the
+    connection of a send or receive whose wait times out, so those cannot wait in slices). A
+    collective of a gloo group not finished at once is waited for in slices of ``waits.POLL``
+    seconds, with a look at ``group``'s failure notices between them."""
+    start = time.monotonic()
     try:
-        done = work.wait(datetime.timedelta(seconds=timeout))
+        if group is None or work.is_completed() or not _gloo_only(group):
+            done = work.wait(datetime.timedelta(seconds=timeout))
+        else:
+            done = _wait_in_slices(work, start + timeout, group, what)
+    except PipelinePeerFailedError as exc:  # from a polling wait (shared memory, slices): name this wait
+        raise waits.peer_failed(what, exc.first) from None
     except RuntimeError as exc:
+        first = waits.notice(group)
+        if first is not None:  # the likely cause: a peer failed, and closed its connections
+            raise waits.peer_failed(what, first) from exc
         if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            elapsed = time.monotonic() - start
+            if elapsed < 0.9 * timeout:
+                raise PipelineTimeoutError(
+                    f"{what}: timed out after {elapsed:.1f} s, before this wait's {timeout:g} s limit: the process "
+                    f"group's own timeout is shorter ({exc})") from exc
             raise PipelineTimeoutError(f"{what}: did not complete within {timeout:g} s ({exc})") from exc
         raise PipelineCommError(f"{what}: failed ({exc}); the peer may have died") from exc
     if done is False:
         raise PipelineTimeoutError(f"{what}: did not complete within {timeout:g} s")
+
+
+def _gloo_only(group) -> bool:
+    """Whether every collective of ``group`` runs on gloo, whose waits can be retried in slices (an
+    NCCL wait does not block the CPU, or, with TORCH_NCCL_BLOCKING_WAIT, aborts the communicator
+    when it times out)."""
+    try:
+        return dist.get_backend(group) == "gloo"
+    except Exception:
+        return False
+
+
+def _wait_in_slices(work, deadline: float, group, what: str) -> bool:
+    """Wait for a collective until ``deadline``, a slice at a time, checking for failure notices."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            if work.wait(datetime.timedelta(seconds=max(min(waits.POLL, left), 1e-3))):
+                return True
+        except RuntimeError:
+            if work.is_completed():  # it failed (not just this slice's timeout)
+                raise
+        first = waits.notice(group)
+        if first is not None:
+            raise waits.peer_failed(what, first)
 
 
 class PointToPoint:

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "PipelineCommError",
     "PipelineTimeoutError",
+    "PipelinePeerFailedError",
     "PipelineMismatchError",
     "PipelineAbortedError",
     "PipelineBrokenError",
@@ -18,6 +19,20 @@ class PipelineCommError(RuntimeError):
 
 class PipelineTimeoutError(PipelineCommError):
     """A wait for a peer did not finish in time (the peer failed, hung, or never sent)."""
+
+
+class PipelinePeerFailedError(PipelineCommError):
+    """A wait for a peer was given up because another rank failed in the middle of its step.
+
+    ``first`` is that rank's own account, published when it failed (``twinpipe.runtime.waits``):
+    the first failure of the group, whichever rank waits."""
+
+    def __init__(self, message: str, first: str = ""):
+        super().__init__(message)
+        self.first = first
+
+    def __reduce__(self):  # keep ``first`` through pickling (errors cross process boundaries)
+        return type(self), (str(self), self.first)
 
 
 class PipelineMismatchError(RuntimeError):

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinpipe.checks import check_int
+from twinpipe.checks import DEFAULT_TIMEOUT, check_int
+from twinpipe.runtime import waits
 from twinpipe.runtime.agreement import REASON_CHARS, AgreementRound, Claim, disagreements, out_of_step_error, short
-from twinpipe.runtime.board import shared_board
-from twinpipe.runtime.collectives import checked_timeout, cpu_group, gather_objects
+from twinpipe.runtime.board import release_board, shared_board
+from twinpipe.runtime.collectives import checked_timeout, cpu_group, gather_objects, release_cpu_group
 from twinpipe.runtime.comm import PointToPoint, declared_layout, wait_work
 from twinpipe.runtime.errors import PipelineAbortedError, PipelineBrokenError, PipelineCommError, PipelineMismatchError
 from twinpipe.runtime.executor import Executor, StepData
@@ -108,7 +109,7 @@ class Pipeline(nn.Module):
         tensor_shapes=None,
         tensor_dtype=None,
         dynamic_shapes: bool = False,
-        timeout: float = 60.0,
+        timeout: float = DEFAULT_TIMEOUT,
         transport: str = "auto",
         **schedule_options,
     ):
@@ -119,7 +120,9 @@ class Pipeline(nn.Module):
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.num_ranks = dist.get_world_size(self.group)
         group_rank = dist.get_rank(self.group)
-        self._agree_group = cpu_group(self.group, self.timeout)
+        self._agree_group = cpu_group(self.group, self.timeout)  # shared by pipelines on the same ranks
+        self._scope = waits.Scope(self.timeout, [self.group])  # the steps' limit and failure notices
+        self._closed = False
         self.store = GradStore()  # this pipeline's deferred weight gradients
         self._rounds = 0  # steps begun (agreement rounds); equal on every rank
         self._broken: str | None = None
@@ -129,9 +132,14 @@ class Pipeline(nn.Module):
                             dynamic_shapes, transport, schedule_options)
         except Exception as exc:  # tell the other ranks before raising, so that none of them waits
             error = exc
-        self._agree_on_construction(group_rank, error, schedule, schedule_options, rank_mapping, tensor_shapes,
-                                    tensor_dtype, dynamic_shapes, transport)
+        try:
+            self._agree_on_construction(group_rank, error, schedule, schedule_options, rank_mapping, tensor_shapes,
+                                        tensor_dtype, dynamic_shapes, transport)
+        except BaseException:
+            release_cpu_group(self._agree_group)  # as every rank does: none built it
+            raise
         if error is not None:
+            release_cpu_group(self._agree_group)
             raise error
         # Step agreements go through shared memory when every rank is on this host (collective).
         self._board = shared_board(self._agree_group, group_rank, self.num_ranks, self.timeout)
@@ -140,8 +148,9 @@ class Pipeline(nn.Module):
             placement = self._placement()
             neighbours = {placement.rank_of(n) for s in self.stages
                           for n in (placement.prev_stage(s), placement.next_stage(s)) if n is not None}
-            pipes = shm_pipes(self.group, self.rank, self.group_rank_of, neighbours - {self.rank}, self.device, self.timeout)
+            pipes = shm_pipes(self._agree_group, self.rank, self.group_rank_of, neighbours - {self.rank}, self.device, self.timeout)
         self._p2p = PointToPoint(self.group, self.group_rank_of, pipes, self._tag)
+        self._made = (self._board, pipes)  # what close() gives back
         # Like the official DualPipe: the user's overlapped F&B runs when all of this rank's stage
         # modules are of one class that defines it.
         kinds = {type(m) for m in self.module}
@@ -228,6 +237,32 @@ class Pipeline(nn.Module):
         """Pipeline ranks this rank exchanges messages with through shared memory."""
         return set(self._p2p.piped)
 
+    def close(self) -> None:
+        """Give back what the pipeline made: its shared-memory pipes, its share of the agreement
+        board and of the gloo group made for an NCCL-only process group (the last pipeline using
+        them frees them). Call it on every rank, as construction; later calls do nothing, and a
+        closed pipeline's ``step()`` raises. ``with Pipeline(...) as pipe:`` closes it at the end."""
+        if self._closed:
+            return
+        self._closed = True
+        board, pipes = self._made
+        self._made = (None, None)
+        if pipes is not None:
+            pipes.close()
+        release_board(board)
+        release_cpu_group(self._agree_group)
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}: this pipeline was closed (close(), or the end of its with-block); "
+                               "build a new one on every rank")
+
     # ------------------------------------------------------------------ schedule
     def _placement(self):
         spec = self._schedule_spec
@@ -281,6 +316,7 @@ class Pipeline(nn.Module):
         steps (other ids, or one rank's extra step) stay out of step: every later ``step()``
         raises ``PipelineOutOfStepError`` until every rank calls ``resync()``.
         """
+        self._check_open()
         training = torch.is_grad_enabled()
         round_index = self._rounds
         self._rounds += 1
@@ -329,6 +365,7 @@ class Pipeline(nn.Module):
             agreement.arrived if agreement is not None else None, on_grads_ready,
         )
         self.store.clear()
+        scope = waits.enter(self._scope)  # the pipeline's limit and failure notices, for every wait inside the step
         try:
             with self.store.active():
                 result = executor.run(data, num_chunks)
@@ -340,13 +377,17 @@ class Pipeline(nn.Module):
                     agreement.confirm()
                 except Exception:
                     pass
-            # Once messages may have moved, or the ranks' rounds fell out of step, it cannot be undone.
+            # Once messages may have moved (EP collectives included), or the ranks' rounds fell out of step, it cannot be undone.
             if isinstance(exc, PipelineCommError) or (
-                executor.transport.opened and not isinstance(exc, (PipelineMismatchError, PipelineAbortedError, PipelineBrokenError))
+                (executor.transport.opened or self._scope.moved) and not isinstance(exc, (PipelineMismatchError, PipelineAbortedError, PipelineBrokenError))
             ):
                 self._broken = f"rank {self.rank} failed during step {round_index}: {type(exc).__name__}: {exc}"
+                # Every rank waiting on this pipeline's groups (and the EP groups its steps used) hears of it now.
+                waits.publish_failure(getattr(exc, "first", "") or f"global rank {dist.get_rank()} (pipeline rank "
+                                      f"{self.rank}) failed during step {round_index}: {type(exc).__name__}: {exc}", self._scope.groups)
             raise
         finally:
+            waits.leave(scope)
             self.store.clear()
         self.last_peak_live = result.peak_live
         self.last_trace = recorder.events if recorder else None
@@ -511,6 +552,7 @@ class Pipeline(nn.Module):
         pipeline's, would be silently wrong).
         In the registered placements the ranks holding copies of one model stage all hold the same
         model stages, so a disagreement reaches every one of them."""
+        self._check_open()
         copies = self._copies
         flats = {s: self._flat(s, grads) for items in copies.values() for r, s in items if r == self.rank}
         signature, numel, differ = {}, {}, []

@@ -23,6 +23,8 @@ from collections import deque
 
 import torch
 
+from twinpipe.checks import DEFAULT_TIMEOUT
+from twinpipe.runtime import waits
 from twinpipe.runtime.collectives import gather_objects
 
 __all__ = ["ShmPipes", "shm_pipes"]
@@ -47,13 +49,17 @@ class _Work:
 
     def wait(self, timeout=None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
-        spins = 0
+        spins, watch = 0, None
         while not self.is_completed():
             spins += 1
             if spins > 64:  # after a short spin, yield the core (ranks may share cores)
                 time.sleep(0 if spins < 256 else 2e-5)
-                if deadline is not None and time.monotonic() > deadline:
+                now = time.monotonic()
+                if deadline is not None and now > deadline:
                     raise RuntimeError("shared-memory transfer timed out")
+                if watch is None:
+                    watch = waits.Watch(self.pipes.group, now)
+                watch.check(now, "shared-memory transfer")  # a peer's published failure ends the wait
         return True
 
 
@@ -80,6 +86,14 @@ class _Pipe:
         self.capacity, self.writer = capacity, create  # the sender creates its outgoing pipe
         self.position = 0  # bytes this side has written (writer) or read (reader)
         self.queue: deque[_Work] = deque()
+
+    def close(self) -> None:
+        self.queue.clear()
+        del self._control, self._ring  # the views first: a mapping with views on it cannot close
+        try:
+            self._map.close()
+        except BufferError:  # a caller still holds a view: the mapping goes when it does
+            pass
 
     def _copy(self, work: _Work, n: int, writing: bool) -> None:
         at = self.position % self.capacity
@@ -120,8 +134,9 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 class ShmPipes:
     """This rank's pipes to and from its same-host neighbours (keyed by pipeline rank)."""
 
-    def __init__(self, outgoing: dict[int, _Pipe], incoming: dict[int, _Pipe]):
+    def __init__(self, outgoing: dict[int, _Pipe], incoming: dict[int, _Pipe], group=None):
         self.outgoing, self.incoming = outgoing, incoming
+        self.group = group  # whose failure notices end a wait (see waits.py)
         self._all = [*outgoing.values(), *incoming.values()]
 
     def peers(self) -> set[int]:
@@ -144,6 +159,12 @@ class ShmPipes:
         for pipe in self._all:
             if pipe.queue:
                 pipe.move()
+
+    def close(self) -> None:
+        """Unmap every pipe (the files were unlinked at setup: the memory goes with the last map)."""
+        for pipe in self._all:
+            pipe.close()
+        self.outgoing, self.incoming, self._all = {}, {}, []
 
 
 _SHM_DIR = "/dev/shm"
@@ -173,7 +194,7 @@ def _unlink(path: str) -> None:
 
 
 def shm_pipes(group, rank: int, group_rank_of: dict[int, int], neighbours: set[int], device: torch.device,
-              timeout: float = 60.0, capacity: int = 4 << 20) -> ShmPipes:
+              timeout: float = DEFAULT_TIMEOUT, capacity: int = 4 << 20) -> ShmPipes:
     """Set up pipes to the same-host ``neighbours`` (pipeline ranks). Collective over ``group``.
 
     Every rank learns every rank's host and eligibility, so both ends of a pair agree on whether
@@ -197,7 +218,7 @@ def shm_pipes(group, rank: int, group_rank_of: dict[int, int], neighbours: set[i
 
     peers = [p for p in sorted(neighbours) if p != rank and shared(rank, p) and shared(p, rank)]
     if not any(shared(a, b) for a in by_rank for b in by_rank if a != b):
-        return ShmPipes({}, {})
+        return ShmPipes({}, {}, group)
     outgoing, incoming, failed = {}, {}, set()
     try:
         for p in peers:
@@ -218,7 +239,11 @@ def shm_pipes(group, rank: int, group_rank_of: dict[int, int], neighbours: set[i
             _unlink(path(rank, p))
             _unlink(path(p, rank))
     usable = [p for p in peers if p not in failed]
-    return ShmPipes({p: outgoing[p] for p in usable}, {p: incoming[p] for p in usable})
+    for p in failed:  # mapped on one end only: unmap it
+        for pipe in (outgoing.pop(p, None), incoming.pop(p, None)):
+            if pipe is not None:
+                pipe.close()
+    return ShmPipes({p: outgoing[p] for p in usable}, {p: incoming[p] for p in usable}, group)
 
 
 def _agree_on_failures(group, rank: int, failed: set[int], timeout: float, what: str) -> set[int]:

@@ -15,19 +15,22 @@ __all__ = ["estimate_offsets"]
 
 
 def estimate_offsets(group, reference: int, peers: list[int], device=None, rounds: int = 16, clock=time.perf_counter,
-                     timeout: float = 60.0) -> dict[int, tuple[float, float]] | None:
+                     timeout: float | None = None) -> dict[int, tuple[float, float]] | None:
     """Collective over ``group`` (global ranks ``reference`` and ``peers``): every member calls it.
 
     Returns, on ``reference``, ``{peer: (offset, error_bound)}`` in seconds, where
     ``peer_clock - offset`` is the reference's clock; None elsewhere. Every message waits at most
-    ``timeout`` seconds (PipelineTimeoutError naming the rank and its peer). ``device``: where the
+    ``timeout`` seconds (PipelineTimeoutError naming the rank and its peer; default: the limit in
+    force, see ``twinpipe.runtime.waits``, else ``twinpipe.checks.DEFAULT_TIMEOUT``). ``device``: where the
     one-number messages live (None: the CPU, what a gloo group carries).
     """
     import torch
     import torch.distributed as dist
 
+    from twinpipe.runtime import waits
     from twinpipe.runtime.comm import wait_work
 
+    timeout = waits.timeout_for(timeout)
     if rounds < 1:
         raise ValueError(f"rounds={rounds!r}: must be >= 1")
     me = dist.get_rank()

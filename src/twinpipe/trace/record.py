@@ -25,16 +25,25 @@ def gather_timeline(pipeline, num_chunks: int, name: str | None = None, rounds: 
     ``timeout`` (default: the pipeline's); ranks that disagree on ``num_chunks``, or that have no
     trace, raise on every rank.
     """
+    from twinpipe.runtime.collectives import checked_timeout, cpu_group, release_cpu_group
+
+    timeout = pipeline.timeout if timeout is None else checked_timeout(timeout)
+    group = cpu_group(pipeline.group, timeout)  # the pipeline's own, or one shared (given back below)
+    try:
+        return _gather_timeline(pipeline, group, num_chunks, name, rounds, timeout)
+    finally:
+        release_cpu_group(group)
+
+
+def _gather_timeline(pipeline, group, num_chunks, name, rounds, timeout) -> Timeline | None:
     import pickle
 
     import torch
     import torch.distributed as dist
 
-    from twinpipe.runtime.collectives import Gathering, checked_timeout, cpu_group, gather_objects
+    from twinpipe.runtime.collectives import Gathering, gather_objects
     from twinpipe.runtime.errors import PipelineMismatchError
 
-    timeout = pipeline.timeout if timeout is None else checked_timeout(timeout)
-    group = cpu_group(pipeline.group, timeout)
     where = f"rank {pipeline.rank}: gather_timeline"
     payload = pickle.dumps((pipeline.rank, pipeline.last_trace, pipeline.last_peak_live, _processors()))
     mine = ["gather_timeline", pipeline.rank, num_chunks if isinstance(num_chunks, int) else repr(num_chunks),

@@ -1,0 +1,197 @@
+"""The wait policy without a process group: one default limit, the limit in force, waits in slices
+that stop at a published failure, the shared gloo group's bookkeeping, and the deprecated
+``overlap.comm.TIMEOUT``."""
+
+from __future__ import annotations
+
+import datetime
+import pathlib
+import re
+import time
+import warnings
+
+import pytest
+import torch.distributed as dist
+
+from twinpipe.checks import DEFAULT_TIMEOUT
+from twinpipe.runtime import collectives, comm, waits
+from twinpipe.runtime.comm import wait_work
+from twinpipe.runtime.errors import PipelinePeerFailedError, PipelineTimeoutError
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "twinpipe"
+
+
+def test_the_limit_is_the_call_s_then_the_one_in_force_then_the_default():
+    assert waits.timeout_for() == DEFAULT_TIMEOUT
+    with waits.limit(2.5):
+        assert waits.timeout_for() == 2.5
+        assert waits.timeout_for(7) == 7.0
+        with waits.limit(1):
+            assert waits.timeout_for() == 1.0
+        assert waits.timeout_for() == 2.5
+    assert waits.timeout_for() == DEFAULT_TIMEOUT
+    with pytest.raises(ValueError, match="timeout=-1"):
+        waits.timeout_for(-1)
+    with pytest.raises(ValueError, match="timeout=nan"):
+        waits.limit(float("nan")).__enter__()
+
+
+def test_no_wait_has_a_default_limit_of_its_own():
+    """One default, defined once (twinpipe.checks.DEFAULT_TIMEOUT): no other signature or module
+    constant spells a number of seconds for a wait. (train/ is checked by its own owners.)"""
+    default = re.compile(r"\btimeout\s*:\s*[\w .|\[\]]+=\s*\d|^[A-Z_]*TIMEOUT\s*=\s*\d", re.M)
+    found = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        if rel == "checks.py" or rel.startswith("train/"):
+            continue
+        found += [f"{rel}: {m.group(0)}" for m in default.finditer(path.read_text())]
+    assert found == [], found
+
+
+class _Group:
+    """A stand-in process group with a name and no CPU backend (as an NCCL-only group)."""
+
+    def __init__(self, name, ranks=(0, 1)):
+        self.group_name, self.ranks = name, list(ranks)
+
+    def _get_backend(self, device):
+        raise RuntimeError("No backend type associated with device type cpu")
+
+    def size(self):
+        return len(self.ranks)
+
+
+def test_cpu_group_is_made_once_per_ranks_and_freed_by_its_last_user(monkeypatch):
+    made, destroyed = [], []
+    monkeypatch.setattr(collectives, "_CPU_GROUPS", {})
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: g.ranks)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or object())
+    monkeypatch.setattr(dist, "destroy_process_group", lambda g: destroyed.append(g))
+    nccl_groups = [_Group(str(i)) for i in range(100)]  # 100 pipelines on 100 groups of ranks 0 and 1
+    cpus = [collectives.cpu_group(g, 60.0) for g in nccl_groups]
+    assert len(made) == 1 and made[0][0] == [0, 1] and made[0][1]["backend"] == "gloo"
+    assert all(c is cpus[0] for c in cpus)
+    other = collectives.cpu_group(_Group("x", (0, 2)), 60.0)  # other ranks: another group
+    assert len(made) == 2 and other is not cpus[0]
+    for c in cpus[:-1]:
+        collectives.release_cpu_group(c)
+    assert destroyed == []
+    collectives.release_cpu_group(cpus[-1])
+    assert destroyed == [cpus[0]]
+    assert collectives.cpu_group(nccl_groups[0], 60.0) is not cpus[0] and len(made) == 3  # made again
+    owned = object()  # a group the caller passed in (it has a CPU backend): never destroyed
+    collectives.release_cpu_group(owned)
+    assert destroyed == [cpus[0]]
+
+
+class _SlowWork:
+    """A collective that finishes after ``seconds`` and times out slices until then (as gloo's do)."""
+
+    def __init__(self, seconds):
+        self.end = time.monotonic() + seconds
+
+    def is_completed(self):
+        return time.monotonic() >= self.end
+
+    def wait(self, timeout=None):
+        left = self.end - time.monotonic()
+        if timeout is not None and left > timeout.total_seconds():
+            time.sleep(timeout.total_seconds())
+            raise RuntimeError("Operation timed out!")
+        time.sleep(max(left, 0))
+        return True
+
+
+@pytest.fixture
+def store(monkeypatch):
+    """A real store (as the default group's), and the stand-in groups taken for gloo groups."""
+    store = dist.HashStore()
+    monkeypatch.setattr(waits, "_store", lambda: store)
+    monkeypatch.setattr(comm, "_gloo_only", lambda group: True)
+    return store
+
+
+def test_a_collective_waits_in_slices_and_stops_at_a_published_failure(store):
+    group = _Group("g1")
+    wait_work(_SlowWork(0.5), 5.0, "fine", group)  # finishes across several slices
+    waits.publish_failure("global rank 3 (pipeline rank 1) failed during step 5: ValueError: bad", [group])
+    waits.publish_failure("global rank 0 failed later: PipelinePeerFailedError: ...", [group])  # the first stays
+    start = time.monotonic()
+    with pytest.raises(PipelinePeerFailedError) as info:
+        wait_work(_SlowWork(30), 30.0, "rank 0: waiting for the all-reduce", group)
+    assert time.monotonic() - start < 2 * waits.POLL + 1
+    assert str(info.value).startswith("rank 0: waiting for the all-reduce: stopped waiting, another rank failed: ")
+    assert info.value.first == "global rank 3 (pipeline rank 1) failed during step 5: ValueError: bad"
+    with pytest.raises(PipelineTimeoutError, match="other: did not complete within 0.5 s"):
+        wait_work(_SlowWork(30), 0.5, "other", _Group("g2"))  # another group: its own timeout
+
+
+def test_a_wait_heeds_the_groups_of_the_scope_in_force(store):
+    pipeline_group, ep_group = _Group("pp"), _Group("ep")
+    scope = waits.Scope(30.0, [pipeline_group])
+    with waits.entered(scope):
+        waits.note(ep_group)
+    assert [g.group_name for g in scope.groups] == ["pp", "ep"] and scope.moved
+    waits.publish_failure("global rank 1 failed during step 0: RuntimeError: boom", [pipeline_group])
+    with pytest.raises(PipelineTimeoutError):  # outside the scope: only its own group counts
+        wait_work(_SlowWork(30), 0.3, "ep wait", ep_group)
+    with waits.entered(scope), pytest.raises(PipelinePeerFailedError, match="boom"):
+        wait_work(_SlowWork(30), 30.0, "ep wait", ep_group)
+
+
+def test_a_finished_wait_does_not_look_at_the_store(monkeypatch):
+    def no_store():
+        raise AssertionError("looked at the store")
+
+    monkeypatch.setattr(waits, "_store", no_store)
+    monkeypatch.setattr(comm, "_gloo_only", lambda group: True)
+    wait_work(_SlowWork(0), 1.0, "done", _Group("g"))
+    wait_work(_SlowWork(0.05), 1.0, "done within its first slice", _Group("g"))
+
+
+def test_only_gloo_collectives_wait_in_slices(monkeypatch):
+    """A collective of another backend (NCCL) is waited for as before, in one call with its limit."""
+    def no_store():
+        raise AssertionError("looked at the store")
+
+    waited = []
+
+    class _Once(_SlowWork):
+        def wait(self, timeout=None):
+            waited.append(timeout)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(waits, "_store", no_store)
+    wait_work(_Once(0.3), 5.0, "nccl-like", _Group("n"))  # a stand-in group: not a gloo one
+    assert waited == [datetime.timedelta(seconds=5)]
+
+
+def test_overlap_comm_timeout_is_deprecated_and_cannot_be_set():
+    from twinpipe.overlap import comm
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert comm.TIMEOUT == DEFAULT_TIMEOUT
+    assert caught and issubclass(caught[0].category, DeprecationWarning)
+    with pytest.raises(AttributeError, match="waits.limit"):
+        comm.TIMEOUT = 5.0
+
+
+def test_peer_failed_errors_survive_pickling():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(PipelinePeerFailedError("x: stopped", "global rank 1 failed")))
+    assert str(error) == "x: stopped" and error.first == "global rank 1 failed"
+
+
+def test_the_timeout_message_says_when_the_backend_gave_up_first():
+    class _Early:
+        def is_completed(self):
+            return True
+
+        def wait(self, timeout=None):
+            raise RuntimeError("[gloo] Timed out waiting 10000ms for recv operation to complete")
+
+    with pytest.raises(PipelineTimeoutError, match=r"timed out after 0\.0 s, before this wait's 300 s limit"):
+        wait_work(_Early(), 300.0, "w")

@@ -2,7 +2,7 @@
 
     twinpipe train                                  # 4 CPU processes, DualPipeV, PP=4
     twinpipe train --schedule dualpipe --pp 2 --dp 2 --steps 100
-    torchrun --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda
+    torchrun --standalone --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda
 
 Without torchrun, the command starts its ``pp x dp`` processes itself (one host). Rank 0 shows a
 progress bar; at the end it writes the loss curve (``train-loss.png``), a JSON log and prints a

@@ -23,3 +23,20 @@ def test_runtime_md_shows_rank_0_of_the_real_4x10_dualpipev_schedule():
     explained = text[block.end():].strip().split("\n\n", 1)[0]
     ops = re.findall(r"`(\(\d+F\d+;\d+BW\d+\))`", explained)
     assert ops and all(op in real for op in ops), ops
+
+
+def test_train_md_quotes_the_rows_twinpipe_train_prints():
+    # The numbers come from `twinpipe train` with its defaults (300 steps, minutes): the page names the
+    # command and the machine; the rows it quotes are the summary's, for a run of 300 steps.
+    from twinpipe.train.report import summary_rows
+
+    text = (DOCS / "train.md").read_text()
+    block = re.search(r"```\n(bits per byte, first step.*?)```", text, re.S)
+    assert block, "docs/train.md: no quoted summary"
+    quoted = [re.split(r"\s{2,}", line.strip()) for line in block[1].strip().splitlines()]
+    times = {k: [0.1] * 300 for k in ("total", "pipeline", "mirror", "dp", "update")}
+    printed = [label for label, _ in summary_rows([5.0] * 300, times, 1024, mirrored=False, replicas=1)]
+    assert [label for label, _ in quoted] == printed[: len(quoted)]
+    assert all(re.fullmatch(r"\d+\.\d{3}", value) for _, value in quoted), quoted
+    before = " ".join(text[: block.start()].rstrip().rsplit("\n\n", 1)[-1].split())
+    assert "`twinpipe train` with its defaults" in before and "2-core" in before, before

@@ -74,7 +74,8 @@ def documented() -> dict[str, list[str]]:
 def test_every_command_the_docs_show_is_in_the_list():
     listed = {c.shown for c in COMMANDS}
     missing = {command: where for command, where in documented().items() if command not in listed}
-    assert not missing, "add these to tests/documented_commands.py (what CI runs, and why it differs):\n" + "\n".join(
+    assert not missing, ("add these to tests/documented_commands.py (what CI runs, and why it differs); a block of "
+                         "output, not commands, is fenced as ```text:\n") + "\n".join(
         f"  {command!r}  ({', '.join(where)})" for command, where in sorted(missing.items()))
 
 

@@ -86,8 +86,6 @@ def _check(args) -> None:
                       ("--seq-len", 1), ("--dim", 1), ("--heads", 1), ("--layers", 1), ("--experts", 0),
                       ("--save-every", 0), ("--corpus-bytes", 1)):
         check_int(_option(args, flag), flag, low=low)
-    if args.top_k is not None:
-        check_int(args.top_k, "--top-k", low=1)
     if isinstance(args.seed, bool) or not isinstance(args.seed, int) or not 0 <= args.seed <= _MAX_SEED:
         raise bad("--seed", args.seed, f"must be an int in 0..{_MAX_SEED} (the data sampler seeds a 64-bit generator with it)")
     check_float(args.lr, "--lr", low=0, low_open=True)
@@ -328,7 +326,7 @@ def _model_config(args):
         raise bad("--dim", args.dim, f"must be a multiple of --heads={args.heads} (every head gets dim/heads columns)")
     top_k = _DEFAULT_TOP_K if args.top_k is None else args.top_k
     if args.experts and not 1 <= top_k <= args.experts:
-        raise bad("--top-k", top_k, f"must be in 1..--experts={args.experts}")
+        raise bad("--top-k", top_k, f"must be in 1..--experts ({args.experts})")
     if not args.experts and args.top_k is not None:
         raise bad("--top-k", args.top_k, "needs --experts: a dense model (--experts 0) routes no tokens")
     return GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers,

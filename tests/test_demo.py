@@ -72,9 +72,18 @@ def test_bad_options_are_refused_by_name(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_a_learning_rate_that_is_not_finite_fails_before_launching(capsys):
-    assert demo.main(["--lr", "nan"]) == 2
-    assert "--lr=nan: must be a finite number" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "nan"], "--lr=nan: must be a finite number > 0"),
+    (["--lr", "-1"], "--lr=-1.0: must be a finite number > 0"),  # was SGD's error in every rank
+    (["--lr", "0"], "--lr=0.0: must be a finite number > 0"),
+    (["--trace", "{file}"], "--trace='{file}': must be a folder; it is a file"),  # was FileExistsError after the run
+])
+def test_bad_values_fail_before_launching(argv, message, tmp_path, capsys):
+    file = tmp_path / "a-file"
+    file.write_text("")
+    argv = [a.format(file=file) for a in argv]
+    assert demo.main(argv) == 2
+    assert capsys.readouterr().err == f"twinpipe demo: error: {message.format(file=file)}\n"
 
 
 def test_float32_run_warns_checks_its_tolerance_and_writes_the_trace_files_it_names(tmp_path, capfd, monkeypatch):

@@ -76,6 +76,14 @@ def test_plot(loads_files, tmp_path, capsys):
     assert "plot written" in capsys.readouterr().out
 
 
+def test_plot_into_a_folder_that_does_not_exist_yet(loads_files, tmp_path, capsys):
+    # docs/eplb.md's example writes docs/img/eplb_example.png, run from a fresh folder.
+    png = tmp_path / "docs" / "img" / "eplb_example.png"
+    assert _run([loads_files["csv"], *LAYOUT, "--plot", png]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "plot written to" in capsys.readouterr().out
+
+
 def test_plot_many_layers(tmp_path):
     pytest.importorskip("matplotlib")
     from twinpipe.eplb import balance_report, rebalance_experts
@@ -112,7 +120,7 @@ def test_previous_placement(loads_files, tmp_path, capsys):
         (["{ragged}", *LAYOUT], "LOADS", "different lengths"),
         (["{one_d}", *LAYOUT], "LOADS", "2-D"),
         (["{csv}", *LAYOUT, "--previous", "{one_d}"], "--previous", "2-D"),
-        (["{csv}", *LAYOUT, "--plot", "{no_dir}"], "--plot", "cannot write"),
+        (["{csv}", *LAYOUT, "--plot", "{under_a_file}"], "--plot", "cannot write"),
     ],
 )
 def test_errors_name_the_argument_and_exit_2(argv, flag, fragment, loads_files, tmp_path, capsys):
@@ -127,7 +135,7 @@ def test_errors_name_the_argument_and_exit_2(argv, flag, fragment, loads_files, 
         "negative": tmp_path / "negative.csv",
         "ragged": tmp_path / "ragged.csv",
         "one_d": tmp_path / "one_d.json",
-        "no_dir": tmp_path / "no" / "such" / "dir.png",
+        "under_a_file": loads_files["csv"] / "dir" / "plot.png",
     }
     if flag == "--plot":
         pytest.importorskip("matplotlib")

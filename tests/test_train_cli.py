@@ -1,4 +1,5 @@
-"""``python -m twinpipe.train``: a short run that saves, a resume under another schedule and mesh, bad input."""
+"""``twinpipe train``: a run that saves and one that resumes, typed as a user types them; every option
+checked before any rank starts (one line, exit 2, no traceback); a resume under another schedule."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from twinpipe.checks import DEFAULT_TIMEOUT
 from twinpipe.launch import free_port
+from twinpipe.train import cli
 from twinpipe.train.cli import add_train_parser, run_train
+from typed import run_typed
 
 TINY = ["--layers", "2", "--dim", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--microbatch-size", "2",
-        "--corpus-bytes", "20000"]
+        "--corpus-bytes", "65536"]
 
 
 def test_python_m_twinpipe_train_shows_its_options():
@@ -21,8 +26,26 @@ def test_python_m_twinpipe_train_shows_its_options():
     assert done.returncode == 0 and "--schedule" in done.stdout and "--resume" in done.stdout
 
 
-def test_train_saves_and_resumes_under_another_schedule(tmp_path, monkeypatch, capfd):
-    # The command starts its 2 processes itself.
+def test_the_command_saves_every_2_steps_and_resumes_from_the_command_line(tmp_path):
+    # As typed: the console script, in a fresh folder. The old code died writing train-log.json.
+    tiny = " ".join(TINY)
+    first = run_typed(f"twinpipe train --pp 2 --steps 4 --save-every 2 {tiny}", tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    out = tmp_path / "twinpipe-train"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-final", "checkpoint-step2", "train-log.json", "train-loss.png"]
+    log = json.loads((out / "train-log.json").read_text())
+    assert set(log["args"]) == set(vars(_args())) and log["args"]["save_every"] == 2  # the options, nothing else
+    assert [e["step"] for e in log["steps"]] == [0, 1, 2, 3]
+    resumed = run_typed(f"twinpipe train --pp 2 --resume twinpipe-train/checkpoint-step2 --steps 4 {tiny} --out resumed",
+                        tmp_path, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = json.loads((tmp_path / "resumed" / "train-log.json").read_text())["steps"]
+    # The same weights, optimizer state and batches: the same losses, bitwise.
+    assert [(e["step"], e["loss"]) for e in again] == [(e["step"], e["loss"]) for e in log["steps"][2:]]
+    assert (tmp_path / "resumed" / "checkpoint-final" / ".metadata").exists()
+
+
+def test_a_checkpoint_resumes_under_another_schedule_and_another_model_is_refused(tmp_path, monkeypatch, capfd):
     assert run_train(_args(*TINY, "--schedule", "dualpipev", "--pp", "2", "--steps", "3", "--save-every", "2",
                            "--out", str(tmp_path / "a"))) == 0
     assert "bits per byte" in capfd.readouterr().out and (tmp_path / "a" / "train-loss.png").stat().st_size > 10_000
@@ -52,27 +75,155 @@ def test_overlap_dp_is_on_unless_turned_off():
     assert _args().overlap_dp is True and _args("--no-overlap-dp").overlap_dp is False
 
 
+def test_the_timeout_default_is_the_one_default():
+    assert _args().timeout == DEFAULT_TIMEOUT
+    assert f"(default {DEFAULT_TIMEOUT:g})" in " ".join(_parser().format_help().split())
+
+
+def _parser() -> argparse.ArgumentParser:
+    return add_train_parser(argparse.ArgumentParser().add_subparsers())
+
+
 def _args(*argv):
-    parser = argparse.ArgumentParser()
-    return add_train_parser(parser.add_subparsers()).parse_args(list(argv))
+    return _parser().parse_args(list(argv))
 
 
-@pytest.mark.parametrize("argv, message", [
+# Every option with values it refuses and the start of the one-line message. The options that only
+# switch something on (--no-overlap-dp) have no bad value; the ones with argparse choices are
+# refused by argparse itself (see the next table).
+BAD = [
+    (["--pp", "0"], "--pp=0: must be >= 1"),
+    (["--dp", "-1"], "--dp=-1: must be >= 1"),
+    (["--steps", "0"], "--steps=0: must be >= 1"),
+    (["--batch-size", "0"], "--batch-size=0: must be >= 1"),
+    (["--dp", "2", "--batch-size", "6", "--microbatch-size", "2"],
+     "--batch-size=6: must be a multiple of --dp=2 x --microbatch-size=2"),
+    (["--microbatch-size", "0"], "--microbatch-size=0: must be >= 1"),
+    (["--seq-len", "0"], "--seq-len=0: must be >= 1"),
+    (["--dim", "0"], "--dim=0: must be >= 1"),
+    (["--heads", "0"], "--heads=0: must be >= 1"),
+    (["--dim", "30", "--heads", "4"], "--dim=30: must be a multiple of --heads=4"),
+    (["--layers", "0"], "--layers=0: must be >= 1"),
     (["--schedule", "dualpipev", "--pp", "4", "--layers", "2"], "--layers=2: dualpipev on --pp=4 cuts the model into 8 stages"),
-    (["--schedule", "zigzag"], "zigzag"),
-    (["--dp", "2", "--batch-size", "6", "--microbatch-size", "2"], "batch_size=6: must be a multiple of dp=2 x microbatch_size=2"),
-    (["--dim", "30", "--heads", "4"], "dim=30: must be a multiple of heads=4"),
+    (["--experts", "-1"], "--experts=-1: must be >= 0"),
+    (["--experts", "3", "--dp", "2", "--batch-size", "8"], "--experts=3: must be a multiple of --dp=2"),
+    (["--top-k", "0"], "--top-k=0: needs --experts"),
+    (["--top-k", "2"], "--top-k=2: needs --experts"),
+    (["--experts", "2", "--top-k", "3"], "--top-k=3: must be in 1..--experts (2)"),
+    (["--experts", "2", "--top-k", "0"], "--top-k=0: must be in 1..--experts (2)"),
+    (["--lr", "nan"], "--lr=nan: must be a finite number > 0"),
+    (["--lr", "inf"], "--lr=inf: must be a finite number > 0"),
+    (["--lr", "-1"], "--lr=-1.0: must be a finite number > 0"),
+    (["--lr", "0"], "--lr=0.0: must be a finite number > 0"),
+    (["--max-norm", "nan"], "--max-norm=nan: must be a finite number >= 0"),
+    (["--max-norm", "-1"], "--max-norm=-1.0: must be a finite number >= 0"),
+    (["--max-norm", "inf"], "--max-norm=inf: must be a finite number >= 0"),
+    (["--seed", "-1"], "--seed=-1: must be an int in 0..4294967295"),
+    (["--seed", str(2**32)], "--seed=4294967296: must be an int in 0..4294967295"),
+    (["--corpus-bytes", "0"], "--corpus-bytes=0: must be >= 1"),
+    (["--corpus-bytes", "1000"], "--corpus-bytes=1000: must be at least --batch-size x (--seq-len + 1) = 1040"),
+    (["--out", "{file}"], "--out='{file}': must be a folder; it is a file"),
+    (["--out", "{file}/sub"], "--out='{file}/sub': must be a folder this user can write to"),
+    (["--save-every", "-1"], "--save-every=-1: must be >= 0"),
     (["--resume", "/nonexistent/ckpt"], "--resume=/nonexistent/ckpt: not a checkpoint directory"),
-    (["--timeout", "0"], "--timeout=0.0: must be finite and at least"),
-])
-def test_bad_settings_are_refused_before_any_process_starts(argv, message, capsys):
-    assert run_train(_args(*argv)) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("twinpipe train: error:") and message in err, err
+    (["--timeout", "0"], "--timeout=0.0: must be a finite number >= 0.001"),
+    (["--timeout", "1e300"], "--timeout=1e+300: must be a finite number >= 0.001 and <= 2.592e+06"),
+    (["--timeout", "nan"], "--timeout=nan: must be a finite number"),
+    (["--device", "cuda"], "--device='cuda': must be cpu on this machine: torch sees no CUDA GPU"),
+    (["--schedule", "zigzag"], "--schedule='zigzag': allowed are 1f1b, bitpipe, chimera, dualpipe, dualpipev"),
+    (["--schedule", "dualpipe", "--pp", "1"], "--pp=1: must be an even integer >= 2 for --schedule dualpipe"),
+    (["--schedule", "chimera", "--pp", "3"], "--pp=3: must be an even integer >= 2 for --schedule chimera"),
+    (["--schedule", "dualpipe", "--pp", "2", "--dp", "2", "--batch-size", "4"],
+     "--batch-size=4 / (--dp=2 x --microbatch-size=2) = 1 micro-batch(es) per pipeline: --schedule dualpipe needs a number "
+     "of micro-batches that is an even integer >= 2"),
+    (["--schedule", "interleaved-1f1b", "--pp", "4", "--batch-size", "6"],
+     "--batch-size=6 / (--dp=1 x --microbatch-size=2) = 3 micro-batch(es) per pipeline: --schedule interleaved-1f1b needs "
+     "a number of micro-batches that is an integer >= 4 and a multiple of 4"),
+]
+# Refused by argparse (exit 2, its usage line and one error line).
+BAD_CHOICE = [["--dtype", "float16"], ["--device", "tpu"], ["--balance", "flops"], ["--dp-reduce", "sum"], ["--pp", "two"]]
+NO_BAD_VALUE = {"overlap_dp"}
 
 
-def test_a_torchrun_world_of_another_size_is_refused(monkeypatch, capsys):
+def _bad(argv, message, tmp_path):
+    file = tmp_path / "a-file"
+    file.write_text("")
+    return [a.format(file=file) for a in argv], message.format(file=file)
+
+
+@pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_every_bad_option_is_refused_before_any_rank_starts(argv, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same message on a machine with a GPU
+    argv, message = _bad(argv, message, tmp_path)
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "out")]
+    with pytest.raises(ValueError) as error:
+        cli._check(_args(*argv, *out))
+    assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
+    assert not (tmp_path / "out").exists()  # nothing made for a run that does not start
+
+
+@pytest.mark.parametrize("argv", BAD_CHOICE, ids=" ".join)
+def test_options_with_choices_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _args(*argv)
+    assert exit_.value.code == 2 and f"argument {argv[0]}: invalid" in capsys.readouterr().err
+
+
+def test_the_tables_cover_every_option():
+    options = {a.dest for a in _parser()._actions if a.option_strings and a.dest != "help"}
+    covered = {a[0][2:].replace("-", "_") for a, _ in BAD} | {a[0][2:].replace("-", "_") for a in BAD_CHOICE}
+    assert options - NO_BAD_VALUE <= covered, sorted(options - NO_BAD_VALUE - covered)
+
+
+def test_good_options_pass_and_make_the_out_folder(tmp_path):
+    cli._check(_args(*TINY, "--pp", "2", "--out", str(tmp_path / "new" / "out"), "--max-norm", "0", "--experts", "2", "--top-k", "1"))
+    assert (tmp_path / "new" / "out").is_dir() and not list((tmp_path / "new" / "out").iterdir())
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused_and_nothing_is_left_behind(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    def refuse(self, data):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "write_bytes", refuse)
+    with pytest.raises(ValueError, match=r"--out='.*/new/out': must be a folder this user can write to \(Permission denied\)"):
+        cli._check(_args("--out", str(tmp_path / "new" / "out")))
+    assert not (tmp_path / "new").exists()
+
+
+# A handful through the console script: exit 2, exactly one line on stderr, no traceback, no folder.
+TYPED = [
+    ("--device cuda", "--device='cuda': must be cpu on this machine"),
+    ("--timeout 1e300", "--timeout=1e+300: must be a finite number"),
+    ("--out a-file", "--out='a-file': must be a folder; it is a file"),
+    ("--schedule dualpipe --pp 1", "--pp=1: must be an even integer >= 2 for --schedule dualpipe"),
+    ("--corpus-bytes 0", "--corpus-bytes=0: must be >= 1"),
+    ("--lr nan", "--lr=nan: must be a finite number > 0"),
+]
+
+
+def test_bad_options_typed_give_one_line_and_exit_2(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    script = " ; ".join(f'twinpipe train {argv} ; echo "exit $?" >&2' for argv, _ in TYPED)
+    done = run_typed(script, tmp_path, timeout=120)
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 * len(TYPED) and "Traceback" not in done.stderr and done.stdout == "", done.stderr
+    for (argv, message), line, code in zip(TYPED, lines[::2], lines[1::2]):
+        assert line.startswith(f"twinpipe train: error: {message}") and code == "exit 2", (argv, line, code)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no twinpipe-train/ left behind
+
+
+def test_a_torchrun_world_of_another_size_is_refused(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert run_train(_args("--pp", "2", "--dp", "2")) == 2
+    assert run_train(_args("--pp", "2", "--dp", "2", "--out", str(tmp_path / "out"))) == 2
     assert "--pp=2 x --dp=2 = 4 processes, but torchrun started 2: the mesh sizes must multiply to the world size" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_check_is_finite_for_every_float_option():
+    # Every float option goes through a check that refuses nan (argparse's float() takes it).
+    floats = {a.dest for a in _parser()._actions if a.type is float}
+    refused = {a[0][2:].replace("-", "_") for a, _ in BAD if a[1] == "nan"}
+    assert floats <= refused, sorted(floats - refused)

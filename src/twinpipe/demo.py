@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from twinpipe.checks import DEFAULT_TIMEOUT
+from twinpipe.checks import DEFAULT_TIMEOUT, check_float
+from twinpipe.folders import writable_folder
 from twinpipe.launch import run_local
 
 GROUP_TIMEOUT = DEFAULT_TIMEOUT  # seconds any of the demo's own collectives (barriers, result gathering) may wait
@@ -297,8 +298,10 @@ def _check(args, ranks: int) -> str | None:
 
     if args.hidden % args.heads:
         return f"--hidden={args.hidden} must be divisible by --heads={args.heads}"
-    if not math.isfinite(args.lr):
-        return f"--lr={args.lr}: must be a finite number"
+    try:
+        check_float(args.lr, "--lr", low=0, low_open=True)
+    except ValueError as error:
+        return str(error)
     try:
         registry.build(args.schedule, ranks, args.chunks or 2 * ranks, **_schedule_options(args))
     except ValueError as exc:
@@ -308,6 +311,11 @@ def _check(args, ranks: int) -> str | None:
             return "--device=cuda: CUDA is not available on this machine; use --device cpu"
         if ranks > torch.cuda.device_count() and not _under_torchrun():
             return f"--ranks={args.ranks}: NCCL needs one GPU per rank and this machine has {torch.cuda.device_count()}"
+    if args.trace:
+        try:
+            writable_folder(args.trace, "--trace")  # last: it makes the folder
+        except ValueError as error:
+            return str(error)
     return None
 
 

@@ -119,9 +119,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(report, path):
+    from pathlib import Path
+
     from .plot import plot_balance
 
     try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as `twinpipe draw -o` and `plan --plot` do
         return plot_balance(report, path)
     except (OSError, ValueError) as exc:
         raise EplbArgumentError("plot", f"cannot write the plot to {path!r}: {exc}") from None

@@ -2,7 +2,7 @@
 
     twinpipe train                                  # 4 CPU processes, DualPipeV, PP=4
     twinpipe train --schedule dualpipe --pp 2 --dp 2 --steps 100
-    torchrun --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda
+    torchrun --standalone --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda
 
 Without torchrun, the command starts its ``pp x dp`` processes itself (one host). Rank 0 shows a
 progress bar; at the end it writes the loss curve (``train-loss.png``), a JSON log and prints a
@@ -15,11 +15,22 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
+from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_float, check_int, checked_timeout
+from twinpipe.folders import writable_folder
+
 __all__ = ["add_train_parser", "run_train", "main"]
+
+_DEVICES = ("cpu", "cuda")
+_DTYPES = ("float32", "float64", "bfloat16")
+_BALANCES = ("params", "time")
+_DP_REDUCES = ("all-reduce", "ordered")
+_MAX_SEED = 2**32 - 1
+_DEFAULT_TOP_K = 2
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
@@ -46,53 +57,112 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=int, default=0,
                         help="routed experts per block (default 0: dense MLPs); a multiple of --dp: each data-parallel rank "
                              "of a stage holds experts/dp of them (expert parallelism)")
-    parser.add_argument("--top-k", type=int, default=2, help="experts each token is routed to, with --experts (default 2)")
+    parser.add_argument("--top-k", type=int, default=None, help=f"experts each token is routed to; only with --experts (default {_DEFAULT_TOP_K})")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--max-norm", type=float, default=1.0, help="clip gradients to this global norm (default 1; 0 turns clipping off)")
-    parser.add_argument("--dp-reduce", default="all-reduce", choices=("all-reduce", "ordered"),
+    parser.add_argument("--dp-reduce", default="all-reduce", choices=_DP_REDUCES,
                         help="how replicas' gradients are added: all-reduce (default) or ordered (all-gather, then replica by "
                         "replica: bitwise reproducible for any --dp)")
     parser.add_argument("--no-overlap-dp", dest="overlap_dp", action="store_false",
                         help="reduce the data-parallel gradients after the pipeline step, not stage by stage during it")
-    parser.add_argument("--balance", default="params", choices=("params", "time"), help="how layers are cut into stages (default params)")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (gloo) or cuda (NCCL, one GPU per process)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float64", "bfloat16"), help="parameter dtype (default float32)")
+    parser.add_argument("--balance", default="params", choices=_BALANCES, help="how layers are cut into stages (default params)")
+    parser.add_argument("--device", default="cpu", choices=_DEVICES, help="cpu (gloo) or cuda (NCCL, one GPU per process)")
+    parser.add_argument("--dtype", default="float32", choices=_DTYPES, help="parameter dtype (default float32)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default 0)")
     parser.add_argument("--corpus-bytes", type=int, default=4 << 20, help="bytes of the standard library to read (default 4 MiB)")
     parser.add_argument("--out", default="twinpipe-train", help="directory for the picture, the log and checkpoints (default twinpipe-train)")
     parser.add_argument("--save-every", type=int, default=0, help="write a checkpoint every N steps (default 0: only at the end)")
     parser.add_argument("--resume", default=None, metavar="CHECKPOINT", help="continue from a checkpoint directory (any schedule/pp/dp wrote it)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any wait for a peer may take (default 120)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                        help=f"seconds any wait for a peer may take (default {DEFAULT_TIMEOUT:g})")
 
 
 def _check(args) -> None:
-    """Refuse bad settings before any process starts."""
+    """Refuse bad settings before any process starts: a ValueError whose message is one line,
+    ``--option=value: must be ...``."""
     from twinpipe.schedule import registry
-    from twinpipe.train.trainer import TrainConfig
 
-    from twinpipe.runtime.collectives import checked_timeout
-
-    for name in ("pp", "dp", "steps"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name}={getattr(args, name)}: must be >= 1")
+    for flag, low in (("--pp", 1), ("--dp", 1), ("--steps", 1), ("--batch-size", 1), ("--microbatch-size", 1),
+                      ("--seq-len", 1), ("--dim", 1), ("--heads", 1), ("--layers", 1), ("--experts", 0),
+                      ("--save-every", 0), ("--corpus-bytes", 1)):
+        check_int(_option(args, flag), flag, low=low)
+    if isinstance(args.seed, bool) or not isinstance(args.seed, int) or not 0 <= args.seed <= _MAX_SEED:
+        raise bad("--seed", args.seed, f"must be an int in 0..{_MAX_SEED} (the data sampler seeds a 64-bit generator with it)")
+    check_float(args.lr, "--lr", low=0, low_open=True)
+    check_float(args.max_norm, "--max-norm", low=0)  # 0: no clipping
     checked_timeout(args.timeout, "--timeout")
-    if args.save_every < 0:
-        raise ValueError(f"--save-every={args.save_every}: must be >= 0")
-    registry.get(args.schedule)  # names the allowed schedules
-    placement = registry.placement_for(args.schedule, args.pp)
+    for flag, allowed in (("--device", _DEVICES), ("--dtype", _DTYPES), ("--balance", _BALANCES), ("--dp-reduce", _DP_REDUCES)):
+        check_choice(_option(args, flag), flag, allowed)
+    try:
+        registry.get(args.schedule)
+    except ValueError as error:  # it lists the names and aliases
+        raise bad("--schedule", args.schedule, "allowed are " + str(error).split("allowed: ", 1)[-1]) from None
     _model_config(args)
     if args.experts % args.dp:
-        raise ValueError(f"--experts={args.experts}: must be a multiple of --dp={args.dp} (each data-parallel rank of a "
-                         "stage holds experts/dp of every MoE block)")
-    stages = placement.num_model_stages
+        raise bad("--experts", args.experts, f"must be a multiple of --dp={args.dp} (each data-parallel rank of a stage "
+                  "holds experts/dp of every MoE block)")
+    if args.batch_size % (args.dp * args.microbatch_size):
+        raise bad("--batch-size", args.batch_size, f"must be a multiple of --dp={args.dp} x --microbatch-size={args.microbatch_size} "
+                  "(every replica runs whole micro-batches)")
+    stages = _check_schedule(args, args.batch_size // (args.dp * args.microbatch_size))
     if args.layers + 2 < stages:
         raise ValueError(f"--layers={args.layers}: {args.schedule} on --pp={args.pp} cuts the model into {stages} stages, "
                          f"and the model has {args.layers + 2} layers (blocks, embedding, head); use --layers {stages - 2} or more")
-    TrainConfig(batch_size=args.batch_size, microbatch_size=args.microbatch_size).num_microbatches(args.dp)
+    need = args.batch_size * (args.seq_len + 1)
+    if args.corpus_bytes < need:
+        raise bad("--corpus-bytes", args.corpus_bytes, f"must be at least --batch-size x (--seq-len + 1) = {need} "
+                  "(one batch of windows, each a sequence and its next byte)")
+    _check_device(args)
+    world = args.pp * args.dp
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) != world:  # started by torchrun
+        raise ValueError(f"--pp={args.pp} x --dp={args.dp} = {world} processes, but torchrun started "
+                         f"{os.environ.get('WORLD_SIZE')}: the mesh sizes must multiply to the world size")
     if args.resume is not None and not Path(args.resume, ".metadata").exists():
         raise ValueError(f"--resume={args.resume}: not a checkpoint directory (no .metadata file)")
     if args.resume is not None:
         _check_resume(args)
+    writable_folder(args.out, "--out")  # last: it makes the folder, so only when nothing else is wrong
+
+
+def _check_schedule(args, num_microbatches: int) -> int:
+    """The schedule on ``--pp`` ranks with this many micro-batches per pipeline; its number of model stages."""
+    from twinpipe.runtime.batches import batch_layout
+    from twinpipe.schedule import registry
+
+    try:
+        placement = registry.placement_for(args.schedule, args.pp)
+        registry.build(args.schedule, args.pp, num_microbatches)
+        for rank in range(args.pp):
+            batch_layout(args.schedule, args.pp, rank, num_microbatches)
+    except ValueError as error:
+        raise ValueError(_schedule_problem(args, num_microbatches, str(error))) from None
+    return placement.num_model_stages
+
+
+def _schedule_problem(args, num_microbatches: int, message: str) -> str:
+    """The schedule's own complaint said in the options' terms (``--pp``, the batch sizes)."""
+    rule = re.match(r"^[\w-]+: (num_ranks|num_microbatches|num_chunks)=\d+ is not allowed; it must be (.*)$", message)
+    if rule and rule[1] == "num_ranks":
+        return f"--pp={args.pp}: must be {rule[2]} for --schedule {args.schedule}"
+    split = (f"--batch-size={args.batch_size} / (--dp={args.dp} x --microbatch-size={args.microbatch_size}) "
+             f"= {num_microbatches} micro-batch(es) per pipeline")
+    if rule:
+        return f"{split}: --schedule {args.schedule} needs a number of micro-batches that is {rule[2]}"
+    return f"--schedule={args.schedule} on --pp={args.pp} with {split}: {message}"
+
+
+def _check_device(args) -> None:
+    """``--device cuda`` needs a GPU for every process of this host."""
+    if args.device != "cuda":
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if "RANK" in os.environ else args.pp * args.dp
+    if count == 0:
+        raise bad("--device", "cuda", "must be cpu on this machine: torch sees no CUDA GPU")
+    if here > count:
+        raise bad("--device", "cuda", f"needs one GPU per process: {here} processes on this host, {count} GPU(s)")
 
 
 def _check_resume(args) -> None:
@@ -115,6 +185,14 @@ def _check_resume(args) -> None:
         raise ValueError(f"--resume={args.resume}: holds another model than the options describe: {'; '.join(wrong)}")
 
 
+def _options_record(args) -> dict:
+    """The ``twinpipe train`` options of ``args`` by name, for the log: only the options, not what the
+    command line adds around them (the sub-command's name and function)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_arguments(parser)
+    return {action.dest: getattr(args, action.dest) for action in parser._actions}
+
+
 def _option(args, flag: str):
     return getattr(args, flag[2:].replace("-", "_"))
 
@@ -129,10 +207,6 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     world = args.pp * args.dp
     if "RANK" in os.environ:  # started by torchrun
-        if int(os.environ.get("WORLD_SIZE", 1)) != world:
-            print(f"twinpipe train: error: --pp={args.pp} x --dp={args.dp} = {world} processes, but torchrun started "
-                  f"{os.environ.get('WORLD_SIZE')}: the mesh sizes must multiply to the world size", file=sys.stderr)
-            return 2
         _torchrun_worker(int(os.environ.get("LOCAL_RANK", 0)), args)
         return 0
     from twinpipe.launch import run_local
@@ -214,7 +288,7 @@ def _train(args, device) -> None:
     tokens = args.batch_size * args.seq_len
     log: list[dict] = []
     times: dict[str, list[float]] = {}
-    moe = f", {args.experts} experts (top-{args.top_k})" if args.experts else ""
+    moe = f", {cfg.experts} experts (top-{cfg.top_k})" if cfg.experts else ""
     title = f"{args.schedule}, PP={args.pp} x DP={args.dp}, {sum(p.numel() for p in GPT(cfg).parameters()):,} parameters{moe}"
     progress = _progress(first, title, start, args.steps)
     began = time.perf_counter()
@@ -235,7 +309,7 @@ def _train(args, device) -> None:
     if not first or not log:
         return
     plot_losses([e["step"] for e in log], [e["loss"] for e in log], str(out / "train-loss.png"), title)
-    (out / "train-log.json").write_text(json.dumps({"args": vars(args), "elapsed_s": elapsed, "steps": log}, indent=1))
+    (out / "train-log.json").write_text(json.dumps({"args": _options_record(args), "elapsed_s": elapsed, "steps": log}, indent=1))
     rows = summary_rows([e["loss"] for e in log], times, tokens, mirrored=trainer.is_dual, replicas=args.dp)
     rows.append(("wall time", f"{elapsed:.1f} s"))
     rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / 'checkpoint-final'}"))
@@ -247,11 +321,16 @@ def _model_config(args):
     from twinpipe.train.model import GPTConfig
 
     if args.experts < 0:
-        raise ValueError(f"--experts={args.experts}: must be >= 0 (0: dense MLPs)")
-    if args.experts and not 1 <= args.top_k <= args.experts:
-        raise ValueError(f"--top-k={args.top_k}: must be in 1..--experts ({args.experts})")
+        raise bad("--experts", args.experts, "must be >= 0 (0: dense MLPs)")
+    if args.dim % args.heads:
+        raise bad("--dim", args.dim, f"must be a multiple of --heads={args.heads} (every head gets dim/heads columns)")
+    top_k = _DEFAULT_TOP_K if args.top_k is None else args.top_k
+    if args.experts and not 1 <= top_k <= args.experts:
+        raise bad("--top-k", top_k, f"must be in 1..--experts ({args.experts})")
+    if not args.experts and args.top_k is not None:
+        raise bad("--top-k", args.top_k, "needs --experts: a dense model (--experts 0) routes no tokens")
     return GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers,
-                     experts=args.experts, top_k=args.top_k if args.experts else 2)
+                     experts=args.experts, top_k=top_k if args.experts else _DEFAULT_TOP_K)
 
 
 def _progress(show: bool, title: str, start: int, total: int):

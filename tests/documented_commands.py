@@ -1,0 +1,217 @@
+"""Every command README.md and docs/*.md show, and what CI runs for it: the one list.
+
+``tests/test_documented_commands.py`` finds the commands in the docs (fenced blocks without a
+language or in bash/sh/console/shell: lines that start with ``twinpipe``, ``python``, ``torchrun``,
+``pip`` or ``$ ``, continuation lines joined, a trailing ``# comment`` and extra spaces dropped;
+inline code that starts with ``twinpipe ``, ``torchrun ``, ``python examples/``, ``python bench/`` or
+``python -m twinpipe``) and fails when one is not ``shown`` here, or when an entry here is no
+longer in the docs. Then it runs each entry as a user types it, in a fresh folder.
+
+An entry: ``shown``, the command exactly as the docs show it (normalised as above); ``run``, the
+shell line CI runs when it must differ, and ``why`` it differs; ``files`` it must write (relative to
+its folder: ``.json`` must parse, ``.png`` must open as a picture, ``.csv`` must have rows, a path
+ending in ``/`` is a checkpoint folder whose metadata must load); ``stdout``, text its output must
+contain; ``folder``, a name shared by entries that run one after another in one folder (a later one
+reads what an earlier one wrote), in list order; ``copy``, folders of the repository the command
+names (``examples``, ``bench``), copied into its fresh folder first; ``not_run``, why CI does not run
+it at all. Entries whose ``run`` is the same line in the same folder run once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    shown: str
+    run: str | None = None
+    why: str = ""
+    files: tuple[str, ...] = ()
+    stdout: tuple[str, ...] = ()
+    folder: str = ""
+    copy: tuple[str, ...] = ()
+    not_run: str = ""
+
+    @property
+    def line(self) -> str:
+        """What CI runs."""
+        return self.shown if self.run is None else self.run
+
+    @property
+    def place(self) -> str:
+        """The folder it runs in (its own, unless it shares one)."""
+        return self.folder or self.line
+
+
+# Why a command runs differently in CI; each entry says which applies.
+MENTION = "named in a sentence, not a command to run as it stands: CI checks the command exists and its help lists every option the sentence names"
+BENCH = "a benchmark (minutes of timing runs): CI does not run it, only checks that the script starts and its help lists every option shown"
+PLACEHOLDERS = "shown with placeholders: CI fills them in"
+FOUR_ON_TWO = "4 processes on CI's 2 cores take long: 2 processes"
+TRAIN_SMALL = "the documented run takes minutes: 2 processes (the same schedule), a 2-block model of width 16, 2 steps"
+NO_GPU = "CI has no GPU: --device cpu (the default)"
+MOE_TINY = "--pp 1 --ep 2 --steps 1 --chunks 2 --tokens 16 --blocks 1 --hidden 16 --experts 2 --expert-hidden 16"
+MOE_SMALL = "PP=2 x EP=2 is 4 processes on CI's 2 cores: PP=1 x EP=2, one step of a tiny model"
+EPLB_TINY = "--pp 1 --ep 2 --steps 2 --chunks 2 --tokens 16 --blocks 1 --hidden 16 --experts 4 --expert-hidden 16 --interval 1"
+TINY = "--layers 2 --dim 16 --heads 2 --seq-len 16 --batch-size 4 --corpus-bytes 65536"
+TRAIN_FILES = ("twinpipe-train/train-loss.png", "twinpipe-train/train-log.json", "twinpipe-train/checkpoint-final/")
+LOADS_CSV = "90,132,40,61,104,165,39,4,73,56,183,86", "20,107,104,64,19,197,187,157,172,86,16,27"
+TRACE_FILES = ("out/trace.json", "out/measured.png", "out/predicted.png", "out/compare.png")
+
+
+def _help(shown: str, why: str = MENTION, copy: tuple[str, ...] = ()) -> Command:
+    """A command CI only asks for its help: its first words (up to the first option or placeholder)."""
+    words = []
+    for word in shown.split():
+        if word.startswith("-") or not word.replace("/", "").replace(".", "").replace("_", "").isalnum():
+            break
+        words.append(word)
+    return Command(shown, f"{' '.join(words)} --help", why, stdout=("usage:",), copy=copy)
+
+
+def _bench(shown: str) -> Command:
+    return _help(shown, BENCH, copy=("bench",))
+
+
+COMMANDS: list[Command] = [
+    # ---- README.md: quick start and tests
+    Command('pip install "torch==2.13.0" -e . && twinpipe demo', "twinpipe demo",
+            "`pip install` is what .ci/run itself runs before the tests", folder="demo",
+            stdout=("exact: yes (losses bitwise equal to a single process",)),
+    Command("twinpipe demo", folder="demo"),
+    Command('pip install "torch==2.13.0" -e ".[test]" && python -m pytest -q',
+            not_run=".ci/run runs this line itself: it is the test run that runs this list"),
+    _help("twinpipe demo --help"),
+    Command("twinpipe demo --moe", f"twinpipe demo --moe --trace fb.json {MOE_TINY}",
+            MOE_SMALL + "; with --trace fb.json, so that this run is also the `python -m twinpipe.moe.demo --trace fb.json` "
+            "line's", files=("fb.json",), stdout=("losses identical",)),
+    Command("twinpipe demo --moe --eplb", f"twinpipe demo --moe --eplb {EPLB_TINY}", MOE_SMALL, stdout=("rebalanced",)),
+    Command("torchrun --standalone --nproc-per-node 4 -m twinpipe.demo",
+            "torchrun --standalone --nproc-per-node 2 -m twinpipe.demo --steps 1", FOUR_ON_TWO + ", one step",
+            stdout=("exact: yes",)),
+    # ---- README.md: using it
+    Command("python examples/dualpipev.py", copy=("examples",), stdout=("step 2: losses",)),
+    Command("torchrun --standalone --nproc-per-node 4 examples/dualpipev.py", "python examples/dualpipev.py",
+            "the same run: `python examples/dualpipev.py` starts itself under torchrun with exactly these options",
+            copy=("examples",)),
+    Command("torchrun --standalone --nproc-per-node 4 examples/dualpipe.py",
+            "torchrun --standalone --nproc-per-node 2 examples/dualpipe.py", FOUR_ON_TWO, copy=("examples",),
+            stdout=("step 2: rank",)),
+    Command("twinpipe simulate --compare 1f1b,zb-h1,dualpipe --ranks 8 --microbatches 32 --f 1 --b 1 --w 1 --fb 2.5",
+            stdout=("dualpipe",)),
+    # ---- the commands' names in sentences
+    _help("twinpipe simulate"),
+    _help("twinpipe draw"),
+    _help("twinpipe plan"),
+    _help("twinpipe export"),
+    _help("twinpipe eplb"),
+    _help("twinpipe simulate --help"),
+    _help("twinpipe simulate --compare"),
+    _help("twinpipe simulate --cores"),
+    _help("twinpipe simulate --f/--b/--w/--fb/--comm/--mw"),
+    # ---- benchmarks
+    _bench("python bench/bench_vs_torch.py"),
+    _bench("python bench/bench_floor.py"),
+    _bench("python bench/bench_sim.py"),
+    _bench("python bench/bench_draw.py"),
+    _bench("python bench/bench_trace.py"),
+    _bench("python bench/bench_eplb.py"),
+    _bench("python bench/bench_eplb_loop.py"),
+    _bench("python bench/bench_eplb_loop.py --steps 10"),
+    _bench("python bench/bench_overlap.py --e2e"),
+    _bench("python bench/bench_overlap.py --draw docs/img/moe-overlap-pair.png"),
+    _bench("python bench/bench_overlap.py --reps 9 --e2e --draw docs/img/moe-overlap-pair.png"),
+    _bench("python bench/bench_train.py"),
+    _bench("python bench/bench_train.py --pp 2 --dp 2 --schedules 1f1b,zb-h1,dualpipev,dualpipe --rounds 4 --steps 6 "
+           "--layers 4 --dim 64 --overlap-compare"),
+    _bench("python bench/bench_plan.py"),
+    _bench("python bench/bench_plan.py --skip-speed"),
+    _bench("python bench/bench_compose.py"),
+    # ---- docs/adding-a-schedule.md, docs/schedules.md
+    Command("twinpipe simulate <name> ...", "twinpipe simulate dualpipev --ranks 4 --microbatches 8", PLACEHOLDERS,
+            stdout=("bubble rate",)),
+    Command("twinpipe simulate --compare ...,<name>", "twinpipe simulate --compare 1f1b,dualpipev --ranks 4 --microbatches 8",
+            PLACEHOLDERS, stdout=("dualpipev",)),
+    Command("twinpipe simulate --compare gpipe,1f1b,... --ranks P --microbatches M",
+            "twinpipe simulate --compare gpipe,1f1b,zb-h1 --ranks 4 --microbatches 8", PLACEHOLDERS, stdout=("zb-h1",)),
+    Command("twinpipe simulate/draw chimera --pairs 2",
+            "twinpipe simulate chimera --pairs 2 --ranks 4 --microbatches 8 && "
+            "twinpipe draw chimera --pairs 2 --ranks 4 --microbatches 8 -o chimera.png",
+            "two commands in one, sizes left out: both, with sizes", files=("chimera.png",)),
+    # ---- docs/gallery.md (each picture into docs/img/ of a fresh folder)
+    *(Command(f"twinpipe draw {args} -o docs/img/schedule-{name}.png", files=(f"docs/img/schedule-{name}.png",))
+      for name, args in [
+          ("1f1b", "1f1b --ranks 4 --microbatches 8"),
+          ("zb-h1", "zb-h1 --ranks 4 --microbatches 8"),
+          ("zb-h2", "zb-h2 --ranks 4 --microbatches 12"),
+          ("dualpipe", "dualpipe --ranks 8 --microbatches 20"),
+          ("dualpipe-overlap", "dualpipe --ranks 8 --microbatches 20 --fb 2.2 --comm 0.1"),
+          ("dualpipev", "dualpipev --ranks 4 --microbatches 10"),
+          ("chimera", "chimera --ranks 4 --microbatches 8 --w 0"),
+          ("bitpipe", "bitpipe --ranks 4 --microbatches 8"),
+          ("bidirectional", "--compare dualpipe,chimera,bitpipe --ranks 4 --microbatches 16"),
+          ("compare", "--compare 1f1b,zb-h1,zb-h2,dualpipe --ranks 4 --microbatches 12"),
+      ]),
+    # ---- docs/plan.md, docs/tracing.md
+    Command("twinpipe plan --layers 24 --hidden 2048 --seq 2048 --gpus 32 -m 32", stdout=("dualpipev",)),
+    Command("twinpipe plan --layers 48 --hidden 5120 --seq 4096 --experts 128 --top-k 8 --expert-ffn 1536 --ep 8 "
+            "--gpus 256 -m 64 --pp 16 --plot plan.png", files=("plan.png",)),
+    Command("twinpipe plan --layers 24 --hidden 2048 --seq 2048 --gpus 32 -m 32 --pp 4",
+            stdout=("300.1 ms", "307.4 ms", "322.2 ms", "363.5 ms")),  # the table docs/plan.md shows
+    Command("twinpipe plan --layers 48 --hidden 5120 --seq 4096 --experts 128 --top-k 8 --expert-ffn 1536 --ep 8 "
+            "--gpus 256 -m 64 --pp 16 --plot docs/img/plan-moe.png", files=("docs/img/plan-moe.png",),
+            stdout=("3.54 s", "3.76 s", "4.17 s")),
+    Command("twinpipe export dualpipev --ranks 4 --microbatches 8 --format torch-csv --out dualpipev.csv",
+            files=("dualpipev.csv",)),
+    Command("twinpipe export --list", stdout=("dualpipev: yes",)),
+    Command("twinpipe demo --trace out/", "twinpipe demo --trace out/ --ranks 2 --steps 1",
+            "4 processes on CI's 2 cores take long: 2 ranks, one (traced) step", folder="trace", files=TRACE_FILES),
+    Command("twinpipe plan --from-trace out/trace.json", folder="trace", stdout=("dualpipev",)),
+    Command("twinpipe plan --from-trace", "twinpipe plan --from-trace out/trace.json",
+            "the option named in a sentence: run on the trace `twinpipe demo --trace out/` wrote", folder="trace"),
+    # ---- docs/eplb.md, docs/limits.md
+    Command("cat loads.csv", f"printf '%s\\n' {' '.join(LOADS_CSV)} > loads.csv && cat loads.csv",
+            "the docs show the file the example reads by its content: CI writes those rows first", folder="eplb",
+            stdout=LOADS_CSV),
+    Command("twinpipe eplb loads.csv --replicas 16 --groups 4 --nodes 2 --gpus 8 --plot docs/img/eplb_example.png",
+            folder="eplb", files=("docs/img/eplb_example.png",),
+            stdout=("2.1158 (2.3806, layer 1)", "1.2252 (1.2422, layer 1)", "1.1310 (1.1462, layer 0)",
+                    "1.1262 (1.1365, layer 0)", "plot written to docs/img/eplb_example.png")),
+    Command("twinpipe eplb LOADS --replicas R --groups G --nodes N --gpus P",
+            "twinpipe eplb loads.csv --replicas 16 --groups 4 --nodes 2 --gpus 8", PLACEHOLDERS + " (the example's)",
+            folder="eplb", stdout=("hierarchical (4 groups -> 2 nodes -> 8 GPUs)",)),
+    Command("python -m twinpipe.eplb.cli LOADS ...",
+            "python -m twinpipe.eplb.cli loads.csv --replicas 16 --groups 4 --nodes 2 --gpus 8 --json",
+            PLACEHOLDERS + " (the example's)", folder="eplb", stdout=('"phy2log": [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9',)),
+    Command("python -m twinpipe.moe.demo --eplb", "python -m twinpipe.moe.demo --help",
+            "the program `twinpipe demo --moe --eplb` runs (the CLI hands `demo --moe` to this module's main), run above: "
+            "CI checks this entry point starts and lists --eplb", stdout=("usage:",)),
+    # ---- docs/moe-overlap.md
+    Command("python -m twinpipe.moe.demo --trace fb.json", f"twinpipe demo --moe --trace fb.json {MOE_TINY}",
+            "the program `twinpipe demo --moe` runs (the CLI hands `demo --moe` to this module's main): one run for "
+            "both lines, at the size above; the module's own entry point is checked by the next line", files=("fb.json",)),
+    Command("python -m twinpipe.moe.demo", "python -m twinpipe.moe.demo --help",
+            "the program `twinpipe demo --moe` runs, run above: CI checks this entry point starts"),
+    # ---- docs/train.md (and the README's `twinpipe train`)
+    Command("twinpipe train", f"twinpipe train --pp 2 --steps 10 {TINY}",
+            "the documented run takes minutes: 2 processes (the same schedule), a 2-block model of width 16, 10 steps "
+            "(the summary docs/train.md quotes averages 10)", folder="train", files=TRAIN_FILES,
+            stdout=("bits per byte, first step", "bits per byte, mean of first 10 steps", "bits per byte, mean of last 10 steps")),
+    Command("twinpipe train --schedule dualpipe --pp 2 --dp 2 --steps 100", f"twinpipe train --schedule dualpipe --pp 2 --steps 2 {TINY}",
+            TRAIN_SMALL, folder="train", files=TRAIN_FILES),
+    Command("twinpipe train --resume twinpipe-train/checkpoint-final --steps 600 --schedule 1f1b --pp 2 --dp 2",
+            f"twinpipe train --resume twinpipe-train/checkpoint-final --steps 3 --schedule 1f1b --pp 1 --dp 2 {TINY}",
+            "the documented run takes minutes: the checkpoint of the line before (step 2) to step 3, on 2 processes "
+            "(PP=1 x DP=2: another schedule and mesh than the one that wrote it)", folder="train", files=TRAIN_FILES),
+    Command("twinpipe train --experts 8 --top-k 2 --pp 2 --dp 2", f"twinpipe train --experts 4 --top-k 2 --pp 1 --dp 2 --steps 2 {TINY}",
+            TRAIN_SMALL + "; PP=1 x DP=2 (EP=2), 4 experts", folder="train-moe", files=TRAIN_FILES),
+    Command("twinpipe train --experts 4 --pp 2 --dp 2 --steps 30", f"twinpipe train --experts 4 --top-k 2 --pp 1 --dp 2 --steps 2 {TINY}",
+            TRAIN_SMALL + "; PP=1 x DP=2 (EP=2): the same run as the line above", folder="train-moe"),
+    Command("twinpipe train --experts E --top-k K", f"twinpipe train --experts 4 --top-k 2 --pp 1 --dp 2 --steps 2 {TINY}",
+            PLACEHOLDERS + "; the same run as the lines above", folder="train-moe"),
+    _help("twinpipe train --no-overlap-dp"),
+    Command("torchrun --standalone --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda",
+            f"torchrun --standalone --nproc-per-node 2 -m twinpipe.train --pp 2 --steps 2 {TINY}",
+            NO_GPU + "; 2 processes, a tiny model, 2 steps", files=TRAIN_FILES),
+]

@@ -358,7 +358,19 @@ def _world(rank: int, world: int, root: str) -> dict:
             return f"unclear error or a folder written: {message}"
         return "ok"
 
+    def not_a_checkpoint():
+        notes = root_path / "notes"
+        on_rank0(lambda: (notes.mkdir(), (notes / "keep.txt").write_text("mine")))
+        try:
+            save_checkpoint(trainer, str(notes), 3)
+            message = "saved over a folder that is not a checkpoint"
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+        kept = sorted(p.name for p in notes.iterdir())
+        return {"message": message, "kept": kept}
+
     case("round_trip", round_trip)
+    case("not_a_checkpoint", not_a_checkpoint)
     case("disk_full", disk_full)
     case("rename_fails", rename_fails)
     case("overwrite", overwrite)
@@ -437,6 +449,12 @@ def test_a_crafted_checkpoint_is_refused_and_runs_nothing(world, name):
         assert outcome["outcome"].startswith("CheckpointError: checkpoint ") and "refused" in outcome["outcome"], outcome
 
 
+def test_a_folder_that_is_not_a_checkpoint_is_not_replaced(world):
+    for outcome in _case(world, "not_a_checkpoint").values():
+        assert outcome["kept"] == ["keep.txt"], outcome
+        assert outcome["message"].startswith("CheckpointWriteError: rank dp=0 pp=") and "exists and is not a checkpoint folder; refusing to replace it" in outcome["message"], outcome
+
+
 def test_another_model_configuration_is_refused_unless_allowed(world):
     for outcome in _case(world, "model_config").values():
         assert "heads: 2 in the checkpoint, 4 here" in outcome["refused"] and "allow_model_config_change=True" in outcome["refused"], outcome
@@ -452,6 +470,7 @@ def test_resumed_hyper_parameters_are_an_explicit_choice_and_a_difference_is_war
         assert any("param_groups[0].lr: 0.01 in the checkpoint" in w and "this run's are kept" in w for w in kept["warnings"]), kept
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the one-process load below
 def test_a_rank_killed_while_saving_over_a_checkpoint_leaves_the_old_one_whole(world):
     import torch
     import torch.distributed.checkpoint as dcp

@@ -16,7 +16,7 @@ from twinpipe.runtime.agreement import Claim, disagreements, short
 from twinpipe.runtime.collectives import FRAME_BYTES, gather_objects
 from twinpipe.runtime.errors import PipelineMismatchError
 
-__all__ = ["gather_json", "agree"]
+__all__ = ["gather_json", "agree", "canonical"]
 
 _CHUNK = (FRAME_BYTES - 64) * 3 // 4  # raw bytes per frame: base64 and the JSON around it fit one frame
 
@@ -32,6 +32,20 @@ def gather_json(group, obj, timeout: float, what: str) -> list:
         for part, (_, c) in zip(parts, gather_objects(group, [0, chunks[i] if i < len(chunks) else ""], timeout, what)):
             part.append(c)
     return [json.loads(b"".join(base64.b64decode(c) for c in part)) for part in parts]
+
+
+def canonical(value):
+    """``value`` as ranks that mean the same should state it: numbers as floats (``1`` and ``1.0``
+    alike), tensors as their values, lists and tuples as tuples, anything else as it is."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return float(value)
+    if hasattr(value, "tolist") and callable(value.tolist):  # a tensor
+        return canonical(value.tolist())
+    if isinstance(value, (list, tuple)):
+        return tuple(canonical(v) for v in value)
+    return value
 
 
 def agree(group, facts: dict[str, object], timeout: float, where: str, advice: str, decisive: tuple[str, ...] = ()) -> None:

@@ -47,7 +47,7 @@ from twinpipe.runtime.errors import PipelineMismatchError
 from twinpipe.runtime.pipeline import Pipeline
 from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule import registry
-from twinpipe.train.agreement import agree
+from twinpipe.train.agreement import agree, canonical
 from twinpipe.train.config import TrainConfig, model_record
 from twinpipe.train.data import BatchSampler, replica_rows
 from twinpipe.train.experts import check_experts, expert_ids, shard_experts
@@ -166,8 +166,8 @@ class Trainer:
         names = json.dumps([[n, list(s)] for n, s in self.parameter_names]).encode()
         facts = {
             "schedule": registry.get(c.schedule).name, "schedule_options": sorted(c.schedule_options),
-            "batch_size": c.batch_size, "microbatch_size": c.microbatch_size, "max_norm": c.max_norm, "balance": c.balance,
-            "seed": c.seed, "timeout": c.timeout, "dp_reduce": c.dp_reduce, "overlap_dp": c.overlap_dp,
+            "batch_size": c.batch_size, "microbatch_size": c.microbatch_size, "max_norm": canonical(c.max_norm),
+            "balance": c.balance, "seed": c.seed, "timeout": canonical(c.timeout), "dp_reduce": c.dp_reduce, "overlap_dp": c.overlap_dp,
             "on_nonfinite": c.on_nonfinite,
             "dtype": ",".join(sorted({str(p.dtype) for p in model.parameters()})), "device": torch.device(device).type,
             "criterion": _qualname(self.criterion),
@@ -184,7 +184,7 @@ class Trainer:
         for i, group in enumerate(groups):
             for key, value in group.items():
                 if key != "params":
-                    facts[f"optimizer param_groups[{i}].{key}"] = value.tolist() if isinstance(value, torch.Tensor) else value
+                    facts[f"optimizer param_groups[{i}].{key}"] = canonical(value)
         agree(self.checkpoint_group, facts, self.timeout, self._where("building the trainer"),
               "Build every rank's optimizer alike (optimizer_fn); nothing ran.", decisive=("optimizer", "optimizer param_groups"))
 
@@ -264,19 +264,15 @@ class Trainer:
         vec = self._sum_vector(step, loss, digest, n_norms)
         losses = vec[n_norms : n_norms + dp * m].clone()
         problem = self._nonfinite(vec, n_norms, losses)
-        norm = float(vec[:n_norms].sum().sqrt()) if clip else None
+        norm, factor = clip_coefficient(vec[:n_norms], self.config.max_norm) if clip else (None, 1.0)
         if problem is not None:
-            self._refuse_update(step, problem)
-            times["update"] = time.perf_counter() - mark
-            times["total"] = time.perf_counter() - start
-            return StepResult(step, float(losses.mean()), losses, norm, times, skipped=True)
-        if clip:
-            norm, factor = clip_coefficient(vec[:n_norms], self.config.max_norm)
+            self._refuse_update(step, problem)  # raises, or counts the step as skipped
+        else:
             clip_grads(self.params, factor)
-        self.optimizer.step()
+            self.optimizer.step()
         times["update"] = time.perf_counter() - mark
         times["total"] = time.perf_counter() - start
-        return StepResult(step, float(losses.mean()), losses, norm, times)
+        return StepResult(step, float(losses.mean()), losses, norm, times, skipped=problem is not None)
 
     def _sum_vector(self, step: int, loss: torch.Tensor | None, digest: int, n_norms: int) -> torch.Tensor:
         """The step's one vector, summed over the pipeline, then the replicas (returned on the CPU).

@@ -38,7 +38,7 @@ AGREEMENT = [
      "schedule_options", "[('stages_per_rank', 2)]", "[('stages_per_rank', 4)]"),
     ("dtype", dict(dtype="float32"), "dtype", "torch.float64", "torch.float32"),
     ("model_shapes", dict(dim=16), "model parameters", None, None),
-    ("model_config", dict(heads=4), "model config", None, None),
+    ("model_config", dict(heads=4), "model config.heads", "2", "4"),
     ("criterion", dict(criterion="other"), "criterion", "twinpipe.train.model.lm_loss", "test_train_safety.other_loss"),
     ("optimizer_class", dict(optimizer="sgd"), "optimizer", "torch.optim.adamw.AdamW", "torch.optim.sgd.SGD"),
     ("lr", dict(lr=2e-2), "optimizer param_groups[0].lr", "0.01", "0.02"),
@@ -96,6 +96,14 @@ def _world(rank: int, world: int) -> dict:
             results[name] = f"{type(exc).__name__}: {exc}"
         dist.barrier()
 
+    def long_facts():  # more than one frame on one rank only: every rank runs as many rounds as the longest
+        from twinpipe.train.agreement import gather_json
+
+        mine = {"rank": rank, "text": "x" * (7000 if rank == 1 else 10)}
+        said = gather_json(dist.group.WORLD, mine, 20.0, "test")
+        return "ok" if said == [{"rank": 0, "text": "x" * 10}, {"rank": 1, "text": "x" * 7000}] else f"gathered {str(said)[:200]}"
+
+    case("long_facts", long_facts)
     for (dp, pp), mesh in meshes.items():
         case(f"alike-dp{dp}pp{pp}", lambda: _build(mesh, {}).step(0).loss > 0 and "ok")
         # The same values written differently (an int and a float) are the same setting.
@@ -169,6 +177,10 @@ def outcomes():
 
 def _all(outcomes, name):
     return {r: outcomes[r][name] for r in range(WORLD)}
+
+
+def test_settings_longer_than_one_frame_are_gathered_whole(outcomes):
+    assert set(_all(outcomes, "long_facts").values()) == {"ok"}, _all(outcomes, "long_facts")
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"dp{m[0]}pp{m[1]}")

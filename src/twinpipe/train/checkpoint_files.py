@@ -178,6 +178,8 @@ def prepare_folder(target) -> Path:
     Refuses a ``target`` that exists and is not a checkpoint (it would be replaced); removes the
     temporary folders of earlier saves to ``target`` that did not finish."""
     target = Path(target)
+    if target.name in ("", ".", ".."):
+        raise CheckpointError(target, "must name the checkpoint's own folder (it is written beside it and renamed into place)")
     if target.exists() and not (target.is_dir() and ((target / MARKER).exists() or (target / METADATA).exists())):
         raise CheckpointError(target, "exists and is not a checkpoint folder; refusing to replace it")
     target.parent.mkdir(parents=True, exist_ok=True)

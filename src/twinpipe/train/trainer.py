@@ -172,8 +172,12 @@ class Trainer:
             "dtype": ",".join(sorted({str(p.dtype) for p in model.parameters()})), "device": torch.device(device).type,
             "criterion": _qualname(self.criterion),
             "model parameters": f"{len(self.parameter_names)} named, sha256 {hashlib.sha256(names).hexdigest()[:16]}",
-            "model config": json.dumps(self.model_record, sort_keys=True),
         }
+        config = self.model_record.get("config")
+        if isinstance(config, dict):  # one fact per field: an error names the field that differs
+            facts.update((f"model config.{key}", json.dumps(value, sort_keys=True)) for key, value in config.items())
+        else:
+            facts["model config"] = json.dumps(self.model_record, sort_keys=True)
         agree(self.checkpoint_group, facts, self.timeout, self._where("building the trainer"),
               "Build every rank's Trainer with the same TrainConfig, model, dtype, criterion and optimizer; nothing ran.")
 

@@ -149,7 +149,7 @@ def _world(rank: int, world: int, root: str) -> dict:
 
     def make(optimizer="adamw", model_fn=None, lr=None):
         fn, sampler, criterion, make_opt, config = tiny_setup("1f1b", optimizer=optimizer)
-        config = dataclasses.replace(config, timeout=20.0)
+        config = dataclasses.replace(config, timeout=60.0)  # room for a busy machine; a dead rank is seen at once
         if lr is not None:
             make_opt = lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01)  # noqa: E731
         if callable(optimizer):

@@ -28,7 +28,7 @@ AGREEMENT = [
     ("max_norm_value", dict(max_norm=2.0, base_max_norm=1.0), "max_norm", "1.0", "2.0"),
     ("balance", dict(balance="time"), "balance", "params", "time"),
     ("seed", dict(seed=1), "seed", "0", "1"),
-    ("timeout", dict(timeout=30.0), "timeout", "20.0", "30.0"),
+    ("timeout", dict(timeout=90.0), "timeout", "60.0", "90.0"),
     ("dp_reduce", dict(dp_reduce="ordered"), "dp_reduce", "all-reduce", "ordered"),
     ("overlap_dp", dict(overlap_dp=False), "overlap_dp", "True", "False"),
     ("on_nonfinite", dict(on_nonfinite="raise"), "on_nonfinite", "skip", "raise"),
@@ -53,7 +53,7 @@ def other_loss(output, labels):
 
 
 def _build(mesh, changes: dict, criterion=None):
-    """A trainer of the tiny GPT (1F1B, AdamW, float64, timeout 20 s) with ``changes`` applied:
+    """A trainer of the tiny GPT (1F1B, AdamW, float64, timeout 60 s: room for a busy machine) with ``changes`` applied:
     ``base_<key>`` entries apply to every rank, the others (rank 1's) override them."""
     import dataclasses
 
@@ -75,7 +75,7 @@ def _build(mesh, changes: dict, criterion=None):
         fn = lambda: GPT(GPTConfig(**{**dict(vocab=32, seq_len=8, dim=8, heads=2, layers=6), **shape}))  # noqa: E731
     if c.pop("criterion", None) == "other":
         lm_loss = other_loss
-    config = dataclasses.replace(config, **{"timeout": 20.0, **c})
+    config = dataclasses.replace(config, **{"timeout": 60.0, **c})
     return Trainer(fn, sampler, criterion or lm_loss, make_opt, mesh, config, dtype=dtype)
 
 
@@ -100,14 +100,14 @@ def _world(rank: int, world: int) -> dict:
         from twinpipe.train.agreement import gather_json
 
         mine = {"rank": rank, "text": "x" * (7000 if rank == 1 else 10)}
-        said = gather_json(dist.group.WORLD, mine, 20.0, "test")
+        said = gather_json(dist.group.WORLD, mine, 60.0, "test")
         return "ok" if said == [{"rank": 0, "text": "x" * 10}, {"rank": 1, "text": "x" * 7000}] else f"gathered {str(said)[:200]}"
 
     case("long_facts", long_facts)
     for (dp, pp), mesh in meshes.items():
         case(f"alike-dp{dp}pp{pp}", lambda: _build(mesh, {}).step(0).loss > 0 and "ok")
         # The same values written differently (an int and a float) are the same setting.
-        same = dict(timeout=20, max_norm=1, lr=1) if rank == 0 else dict(timeout=20.0, max_norm=1.0, lr=1.0)
+        same = dict(timeout=60, max_norm=1, lr=1) if rank == 0 else dict(timeout=60.0, max_norm=1.0, lr=1.0)
         case(f"equivalent-dp{dp}pp{pp}", lambda: _build(mesh, same).step(0).loss > 0 and "ok")
         for name, changes, *_ in AGREEMENT:
             base = {k: v for k, v in changes.items() if k.startswith("base_")}

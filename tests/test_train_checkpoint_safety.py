@@ -1,8 +1,8 @@
 """Checkpoints are complete or absent, checked before use, and never run code from the folder.
 
 One 2-process gloo world (PP=2, 1F1B, AdamW): a checkpoint at step 3, then faults injected while
-saving over it (a rank's disk full inside the write, the final rename failing, last a rank killed
-by ``os._exit`` in the middle of its write); damaged copies (a flipped byte, a truncated file, a
+saving over it (a rank's disk full in the middle of its write, the final rename failing, last a rank
+killed by ``os._exit`` as it starts its write); damaged copies (a flipped byte, a truncated file, a
 damaged ``.metadata``, no marker); crafted copies (a ``.metadata`` pickle that runs code, a pickled
 ``trainer`` item); another model configuration with the same shapes; other optimizer
 hyper-parameters; optimizer state that is not a tensor. Before the kill, rank 1 hands its results
@@ -96,12 +96,16 @@ def _patched(owner, name: str, replacement):
 
 
 def _data_writes(action):
-    """FileSystem.create_stream, doing ``action(stream, path)`` when a data file is opened for writing."""
+    """FileSystem.create_stream, doing ``action(stream, path)`` when a data file is opened for writing
+    (``stream`` None: before the file is opened, so an old file of that name is untouched)."""
     def make(original):
         @contextmanager
         def create_stream(self, path, mode):
+            data = "w" in mode and str(path).endswith(".distcp")
+            if data and getattr(action, "before_open", False):
+                action(None, path)
             with original(self, path, mode) as stream:
-                if "w" in mode and str(path).endswith(".distcp"):
+                if data:
                     action(stream, path)
                 yield stream
         return create_stream
@@ -115,9 +119,10 @@ def _disk_full(stream, path):
 
 
 def _die(stream, path):
-    stream.write(b"partial")
-    stream.flush()
-    os._exit(3)
+    os._exit(3)  # before its data file is opened: an old file of the same name would be left as it was
+
+
+_die.before_open = True
 
 
 def _world(rank: int, world: int, root: str) -> dict:
@@ -223,11 +228,14 @@ def _world(rank: int, world: int, root: str) -> dict:
                 return "the save reported no failure"
             except BaseException as exc:  # noqa: B036
                 message = f"{type(exc).__name__}: {exc}"
-        if "rank 1" not in message or "No space left on device" not in message:
-            return f"unclear error: {message}"
+        problems = [] if "rank 1" in message and "No space left on device" in message else [f"unclear error: {message}"]
         if leftovers():
-            return f"temporary folders left: {leftovers()}"
-        return loads_as(3, saved[3])
+            problems.append(f"temporary folders left: {leftovers()}")
+        try:
+            loaded = loads_as(3, saved[3])
+        except Exception as exc:
+            loaded = f"{type(exc).__name__}: {exc}"
+        return "; ".join(problems + ([] if loaded == "ok" else [loaded])) or "ok"
 
     def rename_fails():
         import twinpipe.train.checkpoint_files as files
@@ -385,7 +393,7 @@ def _world(rank: int, world: int, root: str) -> dict:
     case("hparams", hparams)
     case("plain_state", plain_state)
 
-    # Last: rank 1 dies in the middle of writing its part of a save over the step-6 checkpoint.
+    # Last: rank 1 dies as it starts writing its part of a save over the step-6 checkpoint (rank 0 writes its part).
     for step in range(6, 9):
         trainer.step(step)
     everyone = [None] * world
@@ -475,19 +483,19 @@ def test_a_rank_killed_while_saving_over_a_checkpoint_leaves_the_old_one_whole(w
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from twinpipe.train.checkpoint import read_checkpoint_info
-
     root, results = world
-    assert results[1][0] == "died", results[1]  # rank 1 did die in the middle of its write
+    assert results[1][0] == "died", results[1]  # rank 1 did die during the save
     assert results[0]["killed"] != "the save reported no failure", results[0]["killed"]
     assert results[0]["leftovers"] == [], results[0]["leftovers"]
     step6 = {**results[0]["ranks"][0]["step6"], **results[0]["ranks"][1]["step6"]}
-    info = read_checkpoint_info(root / "ckpt", verify_data=True)  # complete: every file as the marker says
-    assert info.step == 6
     state = {f"model.{n}": torch.empty_like(t) for n, t in step6.items()}
     dcp.load(state, checkpoint_id=str(root / "ckpt"), no_dist=True)
     differ = [n for n, t in step6.items() if not torch.equal(state[f"model.{n}"], t)]
-    assert not differ, f"the folder holds a mix: {differ} are not step 6's"
+    assert not differ, f"the folder holds a mix: {len(differ)} of {len(step6)} parameters are not step 6's ({differ[:3]}, ...)"
+    from twinpipe.train.checkpoint import read_checkpoint_info
+
+    info = read_checkpoint_info(root / "ckpt", verify_data=True)  # complete: every file as the marker says
+    assert info.step == 6
 
 
 # In this process: the crafted folders through the reader and the command line (no world needed).
@@ -519,6 +527,16 @@ def test_twinpipe_train_resume_refuses_a_folder_without_marker(tmp_path, capsys)
     err = capsys.readouterr().err
     assert not (tmp_path / "ran").exists()
     assert "no completion marker twinpipe-checkpoint.json" in err, err
+
+
+def test_twinpipe_train_resume_refuses_a_pickled_item_without_running_it(world, tmp_path, capsys):
+    root, _ = world
+    flag = tmp_path / "ran"
+    craft_bytes_item(root / "ckpt", tmp_path / "crafted", str(flag))
+    assert _run_train(*TINY, "--resume", str(tmp_path / "crafted")) == 2
+    err = capsys.readouterr().err
+    assert not flag.exists(), "twinpipe train --resume ran code from the checkpoint"
+    assert "file .metadata: item 'trainer' is a pickled object" in err and "refused" in err, err
 
 
 def test_read_checkpoint_info_refuses_a_crafted_metadata_and_a_pickled_item(world, tmp_path):

@@ -293,9 +293,9 @@ def _apply_hparams(optimizer, saved: list[dict], mode: str, where: str) -> None:
     differences = []
     for i, (group, theirs) in enumerate(zip(optimizer.param_groups, saved)):
         for key in sorted(set(theirs) | {k for k in group if k != "params"}):
-            mine = _json_value(group[key]) if key in group else "(absent)"
-            if not _same(mine, theirs.get(key, "(absent)")):
-                differences.append(f"param_groups[{i}].{key}: {theirs.get(key, '(absent)')!r} in the checkpoint, {mine!r} in this run's optimizer")
+            mine, saved_value = (_json_value(group[key]) if key in group else "(absent)"), theirs.get(key, "(absent)")
+            if not _same(mine, saved_value):
+                differences.append(f"param_groups[{i}].{key}: {saved_value!r} in the checkpoint, {mine!r} in this run's optimizer")
             if mode == "checkpoint" and key in theirs:
                 group[key] = _restored(group.get(key), theirs[key])
     if len(saved) != len(optimizer.param_groups):

@@ -92,7 +92,8 @@ def _marker(path: str, folder: Path) -> tuple[dict, str]:
         raise CheckpointError(path, f"file {MARKER}: not readable JSON ({error}): damaged") from None
     ok = (isinstance(record, dict) and record.get("format") == FORMAT and record.get("version") == VERSION
           and isinstance(record.get("step"), int) and isinstance(record.get("files"), dict)
-          and all(isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str) for v in record["files"].values())
+          and all(isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
+                  for v in record["files"].values())
           and isinstance(record.get("model"), dict) and isinstance(record["model"].get("parameters"), list)
           and isinstance(record.get("optimizer"), dict) and isinstance(record.get("optimizer_state_files", []), list))
     if not ok:
@@ -145,7 +146,8 @@ def read_checkpoint_info(path, verify_data: bool = False) -> CheckpointInfo:
         raise CheckpointError(path, f"file {METADATA}: {error}") from None
     unlisted = sorted({info.relative_path for info in metadata.storage_data.values()} - set(files))
     if unlisted:
-        raise CheckpointError(path, f"file {METADATA}: refers to {', '.join(unlisted)}, which the marker does not list (parts of different saves)")
+        raise CheckpointError(path, f"file {METADATA}: refers to {', '.join(unlisted)}, which the marker does not list "
+                                    "(parts of different saves)")
     try:
         parameters = {str(n): [int(d) for d in shape] for n, shape in record["model"]["parameters"]}
     except (TypeError, ValueError):

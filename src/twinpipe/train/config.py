@@ -125,5 +125,10 @@ def record_differences(saved: dict, mine: dict) -> list[str]:
             return [f"{k}: {a.get(k, '(absent)')!r} in the checkpoint, {b.get(k, '(absent)')!r} here" for k in keys if a.get(k) != b.get(k)]
     if saved == mine:
         return []
-    describe = lambda r: "config " + json.dumps(r["config"], sort_keys=True) if "config" in r else f"repr digest {str(r.get('repr_sha256'))[:12]}"  # noqa: E731
-    return [f"{describe(saved)} in the checkpoint, {describe(mine)} here"]
+    return [f"{_describe(saved)} in the checkpoint, {_describe(mine)} here"]
+
+
+def _describe(record: dict) -> str:
+    if "config" in record:
+        return "config " + json.dumps(record["config"], sort_keys=True)
+    return f"repr digest {str(record.get('repr_sha256'))[:12]}"

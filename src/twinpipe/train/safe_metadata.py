@@ -92,6 +92,8 @@ def _check(metadata) -> None:
             fail(f"storage entry {index!r}")
         if Path(info.relative_path).name != info.relative_path or info.relative_path in ("", ".", ".."):
             fail(f"storage entry {index.fqn!r} points outside the folder: {info.relative_path!r}")
+        if info.transform_descriptors:  # DCP's experimental stream extensions: twinpipe writes none
+            fail(f"storage entry {index.fqn!r} asks for stream transforms {info.transform_descriptors!r}")
     if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, StorageMeta):
         fail("storage_meta")
 

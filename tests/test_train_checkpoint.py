@@ -174,13 +174,13 @@ def test_checkpoint_round_trip(outcomes, name):
 
 def test_checkpoint_of_another_model_is_refused(outcomes):
     for message in _all(outcomes, "other_model").values():
-        assert message.startswith("ValueError: checkpoint") and "holds a different model" in message, message
+        assert message.startswith("CheckpointError: checkpoint") and "holds a different model" in message, message
         assert "shapes differ: blocks.0.attn.proj.bias [8] in the checkpoint vs [16]" in message, message
 
 
 def test_checkpoint_of_another_optimizer_is_refused(outcomes):
     for message in _all(outcomes, "other_optimizer").values():
-        assert message.startswith("ValueError:") and "optimizer AdamW, this run uses SGD" in message, message
+        assert message.startswith("CheckpointError:") and "optimizer AdamW, this run uses SGD" in message, message
 
 
 def test_mesh_sizes_must_multiply_to_the_world(outcomes):

@@ -1,43 +1,192 @@
 """Checkpoints with ``torch.distributed.checkpoint``, stored by the unsplit model's parameter names.
 
-Keys: ``model.<name>`` for each parameter, ``optim.<name>.<state>`` for its optimizer state, and
-``trainer`` (JSON: step, optimizer class and hyper-parameters). Each model
-parameter is written once: by data-parallel replica 0 (a MoE expert by the data-parallel rank that
-holds it, under the expert's own name), from the copy that is not DualPipe's mirror.
-Because keys name model parameters, not ranks or stages, a checkpoint loads under any schedule,
-pipeline size or data-parallel size (each rank reads the experts it holds). Saving and loading are collective over the world, on a gloo group whose
-timeout is the trainer's.
+Tensor keys: ``model.<name>`` for each parameter and ``optim.<name>.<state>`` for its optimizer
+state. Each model parameter is written once: by data-parallel replica 0 (a MoE expert by the
+data-parallel rank that holds it, under the expert's own name), from the copy that is not DualPipe's
+mirror. Because keys name model parameters, not ranks or stages, a checkpoint loads under any
+schedule, pipeline size or data-parallel size (each rank reads the experts it holds).
+
+A checkpoint is complete or absent (``checkpoint_files.py``): written into a temporary folder,
+then a completion marker (JSON: the step, the model's parameters and configuration, the
+optimizer's class and hyper-parameters, each file's size and SHA-256) is written last and the
+folder renamed into place. Nothing is stored as a pickle but DCP's own ``.metadata``, which is
+read with an allow-list (``safe_metadata.py``); optimizer state that is not a tensor goes into
+per-rank JSON files. Saving and loading are collective over the world, on the trainer's gloo group
+whose timeout is the trainer's; every rank raises alike when any rank fails.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import shutil
+import warnings
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+import twinpipe
+from twinpipe.checks import check_bool, check_choice, check_int
+from twinpipe.train.agreement import gather_json
+from twinpipe.train.checkpoint_files import (
+    METADATA, CheckpointError, CheckpointInfo, file_digest, prepare_folder, put_in_place, read_checkpoint_info, verify_files,
+    write_marker,
+)
+from twinpipe.train.config import record_differences
+from twinpipe.train.safe_metadata import SafeFileSystemReader, TensorsOnlyLoadPlanner, load_metadata
+
+__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint_info", "CheckpointError", "CheckpointWriteError",
+           "CheckpointInfo", "OPTIMIZER_HPARAMS"]
+
+OPTIMIZER_HPARAMS = ("checkpoint", "current")
+_PLAIN = (type(None), bool, int, float, str)  # optimizer state values a JSON file keeps as they are
+
+
+class CheckpointWriteError(RuntimeError):
+    """A save failed on some rank (raised on every rank); the target folder is as it was before."""
+
+
+def _where(trainer, what: str) -> str:
+    return f"rank dp={trainer.mesh.dp_rank} pp={trainer.mesh.pp_rank}: {what}"
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, CheckpointException):  # DCP's: every failing rank's exception
+        return "; ".join(f"rank {r}: {_describe(e[0])}" for r, e in sorted(error.failures.items()))
+    return f"{type(error).__name__}: {error}"
+
+
+def _json_value(value):
+    """A hyper-parameter as JSON data (tensors as numbers, tuples as lists; anything else by repr)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    return value if isinstance(value, _PLAIN) else repr(value)
+
+
+def _param_groups(optimizer) -> list[dict]:
+    return [{k: _json_value(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _rank_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """The tensors this rank writes, and its optimizer state that is not a tensor (JSON-able values)."""
+    tensors: dict[str, torch.Tensor] = {}
+    plain: dict[str, dict] = {}
+    for name, p, owned in trainer.held:
+        if not owned:  # dp replica 0's first copy writes; a MoE expert the one rank holding it
+            continue
+        tensors[f"model.{name}"] = p.detach()
+        for key, value in trainer.optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim.{name}.{key}"] = value
+            elif isinstance(value, _PLAIN):
+                plain.setdefault(name, {})[str(key)] = value
+            else:
+                raise ValueError(f"optimizer state {name}.{key} is a {type(value).__name__}: checkpoints store tensors, "
+                                 "numbers, strings, booleans and None only (nothing pickled)")
+    return tensors, plain
+
+
+def _raise_if_failed(said: list[dict], where: str, target, before: str) -> None:
+    failed = [(rank, s["error"]) for rank, s in enumerate(said) if s.get("error")]
+    if failed:
+        reasons = "; ".join(f"rank {rank}: {error}" for rank, error in failed)
+        raise CheckpointWriteError(f"{where}: failed ({reasons}); {before}")
 
 
 def save_checkpoint(trainer, path: str, step: int) -> None:
-    """Write the model, optimizer and ``step`` (the next step to run) to directory ``path``."""
-    state: dict[str, object] = {}
-    for name, p, owned in trainer.held:
-        if owned:  # dp replica 0's first copy; a MoE expert from the one rank holding it
-            state[f"model.{name}"] = p.detach()
-            for key, value in trainer.optimizer.state.get(p, {}).items():
-                state[f"optim.{name}.{key}"] = value
-    if trainer.mesh.is_first:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
-        # One JSON string: DCP would flatten a dict into keys of its own.
-        state["trainer"] = json.dumps({"step": int(step), "optimizer": type(trainer.optimizer).__name__, "param_groups": groups})
-    dcp.save(state, checkpoint_id=path, process_group=trainer.checkpoint_group)
+    """Write the model, optimizer and ``step`` (the next step to run) to directory ``path``,
+    completely or not at all (an existing checkpoint there stays loadable until the new one
+    replaces it). Collective: every rank of the world calls it."""
+    check_int(step, "step", low=0)
+    group, timeout = trainer.checkpoint_group, trainer.timeout
+    rank = dist.get_rank(group)
+    where = _where(trainer, f"saving checkpoint {str(path)!r}")
+    before = f"{str(path)!r} is as it was before the save"
+    # 1. Each rank gathers what it writes; rank 0 makes the temporary folder. Every rank learns of any failure.
+    mine: dict = {"error": None}
+    try:
+        tensors, plain = _rank_state(trainer)
+        if rank == 0:
+            mine["folder"] = str(prepare_folder(path))
+    except Exception as error:
+        mine["error"] = _describe(error)
+    said = gather_json(group, mine, timeout, f"{where}: preparing")
+    folder = Path(said[0]["folder"]) if said[0].get("folder") else None
+    try:
+        _raise_if_failed(said, where, path, before)
+        # 2. Every rank writes (DCP raises on every rank when one fails), then digests its own files.
+        try:
+            dcp.save(tensors, storage_writer=FileSystemWriter(folder), process_group=group)
+        except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+            raise CheckpointWriteError(f"{where}: writing failed ({_describe(error)}); {before}") from error
+        mine = {"error": None}
+        try:
+            mine["files"] = _finish_own_files(folder, rank, plain)
+        except Exception as error:
+            mine["error"] = _describe(error)
+        # 3. The barrier: every rank has written and digested its files, or all raise.
+        said = gather_json(group, mine, timeout, f"{where}: waiting for every rank to finish writing")
+        _raise_if_failed(said, where, path, before)
+        # 4. Rank 0 writes the marker last and renames the folder into place.
+        mine = {"error": None}
+        if rank == 0:
+            try:
+                files = {name: {"bytes": size, "sha256": sha} for s in said for name, size, sha in s["files"]}
+                _check_listed(folder, files)
+                write_marker(folder, _marker_record(trainer, step, files))
+                put_in_place(folder, path)
+            except Exception as error:
+                mine["error"] = _describe(error)
+        said = gather_json(group, mine, timeout, f"{where}: waiting for the checkpoint to be put in place")
+        _raise_if_failed(said, where, path, before)
+    except BaseException:  # noqa: B036  (cleans up, then re-raises whatever it was)
+        if rank == 0 and folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)  # never the target: it is either the old or the new checkpoint
+        raise
 
 
-def _check_model(path: str, metadata, trainer) -> None:
-    saved = {k[len("model."):]: list(m.size) for k, m in metadata.items() if k.startswith("model.")}
-    mine = {name: list(shape) for name, shape in trainer.parameter_names}
+def _finish_own_files(folder: Path, rank: int, plain: dict) -> list[list]:
+    """Write this rank's non-tensor optimizer state (if any); (name, size, sha256) of every file it wrote."""
+    names = sorted(p.name for p in folder.iterdir() if p.name.startswith(f"__{rank}_") and p.name.endswith(".distcp"))
+    if plain:
+        name = f"optimizer-state-{rank}.json"
+        (folder / name).write_text(json.dumps(plain, sort_keys=True))
+        names.append(name)
+    if rank == 0:
+        names.append(METADATA)  # DCP's coordinator (group rank 0) wrote it
+    return [[name, *file_digest(folder / name)] for name in names]
+
+
+def _check_listed(folder: Path, files: dict) -> None:
+    """Every file DCP's metadata refers to was reported by its writer (else the marker would miss one)."""
+    metadata = load_metadata((folder / METADATA).read_bytes())
+    missing = sorted({info.relative_path for info in metadata.storage_data.values()} - set(files))
+    if missing:
+        raise RuntimeError(f"DCP wrote files no rank reported ({', '.join(missing)}): this torch's file naming is not the expected one")
+
+
+def _marker_record(trainer, step: int, files: dict) -> dict:
+    return {
+        "step": int(step),
+        "twinpipe": twinpipe.__version__,
+        "model": {"parameters": [[n, list(s)] for n, s in trainer.parameter_names], "record": trainer.model_record},
+        "optimizer": {"class": type(trainer.optimizer).__name__, "param_groups": _param_groups(trainer.optimizer)},
+        "optimizer_state_files": sorted(n for n in files if n.startswith("optimizer-state-")),
+        "written_by": {"schedule": trainer.config.schedule, "dp": trainer.mesh.dp, "pp": trainer.mesh.pp},
+        "files": files,
+    }
+
+
+def _check_model(info: CheckpointInfo, trainer, allow_model_config_change: bool) -> None:
+    saved, mine = info.parameters, {name: list(shape) for name, shape in trainer.parameter_names}
     missing = sorted(set(mine) - set(saved))
     extra = sorted(set(saved) - set(mine))
     shapes = sorted(n for n in set(mine) & set(saved) if mine[n] != saved[n])
@@ -49,39 +198,118 @@ def _check_model(path: str, metadata, trainer) -> None:
             parts.append(f"it has {len(extra)} this model lacks ({', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''})")
         if shapes:
             parts.append("shapes differ: " + ", ".join(f"{n} {saved[n]} in the checkpoint vs {mine[n]}" for n in shapes[:4]))
-        raise ValueError(f"checkpoint {path!r} holds a different model: " + "; ".join(parts))
+        raise CheckpointError(info.path, "holds a different model: " + "; ".join(parts))
+    differences = record_differences(info.model, trainer.model_record)
+    if differences and not allow_model_config_change:
+        raise CheckpointError(info.path, "was written by a model of another configuration with the same parameter shapes ("
+                              + "; ".join(differences) + "); pass allow_model_config_change=True to load it anyway")
 
 
-def load_checkpoint(trainer, path: str) -> int:
-    """Load ``path`` into ``trainer``'s model and optimizer; returns the step to run next."""
+def _check_optimizer(info: CheckpointInfo, trainer, optimizer_hparams: str) -> None:
+    saved = info.optimizer.get("class")
+    if saved != type(trainer.optimizer).__name__:
+        raise CheckpointError(info.path, f"was written with optimizer {saved}, this run uses {type(trainer.optimizer).__name__}")
+    groups = info.optimizer.get("param_groups")
+    if optimizer_hparams == "checkpoint" and (not isinstance(groups, list) or len(groups) != len(trainer.optimizer.param_groups)):
+        raise CheckpointError(info.path, f"holds {len(groups) if isinstance(groups, list) else 'no'} optimizer param group(s), "
+                              f"this run's optimizer has {len(trainer.optimizer.param_groups)}; pass optimizer_hparams='current' "
+                              "to keep this run's hyper-parameters")
+
+
+def _checked(trainer, path: str, group, timeout: float, where: str, **checks) -> CheckpointInfo:
+    """The checkpoint's info after every rank checked it (each rank a share of the data files'
+    digests); every rank raises the same error when any rank found a problem."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    info, mine = None, {"problem": None, "marker": None}
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    except FileNotFoundError:
-        raise ValueError(f"checkpoint {path!r}: no torch.distributed.checkpoint metadata there") from None
-    _check_model(path, metadata, trainer)
-    head: dict[str, object] = {"trainer": None}
-    dcp.load(head, checkpoint_id=path, process_group=trainer.checkpoint_group)
-    info = json.loads(head["trainer"])
-    if info["optimizer"] != type(trainer.optimizer).__name__:
-        raise ValueError(f"checkpoint {path!r} was written with optimizer {info['optimizer']}, "
-                         f"this run uses {type(trainer.optimizer).__name__}")
-    state: dict[str, object] = {}
+        info = read_checkpoint_info(path)
+        _check_model(info, trainer, checks["allow_model_config_change"])
+        _check_optimizer(info, trainer, checks["optimizer_hparams"])
+        share = sorted(n for n in info.files if n != METADATA)[rank::world]
+        problems = verify_files(path, info.files, share)
+        mine = {"problem": problems[0] if problems else None, "marker": info.marker_sha256}
+    except CheckpointError as error:
+        mine["problem"] = error.problem
+    except Exception as error:  # every rank must reach the exchange below, whatever went wrong here
+        mine["problem"] = _describe(error)
+    said = gather_json(group, mine, timeout, f"{where}: checking it")
+    problems = [s["problem"] for s in said if s["problem"]]
+    if problems:
+        raise CheckpointError(path, problems[0])
+    if len({s["marker"] for s in said}) > 1:
+        raise CheckpointError(path, "the ranks read different completion markers (every rank must see the same folder: a shared filesystem)")
+    return info
+
+
+def load_checkpoint(trainer, path: str, *, optimizer_hparams: str = "checkpoint", allow_model_config_change: bool = False) -> int:
+    """Load ``path`` into ``trainer``'s model and optimizer; returns the step to run next.
+
+    ``optimizer_hparams``: whose hyper-parameters (learning rate, betas, weight decay, ...) the
+    optimizer keeps: ``"checkpoint"`` (the default: the saved run's) or ``"current"`` (those this
+    run's optimizer was built with); a difference is warned about either way (``UserWarning``).
+    ``allow_model_config_change``: load a checkpoint whose model had another configuration (its
+    ``config``, e.g. another head count) but the same parameter names and shapes. Refuses (every
+    rank raises ``CheckpointError``, a ValueError) an incomplete, torn or corrupted folder, one of
+    another model or optimizer class, and a crafted one, before anything is loaded; nothing in the
+    folder is unpickled but through an allow-list. Collective: every rank of the world calls it."""
+    check_choice(optimizer_hparams, "optimizer_hparams", OPTIMIZER_HPARAMS)
+    check_bool(allow_model_config_change, "allow_model_config_change")
+    path = str(path)
+    group, timeout = trainer.checkpoint_group, trainer.timeout
+    where = _where(trainer, f"loading checkpoint {path!r}")
+    info = _checked(trainer, path, group, timeout, where, optimizer_hparams=optimizer_hparams,
+                    allow_model_config_change=allow_model_config_change)
+    state: dict[str, torch.Tensor] = {}
     optim_keys: dict[int, list[tuple[str, str]]] = {}
     for name, p, _ in trainer.held:
         state[f"model.{name}"] = p.detach()
         prefix = f"optim.{name}."
-        for key, meta in metadata.items():
-            if not key.startswith(prefix):
-                continue
-            if isinstance(meta, TensorStorageMetadata):
+        for key, meta in info.metadata.state_dict_metadata.items():
+            if key.startswith(prefix):
                 state[key] = torch.empty(meta.size, dtype=meta.properties.dtype, device=p.device if meta.size else "cpu")
-            elif isinstance(meta, BytesStorageMetadata):
-                state[key] = None
-            optim_keys.setdefault(id(p), []).append((key, key[len(prefix):]))
-    dcp.load(state, checkpoint_id=path, process_group=trainer.checkpoint_group)
-    for _, p, _ in trainer.held:
-        if id(p) in optim_keys:
-            trainer.optimizer.state[p] = {short: state[key] for key, short in optim_keys[id(p)]}
-    for group, saved in zip(trainer.optimizer.param_groups, info["param_groups"]):
-        group.update(saved)
-    return info["step"]
+                optim_keys.setdefault(id(p), []).append((key, key[len(prefix):]))
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=TensorsOnlyLoadPlanner(), process_group=group)
+    except CheckpointException as error:
+        raise CheckpointError(path, f"reading failed ({_describe(error)})") from error
+    plain: dict[str, dict] = {}
+    for name in info.optimizer_state_files:
+        plain.update(json.loads((Path(path) / name).read_text()))
+    for name, p, _ in trainer.held:
+        if id(p) in optim_keys or name in plain:
+            trainer.optimizer.state[p] = {**{short: state[key] for key, short in optim_keys.get(id(p), [])}, **plain.get(name, {})}
+    _apply_hparams(trainer.optimizer, info.optimizer.get("param_groups") or [], optimizer_hparams, where)
+    return info.step
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def _apply_hparams(optimizer, saved: list[dict], mode: str, where: str) -> None:
+    """Take the checkpoint's hyper-parameters (``mode="checkpoint"``) or keep the optimizer's; warn of differences."""
+    differences = []
+    for i, (group, theirs) in enumerate(zip(optimizer.param_groups, saved)):
+        for key in sorted(set(theirs) | {k for k in group if k != "params"}):
+            mine, saved_value = (_json_value(group[key]) if key in group else "(absent)"), theirs.get(key, "(absent)")
+            if not _same(mine, saved_value):
+                differences.append(f"param_groups[{i}].{key}: {saved_value!r} in the checkpoint, {mine!r} in this run's optimizer")
+            if mode == "checkpoint" and key in theirs:
+                group[key] = _restored(group.get(key), theirs[key])
+    if len(saved) != len(optimizer.param_groups):
+        differences.append(f"{len(saved)} param group(s) in the checkpoint, {len(optimizer.param_groups)} in this run's optimizer")
+    if differences:
+        using = ("the checkpoint's are used (optimizer_hparams='checkpoint'; pass 'current' to keep this run's)" if mode == "checkpoint"
+                 else "this run's are kept (optimizer_hparams='current')")
+        warnings.warn(f"{where}: the optimizer's hyper-parameters differ: {'; '.join(differences)}; {using}", UserWarning, stacklevel=3)
+
+
+def _restored(current, saved):
+    """A saved (JSON) hyper-parameter in the type the optimizer holds (a tuple, a tensor)."""
+    if isinstance(current, torch.Tensor):
+        return torch.tensor(saved, dtype=current.dtype, device=current.device)
+    if isinstance(current, tuple) and isinstance(saved, list):
+        return tuple(_restored(c, s) for c, s in zip(current, saved)) if len(current) == len(saved) else tuple(saved)
+    return saved

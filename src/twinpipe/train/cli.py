@@ -117,8 +117,6 @@ def _check(args) -> None:
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) != world:  # started by torchrun
         raise ValueError(f"--pp={args.pp} x --dp={args.dp} = {world} processes, but torchrun started "
                          f"{os.environ.get('WORLD_SIZE')}: the mesh sizes must multiply to the world size")
-    if args.resume is not None and not Path(args.resume, ".metadata").exists():
-        raise ValueError(f"--resume={args.resume}: not a checkpoint directory (no .metadata file)")
     if args.resume is not None:
         _check_resume(args)
     writable_folder(args.out, "--out")  # last: it makes the folder, so only when nothing else is wrong
@@ -166,19 +164,28 @@ def _check_device(args) -> None:
 
 
 def _check_resume(args) -> None:
-    """The checkpoint's model against the options that shape it (blocks, width, sequence length,
-    experts), before any process starts: inside the ranks the same mismatch is an error too, but
-    with a traceback per rank."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """The checkpoint, complete and safe to read (``read_checkpoint_info``: its marker, files and
+    metadata, nothing unpickled but through an allow-list), and its model against the options that
+    shape it (blocks, width, sequence length, experts, heads, top-k), before any process starts: inside the
+    ranks the same mismatch is an error too, but with a traceback per rank."""
+    from twinpipe.train.checkpoint import CheckpointError, read_checkpoint_info
 
-    shapes = {k[len("model."):]: list(m.size) for k, m in FileSystemReader(args.resume).read_metadata().state_dict_metadata.items()
-              if k.startswith("model.")}
+    try:
+        info = read_checkpoint_info(args.resume)
+    except CheckpointError as error:
+        raise ValueError(f"--resume={args.resume}: {error.problem}") from None
+    shapes = info.parameters
     saved = {
         "--layers": len({n.split(".")[1] for n in shapes if n.startswith("blocks.")}),
         "--dim": shapes.get("embed.tokens.weight", [0, args.dim])[1],
         "--seq-len": shapes.get("embed.positions.weight", [args.seq_len])[0],
         "--experts": len({n.split(".experts.")[1].split(".")[0] for n in shapes if n.startswith("blocks.0.experts.")}),
     }
+    config = info.model.get("config") if isinstance(info.model.get("config"), dict) else {}
+    if "heads" in config:  # a model configuration the parameter shapes do not show
+        saved["--heads"] = config["heads"]
+    if config.get("experts"):
+        saved["--top-k"] = config.get("top_k")
     wrong = [f"{flag}={_option(args, flag)} (the checkpoint's model has {value})" for flag, value in saved.items()
              if value != _option(args, flag)]
     if wrong:

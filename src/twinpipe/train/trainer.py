@@ -10,18 +10,26 @@ Per step, in this order (the order the single-process reference follows, so resu
 4. one all-reduce over the pipeline, then one over the replicas, carry every parameter's squared
    gradient norm (each model parameter counted once: by data-parallel rank 0, an expert by its
    holder, never DualPipe's second copy), the micro-batch losses and a digest of the global batch
-   (ranks that sampled different batches raise ``PipelineMismatchError`` before the update);
-5. clipping (if ``max_norm``), then the optimizer.
+   (ranks that sampled different batches raise ``PipelineMismatchError`` before the update) and a
+   count of ranks whose gradients are not finite;
+5. a non-finite loss, gradient norm or gradient (every rank sees the same sums, so all decide
+   alike): the update is skipped, or ``NonFiniteStepError`` raised (``TrainConfig.on_nonfinite``);
+6. clipping (if ``max_norm``), then the optimizer.
 With ``overlap_dp`` and one chain (no mirrored copies), step 3's dense collectives start inside
 step 1: each stage's buckets as soon as its last gradient-writing op has run (the pipeline's
 ``on_grads_ready``), and the trainer awaits them after ``step()`` returns. With mirrored copies the
 mirrored sum comes first (the summation order in ``grads.py``), so the reduction waits for it.
+
+When the trainer is built, its ranks agree on the whole configuration (``agreement.py``) before any
+collective whose sizes depend on it.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import json
+import math
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -33,12 +41,14 @@ from torch import nn
 
 from twinpipe.moe.grads import reduce_replica_grads
 from twinpipe.runtime.batches import batch_layout
-from twinpipe.runtime.collectives import checked_timeout, cpu_group, gather_objects
+from twinpipe.runtime.collectives import cpu_group, gather_objects
 from twinpipe.runtime.comm import wait_work
 from twinpipe.runtime.errors import PipelineMismatchError
 from twinpipe.runtime.pipeline import Pipeline
 from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule import registry
+from twinpipe.train.agreement import agree, canonical
+from twinpipe.train.config import TrainConfig, model_record
 from twinpipe.train.data import BatchSampler, replica_rows
 from twinpipe.train.experts import check_experts, expert_ids, shard_experts
 from twinpipe.train.grads import (
@@ -47,35 +57,7 @@ from twinpipe.train.grads import (
 from twinpipe.train.mesh import TrainMesh
 from twinpipe.train.stages import is_mirror_copy, model_layers, split, stage_modules
 
-__all__ = ["TrainConfig", "StepResult", "Trainer", "model_parameter_names"]
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """What a run trains with. ``batch_size`` rows per step in all, ``microbatch_size`` per micro-batch."""
-
-    schedule: str = "dualpipev"
-    batch_size: int = 32
-    microbatch_size: int = 4
-    max_norm: float | None = None
-    balance: str | tuple[int, ...] = "params"
-    seed: int = 0
-    timeout: float = 60.0
-    dp_reduce: str = "all-reduce"  # or "ordered": bitwise the same for any number of replicas (grads.py)
-    overlap_dp: bool = True  # start a stage's data-parallel reduction inside the pipeline step (one chain only)
-    schedule_options: tuple = ()  # (name, value) pairs
-
-    def num_microbatches(self, dp: int) -> int:
-        """Micro-batches per pipeline per step."""
-        for name in ("batch_size", "microbatch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: must be an int >= 1")
-        if self.batch_size % (dp * self.microbatch_size):
-            raise ValueError(
-                f"batch_size={self.batch_size}: must be a multiple of dp={dp} x microbatch_size={self.microbatch_size}"
-            )
-        return self.batch_size // (dp * self.microbatch_size)
+__all__ = ["TrainConfig", "StepResult", "Trainer", "NonFiniteStepError", "model_parameter_names"]
 
 
 @dataclass
@@ -85,11 +67,39 @@ class StepResult:
     losses: torch.Tensor  # per global micro-batch, in order
     grad_norm: float | None
     times: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False  # the loss or the gradients were not finite: no rank updated (on_nonfinite="skip")
+
+
+class NonFiniteStepError(FloatingPointError):
+    """A step's loss, gradient norm or gradients were not finite, with ``on_nonfinite="raise"``:
+    raised on every rank, before any update (the step can be retried or skipped alike everywhere)."""
+
+
+def _qualname(obj) -> str:
+    """``module.qualname`` of a function or class (an object: of its class)."""
+    target = obj if hasattr(obj, "__qualname__") else type(obj)
+    return f"{getattr(target, '__module__', '?')}.{target.__qualname__}"
 
 
 def model_parameter_names(model: nn.Module) -> list[tuple[str, torch.Size]]:
     """Every parameter of a splittable model, by name in the unsplit model, in run order."""
     return [(f"{name}.{sub}", p.shape) for name, layer in model_layers(model) for sub, p in layer.named_parameters()]
+
+
+def _any_nonfinite(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """1.0 when a gradient of ``params`` holds inf or NaN, else 0.0 (float64; no host sync).
+
+    A float64 sum of finite float32 (or narrower) values cannot overflow, so it is finite exactly
+    when every value is (float64 gradients: unless their sum passes 1.8e308)."""
+    sums = [p.grad.sum(dtype=torch.float64) for p in params if p.grad is not None]
+    if not sums:
+        return torch.zeros((), dtype=torch.float64)
+    return (~torch.isfinite(torch.stack(sums))).any().to(torch.float64)
+
+
+def _few(items: Sequence, limit: int = 4) -> str:
+    shown = ", ".join(map(str, items[:limit]))
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 class Trainer:
@@ -101,18 +111,24 @@ class Trainer:
 
     def __init__(self, model_fn: Callable[[], nn.Module], sampler: BatchSampler, criterion, optimizer_fn,
                  mesh: TrainMesh, config: TrainConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+        if not isinstance(config, TrainConfig):
+            raise ValueError(f"config={config!r}: must be a TrainConfig")
         self.config, self.mesh, self.sampler, self.criterion = config, mesh, sampler, criterion
-        self.timeout = checked_timeout(config.timeout, "config.timeout")
-        if not isinstance(config.overlap_dp, bool):
-            raise ValueError(f"overlap_dp={config.overlap_dp!r}: must be True or False")
+        self.timeout = float(config.timeout)  # TrainConfig checked it
+        self.skipped_steps = 0  # steps whose loss or gradients were not finite (on_nonfinite="skip")
         options = dict(config.schedule_options)
+        # The start-up agreement and checkpoints (torch.distributed.checkpoint's own collectives) run on
+        # a gloo group over the world, whose timeout bounds them.
+        self.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+        torch.manual_seed(config.seed)
+        model = model_fn().to(device=device, dtype=dtype)
+        self.parameter_names = model_parameter_names(model)
+        self.model_record = model_record(model)  # the model's configuration, as checkpoints store it
+        self._agree_settings(model, device)  # before any collective whose sizes depend on the settings
         self.placement = registry.placement_for(config.schedule, mesh.pp, **options)
         self.num_chunks = config.num_microbatches(mesh.dp)
         self.layout = batch_layout(config.schedule, mesh.pp, mesh.pp_rank, self.num_chunks, **options)
-        torch.manual_seed(config.seed)
-        model = model_fn().to(device=device, dtype=dtype)
         self.experts = check_experts(model, mesh.dp)
-        self.parameter_names = model_parameter_names(model)
         index = {name: i for i, (name, _) in enumerate(self.parameter_names)}
         stages = split(model, self.placement.num_model_stages, self._layer_counts(model, device))
         self.stage_names = [s.names for s in stages]
@@ -127,6 +143,7 @@ class Trainer:
                      for s, m in zip(pipeline_stages, modules) for name, p in m.named_model_parameters()]
         self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned], dtype=torch.long, device=device)
         self.params = [p for _, p, _ in self.held]
+        self._owned = [p for _, p, owned in self.held if owned]
         self._dense = [p for p in self.params if id(p) not in experts]  # the same on every data-parallel replica
         # Overlapped: one part per stage, started by the pipeline's on_grads_ready; else one part of all.
         self.overlap_dp = config.overlap_dp and not self.is_dual
@@ -139,10 +156,41 @@ class Trainer:
         self.reducer = DataParallelReducer(parts, mesh.dp_group, self.timeout, mode=config.dp_reduce)
         self.pipe = Pipeline(modules, config.schedule, process_group=mesh.pp_group, timeout=self.timeout, **options)
         self.optimizer = optimizer_fn(self.params)
+        self._agree_optimizer()  # before the initial weights' broadcast
         self._agree_group = cpu_group(mesh.pp_group, self.timeout)  # small CPU exchanges (mirrors_equal)
-        # Checkpoints run torch.distributed.checkpoint's own collectives: a gloo group bounds them too.
-        self.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
         self._sync_start()
+
+    def _agree_settings(self, model: nn.Module, device) -> None:
+        """Every rank's configuration, model and precision, compared (``agreement.agree``)."""
+        c = self.config
+        names = json.dumps([[n, list(s)] for n, s in self.parameter_names]).encode()
+        facts = {
+            "schedule": registry.get(c.schedule).name, "schedule_options": sorted(c.schedule_options),
+            "batch_size": c.batch_size, "microbatch_size": c.microbatch_size, "max_norm": canonical(c.max_norm),
+            "balance": c.balance, "seed": c.seed, "timeout": canonical(c.timeout), "dp_reduce": c.dp_reduce, "overlap_dp": c.overlap_dp,
+            "on_nonfinite": c.on_nonfinite,
+            "dtype": ",".join(sorted({str(p.dtype) for p in model.parameters()})), "device": torch.device(device).type,
+            "criterion": _qualname(self.criterion),
+            "model parameters": f"{len(self.parameter_names)} named, sha256 {hashlib.sha256(names).hexdigest()[:16]}",
+        }
+        config = self.model_record.get("config")
+        if isinstance(config, dict):  # one fact per field: an error names the field that differs
+            facts.update((f"model config.{key}", json.dumps(value, sort_keys=True)) for key, value in config.items())
+        else:
+            facts["model config"] = json.dumps(self.model_record, sort_keys=True)
+        agree(self.checkpoint_group, facts, self.timeout, self._where("building the trainer"),
+              "Build every rank's Trainer with the same TrainConfig, model, dtype, criterion and optimizer; nothing ran.")
+
+    def _agree_optimizer(self) -> None:
+        """Every rank's optimizer class and hyper-parameters (each param group's, ``params`` left out), compared."""
+        groups = self.optimizer.param_groups
+        facts: dict[str, object] = {"optimizer": _qualname(type(self.optimizer)), "optimizer param_groups": len(groups)}
+        for i, group in enumerate(groups):
+            for key, value in group.items():
+                if key != "params":
+                    facts[f"optimizer param_groups[{i}].{key}"] = canonical(value)
+        agree(self.checkpoint_group, facts, self.timeout, self._where("building the trainer"),
+              "Build every rank's optimizer alike (optimizer_fn); nothing ran.", decisive=("optimizer", "optimizer param_groups"))
 
     def _layer_counts(self, model: nn.Module, device) -> str | Sequence[int]:
         """How to cut the model; with ``balance="time"``, global rank 0's measurement, for every rank."""
@@ -215,36 +263,71 @@ class Trainer:
         times["dp"] = time.perf_counter() - mark
         mark = time.perf_counter()
         scale_grads(self.params, m * dp)
-        # One vector over the pipeline, then the replicas: squared norms by model parameter (if
-        # clipping), then losses. Each entry has one non-zero contribution (its owner's): exact sums.
-        # The last two carry a 16-bit digest of the global batch and its square from every rank: ranks
-        # asked for different steps (or with other samplers) pair one batch's inputs with another's
-        # labels, and n digests are all equal only when sum**2 == n * (sum of squares).
         clip = self.config.max_norm is not None
         n_norms = len(self.parameter_names) if clip else 0
-        vec = torch.zeros(n_norms + dp * m + 2, dtype=torch.float64, device=device)  # on the device: NCCL moves no CPU tensors
+        vec = self._sum_vector(step, loss, digest, n_norms)
+        losses = vec[n_norms : n_norms + dp * m].clone()
+        problem = self._nonfinite(vec, n_norms, losses)
+        norm, factor = clip_coefficient(vec[:n_norms], self.config.max_norm) if clip else (None, 1.0)
+        if problem is not None:
+            self._refuse_update(step, problem)  # raises, or counts the step as skipped
+        else:
+            clip_grads(self.params, factor)
+            self.optimizer.step()
+        times["update"] = time.perf_counter() - mark
+        times["total"] = time.perf_counter() - start
+        return StepResult(step, float(losses.mean()), losses, norm, times, skipped=problem is not None)
+
+    def _sum_vector(self, step: int, loss: torch.Tensor | None, digest: int, n_norms: int) -> torch.Tensor:
+        """The step's one vector, summed over the pipeline, then the replicas (returned on the CPU).
+
+        Entries: squared norms by model parameter (``n_norms``: when clipping), the losses of every
+        micro-batch of the global batch, the number of ranks whose gradients are not finite, and a
+        16-bit digest of the global batch and its square. Each norm and loss entry has one non-zero
+        contribution (its owner's): exact sums. Ranks asked for different steps (or with other samplers)
+        would pair one batch's inputs with another's labels, and n digests are all equal only when
+        sum**2 == n * (sum of squares): ``PipelineMismatchError`` before anything is updated.
+        """
+        dp, m, device = self.mesh.dp, self.num_chunks, self.pipe.device
+        vec = torch.zeros(n_norms + dp * m + 3, dtype=torch.float64, device=device)  # on the device: NCCL moves no CPU tensors
         vec[-2:] = torch.tensor([digest, digest * digest], dtype=torch.float64)
-        if clip:
-            vec[self._owned_index] = squared_norms([p for _, p, owned in self.held if owned])
+        if n_norms:
+            vec[self._owned_index] = squared_norms(self._owned)  # a non-finite gradient makes its norm non-finite
+        else:
+            vec[-3] = _any_nonfinite(self._owned)
         if loss is not None:
             idx = torch.tensor(list(self.layout.label_microbatches), device=device) + self.mesh.dp_rank * m
             vec[n_norms + idx] = loss.detach().to(torch.float64)
         sum_across(vec, self.mesh.pp_group, self.timeout, self._where(f"step {step}: norms and losses over the pipeline"))
         sum_across(vec, self.mesh.dp_group, self.timeout, self._where(f"step {step}: norms and losses over data-parallel replicas"))
+        vec = vec.cpu()
         total, squares = (int(v) for v in vec[-2:].tolist())
         if total * total != self.mesh.dp * self.mesh.pp * squares:
             raise PipelineMismatchError(self._where(
                 f"step {step}: the ranks trained on different global batches (other step numbers, samplers or seeds); "
                 "every rank must call step() with the same step and build its trainer alike (nothing was updated)"))
-        losses = vec[n_norms:-2].cpu()
-        norm = None
-        if clip:
-            norm, factor = clip_coefficient(vec[:n_norms], self.config.max_norm)
-            clip_grads(self.params, factor)
-        self.optimizer.step()
-        times["update"] = time.perf_counter() - mark
-        times["total"] = time.perf_counter() - start
-        return StepResult(step, float(losses.mean()), losses, norm, times)
+        return vec
+
+    def _nonfinite(self, vec: torch.Tensor, n_norms: int, losses: torch.Tensor) -> str | None:
+        """What in the summed vector is not finite (the same on every rank), or None."""
+        parts = []
+        bad_losses = [i for i, v in enumerate(losses.tolist()) if not math.isfinite(v)]
+        if bad_losses:
+            parts.append(f"the loss of global micro-batch(es) {_few(bad_losses)} ({losses[bad_losses[0]].item()})")
+        bad_norms = [i for i, v in enumerate(vec[:n_norms].tolist()) if not math.isfinite(v)]
+        if bad_norms:
+            names = [self.parameter_names[i][0] for i in bad_norms]
+            parts.append(f"the gradient norm ({float(vec[:n_norms].sum().sqrt())}; not finite in {_few(names)})")
+        if vec[-3].item():
+            parts.append(f"the gradients of {int(vec[-3].item())} rank(s)")
+        return ", ".join(parts) if parts else None
+
+    def _refuse_update(self, step: int, problem: str) -> None:
+        """No rank updates (every rank sees the same sums): count the step as skipped, or raise."""
+        what = self._where(f"step {step}: not finite: {problem}")
+        if self.config.on_nonfinite == "raise":
+            raise NonFiniteStepError(f"{what}. Nothing was updated on any rank (on_nonfinite='raise'; 'skip' skips such steps)")
+        self.skipped_steps += 1
 
     def _start_reduction(self, stage: int) -> None:
         """The pipeline's ``on_grads_ready``: ``stage``'s gradients are final, start its buckets."""

@@ -1,0 +1,134 @@
+"""What a training run is configured with: ``TrainConfig`` (every field checked when it is made) and
+the record of a model's own configuration that the trainer agrees on and checkpoints store.
+
+Pure Python (no torch at import), so the command line can check a configuration before any rank starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, is_dataclass
+
+from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_choice, check_float, check_int, checked_timeout
+
+__all__ = ["TrainConfig", "DP_REDUCE", "ON_NONFINITE", "BALANCE", "model_record", "record_differences"]
+
+DP_REDUCE = ("all-reduce", "ordered")  # the same names as grads.DataParallelReducer takes
+ON_NONFINITE = ("skip", "raise")
+BALANCE = ("params", "time")  # or a sequence of layer counts per stage (stages.split)
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What a run trains with. ``batch_size`` rows per step in all, ``microbatch_size`` per micro-batch.
+
+    Every field is checked when the config is made (``ValueError`` naming the field, its value and
+    what is allowed). ``max_norm``: None (no clipping) or a finite number > 0. ``on_nonfinite``: what
+    a step whose loss or gradient norm is not finite does: ``"skip"`` (no update on any rank, the step
+    is counted in ``Trainer.skipped_steps``) or ``"raise"`` (``NonFiniteStepError`` on every rank).
+    """
+
+    schedule: str = "dualpipev"
+    batch_size: int = 32
+    microbatch_size: int = 4
+    max_norm: float | None = None
+    balance: str | tuple[int, ...] = "params"
+    seed: int = 0
+    timeout: float = DEFAULT_TIMEOUT
+    dp_reduce: str = "all-reduce"  # or "ordered": bitwise the same for any number of replicas (grads.py)
+    overlap_dp: bool = True  # start a stage's data-parallel reduction inside the pipeline step (one chain only)
+    schedule_options: tuple = ()  # (name, value) pairs
+    on_nonfinite: str = "skip"
+
+    def __post_init__(self):
+        from twinpipe.schedule import registry
+
+        info = registry.get(self.schedule) if isinstance(self.schedule, str) else None
+        if info is None:
+            raise bad("schedule", self.schedule, f"must be a schedule name ({', '.join(registry.names())})")
+        check_int(self.batch_size, "batch_size", low=1)
+        check_int(self.microbatch_size, "microbatch_size", low=1)
+        if self.max_norm is not None:
+            allowed = "must be None (no clipping) or a finite number > 0 (the largest global gradient norm)"
+            try:
+                check_float(self.max_norm, "max_norm", low=0.0, low_open=True)
+            except ValueError:
+                raise bad("max_norm", self.max_norm, allowed) from None
+        object.__setattr__(self, "balance", _checked_balance(self.balance))
+        check_int(self.seed, "seed", low=0, high=MAX_SEED)
+        checked_timeout(self.timeout, "timeout")
+        check_choice(self.dp_reduce, "dp_reduce", DP_REDUCE)
+        check_bool(self.overlap_dp, "overlap_dp")
+        check_choice(self.on_nonfinite, "on_nonfinite", ON_NONFINITE)
+        object.__setattr__(self, "schedule_options", _checked_options(self.schedule_options, info))
+
+    def num_microbatches(self, dp: int) -> int:
+        """Micro-batches per pipeline per step."""
+        if self.batch_size % (dp * self.microbatch_size):
+            raise ValueError(
+                f"batch_size={self.batch_size}: must be a multiple of dp={dp} x microbatch_size={self.microbatch_size}"
+            )
+        return self.batch_size // (dp * self.microbatch_size)
+
+
+def _checked_balance(balance):
+    allowed = f"must be {' or '.join(map(repr, BALANCE))} or a sequence of layer counts per stage (ints >= 1)"
+    if isinstance(balance, str):
+        if balance not in BALANCE:
+            raise bad("balance", balance, allowed)
+        return balance
+    try:
+        counts = tuple(balance)
+    except TypeError:
+        raise bad("balance", balance, allowed) from None
+    if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+        raise bad("balance", balance, allowed)
+    return counts
+
+
+def _checked_options(options, info) -> tuple:
+    allowed = "must be a sequence of (name, value) pairs with distinct names"
+    try:
+        pairs = tuple(tuple(pair) for pair in options)
+    except TypeError:
+        raise bad("schedule_options", options, allowed) from None
+    if any(len(p) != 2 or not isinstance(p[0], str) for p in pairs) or len({p[0] for p in pairs}) != len(pairs):
+        raise bad("schedule_options", options, allowed)
+    takes = info.options
+    unknown = [name for name, _ in pairs if takes is not None and name not in takes]
+    if unknown:
+        raise bad("schedule_options", options, f"{info.name} takes {', '.join(takes) if takes else 'no options'} (not {', '.join(unknown)})")
+    return pairs
+
+
+def model_record(model) -> dict:
+    """The model's configuration as JSON data: ``{"config": {...}}`` from its ``config`` attribute (a
+    dataclass, or anything with ``to_dict()``), else ``{"repr_sha256": ...}`` of ``repr(model)``."""
+    config = getattr(model, "config", None)
+    if config is not None and is_dataclass(config) and not isinstance(config, type):
+        value = asdict(config)
+    elif config is not None and callable(getattr(config, "to_dict", None)):
+        value = config.to_dict()
+    else:
+        return {"repr_sha256": hashlib.sha256(repr(model).encode()).hexdigest()}
+    return {"config": json.loads(json.dumps(value, sort_keys=True, default=repr))}
+
+
+def record_differences(saved: dict, mine: dict) -> list[str]:
+    """``"heads: 2 in the checkpoint, 4 here"`` for each way two model records differ."""
+    if "config" in saved and "config" in mine:
+        a, b = saved["config"], mine["config"]
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys = sorted(set(a) | set(b))
+            return [f"{k}: {a.get(k, '(absent)')!r} in the checkpoint, {b.get(k, '(absent)')!r} here" for k in keys if a.get(k) != b.get(k)]
+    if saved == mine:
+        return []
+    return [f"{_describe(saved)} in the checkpoint, {_describe(mine)} here"]
+
+
+def _describe(record: dict) -> str:
+    if "config" in record:
+        return "config " + json.dumps(record["config"], sort_keys=True)
+    return f"repr digest {str(record.get('repr_sha256'))[:12]}"

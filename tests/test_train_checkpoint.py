@@ -195,5 +195,7 @@ def test_ranks_asked_for_different_steps_are_refused_on_every_rank(outcomes):
 def test_a_replica_that_never_steps_gives_a_timeout_not_a_hang(outcomes):
     for r in (0, 1):
         message = outcomes[r]["missing_replica"]
-        assert message.startswith("PipelineTimeoutError: rank dp=0 pp=") and "data-parallel all-reduce of gradient bucket 1/1" in message, message
+        # The first rank to time out publishes it: its pipeline peer may quote that instead of timing out itself.
+        assert message.startswith(("PipelineTimeoutError: rank dp=0 pp=", "PipelinePeerFailedError: ")), message
+        assert "data-parallel all-reduce of gradient bucket 1/1" in message, message
         assert "did not complete within 2 s" in message, message

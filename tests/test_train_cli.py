@@ -57,8 +57,12 @@ def test_a_checkpoint_resumes_under_another_schedule_and_another_model_is_refuse
         monkeypatch.setenv(key, value)
     argv = [*TINY, "--schedule", "1f1b", "--pp", "1", "--steps", "3", "--resume", str(tmp_path / "a" / "checkpoint-step2"),
             "--out", str(tmp_path / "b"), "--no-overlap-dp"]
-    assert run_train(_args(*argv)) == 0
-    resumed = json.loads((tmp_path / "b" / "train-log.json").read_text())["steps"]
+    # Another --lr on resume: which one the optimizer keeps is the user's explicit choice, and said.
+    with pytest.warns(UserWarning, match=r"lr: 0.003 in the checkpoint, 0.01 in this run's optimizer; this run's are kept"):
+        assert run_train(_args(*argv, "--lr", "0.01", "--optimizer-hparams", "current")) == 0
+    written = json.loads((tmp_path / "b" / "train-log.json").read_text())
+    resumed = written["steps"]
+    assert written["skipped_steps"] == 0 and [e["skipped"] for e in resumed] == [False]
     assert [e["step"] for e in resumed] == [2]
     assert resumed[0]["loss"] == log[2]["loss"]  # the same weights, optimizer state and batch: the same loss, bitwise
     # Another model than the checkpoint's is refused before any rank starts, naming the options.
@@ -141,7 +145,8 @@ BAD = [
      "a number of micro-batches that is an integer >= 4 and a multiple of 4"),
 ]
 # Refused by argparse (exit 2, its usage line and one error line).
-BAD_CHOICE = [["--dtype", "float16"], ["--device", "tpu"], ["--balance", "flops"], ["--dp-reduce", "sum"], ["--pp", "two"]]
+BAD_CHOICE = [["--dtype", "float16"], ["--device", "tpu"], ["--balance", "flops"], ["--dp-reduce", "sum"], ["--pp", "two"],
+              ["--on-nonfinite", "ignore"], ["--optimizer-hparams", "mine"]]
 NO_BAD_VALUE = {"overlap_dp"}
 
 

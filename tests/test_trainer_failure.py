@@ -45,7 +45,6 @@ def _rank_fails_at_the_norms(rank, world):
     return "none", "", time.monotonic() - start
 
 
-@pytest.mark.xfail(strict=True, reason="Trainer.step does not publish its failures yet (lead: see waits.publish_failure)")
 def test_a_trainer_rank_failing_at_the_norms_reaches_its_peer_at_once():
     (kind1, msg1, _), (kind0, msg0, seconds) = run_world(2, _rank_fails_at_the_norms)[::-1]
     assert kind1 == "RuntimeError" and "boom" in msg1, (kind1, msg1)

@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from twinpipe.checks import DEFAULT_TIMEOUT
 from twinpipe.launch import run_local
 
 __all__ = ["main", "add_arguments"]
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     args = add_arguments(argparse.ArgumentParser(prog="twinpipe demo --moe", description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)).parse_args(argv)
     _check(args)
     world = args.pp * args.ep
-    results = dict(enumerate(run_local(world, _rank, args, timeout=600, group_timeout=300.0)))
+    results = dict(enumerate(run_local(world, _rank, args, timeout=600, group_timeout=DEFAULT_TIMEOUT)))
     m = statistics.median
     off = max(m(r["times"][False]) for r in results.values())
     on = max(m(r["times"][True]) for r in results.values())

@@ -29,6 +29,8 @@ _DEVICES = ("cpu", "cuda")
 _DTYPES = ("float32", "float64", "bfloat16")
 _BALANCES = ("params", "time")
 _DP_REDUCES = ("all-reduce", "ordered")
+_ON_NONFINITE = ("skip", "raise")
+_OPTIMIZER_HPARAMS = ("checkpoint", "current")
 _MAX_SEED = 2**32 - 1
 _DEFAULT_TOP_K = 2
 
@@ -65,6 +67,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         "replica: bitwise reproducible for any --dp)")
     parser.add_argument("--no-overlap-dp", dest="overlap_dp", action="store_false",
                         help="reduce the data-parallel gradients after the pipeline step, not stage by stage during it")
+    parser.add_argument("--on-nonfinite", default="skip", choices=_ON_NONFINITE,
+                        help="a step whose loss or gradients are not finite: skip its update on every rank and count it "
+                             "(default), or stop with an error")
     parser.add_argument("--balance", default="params", choices=_BALANCES, help="how layers are cut into stages (default params)")
     parser.add_argument("--device", default="cpu", choices=_DEVICES, help="cpu (gloo) or cuda (NCCL, one GPU per process)")
     parser.add_argument("--dtype", default="float32", choices=_DTYPES, help="parameter dtype (default float32)")
@@ -73,6 +78,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="twinpipe-train", help="directory for the picture, the log and checkpoints (default twinpipe-train)")
     parser.add_argument("--save-every", type=int, default=0, help="write a checkpoint every N steps (default 0: only at the end)")
     parser.add_argument("--resume", default=None, metavar="CHECKPOINT", help="continue from a checkpoint directory (any schedule/pp/dp wrote it)")
+    parser.add_argument("--optimizer-hparams", default="checkpoint", choices=_OPTIMIZER_HPARAMS,
+                        help="with --resume: the optimizer's hyper-parameters (learning rate...) from the checkpoint "
+                             "(default) or from the current options (--lr)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                         help=f"seconds any wait for a peer may take (default {DEFAULT_TIMEOUT:g})")
 
@@ -91,7 +99,8 @@ def _check(args) -> None:
     check_float(args.lr, "--lr", low=0, low_open=True)
     check_float(args.max_norm, "--max-norm", low=0)  # 0: no clipping
     checked_timeout(args.timeout, "--timeout")
-    for flag, allowed in (("--device", _DEVICES), ("--dtype", _DTYPES), ("--balance", _BALANCES), ("--dp-reduce", _DP_REDUCES)):
+    for flag, allowed in (("--device", _DEVICES), ("--dtype", _DTYPES), ("--balance", _BALANCES), ("--dp-reduce", _DP_REDUCES),
+                          ("--on-nonfinite", _ON_NONFINITE), ("--optimizer-hparams", _OPTIMIZER_HPARAMS)):
         check_choice(_option(args, flag), flag, allowed)
     try:
         registry.get(args.schedule)
@@ -279,11 +288,11 @@ def _train(args, device) -> None:
     sampler = BatchSampler(stdlib_corpus(args.corpus_bytes), args.seq_len, seed=args.seed)
     config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                          max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout,
-                         dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp)
+                         dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp, on_nonfinite=args.on_nonfinite)
     mesh = build_mesh(args.dp, args.pp, device.type)
     trainer = Trainer(lambda: GPT(cfg), sampler, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01),
                       mesh, config, device=device, dtype=dtype)
-    start = load_checkpoint(trainer, args.resume) if args.resume else 0
+    start = load_checkpoint(trainer, args.resume, optimizer_hparams=args.optimizer_hparams) if args.resume else 0
     out = Path(args.out)
     first = mesh.is_first
     if start >= args.steps:
@@ -300,24 +309,27 @@ def _train(args, device) -> None:
     progress = _progress(first, title, start, args.steps)
     began = time.perf_counter()
     with progress:
-        task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0) if first else None
+        task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0, skipped=0) if first else None
         for step in range(start, args.steps):
             result = trainer.step(step)
-            log.append({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, **result.times})
+            log.append({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped, **result.times})
             for key, value in result.times.items():
                 times.setdefault(key, []).append(value)
             if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
                 save_checkpoint(trainer, str(out / f"checkpoint-step{step + 1}"), step + 1)
             if first:
-                progress.update(task, advance=1, loss=bits_per_byte(result.loss), tps=tokens / result.times["total"])
+                progress.update(task, advance=1, loss=bits_per_byte(result.loss), tps=tokens / result.times["total"],
+                                skipped=trainer.skipped_steps)
     elapsed = time.perf_counter() - began
     if args.steps > start:
         save_checkpoint(trainer, str(out / "checkpoint-final"), args.steps)
     if not first or not log:
         return
     plot_losses([e["step"] for e in log], [e["loss"] for e in log], str(out / "train-loss.png"), title)
-    (out / "train-log.json").write_text(json.dumps({"args": _options_record(args), "elapsed_s": elapsed, "steps": log}, indent=1))
+    (out / "train-log.json").write_text(json.dumps({"args": _options_record(args), "elapsed_s": elapsed,
+                                                    "skipped_steps": trainer.skipped_steps, "steps": log}, indent=1))
     rows = summary_rows([e["loss"] for e in log], times, tokens, mirrored=trainer.is_dual, replicas=args.dp)
+    rows.append(("steps skipped (loss or gradients not finite)", str(trainer.skipped_steps)))
     rows.append(("wall time", f"{elapsed:.1f} s"))
     rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / 'checkpoint-final'}"))
     print_summary(title, rows)
@@ -347,6 +359,7 @@ def _progress(show: bool, title: str, start: int, total: int):
 
     return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("loss {task.fields[loss]:.3f} bits/byte"), TextColumn("{task.fields[tps]:,.0f} tokens/s"),
+                    TextColumn("skipped {task.fields[skipped]}"),
                     TimeElapsedColumn())
 
 

@@ -100,7 +100,7 @@ class DataParallelReducer:
         """Await every started collective and write the sums into the gradients."""
         started, self._started = self._started, []
         for i, (bucket, parts, work, label) in enumerate(started):
-            wait_work(work, self.timeout, f"{where}: data-parallel {self.mode} of gradient bucket {i + 1}/{len(started)} ({label})")
+            wait_work(work, self.timeout, f"{where}: data-parallel {self.mode} of gradient bucket {i + 1}/{len(started)} ({label})", self.group)
             flat = parts[0]
             for part in parts[1:]:
                 flat.add_(part)  # replica 0 + replica 1 + ..., left to right
@@ -131,4 +131,4 @@ def clip_grads(params: Iterable[torch.Tensor], factor: float) -> None:
 def sum_across(tensor: torch.Tensor, group, timeout: float, what: str) -> None:
     """All-reduce (sum) ``tensor`` in place over ``group``, bounded by ``timeout``."""
     if group is not None and dist.get_world_size(group) > 1:
-        wait_work(dist.all_reduce(tensor, group=group, async_op=True), timeout, what)
+        wait_work(dist.all_reduce(tensor, group=group, async_op=True), timeout, what, group)

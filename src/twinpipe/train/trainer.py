@@ -43,7 +43,10 @@ from twinpipe.moe.grads import reduce_replica_grads
 from twinpipe.runtime.batches import batch_layout
 from twinpipe.runtime.collectives import cpu_group, gather_objects
 from twinpipe.runtime.comm import wait_work
-from twinpipe.runtime.errors import PipelineMismatchError
+from twinpipe.runtime import waits
+from twinpipe.runtime.errors import (
+    PipelineAbortedError, PipelineBrokenError, PipelineMismatchError, PipelineOutOfStepError, PipelinePeerFailedError,
+)
 from twinpipe.runtime.pipeline import Pipeline
 from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule import registry
@@ -73,6 +76,12 @@ class StepResult:
 class NonFiniteStepError(FloatingPointError):
     """A step's loss, gradient norm or gradients were not finite, with ``on_nonfinite="raise"``:
     raised on every rank, before any update (the step can be retried or skipped alike everywhere)."""
+
+
+# Raised by every rank of the step alike (agreement, the same summed vector), or heard from a peer:
+# no failure notice to publish.
+_RAISED_ALIKE = (PipelineMismatchError, PipelineAbortedError, PipelineBrokenError, PipelineOutOfStepError,
+                 PipelinePeerFailedError, NonFiniteStepError)
 
 
 def _qualname(obj) -> str:
@@ -202,7 +211,8 @@ class Trainer:
         if dist.get_rank() == 0:  # one measurement, sent to every rank
             sample = self.sampler.batch(0, self.config.microbatch_size)[0].to(device)
             counts = torch.tensor([len(s.names) for s in split(model, n, "time", sample=sample)], device=device)
-        wait_work(dist.broadcast(counts, src=0, async_op=True), self.timeout, self._where("agreeing on the time-balanced split"))
+        wait_work(dist.broadcast(counts, src=0, async_op=True), self.timeout, self._where("agreeing on the time-balanced split"),
+                  dist.group.WORLD)
         return counts.cpu().tolist()
 
     @property
@@ -220,7 +230,7 @@ class Trainer:
             flat = torch.cat([p.detach().reshape(-1) for p in self._dense])
             src = dist.get_global_rank(self.mesh.dp_group, 0)
             wait_work(dist.broadcast(flat, src=src, group=self.mesh.dp_group, async_op=True), self.timeout,
-                      self._where("broadcasting the initial weights across data-parallel replicas"))
+                      self._where("broadcasting the initial weights across data-parallel replicas"), self.mesh.dp_group)
             offset = 0
             with torch.no_grad():
                 for p in self._dense:
@@ -231,6 +241,17 @@ class Trainer:
 
     def step(self, step: int) -> StepResult:
         """Train on global batch ``step`` (from the sampler)."""
+        try:
+            return self._step(step)
+        except _RAISED_ALIKE:
+            raise  # every rank raises it, from the same sums or agreement: nothing to tell
+        except BaseException as exc:  # the ranks waiting for this one hear of it now, not at their timeout
+            waits.publish_failure(getattr(exc, "first", "") or self._where(
+                f"step {step} failed (global rank {dist.get_rank()}): {type(exc).__name__}: {exc}"),
+                [self.mesh.pp_group, self.mesh.dp_group])
+            raise
+
+    def _step(self, step: int) -> StepResult:
         times = {}
         start = time.perf_counter()
         dp, m = self.mesh.dp, self.num_chunks

@@ -162,10 +162,10 @@ def _check_file(path: Path, checkpoint: bool, line: str) -> None:
     """The file a command says it writes is there and reads as its kind."""
     assert path.exists(), f"`{line}` did not write {path.name}"
     if checkpoint:
-        from torch.distributed.checkpoint import FileSystemReader
+        from twinpipe.train.checkpoint import read_checkpoint_info
 
-        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        assert any(k.startswith("model.") for k in keys), f"{path}: no model in the checkpoint"
+        info = read_checkpoint_info(str(path), verify_data=True)  # complete: marker, files, digests
+        assert info.parameters, f"{path}: no model in the checkpoint"
     elif path.suffix == ".json":
         json.loads(path.read_text())
     elif path.suffix == ".png":

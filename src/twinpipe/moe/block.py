@@ -52,9 +52,12 @@ class FeedForward(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-# On CPU (MKL) a row of a matmul comes out differently when it comes with fewer than 4 rows; an
-# expert runs on at least this many (zero rows appended) so that what a token gets does not depend
-# on which other tokens share its slot, hence not on the placement or the EP size.
+# An expert runs on at least this many rows (zero rows appended): on CPU, MKL computes products of
+# fewer than 4 rows with other kernels. It does not make a token's result independent of the rows
+# that share its slot: a BLAS product's row can depend on how many rows the product has and where
+# the row sits (on the AVX-512 CI machine MKL computes the last rows % 4 rows of a float64 product
+# with another kernel). So exact references run each slot on the same rows in the same order
+# (docs/moe-overlap.md, "The order of every sum").
 MIN_EXPERT_ROWS = 8
 
 

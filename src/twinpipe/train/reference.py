@@ -91,10 +91,11 @@ class ReferenceTrainer:
         rows = [replica_rows(self.config.batch_size, dp, d) for d in range(dp)]
         xs, ys = [x[r] for r in rows], [y[r] for r in rows]
         dense = [self._replica_dense(r) for r in self.replicas] if dp > 1 else [self._dense]
-        with torch.no_grad():
-            for params in dense[1 if dp == 1 else 0:]:
-                for p, q in zip(params, self._dense):
-                    p.copy_(q)
+        if dp > 1:  # every replica starts from the model's weights
+            with torch.no_grad():
+                for params in dense:
+                    for p, q in zip(params, self._dense):
+                        p.copy_(q)
         stages = [self._stage(r) for r in self.replicas]
         losses = torch.zeros(dp * m, dtype=torch.float64)
         per = m // self.directions

@@ -1,11 +1,15 @@
 """Tiny MoE stages and a single-process reference with all experts local, for the MoE tests.
 
-The reference follows expert parallelism's arithmetic without its machinery: each EP rank's tokens
-go through attention, router and shared expert on their own (as on that rank); each expert runs
-once on the rows routed to it from every rank, rank by rank in token order (the order in which
-the all-to-all delivers them; ``run_expert``, as the block runs a slot); the outputs are mixed back
-per token. Plain autograd, no parts. Replicas change nothing here: the reference of a block with
-any placement is that of the block with one slot per expert.
+The reference follows expert parallelism's arithmetic without its machinery, as
+docs/moe-overlap.md ("The order of every sum") writes it down: each EP rank's tokens go through
+attention, router and shared expert on their own (as on that rank); each expert slot runs once on
+the rows routed to it from every rank, rank by rank in token order (the order in which the
+all-to-all delivers them; ``run_expert``, as the block runs a slot); the outputs are mixed back
+per token, top-k terms left to right, then the shared expert, then the residual. Plain autograd,
+no parts. With a placement (``phy2log``), copies are spread over an expert's replicas by the rule
+of ``twinpipe.moe.placement`` (written out again here): each replica runs on its own rows, as the
+real block runs it (fewer rows per product than one slot per expert would give: on some CPUs not
+the same bits).
 """
 
 from __future__ import annotations
@@ -50,22 +54,38 @@ def sharded(stage: MoEStage, ep_group, phy2log=None) -> MoEStage:
     return copy.deepcopy(stage).shard_experts_(ep_group, phy2log)
 
 
-def reference_block(block: MoEBlock, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``block`` (all experts) on the inputs of every EP rank at once; returns each rank's output."""
+def spread_copies(experts: torch.Tensor, phy2log: torch.Tensor, rank: int) -> torch.Tensor:
+    """The slot of each token copy (``experts`` [n], logical ids in token order) of EP rank ``rank``:
+    the n-th copy routed to expert e goes to its replica ``(n + rank) % count[e]``, the replicas of
+    e ordered by slot (docs/moe-overlap.md; ``twinpipe.moe.placement``, written out plainly)."""
+    replicas = {e: [s for s, x in enumerate(phy2log.tolist()) if x == e] for e in set(phy2log.tolist())}
+    seen: dict[int, int] = {}
+    slots = []
+    for e in experts.tolist():
+        n = seen.get(e, 0)
+        seen[e] = n + 1
+        slots.append(replicas[e][(n + rank) % len(replicas[e])])
+    return torch.tensor(slots, dtype=torch.long)
+
+
+def reference_block(block: MoEBlock, xs: list[torch.Tensor], phy2log=None) -> list[torch.Tensor]:
+    """``block`` (all experts) on the inputs of every EP rank at once; returns each rank's output.
+    ``phy2log``: the placement of the block it stands for (default: one slot per expert)."""
     k, hid = block.top_k, block.hidden
-    hs, tokens, picks, weights = [], [], [], []
-    for x in xs:
+    placement = torch.arange(block.num_experts) if phy2log is None else torch.as_tensor(phy2log)
+    hs, tokens, slots, weights = [], [], [], []
+    for r, x in enumerate(xs):
         h = block.attention(x)
         t = block.norm2(h).reshape(-1, hid)
         experts, w = block.router(t)
         hs.append(h)
         tokens.append(t)
-        picks.append(experts.reshape(-1))
+        slots.append(spread_copies(experts.reshape(-1), placement, r))
         weights.append(w)
-    outs = [torch.zeros(len(p), hid, dtype=xs[0].dtype) for p in picks]
-    for e, expert in enumerate(block.experts):
-        where = [torch.nonzero(p == e).reshape(-1) for p in picks]  # copies token*k+slot, in order
-        y = run_expert(expert, torch.cat([t.index_select(0, w // k) for t, w in zip(tokens, where)]))
+    outs = [torch.zeros(len(p), hid, dtype=xs[0].dtype) for p in slots]
+    for slot, e in enumerate(placement.tolist()):
+        where = [torch.nonzero(p == slot).reshape(-1) for p in slots]  # copies token*k+j, in order
+        y = run_expert(block.experts[e], torch.cat([t.index_select(0, w // k) for t, w in zip(tokens, where)]))
         for r, chunk in enumerate(torch.split(y, [len(w) for w in where])):
             outs[r] = outs[r].index_copy(0, where[r], chunk)
     results = []
@@ -80,10 +100,10 @@ def reference_block(block: MoEBlock, xs: list[torch.Tensor]) -> list[torch.Tenso
     return results
 
 
-def reference_stages(stages: list[MoEStage], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+def reference_stages(stages: list[MoEStage], xs: list[torch.Tensor], phy2log=None) -> list[torch.Tensor]:
     for stage in stages:
         for block in stage.blocks:
-            xs = reference_block(block, xs)
+            xs = reference_block(block, xs, phy2log)
     return xs
 
 
@@ -137,7 +157,7 @@ def run_pipeline_case(mesh, schedule: str, overlap: bool, variant: str, uneven: 
     ref_loss = {}
     for c, chain in enumerate(placement.chains):
         for j in placement.microbatches_of_chain(c, chunks):
-            outs = reference_stages([model[placement.model_stage(s)] for s in chain], [x[j] for x in x_mb])
+            outs = reference_stages([model[placement.model_stage(s)] for s in chain], [x[j] for x in x_mb], phy2log)
             losses = [mse(o, y[j]) for o, y in zip(outs, y_mb)]
             sum(losses).backward()
             ref_loss[j] = losses[ep_rank].detach()

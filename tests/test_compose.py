@@ -3,7 +3,11 @@
 Every schedule that splits B from W runs with compiled stages, checkpointed stages and both, in one
 2-process gloo world, against a single-process eager reference: losses, outputs and gradients
 bitwise where the arithmetic is the same (aot_eager, checkpointing; DualPipe's gradients, summed
-over its mirrored copies, within 1e-13), within 1e-13 with inductor.
+over its mirrored copies, within 1e-13), within 1e-13 with inductor. The stages: the official
+example's MLP, and a pre-norm LayerNorm + GELU MLP block (LayerNorm's weights not deferred).
+In one process, eager against aot_eager over varied stages (norms, GELU and SwiGLU MLPs, causal
+attention, deferred and plain Linears; a second input shape): bitwise, since aot_eager runs
+eager's own ATen kernels; a backend that decomposes them (aot_eager_decomp_partition) within 1e-13.
 A watcher on the pipeline's weight-gradient store checks that W really is deferred: no parameter's
 ``.grad`` changes while a deferred B runs, and every W changes its stage's weight gradients.
 """
@@ -20,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 import models
 from distributed import run_world
-from twinpipe.runtime.weight_grad import GradStore
+from twinpipe.runtime.weight_grad import DeferredLinear, GradStore, defer_weight_grads
 
 WORLD = 2
 SPLIT = ("zb-h1", "zb-h2", "zbv", "dualpipev", "dualpipe")
@@ -34,11 +38,83 @@ class Case:
     backend: str = "aot_eager"
     chunks: int = 4
     sabotage: bool = False  # force the store off, so weight gradients are computed during B
+    stage: str = "mlp"  # a key of STAGES
 
     @property
     def id(self) -> str:
         backend = f"-{self.backend}" if "compile" in self.wrap else ""
-        return f"{self.schedule}-{self.wrap}{backend}-n{self.chunks}" + ("-sabotaged" if self.sabotage else "")
+        kind = "" if self.stage == "mlp" else f"-{self.stage}"
+        return f"{self.schedule}-{self.wrap}{backend}-n{self.chunks}{kind}" + ("-sabotaged" if self.sabotage else "")
+
+
+# ------------------------------------------------------------------------------ stages
+H = models.HIDDEN
+
+
+class LayerNormMLP(nn.Module):
+    """Pre-norm block: ``x + down(gelu(up(norm(x))))`` (``tanh``: GELU's tanh approximation;
+    ``plain``: nn.Linear, weight gradients not deferred)."""
+
+    def __init__(self, tanh: bool = False, plain: bool = False):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(H), nn.Linear(H, 4 * H), nn.Linear(4 * H, H)
+        self.approximate = "tanh" if tanh else "none"
+        if not plain:
+            defer_weight_grads(self)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x)), approximate=self.approximate))
+
+
+class PostNormMLP(LayerNormMLP):
+    """Post-norm: ``norm(x + down(gelu(up(x))))``."""
+
+    def forward(self, x):
+        return self.norm(x + self.down(nn.functional.gelu(self.up(x), approximate=self.approximate)))
+
+
+class RMSSwiGLU(nn.Module):
+    """``x + down(silu(gate(n)) * up(n))``, ``n = rmsnorm(x)`` (no biases)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(H)
+        self.gate, self.up, self.down = (nn.Linear(a, b, bias=False) for a, b in ((H, 2 * H), (H, 2 * H), (2 * H, H)))
+        defer_weight_grads(self)
+
+    def forward(self, x):
+        n = self.norm(x)
+        return x + self.down(nn.functional.silu(self.gate(n)) * self.up(n))
+
+
+class Attention(nn.Module):
+    """Pre-norm causal self-attention with a residual (two heads, scaled_dot_product_attention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.qkv, self.proj = nn.LayerNorm(H), nn.Linear(H, 3 * H), nn.Linear(H, H)
+        defer_weight_grads(self)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, t, 3, 2, h // 2).permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(a.transpose(1, 2).reshape(b, t, h))
+
+
+STAGES = {
+    "mlp": models.MLPStage,
+    "layernorm-gelu-mlp": LayerNormMLP,
+    "postnorm-tanh-gelu-mlp-plain": lambda: PostNormMLP(tanh=True, plain=True),
+    "attention": Attention,
+    "rmsnorm-swiglu": RMSSwiGLU,
+}
+# aot_eager runs eager's own ATen kernels, but each graph break (every deferred Linear is one) ends
+# a compiled graph, whose backward adds up the gradient contributions a tensor gets inside it before
+# autograd adds those from outside; eager adds them all in autograd's order. Three or more terms can
+# round differently: RMSNorm (decomposed, it reads its input twice) under a residual around a
+# deferred Linear does. LayerNorm is one op: one term.
+BITWISE = ("mlp", "layernorm-gelu-mlp", "postnorm-tanh-gelu-mlp-plain", "attention")
 
 
 class Checkpointed(nn.Module):
@@ -104,7 +180,9 @@ class DeferralWatch:
         self.store = pipe.store
         if sabotage:
             self.store.__class__ = _StoreOff
-        self.params = {s: list(m.parameters()) for s, m in zip(pipe.stages, pipe.module)}
+        # Only DeferredLinear layers defer their weight gradients (a LayerNorm's are computed in B).
+        self.params = {s: [p for layer in m.modules() if isinstance(layer, DeferredLinear) for p in layer.parameters(recurse=False)]
+                       for s, m in zip(pipe.stages, pipe.module)}
         self.problems: list[str] = []
         self.deferred_bs = self.ws = 0
         self._last_b = None  # weight gradients before and after the latest backward graph run
@@ -162,7 +240,7 @@ def run_case(rank: int, group, case: Case) -> list[str]:
 
     CountingBackend.calls = 0
     placement = placement_for(case.schedule, WORLD)
-    model = models.make_model(models.MLPStage, placement.num_model_stages, seed=7)
+    model = models.make_model(STAGES[case.stage], placement.num_model_stages, seed=7)
     stages = [wrap_stage(copy.deepcopy(model[placement.model_stage(s)]), case) for s in placement.stages_of(rank)]
     torch.manual_seed(1234)
     n = case.chunks
@@ -291,6 +369,49 @@ def compiled_autograd_defers_or_refuses() -> list[str]:
     return problems
 
 
+def _backward(stage: nn.Module, x: torch.Tensor, g: torch.Tensor, defer: bool):
+    """Output, input gradient and weight gradients of one forward and backward (with ``defer``, the
+    weight gradients deferred during backward and run afterwards, as B then W)."""
+    x = x.detach().requires_grad_()
+    store = GradStore()
+    with store.active():
+        out = stage(x)
+        store.enabled = defer
+        with store.running_backward():
+            out.backward(g)
+        store.enabled = False
+        store.flush("w")
+        store.pop("w")
+    return out.detach(), x.grad, [p.grad for p in stage.parameters()]
+
+
+def eager_against_compiled(kind: str, backend: str) -> list[str]:
+    """One stage of ``kind``, eager against ``torch.compile(backend=...)`` on the same weights and
+    inputs (a second shape recompiles): outputs and gradients bitwise for aot_eager on the ``BITWISE``
+    kinds, else within TOL."""
+    torch.manual_seed(0)
+    eager = STAGES[kind]().double()
+    stage = copy.deepcopy(eager)
+    counting = CountingBackend(backend)
+    compiled = torch.compile(stage, backend=counting)
+    exact = backend == "aot_eager" and kind in BITWISE
+    problems = []
+    for rows, defer in ((3, False), (3, True), (5, True)):
+        for p in (*eager.parameters(), *stage.parameters()):
+            p.grad = None
+        x = torch.randn(2, rows, H, dtype=torch.float64)
+        g = torch.randn_like(x)
+        want, got = _backward(eager, x, g, False), _backward(compiled, x, g, defer)
+        for what, a, b in [("output", got[0], want[0]), ("input gradient", got[1], want[1]),
+                           *((f"gradient of {n}", a, b) for (n, _), a, b in zip(stage.named_parameters(), got[2], want[2]))]:
+            if a is None or not _close(a, b, exact):
+                err = "missing" if a is None else f"differs by {float((a - b).abs().max()):.3g}"
+                problems.append(f"{rows} rows, W {'deferred' if defer else 'in backward'}: {what} {err}")
+    if CountingBackend.calls == 0:
+        problems.append("no compiled code ran")
+    return problems
+
+
 LOCAL = {
     "traced-with-store-off": lambda: decided_at_backward(False),
     "traced-with-store-on": lambda: decided_at_backward(True),
@@ -318,6 +439,7 @@ def run_all(rank: int, world: int, cases: list) -> dict[str, list[str]]:
 
 WRAPS = ("compile", "checkpoint", "reentrant", "checkpoint+compile")
 CASES = [Case(s, w) for s in SPLIT for w in WRAPS] + [Case(s, "compile+checkpoint") for s in ("zb-h1", "dualpipev")]
+CASES += [Case(s, w, stage="layernorm-gelu-mlp") for s in ("zbv", "dualpipev") for w in ("compile", "checkpoint+compile")]
 # inductor compiles C++ on first use (~25 s on 2 cores with a cold cache): two cases share it.
 INDUCTOR = [Case("dualpipev", "checkpoint+compile", "inductor"), Case("zb-h1", "compile", "inductor")]
 SABOTAGED = [Case(s, w, sabotage=True) for s in ("zb-h1", "dualpipev") for w in ("compile", "checkpoint")]
@@ -356,3 +478,38 @@ def test_deferral_is_decided_when_backward_runs_not_when_traced(outcomes, name):
 
 def test_compiled_autograd_defers_exactly_or_refuses_to_lose_weight_grads(outcomes):
     assert outcomes[0]["compiled-autograd"] == []
+
+
+@pytest.mark.parametrize("kind", [k for k in BITWISE if k != "mlp"])  # the MLP: in every pipeline case above
+def test_aot_eager_stage_is_bitwise_eager(kind):
+    assert eager_against_compiled(kind, "aot_eager") == []
+
+
+@pytest.mark.parametrize("kind, backend", [("rmsnorm-swiglu", "aot_eager"), ("layernorm-gelu-mlp", "aot_eager_decomp_partition")])
+def test_compiled_stage_within_tolerance(kind, backend):
+    assert eager_against_compiled(kind, backend) == []
+
+
+def test_aot_eager_regroups_a_gradient_sum_across_a_graph_break():
+    """``x + Linear(RMSNorm(x))``, the Linear deferred (a graph break): x's gradient has three terms,
+    two summed inside the compiled norm's backward first; eager adds them in another order."""
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.lin = nn.RMSNorm(H), DeferredLinear(H, H)
+
+        def forward(self, x):
+            return x + self.lin(self.norm(x))
+
+    torch.manual_seed(0)
+    eager = Stage().double()
+    compiled = torch.compile(copy.deepcopy(eager), backend="aot_eager")
+    differ = 0
+    for _ in range(5):
+        x = torch.randn(2, 3, H, dtype=torch.float64)
+        g = torch.randn_like(x)
+        (_, want, _), (_, got, _) = _backward(eager, x, g, False), _backward(compiled, x, g, False)
+        assert models.grad_error(got, want) <= TOL
+        differ += not torch.equal(got, want)
+    assert differ > 0, "bitwise in 5 of 5 inputs: docs/compose.md says aot_eager can differ here"

@@ -277,3 +277,38 @@ def test_expert_counts_sum_over_forwards_and_reset():
     assert int(first["routed"].sum()) == 2 * x.shape[0] * mm.SEQ * 2  # two forwards, top-2
     assert torch.equal(first["routed"], first["expert_rows"]) and first["routed"][-1] == 0  # one rank: all local
     assert int(expert_counts(stage)["layers.0"]["routed"].sum()) == 0  # reset by the first call
+
+
+# ---------------------------------------------------------------- EP ranks in one process
+def test_local_ep_group_runs_the_blocks_in_lock_step():
+    """Two EP ranks' blocks in one process: the written-down order's outputs bitwise; a rank
+    driven alone stops with an error naming the rank it waits for, not a hang."""
+    from twinpipe.moe import local
+
+    torch.manual_seed(4)
+    full = mm.make_stage("grouped", blocks=2, uneven=True)
+    xs = [torch.randn(2, mm.SEQ, mm.HIDDEN, dtype=torch.float64) for _ in range(2)]
+    group = local.LocalEPGroup(2)
+    ranks = [mm.sharded(full, group.rank(r)) for r in range(2)]
+    outs = local.forward(ranks, xs)
+    want = mm.reference_stages([full], xs)
+    assert all(torch.equal(o, w) for o, w in zip(outs, want))
+    local.backward([o.sum() for o in outs], [torch.ones((), dtype=torch.float64)] * 2)
+    assert all(p.grad is not None for r in ranks for p in r.parameters())
+    alone = mm.sharded(full, local.LocalEPGroup(2).rank(0))
+    with pytest.raises(RuntimeError, match=r"rank 0 waits for all-to-all #0, which rank\(s\) \[1\] have not started"):
+        alone(xs[0])
+
+
+def test_local_ep_group_checks_its_arguments_and_splits():
+    from twinpipe.moe import local
+
+    with pytest.raises(ValueError, match="size=0"):
+        local.LocalEPGroup(0)
+    with pytest.raises(ValueError, match="r=2"):
+        local.LocalEPGroup(2).rank(2)
+    group = local.LocalEPGroup(2)
+    a = group.rank(0).all_to_all(torch.zeros(2, 3), [1, 2], [1, 1])
+    group.rank(1).all_to_all(torch.zeros(2, 3), [1, 1], [1, 1])
+    with pytest.raises(RuntimeError, match="rank 1 sends 1 rows to rank 0, which expects 2"):
+        a.wait()

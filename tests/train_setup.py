@@ -49,3 +49,53 @@ def tiny_setup(schedule: str, seed: int = 0, max_norm=None, optimizer: str = "sg
     config = TrainConfig(schedule=schedule, batch_size=8, microbatch_size=1 if experts else 2, max_norm=max_norm, seed=seed,
                          dp_reduce=dp_reduce, overlap_dp=overlap_dp)
     return (lambda: GPT(cfg)), sampler, lm_loss, make_optimizer, config
+
+
+def gather_state(trainer) -> tuple[dict, dict] | None:
+    """Every model parameter of ``trainer`` (by name) and its optimizer state, from the rank that owns
+    it, on global rank 0 (None elsewhere). Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    def clone(v):
+        return v.detach().clone() if hasattr(v, "detach") else v
+
+    mine = {name: (clone(p), {k: clone(v) for k, v in trainer.optimizer.state.get(p, {}).items()})
+            for name, p, owned in trainer.held if owned}
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    if everyone is None:
+        return None
+    merged = {name: v for part in everyone for name, v in part.items()}
+    return {n: p for n, (p, _) in merged.items()}, {n: s for n, (_, s) in merged.items()}
+
+
+def state_differences(got: tuple[dict, dict], want: tuple[dict, dict]) -> list[str]:
+    """Where two ``gather_state`` results differ, bit for bit (parameters, optimizer state entries)."""
+    import torch
+
+    problems = []
+    params, states = got
+    if set(params) != set(want[0]):
+        return [f"parameter names differ: {sorted(set(params) ^ set(want[0]))}"]
+    for name in want[0]:
+        a, b = params[name], want[0][name]
+        if a.dtype != b.dtype or not torch.equal(a, b):
+            problems.append(f"{name}: differs by {float((a.double() - b.double()).abs().max()):.3g}")
+        sa, sb = states.get(name, {}), want[1].get(name, {})
+        if set(sa) != set(sb):
+            problems.append(f"{name}: optimizer state keys {sorted(sa)} != {sorted(sb)}")
+            continue
+        for key in sa:
+            x, y = sa[key], sb[key]
+            same = (x.dtype == y.dtype and torch.equal(x, y)) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
+            if not same:
+                problems.append(f"{name}: optimizer state {key!r} differs")
+    return problems
+
+
+def reference_state(ref) -> tuple[dict, dict]:
+    """A ``ReferenceTrainer``'s parameters and optimizer state by name, as ``gather_state`` gives them."""
+    named = ref.named_parameters()
+    return ({n: p.detach().clone() for n, p in named.items()},
+            {n: {k: v.detach().clone() if hasattr(v, "detach") else v for k, v in ref.optimizer.state.get(p, {}).items()}
+             for n, p in named.items()})

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinpipe.moe.agree import agree, ep_timeout, frame_device
+from twinpipe.moe.local import LocalEPRank
 from twinpipe.moe.placement import check_placement, replica_table, slots_of_copies
 from twinpipe.moe.router import TopKRouter
 from twinpipe.overlap.comm import Then, all_to_all
@@ -51,9 +52,12 @@ class FeedForward(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-# On CPU (MKL) a row of a matmul comes out differently when it comes with fewer than 4 rows; an
-# expert runs on at least this many (zero rows appended) so that what a token gets does not depend
-# on which other tokens share its slot, hence not on the placement or the EP size.
+# An expert runs on at least this many rows (zero rows appended): on CPU, MKL computes products of
+# fewer than 4 rows with other kernels. It does not make a token's result independent of the rows
+# that share its slot: a BLAS product's row can depend on how many rows the product has and where
+# the row sits (on the AVX-512 CI machine MKL computes the last rows % 4 rows of a float64 product
+# with another kernel). So exact references run each slot on the same rows in the same order
+# (docs/moe-overlap.md, "The order of every sum").
 MIN_EXPERT_ROWS = 8
 
 
@@ -103,6 +107,8 @@ class MoEBlock(nn.Module):
     ``normalize``, ``route_scale``); a shared expert of width ``shared_hidden`` if > 0; the routed
     experts sharded over ``ep_group`` (None: all local, no communication), one slot per expert;
     ``shard_experts_(group, phy2log)`` or ``twinpipe.moe.apply_placement_`` place replicas.
+    ``ep_group`` may also be a rank of a ``twinpipe.moe.local.LocalEPGroup`` (EP ranks simulated in
+    one process, run in lock-step: a reference's).
     """
 
     def __init__(self, hidden: int, heads: int, num_experts: int, top_k: int, expert_hidden: int, *,
@@ -132,10 +138,25 @@ class MoEBlock(nn.Module):
     def _check_group(ep_group, num_slots: int) -> tuple[int, int]:
         if ep_group is None:
             return 1, 0
-        ep = dist.get_world_size(ep_group)
+        if isinstance(ep_group, LocalEPRank):
+            ep, rank = ep_group.size, ep_group.rank
+        else:
+            ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
         if num_slots % ep:
             raise ValueError(f"ep_group has {ep} ranks, which does not divide the {num_slots} expert slots")
-        return ep, dist.get_rank(ep_group)
+        return ep, rank
+
+    @staticmethod
+    def _group_size(ep_group) -> int:
+        if ep_group is None:
+            return 1
+        return ep_group.size if isinstance(ep_group, LocalEPRank) else dist.get_world_size(ep_group)
+
+    def _all_to_all(self, rows: torch.Tensor, out_splits: list, in_splits: list):
+        """``twinpipe.overlap.comm.all_to_all`` over ``ep_group`` (in-process for a local EP rank)."""
+        if isinstance(self.ep_group, LocalEPRank):
+            return self.ep_group.all_to_all(rows, out_splits, in_splits)
+        return all_to_all(rows, out_splits, in_splits, self.ep_group)
 
     @property
     def phy2log(self) -> torch.Tensor:
@@ -168,7 +189,7 @@ class MoEBlock(nn.Module):
         Every EP rank comes here at the same point (the first forward after the block was built
         or re-placed: placements change only through calls every rank makes), so this fixed-size
         check pairs with itself; once agreed, the all-to-alls' sizes follow from agreed facts."""
-        if self.ep > 1 and not self._layout_agreed:
+        if self.ep > 1 and not self._layout_agreed and not isinstance(self.ep_group, LocalEPRank):
             agree(self.ep_group, self._layout(), "MoEBlock", ep_timeout(None), frame_device(self.routed_tokens))
             self._layout_agreed = True
 
@@ -185,7 +206,7 @@ class MoEBlock(nn.Module):
         if len(self.experts) != self.num_experts or not torch.equal(self._phy2log, torch.arange(self.num_experts)):
             raise ValueError(f"shard_experts_: the block holds {len(self.experts)} slots of {self.num_experts} experts; "
                              "it needs all of them, one slot each")
-        ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        ep = self._group_size(ep_group)
         placement = torch.arange(self.num_experts) if phy2log is None else check_placement(phy2log, self.num_experts, ep=ep)
         ep, rank = self._check_group(ep_group, len(placement))
         local = len(placement) // ep
@@ -245,7 +266,7 @@ class MoEBlock(nn.Module):
 
         self._agree_layout()
         each = [self.local] * self.ep
-        return Then(all_to_all(route.counts, each, each, self.ep_group), arrived)
+        return Then(self._all_to_all(route.counts, each, each), arrived)
 
     def _dispatch(self, h, tokens, sent, weights, route):
         return self._move((h, tokens, sent, weights, route), route.recv, route.send)
@@ -269,12 +290,12 @@ class MoEBlock(nn.Module):
                 got.requires_grad_(rows.requires_grad)
             return (*state[:2], got, *state[3:]), route
 
-        return Then(all_to_all(rows.detach() if self.ep > 1 else rows, out_splits, in_splits, self.ep_group), arrived)
+        return Then(self._all_to_all(rows.detach() if self.ep > 1 else rows, out_splits, in_splits), arrived)
 
     def _move_back(self, grads: tuple, out_splits: list, in_splits: list):
         """The backward of ``_move(state, out_splits, in_splits)``: the row gradients go back."""
         g_rows = grads[2] if grads[2] is not None else self._zeros(sum(out_splits))
-        return Then(all_to_all(g_rows, in_splits, out_splits, self.ep_group), lambda g: (*grads[:2], g, grads[3], None))
+        return Then(self._all_to_all(g_rows, in_splits, out_splits), lambda g: (*grads[:2], g, grads[3], None))
 
     def _zeros(self, rows: int) -> torch.Tensor:
         w = self.proj.weight

@@ -1,17 +1,31 @@
 """The same training in one process, for checking a pipelined run bit for bit.
 
-It runs the whole model on each micro-batch in turn and adds gradients in the order the trainer
-defines (``twinpipe.train.grads``): per direction, then directions, then replicas, then scaled;
-norms, clipping and the optimizer are the trainer's own functions.
+It runs the whole model on each micro-batch and adds gradients in the order the trainer defines
+(``twinpipe.train.grads``): per direction, then directions, then replicas, then scaled; norms,
+clipping and the optimizer are the trainer's own functions.
+
+The data-parallel replicas are copies of the model in this process, run side by side on their own
+rows. With MoE blocks and ``dp > 1`` each copy holds its replica's share of the experts, as the
+trainer lays them out, over an EP group simulated in this process (``twinpipe.moe.local``): an
+expert runs once per micro-batch on the rows of every replica's micro-batch, concatenated in
+replica order, as it does on its rank. Running each replica alone instead hands an expert fewer
+rows, and a BLAS product's row can come out differently with another number of rows or in another
+place among them (on the AVX-512 CI machine, MKL computes the last ``rows % 4`` rows of a
+double-precision product with another kernel): the same numbers only up to rounding, on some CPUs.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
 from torch import nn
 
+from twinpipe.moe import local
+from twinpipe.moe.block import MoEBlock
+from twinpipe.moe.grads import expert_parameters
+from twinpipe.overlap.stage import PartedSequential
 from twinpipe.runtime.batches import microbatch_rows
 from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule import registry
@@ -35,35 +49,81 @@ class ReferenceTrainer:
         torch.manual_seed(config.seed)
         self.model = defer_weight_grads(model_fn()).to(dtype=dtype)
         self.params = [p for _, layer in model_layers(self.model) for p in layer.parameters()]
+        experts = expert_parameters(self.model)
+        self._experts = [p for p in self.params if id(p) in experts]
+        self._dense = [p for p in self.params if id(p) not in experts]
+        self.replicas = self._replicas(experts)
         self.optimizer = optimizer_fn(self.params)
 
-    def _grads(self, x, y, losses: list) -> list[torch.Tensor]:
-        """Summed gradients of one direction's micro-batches (``x``, ``y`` split per micro-batch)."""
-        for p in self.params:
-            p.grad = None
-        for xs, ys in zip(x, y):
-            loss = self.criterion(self.model(xs), ys)
-            loss.backward()
-            losses.append(float(loss.detach()))
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+    def _replicas(self, experts: set[int]) -> list[nn.Module]:
+        """The data-parallel replicas: the model itself for one; else copies whose dense parameters
+        are their own and whose MoE blocks share the model's experts, each keeping its replica's
+        share over a local EP group (as ``Trainer`` shards them over the data-parallel group)."""
+        if self.dp == 1:
+            return [self.model]
+        shared = {id(m): m for m in self.model.modules() if any(id(p) in experts for p in m.parameters(recurse=False))}
+        group = local.LocalEPGroup(self.dp)
+        replicas = []
+        for d in range(self.dp):
+            replica = copy.deepcopy(self.model, memo=dict(shared))
+            for block in replica.modules():
+                if isinstance(block, MoEBlock):
+                    block.shard_experts_(group.rank(d))
+            replicas.append(replica)
+        return replicas
+
+    def _replica_dense(self, replica: nn.Module) -> list[torch.Tensor]:
+        """``replica``'s dense parameters, in the order of ``self._dense``."""
+        experts = expert_parameters(replica)
+        return [p for _, layer in model_layers(replica) for p in layer.parameters() if id(p) not in experts]
+
+    @staticmethod
+    def _stage(model: nn.Module) -> nn.Module:
+        """The model as the trainer's stages run it: with MoE blocks, its layers as one sequence of
+        parts (embedding and head one part each), else the model itself."""
+        layers = [layer for _, layer in model_layers(model)]
+        return PartedSequential(layers) if any(hasattr(layer, "parts") for layer in layers) else model
 
     def step(self, step: int) -> tuple[float, torch.Tensor, float | None]:
         """``(mean loss, per-micro-batch losses, global gradient norm or None)`` of batch ``step``."""
         dp, m = self.dp, self.num_chunks
         x, y = self.sampler.batch(step, self.config.batch_size)
-        losses: list[float] = []
-        total = None
-        for d in range(dp):
-            rows = replica_rows(self.config.batch_size, dp, d)
-            xr, yr = x[rows], y[rows]
-            per = m // self.directions
-            replica = None
-            for c in range(self.directions):
-                mbs = [microbatch_rows(xr.shape[0], m, range(j, j + 1)) for j in range(c * per, (c + 1) * per)]
-                grads = self._grads([xr[s] for s in mbs], [yr[s] for s in mbs], losses)
-                replica = grads if replica is None else [a.add_(b) for a, b in zip(replica, grads)]
-            total = replica if total is None else [a.add_(b) for a, b in zip(total, replica)]
-        for p, g in zip(self.params, total):
+        rows = [replica_rows(self.config.batch_size, dp, d) for d in range(dp)]
+        xs, ys = [x[r] for r in rows], [y[r] for r in rows]
+        dense = [self._replica_dense(r) for r in self.replicas] if dp > 1 else [self._dense]
+        if dp > 1:  # every replica starts from the model's weights
+            with torch.no_grad():
+                for params in dense:
+                    for p, q in zip(params, self._dense):
+                        p.copy_(q)
+        stages = [self._stage(r) for r in self.replicas]
+        losses = torch.zeros(dp * m, dtype=torch.float64)
+        per = m // self.directions
+        replica_grads: list | None = None
+        expert_grads = None
+        for c in range(self.directions):
+            for p in [p for params in dense for p in params] + self._experts:
+                p.grad = None
+            for j in range(c * per, (c + 1) * per):
+                mb = [microbatch_rows(len(xr), m, range(j, j + 1)) for xr in xs]
+                outs = local.forward(stages, [xr[s] for xr, s in zip(xs, mb)])
+                mb_losses = [self.criterion(o, yr[s]) for o, yr, s in zip(outs, ys, mb)]
+                local.backward(mb_losses, [torch.ones_like(loss) for loss in mb_losses])
+                for d, loss in enumerate(mb_losses):
+                    losses[d * m + j] = float(loss.detach())
+            grads = [[_grad(p) for p in params] for params in dense]
+            experts = [_grad(p) for p in self._experts]
+            if replica_grads is None:
+                replica_grads, expert_grads = grads, experts
+            else:  # then the directions (DualPipe's mirrored copies)
+                replica_grads = [[a.add_(b) for a, b in zip(mine, more)] for mine, more in zip(replica_grads, grads)]
+                expert_grads = [a.add_(b) for a, b in zip(expert_grads, experts)]
+        total = replica_grads[0]
+        for more in replica_grads[1:]:  # then the replicas, left to right
+            total = [a.add_(b) for a, b in zip(total, more)]
+        for p, g in zip(self._dense, total):
+            p.grad = g
+        for p, g in zip(self._experts, expert_grads):
             p.grad = g
         scale_grads(self.params, m * dp)
         norm = None
@@ -71,8 +131,26 @@ class ReferenceTrainer:
             norm, factor = clip_coefficient(squared_norms(self.params), self.config.max_norm)
             clip_grads(self.params, factor)
         self.optimizer.step()
-        vec = torch.tensor(losses, dtype=torch.float64)
-        return float(vec.mean()), vec, norm
+        return float(losses.mean()), losses, norm
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         return {f"{name}.{sub}": p for name, layer in model_layers(self.model) for sub, p in layer.named_parameters()}
+
+    def load_state(self, parameters: dict[str, torch.Tensor], optimizer_state: dict[str, dict] | None = None) -> None:
+        """Continue from another run's weights (and, by parameter name, its optimizer state), e.g. a
+        pipelined run's before each step, so a comparison measures one step's difference."""
+        named = self.named_parameters()
+        missing = sorted(set(named) - set(parameters))
+        if missing:
+            raise ValueError(f"parameters: lacks {missing}")
+        with torch.no_grad():
+            for name, p in named.items():
+                p.copy_(parameters[name])
+        if optimizer_state is not None:
+            for name, p in named.items():
+                state = optimizer_state.get(name, {})
+                self.optimizer.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)

@@ -101,9 +101,12 @@ def reference_block(block: MoEBlock, xs: list[torch.Tensor], phy2log=None) -> li
 
 
 def reference_stages(stages: list[MoEStage], xs: list[torch.Tensor], phy2log=None) -> list[torch.Tensor]:
-    for stage in stages:
-        for block in stage.blocks:
-            xs = reference_block(block, xs, phy2log)
+    """The stages' blocks in turn (``reference_block``); ``phy2log``: one placement for every block,
+    or a list of one per block (in run order)."""
+    blocks = [block for stage in stages for block in stage.blocks]
+    placements = phy2log if isinstance(phy2log, list) and phy2log and not isinstance(phy2log[0], int) else [phy2log] * len(blocks)
+    for block, placement in zip(blocks, placements):
+        xs = reference_block(block, xs, placement)
     return xs
 
 

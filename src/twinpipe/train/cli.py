@@ -329,7 +329,7 @@ def _train(args, device) -> None:
     (out / "train-log.json").write_text(json.dumps({"args": _options_record(args), "elapsed_s": elapsed,
                                                     "skipped_steps": trainer.skipped_steps, "steps": log}, indent=1))
     rows = summary_rows([e["loss"] for e in log], times, tokens, mirrored=trainer.is_dual, replicas=args.dp)
-    rows.append(("steps skipped (loss or gradients not finite)", str(trainer.skipped_steps)))
+    rows.append(("steps skipped (not finite)", str(trainer.skipped_steps)))
     rows.append(("wall time", f"{elapsed:.1f} s"))
     rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / 'checkpoint-final'}"))
     print_summary(title, rows)

@@ -1,11 +1,11 @@
-"""The arithmetic floor of bench_vs_torch.py: each rank's DualPipeV ops replayed in one process.
+"""The arithmetic floor of bench_vs_torch.py: each rank's ops of one schedule replayed in one process.
 
 No pipeline around them: no messages, no waits, no copies. What a rank receives is made up in
 advance (random tensors of the right shape); what it sends is dropped. A real step cannot be
 shorter than its busiest rank's replay, so this is the yardstick for the step times that
 bench_vs_torch.py prints (same model, same micro-batches, one thread).
 
-    python bench/bench_floor.py [--steps 10] [--hidden 512]
+    python bench/bench_floor.py [--steps 10] [--hidden 512] [--schedule dualpipev]
 """
 
 from __future__ import annotations
@@ -17,18 +17,19 @@ import time
 import torch
 
 import twinpipe
-from bench_vs_torch import MICROBATCHES, RANKS, _loss, _stages
+from bench_vs_torch import MICROBATCHES, RANKS, SCHEDULES, _loss, _stages
 from twinpipe.runtime.executor import run_backward
 from twinpipe.runtime.weight_grad import WeightGradStore
 from twinpipe.schedule.ops import OpKind
 
 
-def replay(rank: int, hidden: int, rows: int, steps: int) -> list[float]:
-    """Seconds per step of ``rank``'s ops, run back to back ``steps`` times."""
-    schedule = twinpipe.build_schedule("dualpipev", RANKS, MICROBATCHES)
+def replay(name: str, rank: int, hidden: int, rows: int, steps: int) -> list[float]:
+    """Seconds per step of ``rank``'s ops of schedule ``name``, run back to back ``steps`` times."""
+    schedule = twinpipe.build_schedule(name, RANKS, MICROBATCHES)
     placement = schedule.placement
-    stages = placement.stages_of(rank)
-    modules = dict(zip(stages, (twinpipe.defer_weight_grads(m) for m in _stages(hidden, rank))))
+    stages, made = _stages(name, hidden, rank)
+    defer = SCHEDULES[name][1]
+    modules = dict(zip(stages, (twinpipe.defer_weight_grads(m) if defer else m for m in made)))
     made_up = {j: torch.randn(rows, hidden) for j in range(MICROBATCHES)}  # stands in for any message
     labels = {j: torch.randn(rows, hidden) for j in range(MICROBATCHES)}
 
@@ -89,13 +90,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--rows", type=int, default=0, help="rows per micro-batch (default as bench_vs_torch.py)")
+    parser.add_argument("--schedule", default="dualpipev", choices=sorted(SCHEDULES))
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = args.rows or (32 if args.hidden < 128 else 256)
-    print(f"DualPipeV ops of each rank replayed in one process (hidden {args.hidden}, {rows} rows/micro-batch, "
+    print(f"{args.schedule} ops of each rank replayed in one process (hidden {args.hidden}, {rows} rows/micro-batch, "
           f"{MICROBATCHES} micro-batches, 1 thread), {args.steps} steps")
     for rank in range(RANKS):
-        times = replay(rank, args.hidden, rows, args.steps)
+        times = replay(args.schedule, rank, args.hidden, rows, args.steps)
         print(f"rank {rank}: median {statistics.median(times) * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms", flush=True)
 
 

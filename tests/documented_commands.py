@@ -112,7 +112,8 @@ COMMANDS: list[Command] = [
     _help("twinpipe simulate --f/--b/--w/--fb/--comm/--mw"),
     # ---- benchmarks
     _bench("python bench/bench_vs_torch.py"),
-    _bench("python bench/bench_floor.py"),
+    _bench("python bench/bench_vs_torch.py --steps 20"),
+    _bench("python bench/bench_floor.py --schedule NAME"),
     _bench("python bench/bench_sim.py"),
     _bench("python bench/bench_draw.py"),
     _bench("python bench/bench_trace.py"),
@@ -125,7 +126,7 @@ COMMANDS: list[Command] = [
     _bench("python bench/bench_train.py"),
     _bench("python bench/bench_train.py --pp 2 --dp 2 --schedules 1f1b,zb-h1,dualpipev,dualpipe --rounds 4 --steps 6 "
            "--layers 4 --dim 64 --overlap-compare"),
-    _bench("python bench/bench_plan.py"),
+    _bench("python bench/bench_plan.py --skip-run"),
     _bench("python bench/bench_plan.py --skip-speed"),
     _bench("python bench/bench_compose.py"),
     # ---- docs/adding-a-schedule.md, docs/schedules.md

@@ -69,12 +69,12 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
 
 def _export_list() -> str:
     """Every registered schedule: whether torch's CSV can express it, and if not, why."""
-    from twinpipe.schedule import registry
+    from twinpipe.schedule import registry, resolve
     from twinpipe.schedule.torch_csv import placement_unexpressible
 
     lines = []
     for name in registry.names():
-        why = placement_unexpressible(name, registry.placement_for(name, 4))
+        why = placement_unexpressible(name, resolve(name, 4).placement)
         lines.append(f"{name}: {'yes' if why is None else 'no, ' + why.split(': ', 1)[1]}")
     return "\n".join(lines) + "\n"
 

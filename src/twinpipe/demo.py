@@ -79,26 +79,27 @@ def _grad_error(x: torch.Tensor, y: torch.Tensor) -> float:
 def _run_rank(args) -> None:
     import twinpipe
     from twinpipe.runtime.batches import batch_layout
-    from twinpipe.schedule.registry import placement_for
+    from twinpipe.schedule import resolve
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cpu")
     if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    placement = placement_for(args.schedule, world, **_schedule_options(args))
+    schedule = resolve(args.schedule, world, **_schedule_options(args))  # once: the stages, pipeline and layout share it
+    placement = schedule.placement
     num_model_stages = placement.num_model_stages
     mine = placement.stages_of(rank)
     modules = [_stage(placement.model_stage(s), args, device) for s in mine]
     if args.schedule == "dualpipe":
         pipe = twinpipe.DualPipe(modules)
     else:
-        pipe = twinpipe.Pipeline(modules, args.schedule, **_schedule_options(args))
+        pipe = twinpipe.Pipeline(modules, schedule)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr)
     chunks = args.chunks or 2 * world
     gen = torch.Generator().manual_seed(0)
     shape = (chunks * args.microbatch_size, args.seq, args.hidden)
-    layout = batch_layout(args.schedule, world, rank, chunks, **_schedule_options(args))
+    layout = batch_layout(schedule, world, rank, chunks)
     piped = torch.tensor([float(bool(pipe.shared_memory_peers))])
     dist.all_reduce(piped)
     via = dist.get_backend() + (", messages through shared memory" if piped.item() else "")
@@ -294,7 +295,7 @@ def _under_torchrun() -> bool:
 
 
 def _check(args, ranks: int) -> str | None:
-    from twinpipe.schedule import registry
+    from twinpipe.schedule import resolve
 
     if args.hidden % args.heads:
         return f"--hidden={args.hidden} must be divisible by --heads={args.heads}"
@@ -303,7 +304,7 @@ def _check(args, ranks: int) -> str | None:
     except ValueError as error:
         return str(error)
     try:
-        registry.build(args.schedule, ranks, args.chunks or 2 * ranks, **_schedule_options(args))
+        resolve(args.schedule, ranks, **_schedule_options(args)).build(args.chunks or 2 * ranks)
     except ValueError as exc:
         return str(exc)
     if args.device == "cuda":

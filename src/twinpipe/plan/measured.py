@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from twinpipe.schedule import registry
+from twinpipe.schedule.spec import resolve
 from twinpipe.schedule.ops import parse_op
 from twinpipe.sim.costs import CostModel, stage_sizes
 from twinpipe.timeline import Slice, Timeline
@@ -41,7 +41,7 @@ class Traced:
         """The traced per-stage times for a schedule (with ``options``) on the traced placement, else ``costs_at(pp)``."""
         placement = self.timeline.placement
         if self.per_stage is not None and pp == self.pp:
-            other = registry.placement_for(name, pp, **(options or {}))
+            other = resolve(name, pp, **(options or {})).placement
             if (other.stage_ranks, other.chains) == (placement.stage_ranks, placement.chains):
                 return self.per_stage
         return self.costs_at(pp)
@@ -66,7 +66,7 @@ def read_trace(path: str | Path) -> Timeline:
     schedule = name.removesuffix(" (predicted)")
     options = other.get("options") or {}
     try:
-        placement = registry.placement_for(schedule, ranks, **options)
+        placement = resolve(schedule, ranks, **options).placement
     except (ValueError, TypeError) as error:
         raise ValueError(f"trace={str(path)!r}: schedule {schedule!r} with options {options} on {ranks} ranks: {error}") from None
     slices = []

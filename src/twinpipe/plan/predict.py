@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from twinpipe.plan.costs import Layout, all_reduce_time, layout, stage_costs
 from twinpipe.plan.spec import Cluster, Model
 from twinpipe.schedule import registry
+from twinpipe.schedule.spec import resolve
 from twinpipe.schedule.limits import MAX_STAGE_MICROBATCHES
 from twinpipe.sim.costs import CostModel, for_model, stage_sizes
 from twinpipe.sim.engine import summarize
@@ -89,7 +90,7 @@ def simulate_metrics(name: str, p: int, m: int, costs: CostModel, options: dict 
     """Makespan, per-rank busy time and peak activations (M_B of a 1F1B stage) of ``name`` (with
     ``options``) simulated at (p, m)."""
     info, options = registry.get(name), dict(options or {})
-    placement = registry.placement_for(name, p, **options)
+    placement = resolve(name, p, **options).placement
     scaled = _scaled(costs, placement)
     options |= {k: getattr(scaled, k) for k in ("t_f", "t_b", "t_w", "t_comm", "mw") if k in (info.options or ())}
     # Built-in generators are validated by their tests at every size; a registered one at every use.
@@ -192,7 +193,7 @@ def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, micro
     try:
         lay = layout(model, cluster, pp)
         pred.dp, pred.ep = lay.dp, lay.ep
-        placement = registry.placement_for(name, pp, **pred.options)
+        placement = resolve(name, pp, **pred.options).placement
         pred.copies = len(placement.chains)
         a2a_op, m_b = 0.0, 0.0  # measured op times hold their all-to-alls (if any)
         if model is not None:

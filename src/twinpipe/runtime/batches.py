@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from twinpipe.schedule import registry
 from twinpipe.schedule.ops import Schedule
 from twinpipe.schedule.placement import Placement
+from twinpipe.schedule.spec import ScheduleSpec, resolve
 
 __all__ = ["BatchLayout", "batch_layout", "microbatch_rows"]
 
@@ -75,16 +75,13 @@ class BatchLayout:
 
 
 def _placement(schedule, num_ranks: int, num_chunks: int, options: dict) -> Placement:
-    if isinstance(schedule, Schedule):
-        if (schedule.num_ranks, schedule.num_microbatches) != (num_ranks, num_chunks):
-            raise ValueError(
-                f"schedule is for {schedule.num_ranks} ranks and {schedule.num_microbatches} micro-batches; "
-                f"asked for num_ranks={num_ranks}, num_chunks={num_chunks}"
-            )
-        return schedule.placement
-    if isinstance(schedule, str):
-        return registry.placement_for(schedule, num_ranks, **options)
-    raise ValueError(f"schedule={schedule!r}: must be a registered name (twinpipe.schedule_names()) or a Schedule")
+    fixed = schedule.source if isinstance(schedule, ScheduleSpec) else schedule
+    if isinstance(fixed, Schedule) and (fixed.num_ranks, fixed.num_microbatches) != (num_ranks, num_chunks):
+        raise ValueError(
+            f"schedule is for {fixed.num_ranks} ranks and {fixed.num_microbatches} micro-batches; "
+            f"asked for num_ranks={num_ranks}, num_chunks={num_chunks}"
+        )
+    return resolve(schedule, num_ranks, **options).placement
 
 
 def _chain_ends(placement: Placement, rank: int, end: int, what: str) -> int | None:
@@ -96,12 +93,12 @@ def _chain_ends(placement: Placement, rank: int, end: int, what: str) -> int | N
     return chains[0] if chains else None
 
 
-def batch_layout(schedule: str | Schedule, num_ranks: int, rank: int, num_chunks: int, **options) -> BatchLayout:
+def batch_layout(schedule: str | Schedule | ScheduleSpec, num_ranks: int, rank: int, num_chunks: int, **options) -> BatchLayout:
     """Which micro-batches ``rank`` passes inputs and labels for (and gets losses of) under ``schedule``.
 
-    ``schedule`` is a registered name (with its ``options``, as for ``Pipeline``) or a ``Schedule``;
-    ``rank`` is the pipeline rank. For any pipeline: ``batch_layout(pipe.schedule_for(n),
-    pipe.num_ranks, pipe.rank, n)``.
+    ``schedule`` is what ``Pipeline`` takes: a registered name (with its ``options``), a generator,
+    a ``Schedule``, or a ``ScheduleSpec`` (``twinpipe.schedule.resolve``); ``rank`` is the pipeline
+    rank. For any pipeline: ``batch_layout(pipe.schedule_for(n), pipe.num_ranks, pipe.rank, n)``.
     """
     for name, value, low in (("num_ranks", num_ranks, 1), ("num_chunks", num_chunks, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:

@@ -30,7 +30,7 @@ from twinpipe.runtime.executor import Executor, StepData
 from twinpipe.runtime.recorder import Recorder
 from twinpipe.runtime.shm import shm_pipes
 from twinpipe.runtime.weight_grad import GradStore
-from twinpipe.schedule import limits, registry
+from twinpipe.schedule.spec import ScheduleSpec, describe, name_of, resolve
 from twinpipe.schedule.lower import LoweredSchedule, forward_only, lower
 from twinpipe.schedule.ops import Schedule
 
@@ -71,14 +71,10 @@ def _stage_modules(modules, count: int) -> list[nn.Module]:
 
 
 def _describe_schedule(spec, options: dict) -> str:
-    opts = ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
-    if isinstance(spec, str):
-        name = registry.get(spec).name
-    elif isinstance(spec, Schedule):
-        name = f"fixed schedule #{zlib.crc32(repr(spec.ops).encode()):08x}"
-    else:
-        name = f"{getattr(spec, '__module__', '?')}.{getattr(spec, '__qualname__', repr(spec))}"
-    return f"{name}({opts})" if opts else name
+    """The construction agreement's "schedule" fact: a ``ScheduleSpec``'s own, else named without resolving."""
+    if isinstance(spec, ScheduleSpec):
+        return spec.describe()
+    return describe(name_of(spec), options)
 
 
 class Pipeline(nn.Module):
@@ -173,7 +169,9 @@ class Pipeline(nn.Module):
         if transport not in ("auto", "process-group"):
             raise ValueError(f"transport={transport!r}: allowed are 'auto' and 'process-group'")
         self.batch_dim, self.dynamic_shapes = batch_dim, bool(dynamic_shapes)
-        self._schedule_spec, self._schedule_options = schedule, schedule_options
+        # Resolved once: the placement, the agreement's fact and every step's schedule come from it.
+        self._schedule_spec = resolve(schedule, self.num_ranks, **schedule_options)
+        self._schedule_options = dict(self._schedule_spec.options)
         self._tensor_shapes, self._tensor_dtype = tensor_shapes, tensor_dtype
         declared_layout(tensor_shapes, tensor_dtype)  # reject bad shapes/dtypes now, not mid-step
         self._layouts: dict = {}
@@ -265,30 +263,11 @@ class Pipeline(nn.Module):
 
     # ------------------------------------------------------------------ schedule
     def _placement(self):
-        spec = self._schedule_spec
-        if isinstance(spec, Schedule):
-            if spec.num_ranks != self.num_ranks:
-                raise ValueError(f"schedule is for {spec.num_ranks} ranks but the process group has {self.num_ranks}")
-            return spec.placement
-        if isinstance(spec, str):
-            return registry.placement_for(spec, self.num_ranks, **self._schedule_options)
-        # A generator: any valid micro-batch count shows its placement.
-        return spec(self.num_ranks, 2 * self.num_ranks, **self._schedule_options).placement
+        return self._schedule_spec.placement
 
     def schedule_for(self, num_chunks: int) -> Schedule:
-        """The schedule this pipeline runs for ``num_chunks`` micro-batches."""
-        spec = self._schedule_spec
-        if isinstance(spec, Schedule):
-            if num_chunks != spec.num_microbatches:
-                raise ValueError(f"num_chunks={num_chunks!r}: this pipeline's fixed schedule has {spec.num_microbatches}")
-            return spec
-        if isinstance(spec, str):
-            return registry.build(spec, self.num_ranks, num_chunks, **self._schedule_options)
-        # A user's generator: the same size limits as a registered schedule, before it runs.
-        name = getattr(spec, "__name__", "schedule")
-        limits.check_counts(name, self.num_ranks, num_chunks)
-        limits.check_size(name, self._placement().num_stages, num_chunks)
-        return spec(self.num_ranks, num_chunks, **self._schedule_options)
+        """The schedule this pipeline runs for ``num_chunks`` micro-batches (size limits checked first)."""
+        return self._schedule_spec.build(num_chunks)
 
     def _lowered_for(self, num_chunks: int, training: bool) -> LoweredSchedule:
         key = (num_chunks, training)

@@ -5,7 +5,8 @@ generator is ``fn(num_ranks, num_microbatches, **options) -> Schedule``; its pla
 ``placement(num_ranks, **options) -> Placement`` tells users which stages each rank holds before
 they build anything. ``build`` and ``placement_for`` check what every schedule shares: the counts
 (integers within ``limits.py``) and the option names (a ValueError lists the allowed ones); the
-generator checks the option values.
+generator checks the option values. Tools outside this package resolve a schedule once with
+``twinpipe.schedule.resolve`` (``spec.py``) and pass the spec on, rather than asking here again.
 """
 
 from __future__ import annotations
@@ -126,8 +127,14 @@ def build(name: str, num_ranks: int, num_microbatches: int, **options) -> Schedu
     """Generate the schedule ``name`` for ``num_ranks`` ranks and ``num_microbatches`` micro-batches."""
     info = get(name)
     _check_options(info, options)
+    p, _ = check_counts(info.name, num_ranks, num_microbatches)
+    return _generate(info, p, num_microbatches, options, _placement(info, p, options).num_stages)
+
+
+def _generate(info: ScheduleInfo, num_ranks: int, num_microbatches: int, options: dict, num_stages: int) -> Schedule:
+    """Run ``info``'s generator (options already checked, ``num_stages`` its placement's) within the size limits."""
     p, m = check_counts(info.name, num_ranks, num_microbatches)
-    check_size(info.name, _placement(info, p, options).num_stages, m, info.max_pairs)
+    check_size(info.name, num_stages, m, info.max_pairs)
     schedule = info.generator(p, m, **options)
     missing = {k: v for k, v in options.items() if k not in schedule.options}
     return replace(schedule, options={**schedule.options, **missing}) if missing else schedule  # a trace says how it was built

@@ -17,6 +17,7 @@ import sys
 from fractions import Fraction
 
 from twinpipe.schedule import registry
+from twinpipe.schedule.spec import resolve
 from twinpipe.sim.costs import CostModel, check_cost, for_model, stage_sizes
 from twinpipe.sim.engine import simulate
 from twinpipe.timeline import Timeline
@@ -115,7 +116,7 @@ def _simulate_one(name: str, args, costs: CostModel, strict: bool) -> Timeline:
     if args.hold == "model":
         # Only the placement's shape matters here; _build checks the options.
         options = {k: getattr(args, k) for k in _OPTIONS if getattr(args, k) is not None and (info.options is None or k in info.options)}
-        placement = registry.placement_for(info.name, args.ranks, **options)
+        placement = resolve(info.name, args.ranks, **options).placement
         sizes = set(stage_sizes(placement))
         size = sizes.pop() if len(sizes) == 1 else None
         costs = for_model(costs, placement)

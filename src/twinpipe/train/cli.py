@@ -134,16 +134,16 @@ def _check(args) -> None:
 def _check_schedule(args, num_microbatches: int) -> int:
     """The schedule on ``--pp`` ranks with this many micro-batches per pipeline; its number of model stages."""
     from twinpipe.runtime.batches import batch_layout
-    from twinpipe.schedule import registry
+    from twinpipe.schedule import resolve
 
     try:
-        placement = registry.placement_for(args.schedule, args.pp)
-        registry.build(args.schedule, args.pp, num_microbatches)
+        schedule = resolve(args.schedule, args.pp)
+        schedule.build(num_microbatches)
         for rank in range(args.pp):
-            batch_layout(args.schedule, args.pp, rank, num_microbatches)
+            batch_layout(schedule, args.pp, rank, num_microbatches)
     except ValueError as error:
         raise ValueError(_schedule_problem(args, num_microbatches, str(error))) from None
-    return placement.num_model_stages
+    return schedule.placement.num_model_stages
 
 
 def _schedule_problem(args, num_microbatches: int, message: str) -> str:

@@ -28,7 +28,7 @@ from twinpipe.moe.grads import expert_parameters
 from twinpipe.overlap.stage import PartedSequential
 from twinpipe.runtime.batches import microbatch_rows
 from twinpipe.runtime.weight_grad import defer_weight_grads
-from twinpipe.schedule import registry
+from twinpipe.schedule.spec import resolve
 from twinpipe.train.data import BatchSampler, replica_rows
 from twinpipe.train.grads import clip_coefficient, clip_grads, scale_grads, squared_norms
 from twinpipe.train.stages import model_layers
@@ -43,7 +43,7 @@ class ReferenceTrainer:
     def __init__(self, model_fn: Callable[[], nn.Module], sampler: BatchSampler, criterion, optimizer_fn,
                  config: TrainConfig, dp: int, pp: int, dtype: torch.dtype | None = None):
         self.config, self.sampler, self.criterion, self.dp = config, sampler, criterion, dp
-        placement = registry.placement_for(config.schedule, pp, **dict(config.schedule_options))
+        placement = resolve(config.schedule, pp, **dict(config.schedule_options)).placement
         self.directions = len(placement.chains)
         self.num_chunks = config.num_microbatches(dp)
         torch.manual_seed(config.seed)

@@ -18,8 +18,8 @@ from torch import nn
 
 from twinpipe.moe.block import MoEBlock
 from twinpipe.overlap import stage as overlap_stage
-from twinpipe.schedule import registry
 from twinpipe.schedule.placement import Placement
+from twinpipe.schedule.spec import ScheduleSpec, resolve
 from twinpipe.train.balance import param_weights, partition, time_weights
 
 __all__ = ["Stage", "PartedStage", "model_layers", "split", "is_mirror_copy", "stage_modules"]
@@ -157,18 +157,21 @@ def is_mirror_copy(placement: Placement, stage: int) -> bool:
     return placement.chain_of_stage(stage) > 0
 
 
-def stage_modules(stages: Sequence[nn.Module], schedule: str, num_ranks: int, rank: int, **options) -> list[nn.Module]:
+def stage_modules(stages: Sequence[nn.Module], schedule: str | ScheduleSpec, num_ranks: int, rank: int, **options) -> list[nn.Module]:
     """The modules pipeline ``rank`` passes to ``Pipeline`` under ``schedule``, in its local order.
 
-    ``stages`` is the split model (``split(model, placement.num_model_stages)``); see
+    ``schedule`` is a registered name with its ``options``, or anything ``twinpipe.schedule.resolve``
+    takes (a ``ScheduleSpec``: resolved once, passed on). ``stages`` is the split model
+    (``split(model, placement.num_model_stages)``); see
     ``twinpipe.stages_of_rank`` for the stage numbers. A rank holding two copies of one model stage
     gets a deep copy for the second, so the copies never share parameters or gradients.
     """
-    placement = registry.placement_for(schedule, num_ranks, **options)
+    spec = resolve(schedule, num_ranks, **options)
+    placement = spec.placement
     needed = placement.num_model_stages
     if len(stages) != needed:
         raise ValueError(
-            f"stages: {len(stages)} given, but {schedule!r} on {num_ranks} ranks runs a model cut into {needed} stages"
+            f"stages: {len(stages)} given, but {spec.name!r} on {num_ranks} ranks runs a model cut into {needed} stages"
         )
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
         raise ValueError(f"rank={rank!r}: must be an int in 0..{num_ranks - 1}")

@@ -50,6 +50,7 @@ from twinpipe.runtime.errors import (
 from twinpipe.runtime.pipeline import Pipeline
 from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule import registry
+from twinpipe.schedule.spec import resolve
 from twinpipe.train.agreement import agree, canonical
 from twinpipe.train.config import TrainConfig, model_record
 from twinpipe.train.data import BatchSampler, replica_rows
@@ -134,15 +135,16 @@ class Trainer:
         self.parameter_names = model_parameter_names(model)
         self.model_record = model_record(model)  # the model's configuration, as checkpoints store it
         self._agree_settings(model, device)  # before any collective whose sizes depend on the settings
-        self.placement = registry.placement_for(config.schedule, mesh.pp, **options)
+        self.schedule = resolve(config.schedule, mesh.pp, **options)  # once: the layout, stages and pipeline share it
+        self.placement = self.schedule.placement
         self.num_chunks = config.num_microbatches(mesh.dp)
-        self.layout = batch_layout(config.schedule, mesh.pp, mesh.pp_rank, self.num_chunks, **options)
+        self.layout = batch_layout(self.schedule, mesh.pp, mesh.pp_rank, self.num_chunks)
         self.experts = check_experts(model, mesh.dp)
         index = {name: i for i, (name, _) in enumerate(self.parameter_names)}
         stages = split(model, self.placement.num_model_stages, self._layer_counts(model, device))
         self.stage_names = [s.names for s in stages]
         pipeline_stages = self.placement.stages_of(mesh.pp_rank)
-        modules = [defer_weight_grads(m) for m in stage_modules(stages, config.schedule, mesh.pp, mesh.pp_rank, **options)]
+        modules = [defer_weight_grads(m) for m in stage_modules(stages, self.schedule, mesh.pp, mesh.pp_rank)]
         if mesh.dp > 1:
             shard_experts(modules, mesh.dp_group)  # expert parallelism over the stage's data-parallel group
         experts = expert_ids(modules)
@@ -163,7 +165,7 @@ class Trainer:
         else:
             parts = [self._dense]
         self.reducer = DataParallelReducer(parts, mesh.dp_group, self.timeout, mode=config.dp_reduce)
-        self.pipe = Pipeline(modules, config.schedule, process_group=mesh.pp_group, timeout=self.timeout, **options)
+        self.pipe = Pipeline(modules, self.schedule, process_group=mesh.pp_group, timeout=self.timeout)
         self.optimizer = optimizer_fn(self.params)
         self._agree_optimizer()  # before the initial weights' broadcast
         self._agree_group = cpu_group(mesh.pp_group, self.timeout)  # small CPU exchanges (mirrors_equal)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import pickle
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,7 @@ def test_a_name_resolves_to_what_the_registry_builds():
         spec.name = "gpipe"  # frozen
     with pytest.raises(TypeError):
         spec.options["x"] = 1  # read-only
+    assert pickle.loads(pickle.dumps(chimera)) == copy.deepcopy(chimera) == chimera  # a Pipeline's attribute copies
 
 
 @pytest.mark.parametrize("call, message", [
@@ -132,7 +134,7 @@ def test_a_fixed_schedule_resolves_to_itself():
     assert spec.kind == "fixed" and spec.num_ranks == 2 and spec.placement == fixed.placement
     assert spec.build(4) is fixed and spec.name.startswith("fixed schedule #")
     assert resolve(fixed, 2) == spec
-    with pytest.raises(ValueError, match="num_chunks=6: this pipeline's fixed schedule has 4"):
+    with pytest.raises(ValueError, match="num_chunks=6: must be 4, the fixed schedule's micro-batches"):
         spec.build(6)
     with pytest.raises(ValueError, match="schedule is for 2 ranks but num_ranks=4"):
         resolve(fixed, 4)

@@ -30,9 +30,9 @@ from twinpipe.runtime.executor import Executor, StepData
 from twinpipe.runtime.recorder import Recorder
 from twinpipe.runtime.shm import shm_pipes
 from twinpipe.runtime.weight_grad import GradStore
-from twinpipe.schedule.spec import ScheduleSpec, describe, name_of, resolve
 from twinpipe.schedule.lower import LoweredSchedule, forward_only, lower
 from twinpipe.schedule.ops import Schedule
+from twinpipe.schedule.spec import ScheduleSpec, describe, name_of, resolve
 
 __all__ = ["Pipeline", "DualPipe", "DualPipeV"]
 

@@ -41,8 +41,14 @@ class ScheduleSpec:
     # A generator's schedule built to learn its placement, reused when asked for the same size.
     _probe: Schedule | None = field(default=None, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))  # read-only
+
     def __hash__(self) -> int:  # options may hold lists (per-stage costs): hash what equality is sure of
         return hash((self.name, self.num_ranks))
+
+    def __reduce__(self):  # a mappingproxy does not pickle: copy and pickle the options as a dict
+        return (ScheduleSpec, (self.name, self.num_ranks, self.placement, dict(self.options), self.source, self.info, self._probe))
 
     @property
     def kind(self) -> str:
@@ -58,7 +64,7 @@ class ScheduleSpec:
             return registry._generate(self.info, self.num_ranks, num_microbatches, options, self.placement.num_stages)
         if isinstance(self.source, Schedule):
             if num_microbatches != self.source.num_microbatches:
-                raise ValueError(f"num_chunks={num_microbatches!r}: this pipeline's fixed schedule has {self.source.num_microbatches}")
+                raise ValueError(f"num_chunks={num_microbatches!r}: must be {self.source.num_microbatches}, the fixed schedule's micro-batches")
             return self.source
         # A user's generator: the same size limits as a registered schedule, before it runs.
         label = getattr(self.source, "__name__", "schedule")
@@ -128,11 +134,11 @@ def resolve(schedule: str | Callable[..., Schedule] | Schedule | ScheduleSpec, n
         if num_ranks is not None and num_ranks != schedule.num_ranks:
             raise ValueError(f"schedule is for {schedule.num_ranks} ranks but num_ranks={num_ranks!r} "
                              "(a Pipeline's is its process group's size)")
-        return ScheduleSpec(name_of(schedule), schedule.num_ranks, schedule.placement, MappingProxyType(dict(options)), schedule)
+        return ScheduleSpec(name_of(schedule), schedule.num_ranks, schedule.placement, options, schedule)
     if isinstance(schedule, str):
         info = registry.get(schedule)
         placement = registry.placement_for(info.name, num_ranks, **options)
-        return ScheduleSpec(info.name, num_ranks, placement, MappingProxyType(dict(options)), info.name, info)
+        return ScheduleSpec(info.name, num_ranks, placement, options, info.name, info)
     if not callable(schedule):
         raise ValueError(f"schedule={schedule!r}: must be a registered name (twinpipe.schedule_names()), "
                          "a generator fn(num_ranks, num_microbatches, **options) or a Schedule")
@@ -141,4 +147,4 @@ def resolve(schedule: str | Callable[..., Schedule] | Schedule | ScheduleSpec, n
     probe = schedule(p, m, **options)  # any valid micro-batch count shows a generator's placement
     if not isinstance(probe, Schedule):
         raise ValueError(f"schedule={label}: a generator must return a Schedule; it returned a {type(probe).__name__}")
-    return ScheduleSpec(name_of(schedule), p, probe.placement, MappingProxyType(dict(options)), schedule, None, probe)
+    return ScheduleSpec(name_of(schedule), p, probe.placement, options, schedule, None, probe)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from twinpipe.plan.spec import Cluster, Model
-from twinpipe.sim.costs import CostModel
+from twinpipe.schedule.costs import CostModel, full_backward_time, pair_time
 from twinpipe.sim.overlap import predict_fb
 
 __all__ = ["Layout", "layout", "LayerTimes", "layer_times", "stage_costs", "all_reduce_time", "activation_bytes_per_layer"]
@@ -75,8 +75,8 @@ class LayerTimes:
         """An F overlapped with a full backward of another micro-batch (``predict_fb``'s part order)."""
         forward = [("compute", self.attn_f), ("comm", self.a2a), ("compute", self.mlp_f), ("comm", self.a2a)]
         backward = [("comm", self.a2a), ("compute", self.mlp_b), ("comm", self.a2a), ("compute", self.attn_b)]
-        if not self.a2a:
-            return self.f + self.b + self.w
+        if not self.a2a:  # nothing to hide: the halves back to back
+            return pair_time(self.f, full_backward_time(self.b, self.w))
         return predict_fb(forward, backward, weight=[0.0, self.mlp_w, 0.0, self.attn_w])
 
 

@@ -96,9 +96,10 @@ def traced_costs(timeline: Timeline) -> tuple[CostModel, bool]:
     sizes = [float(s) for s in stage_sizes(timeline.placement)]
     n = len(sizes)
 
-    def one(value) -> float:
+    def one(value) -> float | None:
         values = value if isinstance(value, (list, tuple)) else [value] * n
-        return statistics.fmean(v / size for v, size in zip(values, sizes))
+        given = [v / size for v, size in zip(values, sizes) if v is not None]  # T_FB: only the stages that ran one
+        return statistics.fmean(given) if given else None
 
     t_b, t_w = one(per_stage.t_b), one(per_stage.t_w)
     split = t_w == 0 and t_b > 0

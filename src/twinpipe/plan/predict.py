@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from twinpipe.plan.costs import Layout, all_reduce_time, layout, stage_costs
 from twinpipe.plan.spec import Cluster, Model
 from twinpipe.schedule import registry
+from twinpipe.schedule.costs import op_costs
 from twinpipe.schedule.spec import resolve
 from twinpipe.schedule.limits import MAX_STAGE_MICROBATCHES
 from twinpipe.sim.costs import CostModel, for_model, stage_sizes
@@ -232,12 +233,12 @@ def _pipeline(pred: Prediction, placement, costs: CostModel, a2a_op: float, metr
     pred.pipeline = metrics["makespan"]
     busiest = max(range(placement.num_ranks), key=lambda r: metrics["busy"][r])
     busy = metrics["busy"][busiest]
-    per = _scaled(costs, placement).per_stage(placement.num_stages)
+    table = op_costs(_scaled(costs, placement), placement.num_stages)
     mine = placement.stages_of(busiest)
     per_chain = pred.microbatches / pred.copies
     share = float(sum(sizes[s] for s in mine)) * per_chain  # 1F1B stages' worth of micro-batches the rank runs
     a2a_total = share * a2a_op
-    pred.compute = sum(per["t_f"][s] + per["t_b"][s] + per["t_w"][s] for s in mine) * per_chain - a2a_total
+    pred.compute = sum(table.microbatch_time(s) for s in mine) * per_chain - a2a_total
     pred.a2a_exposed = max(0.0, min(a2a_total, busy - pred.compute))
     pred.a2a_hidden = a2a_total - pred.a2a_exposed
     pred.bubble = max(0.0, pred.pipeline - busy)

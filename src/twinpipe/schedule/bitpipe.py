@@ -24,13 +24,15 @@ to 78 chunk activations). There is no memory cap.
 from __future__ import annotations
 
 from twinpipe.schedule.chimera import check_even
+from twinpipe.schedule.costs import CostModel, op_time
 from twinpipe.schedule.ops import BW, F, Op, Schedule
 from twinpipe.schedule.placement import dual_v
 
 __all__ = ["bitpipe"]
 
 _NAME = "bitpipe"
-_T_F, _T_BW = 1, 2  # the paper's chunk forward and full backward
+_UNITS = CostModel(t_f=1, t_b=1, t_w=1)  # the paper's units: a chunk's forward 1, its full backward (B and W) 2
+_T_F, _T_BW = op_time(F(0, 0), _UNITS), op_time(BW(0, 0), _UNITS)
 
 
 def _release_times(num_ranks: int, per_direction: int) -> list[int]:

@@ -32,6 +32,7 @@ import heapq
 from functools import lru_cache
 
 from twinpipe.schedule._args import check_int, check_number, per_stage
+from twinpipe.schedule.costs import memory_delta
 from twinpipe.schedule.deps import Work, dependency_table
 from twinpipe.schedule.ops import B, F, OpKind, Schedule, W
 from twinpipe.schedule.placement import vshape
@@ -107,14 +108,16 @@ def _put_w(lists: list[list[int]], split: bool) -> list[list[int]]:
 def _peak(lists: list[list[int]], mw: float) -> float:
     """Peak activation memory of one rank's plan, in units of one stage's M_B.
 
-    F adds 1, B turns it into ``mw``, W frees that. Without W lists, a W is assumed to run in each
-    free slot while a B awaits one (how the authors count it).
+    Each op changes it by ``costs.memory_delta`` (F adds 1, B keeps ``mw`` of it, W frees that).
+    Without W lists, a W is assumed to run in each free slot while a B awaits one (how the authors
+    count it).
     """
     delta = {}
     for t, slots in enumerate(lists):
         for s in slots:
             delta[s] = t
-    change = (1.0, 1.0, mw - 1.0, mw - 1.0, -mw, -mw)
+    f, b, w = (memory_delta(kind, 1.0, mw) for kind in "FBW")
+    change = (f, f, b, b, w, w)  # by op type: F0, F1, B1, B0, then the W lists
     explicit_w = len(lists) > 4
     cur = top = 0.0
     pending = 0
@@ -124,7 +127,7 @@ def _peak(lists: list[list[int]], mw: float) -> float:
             cur += change[t]
             pending += t in (_B1, _B0)
         elif not explicit_w and pending:
-            cur -= mw
+            cur += w
             pending -= 1
         top = max(top, cur)
     return top

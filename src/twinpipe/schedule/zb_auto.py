@@ -2,7 +2,8 @@
 
 Given per-stage T_F, T_B, T_W, T_comm and a per-rank activation limit, the heuristic places ops
 stage by stage while keeping an estimate of every op's end time (the dependency rule of
-``deps.py``, as in the simulator, plus T_comm between ranks). It runs
+``deps.py``, as in the simulator, plus T_comm between ranks) and of the activations each stage
+holds (``costs.py``'s memory changes). It runs
 for each of the 8 settings of three switches and keeps the cheapest result:
 
 - H1 ``allow_bubble_before_first_b``: stop the warm-up before an F would delay the first B;
@@ -19,6 +20,7 @@ from __future__ import annotations
 from itertools import product
 
 from twinpipe.schedule._args import check_int, check_number, per_stage
+from twinpipe.schedule.costs import memory_delta, microbatch_peak
 from twinpipe.schedule.deps import dependency_table
 from twinpipe.schedule.ops import B, F, Op, OpKind, Schedule, W
 from twinpipe.schedule.placement import linear
@@ -41,8 +43,8 @@ class _Heuristic:
     def __init__(self, p, m, t_f, t_b, t_w, t_comm, mw, mem_limit):
         self.p, self.m = p, m
         self.cost = {"F": t_f, "B": t_b, "W": t_w}
-        self.mem_delta = {"F": 1.0, "B": mw - 1.0, "W": -mw}  # in units of M_B
-        self.comm, self.mw, self.limit = t_comm, mw, mem_limit
+        self.mem_delta = {kind: memory_delta(kind, 1.0, mw) for kind in "FBW"}  # in units of M_B
+        self.comm, self.limit = t_comm, mem_limit
         self.count = {k: [0] * p for k in "FBW"}  # ops placed so far per stage
         self.end = {k: [[0.0] * m for _ in range(p)] for k in "FB"}  # estimated end times (0 until placed)
         # inputs[kind][s]: (end times of what it needs, comm to add) per need, from deps.py's rule
@@ -117,13 +119,13 @@ class _Heuristic:
         last_t = self.end["F"][p - 1][0] + t_b[p - 1]  # when B0 leaves the last stage
         for s in range(p - 2, -1, -1):
             # Add forwards while memory allows and B0 has not come back yet.
-            mem, t = self.mem[s], self.free[s]
-            while self.count["F"][s] + extra[s] < self.m and mem + 1 <= self.limit[s]:
+            mem, t, grow = self.mem[s], self.free[s], self.mem_delta["F"]
+            while self.count["F"][s] + extra[s] < self.m and mem + grow <= self.limit[s]:
                 if allow_bubble_before_first_b and t + t_f[s] > last_t + comm:
                     break
                 if not allow_bubble_before_first_b and t >= last_t + comm:
                     break
-                mem += 1
+                mem += grow
                 t += t_f[s]
                 extra[s] += 1
             last_t = max(t, last_t + comm) + t_b[s]
@@ -150,10 +152,10 @@ class _Heuristic:
         if self.free[s] >= b_arrival:
             return False
         # The F fits before the B arrives, counting the W's that must run to make room for it.
-        mem, w_time, w_count = self.mem[s] + 1, 0.0, 0
+        mem, w_time, w_count = self.mem[s] + self.mem_delta["F"], 0.0, 0
         while mem > self.limit[s] and self.count["W"][s] + w_count < self.count["B"][s]:
             w_time += t_w[s]
-            mem -= self.mw
+            mem += self.mem_delta["W"]
             w_count += 1
         if self.free[s] + t_f[s] + w_time <= b_arrival:
             return True
@@ -233,7 +235,7 @@ def zb_auto(
     comm = check_number(_NAME, "t_comm", t_comm)
     ratio = check_number(_NAME, "mw", mw)
     limit = per_stage(_NAME, "mem_limit", p if mem_limit is None else mem_limit, p)
-    need = max(1.0, ratio)  # one forward's activations; with mw > 1 a B grows them to mw
+    need = microbatch_peak(ratio)  # one forward's activations; with mw > 1 a B grows them to mw
     if min(limit) < need:
         raise ValueError(f"{_NAME}: mem_limit={mem_limit!r} is not allowed; every rank needs at least max(1, mw) = {need:g} (units of M_B)")
     order, cost, switches = _auto_order(p, m, times["t_f"], times["t_b"], times["t_w"], comm, ratio, limit)

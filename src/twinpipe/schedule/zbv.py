@@ -26,6 +26,7 @@ from collections import deque
 from itertools import product
 
 from twinpipe.schedule._args import check_int, check_number, per_stage
+from twinpipe.schedule.costs import memory_delta, microbatch_peak
 from twinpipe.schedule.deps import dependency_table
 from twinpipe.schedule.ops import B, F, OpKind, Schedule, W
 from twinpipe.schedule.placement import vshape
@@ -44,7 +45,8 @@ class _VListScheduler:
                  alternate: bool = False, balance: bool = False):
         self.p, self.m = p, m
         self.cost = {"F": t_f, "B": t_b, "W": t_w}
-        self.comm, self.mw, self.limit = t_comm, mw, mem_limit
+        self.comm, self.limit = t_comm, mem_limit
+        self.mem_delta = {kind: memory_delta(kind, 1.0, mw) for kind in "FBW"}  # in units of M_B
         self.alternate, self.balance = alternate, balance
         placement = vshape(p)
         self.rank_of = placement.stage_ranks
@@ -81,13 +83,14 @@ class _VListScheduler:
             j = self.count["B"][s]
             if j < self.count["F"][s]:  # its forward ran on this rank already
                 t, known = self._ready("B", s, j)
-                out.append(("B", s, t, known, self.mem[rank] + self.mw - 1 <= self.limit))
+                out.append(("B", s, t, known, self.mem[rank] + self.mem_delta["B"] <= self.limit))
         for s in stages:
             j = self.count["F"][s]
             if j < self.m:
-                reserve = 1 if s < self.p else 0  # room for the second stage (see module doc)
+                grow = self.mem_delta["F"]
+                reserve = grow if s < self.p else 0.0  # room for the second stage's F (see module doc)
                 t, known = self._ready("F", s, j)
-                out.append(("F", s, t, known, self.mem[rank] + 1 + reserve <= self.limit))
+                out.append(("F", s, t, known, self.mem[rank] + grow + reserve <= self.limit))
         return out
 
     def _choose(self, rank: int):
@@ -114,7 +117,7 @@ class _VListScheduler:
         self.first_start[rank] = min(self.first_start[rank], start)
         if kind == "W":
             stage, j = self.pending_w[rank].popleft()
-            self.mem[rank] -= self.mw
+            self.mem[rank] += self.mem_delta["W"]
             self.order[rank].append(("W", stage, j))
             self.free[rank] = start + self.cost["W"][stage]
             return
@@ -124,10 +127,8 @@ class _VListScheduler:
         self.last_kind[rank] = kind
         self.last_stage[rank][kind] = stage
         self.order[rank].append((kind, stage, j))
-        if kind == "F":
-            self.mem[rank] += 1
-        else:
-            self.mem[rank] += self.mw - 1
+        self.mem[rank] += self.mem_delta[kind]
+        if kind == "B":
             self.pending_w[rank].append((stage, j))
 
     def run(self) -> float:
@@ -186,7 +187,7 @@ def zbv(
     comm = check_number(_NAME, "t_comm", t_comm)
     ratio = check_number(_NAME, "mw", mw)
     limit = check_number(_NAME, "mem_limit", 2 * p if mem_limit is None else mem_limit)
-    need = 1 + max(1.0, ratio)  # one micro-batch through both stages, and its B
+    need = memory_delta("F", 1.0, ratio) + microbatch_peak(ratio)  # one micro-batch through both stages, and its B
     if limit < need:
         raise ValueError(f"{_NAME}: mem_limit={mem_limit!r} is not allowed; a rank needs at least 1 + max(1, mw) = {need:g} (units of M_B)")
     best = None

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from twinpipe.schedule.check import ScheduleError, check_work
-from twinpipe.schedule.deps import Work, dependency_table, work_done
+from twinpipe.schedule.costs import op_costs
+from twinpipe.schedule.deps import WORK_DONE, Work, dependency_table, work_done
 from twinpipe.schedule.ops import OpKind, Schedule
 from twinpipe.sim.costs import CostModel
 from twinpipe.timeline import Slice, Timeline
@@ -78,11 +79,8 @@ def _run(schedule: Schedule, costs: CostModel, slices: list | None) -> Summary:
         return _run_shared(schedule, costs, slices)
     placement = schedule.placement
     num_ranks, num_stages, m = placement.num_ranks, placement.num_stages, schedule.num_microbatches
-    per_stage = costs.per_stage(num_stages)
-    t_f, t_b, t_w, m_b = per_stage["t_f"], per_stage["t_b"], per_stage["t_w"], per_stage["m_b"]
-    t_bw = [b + w for b, w in zip(t_b, t_w)]
-    t_fb = per_stage.get("t_fb")
-    comm, mw = float(costs.t_comm), float(costs.mw)
+    table = op_costs(costs, num_stages)  # op times and memory changes: schedule/costs.py's rules
+    duration, delta, pair, pair_steps, comm = table.duration, table.memory, table.pair, table.pair_steps, table.t_comm
 
     # End time of work item (work, s, j) at ends[work*n + s*m + j]; -1 = not done yet. A blocked
     # rank waits on the index of the item it needs. needs[kind][s]: (index base, delay) per need,
@@ -92,6 +90,7 @@ def _run(schedule: Schedule, costs: CostModel, slices: list | None) -> Summary:
     rule = dependency_table(placement).needs
     needs = {kind: [tuple((int(d.work) * n + d.stage * m, 0.0 if d.local else comm) for d in stage) for stage in rule[kind]] for kind in rule}
     f_base, b_base, w_base = int(Work.F) * n, int(Work.B) * n, int(Work.W) * n
+    done = {kind: tuple(int(work) * n for work in works) for kind, works in WORK_DONE.items()}  # what each simple op completes
     waiters: dict[int, list[int]] = {}
 
     def ready_at(kind: OpKind, s: int, j: int, start: float) -> tuple[float, int]:
@@ -136,32 +135,21 @@ def _run(schedule: Schedule, costs: CostModel, slices: list | None) -> Summary:
             if blocked >= 0:
                 waiters.setdefault(blocked, []).append(rank)
                 break
-            if kind is _F:
-                end = start + t_f[s]
-                mem += m_b[s]
-                top = max(top, mem)
-                finish(f_base + k, end)
-            elif kind is _B:
-                end = start + t_b[s]
-                mem += (mw - 1.0) * m_b[s]
-                finish(b_base + k, end)
-            elif kind is _BW:
-                end = start + t_bw[s]
-                mem -= m_b[s]
-                finish(b_base + k, end)
-                finish(w_base + k, end)
-            elif kind is _W:
-                end = start + t_w[s]
-                mem -= mw * m_b[s]
-                finish(w_base + k, end)
-            else:  # FB: the forward's activations are live before the backward's are freed
-                end = start + (t_fb[s] if t_fb is not None else t_f[s] + t_bw[bs])
-                mem += m_b[s]
-                top = max(top, mem)
-                mem -= m_b[bs]
+            if kind is _FB:  # the forward's activations are live before the backward frees the other's
+                end = start + pair(s, bs)
+                for change in pair_steps(s, bs):
+                    mem += change
+                    top = max(top, mem)
                 finish(f_base + k, end)
                 finish(b_base + kb, end)
                 finish(w_base + kb, end)
+            else:
+                end = start + duration[kind][s]
+                mem += delta[kind][s]
+                if mem > top:  # after B too: it adds memory when M_W > M_B
+                    top = mem
+                for base in done[kind]:
+                    finish(base + k, end)
             if i == 0:
                 first[rank] = start
             if slices is not None:
@@ -187,14 +175,7 @@ def _run_shared(schedule: Schedule, costs: CostModel, slices: list | None) -> Su
     """
     alone = _run(schedule, replace(costs, cores=None), None)  # raises on a deadlock; peaks do not depend on timing
     placement, m, cores, comm = schedule.placement, schedule.num_microbatches, costs.cores, float(costs.t_comm)
-    per_stage = costs.per_stage(placement.num_stages)
-    t_f, t_b, t_w = per_stage["t_f"], per_stage["t_b"], per_stage["t_w"]
-    t_fb = per_stage.get("t_fb")
-    alone_time = {
-        _F: lambda op: t_f[op.stage], _B: lambda op: t_b[op.stage], _W: lambda op: t_w[op.stage],
-        _BW: lambda op: t_b[op.stage] + t_w[op.stage],
-        _FB: lambda op: t_fb[op.stage] if t_fb is not None else t_f[op.stage] + t_b[op.backward.stage] + t_w[op.backward.stage],
-    }
+    alone_time = op_costs(costs, placement.num_stages).time
     needs = dependency_table(placement).needs
     ends: dict[tuple, float] = {}
     num_ranks = placement.num_ranks
@@ -220,7 +201,7 @@ def _run_shared(schedule: Schedule, costs: CostModel, slices: list | None) -> Su
             start = None if rank in running else ready_at(rank)
             if start is not None and start <= now:
                 op = schedule.ops[rank][cursor[rank]]
-                running[rank] = [alone_time[op.kind](op), now]
+                running[rank] = [alone_time(op), now]
             elif start is not None:
                 arrival = min(arrival, start)
         rate = min(1.0, cores / len(running)) if running else 0.0

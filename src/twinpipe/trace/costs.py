@@ -7,7 +7,7 @@ from collections import defaultdict
 
 from twinpipe.schedule.deps import needs, work_done
 from twinpipe.schedule.ops import OpKind
-from twinpipe.sim import CostModel
+from twinpipe.schedule.costs import CostModel
 from twinpipe.timeline import Timeline
 
 __all__ = ["mean_op_times", "estimate_comm", "estimate_costs", "shared_cores", "alone_durations", "PROCESSOR_KEYS"]
@@ -97,10 +97,13 @@ def estimate_comm(timeline: Timeline) -> float:
 def estimate_costs(timeline: Timeline, comm: bool = True) -> CostModel:
     """Per-stage mean T_F, T_B, T_W, T_FB (and T_comm if ``comm``) measured on ``timeline``.
 
-    A stage that only ran full backwards gets T_B = mean BW and T_W = 0 (the simulator charges
-    T_B + T_W for a BW). Stages without an FB get T_FB = T_F + T_B + T_W; times missing on a
-    stage fall back to that kind's mean over all stages. A run whose ranks shared fewer cores
-    (``shared_cores``) gives the times of each op alone and ``cores``, so the simulator shares them too.
+    A stage that ran full backwards and no B gets T_B = its mean BW and T_W = 0 (the simulator
+    charges T_B + T_W for a BW), whatever other stages ran. T_FB is keyed by its forward half's stage, and given only for the stages
+    whose FB ops were measured: another stage's entry is None, so the simulator times its FB ops
+    as their halves back to back (``schedule.costs``), the F at that stage and the BW at its own;
+    no FB at all gives ``t_fb=None``. Other times missing on a stage fall back to that kind's mean
+    over all stages. A run whose ranks shared fewer cores (``shared_cores``) gives the times of
+    each op alone and ``cores``, so the simulator shares them too.
     """
     if timeline.placement is None:
         raise ValueError("timeline has no placement: cannot tell which stage each time belongs to")
@@ -113,16 +116,20 @@ def estimate_costs(timeline: Timeline, comm: bool = True) -> CostModel:
         fallback = statistics.fmean(by_stage.values()) if by_stage else None
         return [by_stage.get(s, fallback) for s in range(num_stages)]
 
-    f, b, w, bw, fb = (per_stage(k) for k in ("F", "B", "W", "BW", "FB"))
-    t_f, t_b, t_w, t_fb = [], [], [], []
+    f, b, w, bw = (per_stage(k) for k in ("F", "B", "W", "BW"))
+    own_b, own_bw = means.get("B", {}), means.get("BW", {})
+    t_f, t_b, t_w = [], [], []
     for s in range(num_stages):
         t_f.append(f[s] or 0.0)
-        if b[s] is not None:
+        if s not in own_b and s in own_bw:  # its own full backwards, not other stages' B
+            t_b.append(own_bw[s])
+            t_w.append(0.0)
+        elif b[s] is not None:
             t_b.append(b[s])
-            t_w.append(w[s] if w[s] is not None else max(0.0, (bw[s] or b[s]) - b[s]))
+            t_w.append(w[s] if w[s] is not None else max(0.0, (bw[s] or b[s]) - b[s]))  # a BW is its B and its W
         else:
             t_b.append(bw[s] or 0.0)
             t_w.append(0.0)
-        t_fb.append(fb[s] if fb[s] is not None else t_f[s] + t_b[s] + t_w[s])
-    return CostModel(t_f=t_f, t_b=t_b, t_w=t_w, t_fb=t_fb if "FB" in means else None, t_comm=estimate_comm(timeline) if comm else 0.0,
-                     cores=cores)
+    measured_fb = means.get("FB")
+    t_fb = [measured_fb.get(s) for s in range(num_stages)] if measured_fb else None
+    return CostModel(t_f=t_f, t_b=t_b, t_w=t_w, t_fb=t_fb, t_comm=estimate_comm(timeline) if comm else 0.0, cores=cores)

@@ -1,0 +1,231 @@
+"""Op cost, written once: how long each op takes and what it does to the activations a rank holds.
+
+A ``CostModel`` gives the times (T_F, T_B, T_W, T_FB per stage, T_comm per message between ranks)
+and the memory (M_B per stage, M_W = mw·M_B). The simulator, the generators that time or size
+their own order (zb-auto, ZB-V, V-Half/V-Min, BitPipe), the costs read off a traced run and the
+planner all ask this module; none of them spells the rules below again
+(``tests/test_architecture_costs.py`` checks that).
+
+**Time of one op.** F takes T_F, B (input gradient only) T_B, W T_W, BW (a full backward) T_B + T_W,
+each at its own stage. An FB op (DualPipe's F&B) is the F of one micro-batch and the BW of
+another, on two stages of one rank (every built-in schedule pairs a forward with the *other*
+stage of its rank: on rank 0 the first stage with the last, the one that computes the loss):
+
+- Overlap means the two halves' *parts* interleave: one micro-batch's communication (MoE
+  all-to-alls) runs while the other computes. Compute does not overlap compute: the halves share
+  one processor. So without a model of the parts a pair takes its halves back to back,
+  T_F(s_F) + (T_B(s_B) + T_W(s_B)), each half at its own stage; never the forward stage's
+  T_F + T_B + T_W, which is wrong whenever the two stages differ (the loss stage is slower).
+- A CostModel gives T_FB explicitly only where the pair is known to be faster than that: the
+  planner's prediction for MoE layers (``sim.overlap.predict_fb`` times the interleaved parts,
+  ``plan.costs``), FB ops measured on a traced run (``trace.costs``: only the stages whose FB ops
+  were measured; the others are None), or the user's ``--fb``. It is keyed by the forward half's
+  stage, which on the built-in schedules fixes the backward half's stage; a None entry means not
+  given for that stage: the halves back to back.
+
+**Memory of one op** (units of one stage's M_B, or bytes if M_B is given in bytes): F adds M_B
+(the micro-batch's activations); B adds M_W - M_B (it frees all but what W still needs, and
+*grows* memory when M_W > M_B); W frees M_W; BW frees M_B; FB is its F, then its BW: the
+forward's activations are live before the backward frees the other micro-batch's. A rank's peak
+is taken after every step, B's included.
+
+This is the model the runtime's memory is to be measured against: whatever else a rank is found
+to hold (receive buffers, kept losses) belongs in this module too, not in its users.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+from twinpipe.schedule.ops import Op, OpKind
+
+__all__ = [
+    "CostModel", "check_cost", "PER_STAGE", "OpCosts", "op_costs", "op_time", "full_backward_time", "pair_time",
+    "memory_delta", "memory_steps", "microbatch_peak",
+]
+
+Number = Union[int, float]
+PerStage = Union[Number, Sequence[Number]]
+
+_F, _B, _W, _BW, _FB = OpKind.F, OpKind.B, OpKind.W, OpKind.BW, OpKind.FB
+_SIMPLE = (_F, _B, _W, _BW)
+
+
+def check_cost(name: str, value) -> float:
+    """``value`` as a finite float >= 0, else ValueError naming ``name`` (a bool is not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}={value!r}: must be a finite number >= 0")
+    return float(value)
+
+
+PER_STAGE = ("t_f", "t_b", "t_w", "t_fb", "m_b")  # the CostModel fields that grow with a stage's share of the model
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Op times and memory, uniform (a number) or per stage (a sequence indexed by global stage).
+
+    ``t_b`` is the input-gradient backward only; a full backward (BW) takes ``t_b + t_w``.
+    ``t_fb`` is an F overlapped with a BW (DualPipe's F&B), keyed by the forward half's stage; by
+    default (None, or a None entry) the pair costs its halves back to back, the F at its stage and
+    the BW at its own (see the module doc: when to give it). ``t_comm`` is paid on every dependency
+    between *different* ranks; a hand-off inside one rank (the turn of a V) is free. Memory: F
+    holds ``m_b``; B turns it into ``mw * m_b`` (the inputs W still needs); W frees that; BW frees
+    ``m_b`` at once. Every value is finite and >= 0.
+
+    ``cores``: how many ranks can compute at full speed at once (None: every rank has its own
+    processor). A CPU run with more ranks than cores shares them: while k > ``cores`` ranks
+    compute, each runs at ``cores / k`` of its speed (op times are the times of an op alone).
+    """
+
+    t_f: PerStage = 1.0
+    t_b: PerStage = 1.0
+    t_w: PerStage = 1.0
+    t_fb: PerStage | None = None
+    t_comm: Number = 0.0
+    m_b: PerStage = 1.0
+    mw: Number = 0.5
+    cores: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1):
+            raise ValueError(f"cores={self.cores!r}: must be an integer >= 1, or None (every rank its own processor)")
+        for name in PER_STAGE:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, (list, tuple)):
+                if not value:
+                    raise ValueError(f"{name}={value!r}: must be a finite number >= 0 or a non-empty sequence of them")
+                for i, v in enumerate(value):
+                    if not (v is None and name == "t_fb"):  # a stage without a given T_FB
+                        check_cost(f"{name}[{i}]", v)
+            else:
+                check_cost(name, value)
+        for name in ("t_comm", "mw"):
+            check_cost(name, getattr(self, name))
+
+    def per_stage(self, num_stages: int) -> dict[str, list]:
+        """Every per-stage quantity as a list of ``num_stages`` floats (``t_fb`` only if given; its
+        None entries stay None)."""
+        out = {name: self._expand(name, getattr(self, name), num_stages) for name in ("t_f", "t_b", "t_w", "m_b")}
+        if self.t_fb is not None:
+            out["t_fb"] = self._expand("t_fb", self.t_fb, num_stages)
+        return out
+
+    @staticmethod
+    def _expand(name: str, value: PerStage, num_stages: int) -> list:
+        if isinstance(value, (list, tuple)):
+            if len(value) != num_stages:
+                raise ValueError(f"{name} has {len(value)} entries; the schedule has {num_stages} stages (give one per stage or a single number)")
+            return [None if v is None else float(v) for v in value]
+        return [float(value)] * num_stages
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+def full_backward_time(t_b: float, t_w: float) -> float:
+    """A BW: its input-gradient and weight-gradient passes back to back."""
+    return t_b + t_w
+
+
+def pair_time(t_f: float, t_bw: float, t_fb: float | None = None) -> float:
+    """An FB op: ``t_fb`` where given (the pair's measured or predicted overlap), else its forward
+    half (``t_f``, at its stage) and its backward half (``t_bw``, at its stage) back to back."""
+    return t_fb if t_fb is not None else t_f + t_bw
+
+
+def memory_delta(kind: OpKind | str, m_b: float = 1.0, mw: float = 0.5) -> float:
+    """What one F, B, W or BW of a stage with activations ``m_b`` does to the memory its rank holds
+    (M_W = ``mw`` · ``m_b``). An FB changes it in two steps on two stages: ``memory_steps``."""
+    kind = OpKind(kind)
+    if kind is _F:
+        return m_b
+    if kind is _B:
+        return (mw - 1.0) * m_b  # keeps M_W of the M_B its F added
+    if kind is _W:
+        return -(mw * m_b)
+    if kind is _BW:
+        return -m_b
+    raise ValueError(f"kind={kind.value!r}: an FB op changes memory in two steps (its F, then its BW); use memory_steps")
+
+
+def memory_steps(op: Op, m_b: PerStage = 1.0, mw: float = 0.5) -> tuple[float, ...]:
+    """The memory changes of ``op`` in the order they happen (one per simple op it performs: an FB
+    is its F, then its BW); a peak is taken after each. ``m_b``: a number or one per stage."""
+    return tuple(memory_delta(part.kind, _at(m_b, part.stage), mw) for part in op.parts())
+
+
+def microbatch_peak(mw: float, m_b: float = 1.0) -> float:
+    """The most one micro-batch's activations reach on one stage: M_B after its F, or M_W after
+    its B when that is more. A memory limit below it cannot run a single micro-batch."""
+    after_f = memory_delta(_F, m_b, mw)
+    return max(after_f, after_f + memory_delta(_B, m_b, mw))
+
+
+def _at(value: PerStage, stage: int) -> float:
+    return float(value[stage]) if isinstance(value, (list, tuple)) else float(value)
+
+
+# --------------------------------------------------------------------------- per-stage tables
+
+
+class OpCosts:
+    """A CostModel expanded to ``num_stages`` stages: per kind, per stage, the time (``duration``)
+    and the memory change (``memory``) of F, B, W and BW, and the rules for an FB. What the
+    simulator's loop indexes; ``time`` and ``steps`` answer for any op."""
+
+    __slots__ = ("t_f", "t_b", "t_w", "t_bw", "t_fb", "m_b", "mw", "t_comm", "duration", "memory")
+
+    def __init__(self, costs: CostModel, num_stages: int):
+        per = costs.per_stage(num_stages)
+        self.t_f, self.t_b, self.t_w, self.m_b = per["t_f"], per["t_b"], per["t_w"], per["m_b"]
+        self.t_bw = [full_backward_time(b, w) for b, w in zip(self.t_b, self.t_w)]
+        self.t_fb = per.get("t_fb")  # None, or per stage (None entries: not given)
+        self.mw, self.t_comm = float(costs.mw), float(costs.t_comm)
+        self.duration = {_F: self.t_f, _B: self.t_b, _W: self.t_w, _BW: self.t_bw}
+        self.memory = {kind: [memory_delta(kind, m, self.mw) for m in self.m_b] for kind in _SIMPLE}
+
+    def pair(self, stage: int, backward_stage: int) -> float:
+        """Time of an FB op whose F is on ``stage`` and whose BW is on ``backward_stage``."""
+        given = self.t_fb[stage] if self.t_fb is not None else None
+        return pair_time(self.t_f[stage], self.t_bw[backward_stage], given)
+
+    def time(self, op: Op) -> float:
+        """How long ``op`` takes."""
+        if op.backward is not None:
+            return self.pair(op.stage, op.backward.stage)
+        return self.duration[op.kind][op.stage]
+
+    def pair_steps(self, stage: int, backward_stage: int) -> tuple[float, float]:
+        """Memory changes of an FB op (F on ``stage``, BW on ``backward_stage``): its F, then its BW."""
+        return self.memory[_F][stage], self.memory[_BW][backward_stage]
+
+    def steps(self, op: Op) -> tuple[float, ...]:
+        """``memory_steps`` of ``op`` under these costs."""
+        if op.backward is not None:
+            return self.pair_steps(op.stage, op.backward.stage)
+        return (self.memory[op.kind][op.stage],)
+
+    def microbatch_time(self, stage: int) -> float:
+        """Compute one micro-batch costs ``stage`` alone: its F and its full backward, not overlapped."""
+        return pair_time(self.t_f[stage], self.t_bw[stage])
+
+
+def op_costs(costs: CostModel, num_stages: int) -> OpCosts:
+    """``costs`` expanded to ``num_stages`` stages (checks that per-stage values have that many)."""
+    if not isinstance(costs, CostModel):
+        raise TypeError(f"costs must be a CostModel, got {type(costs).__name__}")
+    return OpCosts(costs, num_stages)
+
+
+def op_time(op: Op, costs: CostModel | OpCosts) -> float:
+    """How long ``op`` takes under ``costs`` (a CostModel, or one already expanded by ``op_costs``)."""
+    if isinstance(costs, OpCosts):
+        return costs.time(op)
+    sized = [len(v) for v in (costs.t_f, costs.t_b, costs.t_w, costs.t_fb, costs.m_b) if isinstance(v, (list, tuple))]
+    num_stages = sized[0] if sized else 1 + max(part.stage for part in op.parts())
+    return op_costs(costs, num_stages).time(op)

@@ -17,6 +17,7 @@ pair), until every rank calls ``resync()``: the first exchange after the mismatc
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from twinpipe.runtime.collectives import Gathering, decode_frame, encode_frame, padded_frame
 from twinpipe.runtime.errors import PipelineAbortedError, PipelineBrokenError, PipelineMismatchError, PipelineOutOfStepError
 
-__all__ = ["Claim", "AgreementRound", "disagreements", "short", "which_step", "out_of_step_error", "WHICH_STEP"]
+__all__ = ["Claim", "Venue", "AgreementRound", "disagreements", "short", "which_step", "out_of_step_error", "WHICH_STEP"]
 
 FACT_CHARS = 96  # longer facts are shortened, keeping a checksum so differences still show
 REASON_CHARS = 600
@@ -110,23 +111,33 @@ def out_of_step_error(where: str, reason: str) -> PipelineOutOfStepError:
     )
 
 
-class AgreementRound:
-    """One step's exchange of claims: through ``board`` (a ``SharedBoard``, all ranks on one host)
-    or else an all-gather over ``group`` (a CPU-capable group of the pipeline's ranks).
-    ``on_out_of_step(reason, pipelines)`` is called when the claims show the ranks are not on the
-    same step, with the pipelines the claims name; ``label`` names this round in the reason."""
+@dataclass(frozen=True)
+class Venue:
+    """Where a pipeline's ranks exchange claims: through ``board`` (a ``SharedBoard``, all ranks on
+    one host) or else an all-gather over ``group`` (a CPU-capable group of the pipeline's ranks),
+    each wait within ``timeout``. ``on_out_of_step(reason, pipelines)`` is called when the claims
+    show the ranks are not on the same step, with the pipelines the claims name."""
 
-    def __init__(self, group, board, claim: Claim, timeout: float, where: str, what: str = "start the step",
-                 on_out_of_step: Callable[[str, set], None] | None = None, label: str = "this step"):
-        self.claim, self.where, self._on_out_of_step, self._label = claim, where, on_out_of_step, label
+    group: object
+    board: object
+    timeout: float
+    on_out_of_step: Callable[[str, set], None] | None = None
+
+
+class AgreementRound:
+    """One step's exchange of claims at ``venue``; ``label`` names this round in an out-of-step reason."""
+
+    def __init__(self, venue: Venue, claim: Claim, where: str, what: str = "start the step", label: str = "this step"):
+        self.claim, self.where, self._on_out_of_step, self._label = claim, where, venue.on_out_of_step, label
         what = f"{where}: waiting for every rank to {what}"
         data = self._mine = claim.encode()
+        board, timeout = venue.board, venue.timeout
         if board is not None:
             round_ = board.post(data)
             self._frames = lambda: board.collect(round_, timeout, what)
             self._arrived = lambda: board.arrived(round_)
         else:
-            gathering = Gathering(group, padded_frame(data), timeout, what)
+            gathering = Gathering(venue.group, padded_frame(data), timeout, what)
             self._frames, self._arrived = gathering.result, gathering.done
         self.checked = False
 

@@ -15,13 +15,12 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from twinpipe.runtime.comm import Layout
 from twinpipe.runtime.recorder import Recorder
 from twinpipe.runtime.transport import Transport
 from twinpipe.runtime.weight_grad import GradStore
-from twinpipe.schedule.lower import Message, RankProgram
+from twinpipe.runtime.wiring import StepWiring
+from twinpipe.schedule.lower import Message
 from twinpipe.schedule.ops import Op, OpKind
-from twinpipe.schedule.placement import Placement
 
 __all__ = ["StepData", "StepResult", "Executor", "run_backward", "last_grad_writes"]
 
@@ -84,30 +83,15 @@ def _as_tuple(value) -> tuple:
 
 
 class Executor:
-    """Executes one rank's program for one step. Created per step; layouts persist outside."""
+    """Executes one rank's program for one step (``wiring``) with its stage ``modules`` and weight-gradient
+    ``store``. Created per step; layouts persist outside."""
 
-    def __init__(
-        self,
-        program: RankProgram,
-        placement: Placement,
-        modules: dict[int, nn.Module],
-        p2p,
-        device: torch.device,
-        layouts: dict,
-        declared: Layout | None,
-        timeout: float,
-        store: GradStore,
-        recorder: Recorder | None = None,
-        overlap_fn=None,
-        before_first_message=None,
-        agreement_arrived=None,
-        on_grads_ready=None,
-    ):
-        self.program, self.placement, self.modules = program, placement, modules
-        self.rank, self.store, self.device = program.rank, store, device
+    def __init__(self, wiring: StepWiring, modules: dict[int, nn.Module], store: GradStore, recorder: Recorder | None = None,
+                 overlap_fn=None, on_grads_ready=None):
+        self.program, self.placement, self.modules = wiring.program, wiring.placement, modules
+        self.rank, self.store, self.device = wiring.program.rank, store, wiring.device
         self.recorder, self.overlap_fn, self.on_grads_ready = recorder, overlap_fn, on_grads_ready
-        self.transport = Transport(program, p2p, device, layouts, declared, timeout, self._where, before_first_message,
-                                   agreement_arrived)
+        self.transport = Transport(wiring, self._where)
         self.acts: dict[tuple[int, int], tuple] = {}  # inputs waiting for a forward
         self.grads: dict[tuple[int, int], tuple] = {}  # output gradients waiting for a backward
         self.saved: dict[tuple[int, int], tuple] = {}  # (inputs, outputs, loss) kept for backward

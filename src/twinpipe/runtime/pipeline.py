@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import uuid
 import weakref
-import zlib
 from functools import cached_property
 from typing import Callable, Sequence
 
@@ -21,15 +20,17 @@ from torch import nn
 
 from twinpipe.checks import DEFAULT_TIMEOUT, check_int
 from twinpipe.runtime import waits
-from twinpipe.runtime.agreement import REASON_CHARS, AgreementRound, Claim, disagreements, out_of_step_error, short
+from twinpipe.runtime import mirrors
+from twinpipe.runtime.agreement import REASON_CHARS, AgreementRound, Claim, Venue, disagreements, out_of_step_error, short
 from twinpipe.runtime.board import release_board, shared_board
 from twinpipe.runtime.collectives import checked_timeout, cpu_group, gather_objects, release_cpu_group
-from twinpipe.runtime.comm import PointToPoint, declared_layout, wait_work
+from twinpipe.runtime.comm import PointToPoint, declared_layout
 from twinpipe.runtime.errors import PipelineAbortedError, PipelineBrokenError, PipelineCommError, PipelineMismatchError
-from twinpipe.runtime.executor import Executor, StepData
+from twinpipe.runtime.executor import Executor, StepData, StepResult
 from twinpipe.runtime.recorder import Recorder
 from twinpipe.runtime.shm import shm_pipes
 from twinpipe.runtime.weight_grad import GradStore
+from twinpipe.runtime.wiring import StepWiring
 from twinpipe.schedule.lower import LoweredSchedule, forward_only, lower
 from twinpipe.schedule.ops import Schedule
 from twinpipe.schedule.spec import ScheduleSpec, describe, name_of, resolve
@@ -41,9 +42,8 @@ __all__ = ["Pipeline", "DualPipe", "DualPipeV"]
 # out of step, on both ranks).
 _BY_IDENTITY: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
-# The p2p tag of every pipeline's mirrored-copy headers: above every pipeline's message tags
-# (1 to 2**20) and mirrored payload tags (2**20 + 1 to 2**21), and not 0 (the user's default).
-_SWAP_HEADER_TAG = (1 << 21) + 1
+# The p2p tag of every pipeline's mirrored-copy headers (see mirrors.py).
+_SWAP_HEADER_TAG = mirrors.HEADER_TAG
 
 
 def _device_of(modules: Sequence[nn.Module]) -> torch.device:
@@ -68,6 +68,22 @@ def _stage_modules(modules, count: int) -> list[nn.Module]:
         if not isinstance(m, nn.Module):
             raise ValueError(f"modules[{i}] is a {type(m).__name__}; every stage must be an nn.Module")
     return modules
+
+
+def _overlapped_forward_backward(modules: nn.ModuleList):
+    """Like the official DualPipe: the user's overlapped F&B runs when all of this rank's stage
+    modules are of one class that defines it."""
+    kinds = {type(m) for m in modules}
+    if len(kinds) == 1 and hasattr(kinds.pop(), "overlapped_forward_backward"):
+        return type(modules[0]).overlapped_forward_backward
+    return None
+
+
+def _check_step_hooks(on_grads_ready, step_id) -> None:
+    if on_grads_ready is not None and not callable(on_grads_ready):
+        raise ValueError(f"on_grads_ready={on_grads_ready!r}: must be a callable taking a stage number, or None")
+    if step_id is not None:
+        check_int(step_id, "step_id")
 
 
 def _describe_schedule(spec, options: dict) -> str:
@@ -147,12 +163,7 @@ class Pipeline(nn.Module):
             pipes = shm_pipes(self._agree_group, self.rank, self.group_rank_of, neighbours - {self.rank}, self.device, self.timeout)
         self._p2p = PointToPoint(self.group, self.group_rank_of, pipes, self._tag)
         self._made = (self._board, pipes)  # what close() gives back
-        # Like the official DualPipe: the user's overlapped F&B runs when all of this rank's stage
-        # modules are of one class that defines it.
-        kinds = {type(m) for m in self.module}
-        self._overlap = None
-        if len(kinds) == 1 and hasattr(kinds.pop(), "overlapped_forward_backward"):
-            self._overlap = type(self.module[0]).overlapped_forward_backward
+        self._overlap = _overlapped_forward_backward(self.module)
 
     def _configure(self, modules, schedule, batch_dim, rank_mapping, group_rank, tensor_shapes, tensor_dtype,
                    dynamic_shapes, transport, schedule_options) -> None:
@@ -304,14 +315,10 @@ class Pipeline(nn.Module):
             raise out_of_step_error(where, self._out_of_step)
         error = None
         try:
-            if on_grads_ready is not None and not callable(on_grads_ready):
-                raise ValueError(f"on_grads_ready={on_grads_ready!r}: must be a callable taking a stage number, or None")
-            if step_id is not None:
-                check_int(step_id, "step_id")
+            _check_step_hooks(on_grads_ready, step_id)
             lowered, data = self._prepare(inputs, num_chunks, criterion, labels, return_outputs, training)
         except Exception as exc:  # reported to every rank before raising
             error = exc
-        status, reason = self._status(error)
         declared = self._declared
         discovering = declared is None and (self.dynamic_shapes or self._layout_key != num_chunks)
         facts = {
@@ -324,53 +331,78 @@ class Pipeline(nn.Module):
             "message layouts": f"declared [{declared}]" if declared is not None else
                                "to discover" if discovering else f"discovered for num_chunks={self._layout_key}",
         }
+        agreement = self._start_round(facts, error, where, round_index)  # raises if this rank will not run it
+        wiring = self._wiring(lowered, declared, agreement, num_chunks if discovering else None)
+        recorder = Recorder(self.device) if trace else None
+        executor = Executor(wiring, self._by_stage, self.store, recorder, self._overlap, on_grads_ready)
+        result = self._run(executor, data, num_chunks, agreement, round_index)
+        self.last_peak_live = result.peak_live
+        self.last_trace = recorder.events if recorder else None
+        return self._collect(result)
+
+    def _start_round(self, facts: dict, error, where: str, round_index: int) -> AgreementRound | None:
+        """Post this rank's claim for the step (collected before its first message). A rank that
+        will not run the step (it rejected its arguments, or the pipeline is broken) tells the
+        others and raises here."""
+        status, reason = self._status(error)
         agreement = None
         if self.num_ranks > 1:
             agreement = self._agreement(Claim(self.rank, facts, status, reason), where, "start the step", f"step {round_index}")
         if status != "ready":
             self._refuse(agreement, status, reason, error, where, round_index)
+        return agreement
+
+    def _wiring(self, lowered: LoweredSchedule, declared, agreement: AgreementRound | None, discover_for: int | None) -> StepWiring:
+        """This rank's wiring for the step: before its first message, the agreement is confirmed and,
+        when layouts are rediscovered (for ``discover_for`` micro-batches), the old ones forgotten."""
 
         def before_first_message() -> None:
             if agreement is not None:
                 agreement.confirm()
-            if discovering:
+            if discover_for is not None:
                 self._layouts.clear()
-                self._layout_key = num_chunks
+                self._layout_key = discover_for
 
-        recorder = Recorder(self.device) if trace else None
-        executor = Executor(
-            lowered.programs[self.rank], lowered.schedule.placement, self._by_stage, self._p2p, self.device,
-            self._layouts, declared, self.timeout, self.store, recorder, self._overlap, before_first_message,
-            agreement.arrived if agreement is not None else None, on_grads_ready,
+        return StepWiring(
+            program=lowered.programs[self.rank], placement=lowered.schedule.placement, p2p=self._p2p, device=self.device,
+            layouts=self._layouts, declared=declared, timeout=self.timeout, before_first_message=before_first_message,
+            agreement_arrived=agreement.arrived if agreement is not None else None,
         )
+
+    def _run(self, executor: Executor, data: StepData, num_chunks: int, agreement, round_index: int) -> StepResult:
+        """Run this rank's program under the pipeline's wait scope (its limit and failure notices, for
+        every wait inside the step, EP collectives included)."""
         self.store.clear()
-        scope = waits.enter(self._scope)  # the pipeline's limit and failure notices, for every wait inside the step
+        scope = waits.enter(self._scope)
         try:
             with self.store.active():
                 result = executor.run(data, num_chunks)
-            if training and self.store.pending():
+            if data.training and self.store.pending():
                 raise RuntimeError(f"rank {self.rank}: {self.store.pending()} deferred weight gradients never ran")
         except BaseException as exc:
-            if agreement is not None and not executor.transport.opened:
-                try:  # failed before its first message: still finish the round, as every rank does
-                    agreement.confirm()
-                except Exception:
-                    pass
-            # Once messages may have moved (EP collectives included), or the ranks' rounds fell out of step, it cannot be undone.
-            if isinstance(exc, PipelineCommError) or (
-                (executor.transport.opened or self._scope.moved) and not isinstance(exc, (PipelineMismatchError, PipelineAbortedError, PipelineBrokenError))
-            ):
-                self._broken = f"rank {self.rank} failed during step {round_index}: {type(exc).__name__}: {exc}"
-                # Every rank waiting on this pipeline's groups (and the EP groups its steps used) hears of it now.
-                waits.publish_failure(getattr(exc, "first", "") or f"global rank {dist.get_rank()} (pipeline rank "
-                                      f"{self.rank}) failed during step {round_index}: {type(exc).__name__}: {exc}", self._scope.groups)
+            self._failed(exc, executor.transport.opened, agreement, round_index)
             raise
         finally:
             waits.leave(scope)
             self.store.clear()
-        self.last_peak_live = result.peak_live
-        self.last_trace = recorder.events if recorder else None
-        return self._collect(result)
+        return result
+
+    def _failed(self, exc: BaseException, opened: bool, agreement, round_index: int) -> None:
+        """After a failed step: finish the agreement round if no message was posted yet, as every rank
+        does; once messages may have moved (``opened``, EP collectives included), or the ranks' rounds
+        fell out of step, the step cannot be undone: mark the pipeline broken and tell every rank
+        waiting on its groups (and the EP groups its steps used)."""
+        if agreement is not None and not opened:
+            try:  # failed before its first message: still finish the round, as every rank does
+                agreement.confirm()
+            except Exception:
+                pass
+        if isinstance(exc, PipelineCommError) or (
+            (opened or self._scope.moved) and not isinstance(exc, (PipelineMismatchError, PipelineAbortedError, PipelineBrokenError))
+        ):
+            self._broken = f"rank {self.rank} failed during step {round_index}: {type(exc).__name__}: {exc}"
+            waits.publish_failure(getattr(exc, "first", "") or f"global rank {dist.get_rank()} (pipeline rank "
+                                  f"{self.rank}) failed during step {round_index}: {type(exc).__name__}: {exc}", self._scope.groups)
 
     def _status(self, error: Exception | None) -> tuple[str, str]:
         """This rank's status for the next agreement round, and why."""
@@ -381,7 +413,7 @@ class Pipeline(nn.Module):
         return "ready", ""
 
     def _agreement(self, claim: Claim, where: str, what: str, label: str) -> AgreementRound:
-        return AgreementRound(self._agree_group, self._board, claim, self.timeout, where, what, _fell_out_of_step, label)
+        return AgreementRound(Venue(self._agree_group, self._board, self.timeout, _fell_out_of_step), claim, where, what, label)
 
     def _refuse(self, agreement, status: str, reason: str, error, where: str, round_index: int):
         """A step this rank will not run: tell the others (they raise too) and raise."""
@@ -471,146 +503,31 @@ class Pipeline(nn.Module):
             outputs = joined[0] if len(joined) == 1 else tuple(joined)
         return loss, outputs
 
-    # ------------------------------------------------------------------ mirrored copies
+    # ------------------------------------------------------------------ mirrored copies (mirrors.py)
     @cached_property
     def _copies(self) -> dict[int, list[tuple[int, int]]]:
         """Model stage -> all its copies as (rank, stage), in chain order, for each model stage this
-        rank holds that has more than one copy.
+        rank holds that has more than one copy (``mirrors.copies_of``)."""
+        return mirrors.copies_of(self._placement(), self.rank, self.stages)
 
-        With several chains each chain is a whole copy of the model, and a stage runs the model
-        stage at its position in its chain (``Placement.model_stage``): DualPipe, BitPipe and
-        Chimera keep two copies of each, Chimera with k pairs 2k. Copies may share a rank."""
-        placement = self._placement()
-        copies: dict[int, list[tuple[int, int]]] = {}
-        if len(placement.chains) > 1:
-            for chain in placement.chains:
-                for stage in chain:
-                    copies.setdefault(placement.model_stage(stage), []).append((placement.rank_of(stage), stage))
-        mine = sorted({placement.model_stage(s) for s in self.stages})
-        return {k: copies[k] for k in mine if len(copies.get(k, ())) > 1}
-
-    def _flat(self, stage: int, grads: bool) -> torch.Tensor:
-        """A new flat tensor of the gradients (or weights) of this rank's ``stage``."""
-        parts = [(p.grad if grads else p.detach()).reshape(-1) for p in self._by_stage[stage].parameters()]
-        return torch.cat(parts) if parts else torch.zeros(0, device=self.device)
-
-    def _unflat(self, stage: int, flat: torch.Tensor, grads: bool) -> None:
-        """Copy ``flat`` into the gradients (or weights) of this rank's ``stage``."""
-        offset = 0
-        with torch.no_grad():
-            for p in self._by_stage[stage].parameters():
-                n = p.numel()
-                (p.grad if grads else p).copy_(flat[offset : offset + n].view_as(p))
-                offset += n
-
-    @property
-    def _swap_tag(self) -> int:
-        """The p2p tag of the mirrored copies' payloads: this pipeline's own, like its messages'
-        ``_tag`` (1 to 2**20) but above every pipeline's, and never 0 (gloo's default, the user's)."""
-        return self._tag + (1 << 20)
-
-    def _swap(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, torch.Tensor], what: str, tag: int) -> None:
-        """Send ``outgoing[peer]`` to each peer and receive ``incoming[peer]`` under p2p ``tag``: all
-        posted, then each awaited."""
-        works = []
-        for peer in outgoing:
-            g = self.group_rank_of[peer]
-            works += [(peer, self.group.send([outgoing[peer]], g, tag)), (peer, self.group.recv([incoming[peer]], g, tag))]
-        for peer, work in works:
-            wait_work(work, self.timeout, f"rank {self.rank}: {what} waiting for rank {peer}")
-
-    def _all_copies(self, what: str, grads: bool) -> dict[int, torch.Tensor]:
-        """Stage -> flat gradients (or weights) of every copy of this rank's mirrored model stages:
-        its own, and the other ranks' received from them.
-
-        Each rank sends a peer its copies of the model stages they share, by model stage then chain.
-        A header goes first, and both sides check it: the operation, the pipeline, the parameters'
-        shapes and dtypes, and the element counts each sends and expects. The check is symmetric,
-        so both ranks of a pair raise ``PipelineMismatchError`` before any payload moves (a size
-        mismatch would abort the process inside gloo; grads paired with weights, or with another
-        pipeline's, would be silently wrong).
-        In the registered placements the ranks holding copies of one model stage all hold the same
-        model stages, so a disagreement reaches every one of them."""
-        self._check_open()
-        copies = self._copies
-        flats = {s: self._flat(s, grads) for items in copies.values() for r, s in items if r == self.rank}
-        signature, numel, differ = {}, {}, []
-        for k, items in copies.items():
-            local = [s for r, s in items if r == self.rank]
-            layouts = {repr([(tuple(p.shape), str(p.dtype)) for p in self._by_stage[s].parameters()]) for s in local}
-            signature[k] = sorted(layouts)
-            if len(layouts) > 1:
-                differ.append(k)
-            numel[k] = flats[local[0]].numel()
-        # Copies on this rank that differ make every header differ, so that every peer raises too.
-        own = f"; rank {self.rank}'s own copies of model stages {differ} differ" if differ else ""
-        peers = sorted({r for items in copies.values() for r, _ in items} - {self.rank})
-        plan, outgoing, headers, replies = {}, {}, {}, {}
-        for peer in peers:
-            shared = [k for k, items in copies.items() if any(r == peer for r, _ in items)]
-            theirs = [(k, s) for k in shared for r, s in copies[k] if r == peer]
-            mine = [flats[s] for k in shared for r, s in copies[k] if r == self.rank]
-            outgoing[peer] = torch.cat(mine)
-            expect = sum(numel[k] for k, _ in theirs)
-            label = (f"{what} of {self._identity}'s model stages {shared}, "
-                     f"parameters #{zlib.crc32(repr([signature[k] for k in shared]).encode()):08x}{own}")
-            plan[peer] = (theirs, expect, label)
-            headers[peer] = torch.tensor([zlib.crc32(label.encode()), outgoing[peer].numel(), expect], dtype=torch.int64)
-            replies[peer] = torch.empty_like(headers[peer])
-        # Headers go under one tag for every pipeline, so that two ranks syncing different pipelines
-        # meet and raise at once; payloads under this pipeline's own (see _swap_tag).
-        self._swap(headers, replies, what, _SWAP_HEADER_TAG)
-        for peer in peers:
-            theirs, expect, label = plan[peer]
-            crc, sent, expected = replies[peer].tolist()
-            if [crc, sent, expected] != [zlib.crc32(label.encode()), expect, outgoing[peer].numel()]:
-                raise PipelineMismatchError(
-                    f"rank {self.rank}: {what} with rank {peer}: the copies disagree ({label}; {outgoing[peer].numel()} "
-                    f"elements to send here and {expect} expected; rank {peer} sends {sent}, expects {expected}, and its "
-                    f"header is #{crc:08x}: another operation or pipeline, or other shapes or dtypes). Every copy of a "
-                    "stage must be the same module, and every rank must call the same sync_mirrored_* method "
-                    "of the same pipeline."
-                )
-        if differ:  # every copy is on this rank (no peer to disagree with)
-            raise PipelineMismatchError(f"rank {self.rank}: {what}: the copies disagree{own} in shapes or dtypes")
-        incoming = {peer: torch.empty(plan[peer][1], dtype=outgoing[peer].dtype, device=outgoing[peer].device) for peer in peers}
-        self._swap(outgoing, incoming, what, self._swap_tag)
-        for peer in peers:
-            offset = 0
-            for k, s in plan[peer][0]:
-                flats[s] = incoming[peer][offset : offset + numel[k]]
-                offset += numel[k]
-        return flats
+    @cached_property
+    def _mirrors(self) -> mirrors.Mirrors:
+        return mirrors.Mirrors(rank=self.rank, copies=self._copies, modules=self._by_stage, device=self.device, p2p=self._p2p,
+                               timeout=self.timeout, identity=self._identity)
 
     def sync_mirrored_grads(self) -> None:
         """Sum the gradients of all copies of each model stage, in place, so that every copy holds
         the full gradient, bitwise equal on every rank: each rank adds the copies in chain order
         (with two copies no order could differ, as a + b == b + a). A no-op for schedules that hold
         one copy of each stage. Every rank holding a copy must call it."""
-        copies = self._copies
-        for items in copies.values():
-            for p in (p for r, s in items if r == self.rank for p in self._by_stage[s].parameters()):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-        flats = self._all_copies("sync_mirrored_grads()", grads=True)
-        for items in copies.values():
-            total = flats[items[0][1]]
-            for _, s in items[1:]:
-                total = total + flats[s]
-            for r, s in items:
-                if r == self.rank:
-                    self._unflat(s, total, grads=True)
+        self._check_open()
+        self._mirrors.sync_grads()
 
     def sync_mirrored_weights(self) -> None:
         """Give every copy of each model stage the weights of one copy, in place: the copy on the
         lowest rank (of several copies there, the lowest chain's)."""
-        copies = self._copies
-        flats = self._all_copies("sync_mirrored_weights()", grads=False)
-        for items in copies.values():
-            source = min(range(len(items)), key=lambda i: (items[i][0], i))
-            for i, (r, s) in enumerate(items):
-                if r == self.rank and i != source:
-                    self._unflat(s, flats[items[source][1]], grads=False)
+        self._check_open()
+        self._mirrors.sync_weights()
 
 
 def _fell_out_of_step(reason: str, identities: set) -> None:

@@ -17,7 +17,8 @@ import torch
 
 from twinpipe.runtime import comm
 from twinpipe.runtime.comm import HEADER_LEN, Layout, pack, receive_buffers, unpack
-from twinpipe.schedule.lower import Message, Packet, RankProgram
+from twinpipe.runtime.wiring import StepWiring
+from twinpipe.schedule.lower import Message, Packet
 
 __all__ = ["Transport"]
 
@@ -31,29 +32,20 @@ class _Channel:
 
 
 class Transport:
-    """One rank's channels for one step. ``where()`` names the current op in error messages."""
+    """One rank's channels for one step, from the step's ``wiring``. ``where()`` names the current op in
+    error messages."""
 
-    def __init__(
-        self,
-        program: RankProgram,
-        p2p: comm.PointToPoint,
-        device: torch.device,
-        layouts: dict,
-        declared: Layout | None,
-        timeout: float,
-        where: Callable[[], str],
-        before_first_message: Callable[[], None] | None = None,
-        agreement_arrived: Callable[[], bool] | None = None,
-    ):
-        self.rank, self.p2p, self.device = program.rank, p2p, device
-        self.layouts, self.declared, self.timeout, self.where = layouts, declared, timeout, where
+    def __init__(self, wiring: StepWiring, where: Callable[[], str]):
+        program = wiring.program
+        self.rank, self.p2p, self.device = program.rank, wiring.p2p, wiring.device
+        self.layouts, self.declared, self.timeout, self.where = wiring.layouts, wiring.declared, wiring.timeout, where
         self.channels = {peer: _Channel(peer, packets) for peer, packets in program.channels.items()}
         self.packet_of = {m: pk for ch in self.channels.values() for pk in ch.packets for m in pk.messages}
         self.posted: dict[Packet, tuple[list, list[torch.Tensor], list[Layout]]] = {}
         self.arrived: dict[Message, list[torch.Tensor]] = {}  # unpacked, waiting for their op
         self.outbox: dict[Message, tuple[torch.Tensor, ...]] = {}
         self.in_flight: list[tuple[list, list, Packet]] = []
-        self.before_first_message, self.agreement_arrived = before_first_message, agreement_arrived
+        self.before_first_message, self.agreement_arrived = wiring.before_first_message, wiring.agreement_arrived
         self.opened = False  # whether anything may have been posted (the step then cannot be undone)
 
     def _open(self) -> None:

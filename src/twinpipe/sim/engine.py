@@ -174,7 +174,7 @@ def _run_shared(schedule: Schedule, costs: CostModel, slices: list | None) -> Su
     inputs arrive); at each, every rank whose next op can start starts it.
     """
     alone = _run(schedule, replace(costs, cores=None), None)  # raises on a deadlock; peaks do not depend on timing
-    placement, m, cores, comm = schedule.placement, schedule.num_microbatches, costs.cores, float(costs.t_comm)
+    placement, cores, comm = schedule.placement, costs.cores, float(costs.t_comm)
     alone_time = op_costs(costs, placement.num_stages).time
     needs = dependency_table(placement).needs
     ends: dict[tuple, float] = {}

@@ -25,7 +25,7 @@ from twinpipe.schedule.ops import OpKind
 
 def replay(name: str, rank: int, hidden: int, rows: int, steps: int) -> list[float]:
     """Seconds per step of ``rank``'s ops of schedule ``name``, run back to back ``steps`` times."""
-    schedule = twinpipe.build_schedule(name, RANKS, MICROBATCHES)
+    schedule = twinpipe.schedule.build(name, RANKS, MICROBATCHES)
     placement = schedule.placement
     stages, made = _stages(name, hidden, rank)
     defer = SCHEDULES[name][1]

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import twinpipe
+from twinpipe.runtime import run_backward
 
 HIDDEN = 8
 
@@ -36,7 +37,7 @@ class OverlapStage(MLPStage):
             loss1.backward()
             loss1.detach_()
         else:
-            twinpipe.run_backward(outputs1, output_grads1)
+            run_backward(outputs1, output_grads1)
         return outputs0, loss0
 
 

@@ -13,7 +13,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 def test_runtime_md_shows_rank_0_of_the_real_4x10_dualpipev_schedule():
     text = (DOCS / "runtime.md").read_text()
-    assert 'twinpipe.build_schedule("dualpipev", 4, 10)' in text
+    assert 'twinpipe.schedule.build("dualpipev", 4, 10)' in text
     block = re.search(r"```\nrank 0: (.*?)```", text, re.S)
     assert block, "docs/runtime.md: no ```rank 0: ...``` block"
     shown = block[1].split()

@@ -1,9 +1,12 @@
-"""The torch layer: P2P messages, deferred weight gradients, the executor and the pipelines."""
+"""The torch layer: P2P messages, deferred weight gradients, the executor and the pipelines.
+
+For: running a schedule on real tensors (``Pipeline``), the official DualPipe API, and the errors
+ranks raise when they fail, disagree or wait too long (all ``PipelineError``)."""
 
 from twinpipe.runtime.batches import BatchLayout, batch_layout
 from twinpipe.runtime.comm import set_p2p_tensor_dtype, set_p2p_tensor_shapes
 from twinpipe.runtime.errors import (
-    PipelineAbortedError, PipelineBrokenError, PipelineCommError, PipelineMismatchError, PipelineOutOfStepError,
+    PipelineError, PipelineAbortedError, PipelineBrokenError, PipelineCommError, PipelineMismatchError, PipelineOutOfStepError,
     PipelinePeerFailedError,
     PipelineTimeoutError,
 )
@@ -14,7 +17,7 @@ from twinpipe.runtime.weight_grad import DeferredLinear, GradStore, WeightGradSt
 __all__ = [
     "Pipeline", "DualPipe", "DualPipeV", "WeightGradStore", "GradStore", "DeferredLinear", "defer_weight_grads",
     "set_p2p_tensor_shapes", "set_p2p_tensor_dtype", "run_backward", "batch_layout", "BatchLayout",
-    "PipelineCommError", "PipelineTimeoutError", "PipelineMismatchError", "PipelineAbortedError", "PipelineBrokenError",
+    "PipelineError", "PipelineCommError", "PipelineTimeoutError", "PipelineMismatchError", "PipelineAbortedError", "PipelineBrokenError",
     "PipelineOutOfStepError",
     "PipelinePeerFailedError",
 ]

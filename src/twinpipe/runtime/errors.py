@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "PipelineError",
     "PipelineCommError",
     "PipelineTimeoutError",
     "PipelinePeerFailedError",
@@ -13,7 +14,11 @@ __all__ = [
 ]
 
 
-class PipelineCommError(RuntimeError):
+class PipelineError(RuntimeError):
+    """The base of every error a pipeline raises when ranks fail, disagree or wait too long."""
+
+
+class PipelineCommError(PipelineError):
     """A message or collective between ranks failed (for example, the peer's process died)."""
 
 
@@ -35,7 +40,7 @@ class PipelinePeerFailedError(PipelineCommError):
         return type(self), (str(self), self.first)
 
 
-class PipelineMismatchError(RuntimeError):
+class PipelineMismatchError(PipelineError):
     """Ranks disagree on what they run (step, mode, schedule, micro-batches, message layouts).
 
     Raised on every rank of the pipeline before any message of the step moves. When the ranks
@@ -44,20 +49,20 @@ class PipelineMismatchError(RuntimeError):
     it stays out of step until every rank calls ``resync()`` (see ``PipelineOutOfStepError``)."""
 
 
-class PipelineAbortedError(RuntimeError):
+class PipelineAbortedError(PipelineError):
     """Another rank rejected this step (or the pipeline's construction) before any message moved.
 
     The rejecting rank raises its own error; the others raise this one, naming it. The pipeline
     stays usable for the next step."""
 
 
-class PipelineBrokenError(RuntimeError):
+class PipelineBrokenError(PipelineError):
     """A rank failed in the middle of an earlier step, so messages may be left half-way: this
     pipeline cannot run again. Build a new one on every rank, on a new process group: gloo closes a
     connection whose wait timed out."""
 
 
-class PipelineOutOfStepError(RuntimeError):
+class PipelineOutOfStepError(PipelineError):
     """The ranks were found running different steps (an extra ``step()`` on one rank, another
     ``step_id``, another pipeline's step), so skipping a step would not realign them: every
     ``step()`` raises this, on every rank, until every rank calls ``pipe.resync()``. Not a

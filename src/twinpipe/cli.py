@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from twinpipe import __version__
+from twinpipe import __version__, cli_options
 
 # name -> (module, function adding its parser, function running it, one-line help for the listing)
 _COMMANDS = {
@@ -59,10 +59,10 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
                     "Schedules whose micro-batches walk several chains (DualPipe's two directions) cannot be written; "
                     "--list says which.")
     parser.add_argument("schedule", nargs="?", help=f"schedule name: {', '.join(sorted(registry.names()))}")
-    parser.add_argument("--ranks", "-p", type=int, metavar="P", help="pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=int, metavar="M", help="micro-batches")
+    cli_options.add(parser, "pp")
+    cli_options.add(parser, "microbatches")
     parser.add_argument("--format", choices=["torch-csv"], default="torch-csv", help="output format (default: %(default)s)")
-    parser.add_argument("--out", "-o", default=None, metavar="PATH", help="file to write (default: standard output)")
+    cli_options.add(parser, "out", more="the file", default_text="standard output")
     parser.add_argument("--list", action="store_true", help="list every registered schedule and whether the format can express it")
     return parser
 
@@ -88,11 +88,11 @@ def run_export(args) -> int:
         if args.list:
             text = _export_list()
         else:
-            missing = [flag for flag, value in (("SCHEDULE", args.schedule), ("--ranks", args.ranks), ("--microbatches", args.microbatches))
+            missing = [flag for flag, value in (("SCHEDULE", args.schedule), ("--pp", args.pp), ("--microbatches", args.microbatches))
                        if value is None]
             if missing:
                 raise ValueError(f"missing {', '.join(missing)} (or --list)")
-            text = to_torch_csv(registry.build(args.schedule, args.ranks, args.microbatches))
+            text = to_torch_csv(registry.build(args.schedule, args.pp, args.microbatches))
         if args.out:
             from pathlib import Path
 

@@ -314,3 +314,17 @@ def test_a_registered_schedule_is_checked_on_every_simulation(monkeypatch):
     pred = predict_one("forgetful-1f1b", None, Cluster(gpus=4), 4, 64, costs=COSTS)
     assert not pred.fits and "missing op" in pred.why
     assert predict_one("1f1b", None, Cluster(gpus=4), 4, 64, costs=COSTS).fits
+
+
+@pytest.mark.parametrize("moe", [{}, {"experts": 8, "top_k": 2}])
+def test_the_planner_reads_the_model_the_trainer_builds(moe):
+    # Model.from_config reads the trainer's GPTConfig: the same model, counted within 1% (the planner
+    # leaves biases, norms and position embeddings out of its count).
+    from twinpipe.train.model import GPT, GPTConfig
+
+    cfg = GPTConfig(seq_len=64, dim=256, heads=4, layers=3, **moe)
+    model = Model.from_config(cfg, microbatch_size=2)
+    assert (model.layers, model.hidden, model.seq, model.vocab, model.experts, model.microbatch_size) == (3, 256, 64, 256, cfg.experts, 2)
+    built = sum(p.numel() for p in GPT(cfg).parameters())
+    assert model.total_params() == pytest.approx(built, rel=0.01)
+    assert Model.from_config(cfg, expert_ffn=64).expert_width == (64 if moe else 1024)

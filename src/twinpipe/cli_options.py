@@ -45,7 +45,7 @@ class Option:
 
 VOCABULARY: dict[str, Option] = {o.dest: o for o in (
     # the pipeline and the step
-    Option("--schedule", "pipeline schedule (twinpipe simulate --help lists them)", str, "NAME"),
+    Option("--schedule", "pipeline schedule", str, "NAME"),
     Option("--pp", "pipeline ranks", int, "P", old=("--ranks", "-p"), low=1),
     Option("--dp", "data-parallel replicas", int, "DP", low=1),
     Option("--ep", "expert-parallel ranks", int, "EP", low=1),
@@ -70,7 +70,7 @@ VOCABULARY: dict[str, Option] = {o.dest: o for o in (
     Option("--expert-ffn", "width of one expert's MLP", int, "WIDTH", old=("--expert-hidden",), low=0),
     # what a command writes
     Option("--out", "where to write", str, "PATH", old=("--output", "-o")),
-    Option("--trace", "record the last step and write its Chrome/Perfetto trace", str, "DIR"),
+    Option("--trace", "record the last step", str, "DIR"),
     Option("--plot", "also draw a picture to this file", str, "FILE"),
     Option("--json", "print JSON instead of a table", None, None),
     Option("--gpus", "GPUs in all", int, "GPUS", low=1),

@@ -49,7 +49,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add = functools.partial(cli_options.add, parser)
-    add("schedule", default="dualpipev", more="any registered one")
+    add("schedule", default="dualpipev", more="any registered one (twinpipe simulate --help lists them)")
     add("pp", default=4)
     add("dp", default=1, more="pp x dp processes in all")
     add("steps", default=300, more="the step to reach, counted from 0 (also with --resume)")

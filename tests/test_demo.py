@@ -112,3 +112,19 @@ def test_demo_moe_runs_the_moe_demo_with_its_own_options(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "twinpipe demo --moe" in out and "--ep" in out
+
+
+def test_the_demo_builds_the_trainers_blocks():
+    # One toy transformer: the demo's stages are twinpipe.train.model blocks of the GPTConfig its options describe.
+    import argparse as _argparse
+
+    from twinpipe.demo import dense
+    from twinpipe.train.model import Block, GPTConfig
+
+    parser = _argparse.ArgumentParser()
+    dense.add_options(parser)
+    args = parser.parse_args(["--dim", "8", "--heads", "2", "--seq-len", "4", "--blocks-per-stage", "2"])
+    assert dense.model_config(args, num_model_stages=3) == GPTConfig(seq_len=4, dim=8, heads=2, layers=6)
+    stage = dense._stage(0, args, torch.device("cpu"))
+    assert [type(b) for b in stage] == [Block, Block] and stage[0].norm1.weight.dtype == torch.float64
+    assert isinstance(demo.Block(8, 2), Block)  # the demo's old block name still builds one

@@ -84,6 +84,7 @@ COMMANDS: list[Command] = [
     Command('pip install "torch==2.13.0" -e ".[test]" && python -m pytest -q',
             not_run=".ci/run runs this line itself: it is the test run that runs this list"),
     _help("twinpipe demo --help"),
+    Command("twinpipe demo --moe --help", stdout=("usage: twinpipe demo --moe", "--expert-ffn", "--eplb")),
     Command("twinpipe demo --moe", f"twinpipe demo --moe --trace fb.json {MOE_TINY}",
             MOE_SMALL + "; with --trace fb.json, so that this run is also the `twinpipe demo --moe --trace fb.json` "
             "line's", files=("fb.json",), stdout=("losses identical",)),

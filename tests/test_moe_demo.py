@@ -54,3 +54,13 @@ def test_demo_eplb_shows_the_imbalance_falling(capsys):
     assert len(steps) == 3 and re.search(r"rebalanced [1-9]", steps[0]), out
     first, last = (float(re.search(r"load ([\d.]+)", line).group(1)) for line in (steps[0], steps[-1]))
     assert first > 1.2 and last < first, out
+
+
+def test_the_old_module_says_where_the_demo_went():
+    import subprocess
+    import sys
+
+    with pytest.raises(ImportError, match=r"twinpipe.moe.demo moved: run `twinpipe demo --moe`"):
+        from twinpipe.moe import demo  # noqa: F401
+    done = subprocess.run([sys.executable, "-m", "twinpipe.moe.demo", "--eplb"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "run `twinpipe demo --moe`" in done.stderr and "Traceback" not in done.stderr

@@ -10,7 +10,8 @@ import argparse
 import importlib
 import sys
 
-from twinpipe import __version__, cli_options
+import twinpipe.cli_options as cli_options
+from twinpipe import __version__
 
 # name -> (module, function adding its parser, function running it, one-line help for the listing)
 _COMMANDS = {

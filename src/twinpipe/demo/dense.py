@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from twinpipe import cli_options
+import twinpipe.cli_options as cli_options
 from twinpipe.checks import DEFAULT_TIMEOUT, bad
 from twinpipe.folders import writable_folder
 from twinpipe.launch import run_local

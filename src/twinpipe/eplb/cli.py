@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from twinpipe import cli_options
+import twinpipe.cli_options as cli_options
 
 from .checks import EplbArgumentError
 

@@ -15,7 +15,7 @@ import json
 import sys
 import time
 
-from twinpipe import cli_options
+import twinpipe.cli_options as cli_options
 from twinpipe.plan.measured import load_traced
 from twinpipe.plan.predict import PLANNED_CAP, default_pp_sizes, plan
 from twinpipe.plan.report import as_dicts, draw_plan, print_table

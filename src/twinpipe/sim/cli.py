@@ -16,7 +16,7 @@ import json
 import sys
 from fractions import Fraction
 
-from twinpipe import cli_options
+import twinpipe.cli_options as cli_options
 from twinpipe.schedule import registry
 from twinpipe.sim.costs import CostModel, check_cost, for_model, stage_sizes
 from twinpipe.sim.engine import simulate

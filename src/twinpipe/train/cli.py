@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from twinpipe import cli_options
+import twinpipe.cli_options as cli_options
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_float, check_int, checked_timeout
 from twinpipe.folders import writable_folder
 

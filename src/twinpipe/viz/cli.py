@@ -39,7 +39,7 @@ def add_draw_parser(subparsers) -> argparse.ArgumentParser:
         "every schedule shares (see --hold).",
         allow_abbrev=False,
     )
-    from twinpipe import cli_options
+    import twinpipe.cli_options as cli_options
 
     cli_options.add(parser, "out", metavar="FILE",
                     more=f"the picture, required; its suffix picks the format ({', '.join('.' + f for f in FORMATS)})")

@@ -31,8 +31,13 @@ def test_demo_runs_and_overlap_keeps_losses(capsys, tmp_path):
     (["--eplb", "--redundant", "3"], "--redundant=3: must be a multiple of --ep=2"),
     (["--interval", "0"], "--interval=0: must be >= 1"),
     (["--dim", "6"], "--dim=6: must be a multiple of --heads=4"),
+    (["--trace", "{file}"], "--trace='{file}': must be a folder (or a file name ending in .json); it is a file"),
+    (["--trace", "{file}/fb.json"], "--trace='{file}': must be a folder; it is a file"),  # was an error after the run
 ])
-def test_demo_rejects_bad_arguments(argv, message, capsys):
+def test_demo_rejects_bad_arguments(argv, message, capsys, tmp_path):
+    file = tmp_path / "a-file"
+    file.write_text("")
+    argv, message = [a.format(file=file) for a in argv], message.format(file=file)
     assert main(["demo", "--moe", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"twinpipe demo --moe: error: {message}") and err.count("\n") == 1, err

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import twinpipe.cli_options as cli_options
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_int
+from twinpipe.folders import writable_folder
 from twinpipe.launch import run_local
 
 __all__ = ["add_options", "run", "model_config", "DESCRIPTION"]
@@ -85,6 +86,10 @@ def _check(args) -> None:
         raise bad("--redundant", args.redundant, f"must be a multiple of --ep={args.ep} (0 included)")
     if args.dim % args.heads:
         raise bad("--dim", args.dim, f"must be a multiple of --heads={args.heads}")
+    if args.trace is not None:  # last: it makes the folder
+        if Path(args.trace).is_file() and Path(args.trace).suffix != ".json":
+            raise bad("--trace", args.trace, "must be a folder (or a file name ending in .json); it is a file")
+        writable_folder(_trace_path(args.trace).parent, "--trace")
 
 
 def _rank(rank: int, world: int, args) -> dict:

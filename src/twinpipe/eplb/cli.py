@@ -126,7 +126,7 @@ def _plot(report, path):
     from .plot import plot_balance
 
     try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as `twinpipe draw -o` and `plan --plot` do
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as `twinpipe draw --out` and `plan --plot` do
         return plot_balance(report, path)
     except (OSError, ValueError) as exc:
         raise EplbArgumentError("plot", f"cannot write the plot to {path!r}: {exc}") from None

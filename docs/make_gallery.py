@@ -20,16 +20,16 @@ IMG = Path(__file__).resolve().parent / "img"
 
 # (file name, arguments after "twinpipe draw")
 PICTURES = [
-    ("schedule-1f1b.png", "1f1b --ranks 4 --microbatches 8"),
-    ("schedule-zb-h1.png", "zb-h1 --ranks 4 --microbatches 8"),
-    ("schedule-zb-h2.png", "zb-h2 --ranks 4 --microbatches 12"),
-    ("schedule-dualpipe.png", "dualpipe --ranks 8 --microbatches 20"),
-    ("schedule-dualpipev.png", "dualpipev --ranks 4 --microbatches 10"),
-    ("schedule-compare.png", "--compare 1f1b,zb-h1,zb-h2,dualpipe --ranks 4 --microbatches 12"),
-    ("schedule-dualpipe-overlap.png", "dualpipe --ranks 8 --microbatches 20 --fb 2.2 --comm 0.1"),
-    ("schedule-chimera.png", "chimera --ranks 4 --microbatches 8 --w 0"),
-    ("schedule-bitpipe.png", "bitpipe --ranks 4 --microbatches 8"),
-    ("schedule-bidirectional.png", "--compare dualpipe,chimera,bitpipe --ranks 4 --microbatches 16"),
+    ("schedule-1f1b.png", "1f1b --pp 4 --microbatches 8"),
+    ("schedule-zb-h1.png", "zb-h1 --pp 4 --microbatches 8"),
+    ("schedule-zb-h2.png", "zb-h2 --pp 4 --microbatches 12"),
+    ("schedule-dualpipe.png", "dualpipe --pp 8 --microbatches 20"),
+    ("schedule-dualpipev.png", "dualpipev --pp 4 --microbatches 10"),
+    ("schedule-compare.png", "--compare 1f1b,zb-h1,zb-h2,dualpipe --pp 4 --microbatches 12"),
+    ("schedule-dualpipe-overlap.png", "dualpipe --pp 8 --microbatches 20 --fb 2.2 --comm 0.1"),
+    ("schedule-chimera.png", "chimera --pp 4 --microbatches 8 --w 0"),
+    ("schedule-bitpipe.png", "bitpipe --pp 4 --microbatches 8"),
+    ("schedule-bidirectional.png", "--compare dualpipe,chimera,bitpipe --pp 4 --microbatches 16"),
 ]
 
 

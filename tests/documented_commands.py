@@ -51,9 +51,10 @@ PLACEHOLDERS = "shown with placeholders: CI fills them in"
 FOUR_ON_TWO = "4 processes on CI's 2 cores take long: 2 processes"
 TRAIN_SMALL = "the documented run takes minutes: 2 processes (the same schedule), a 2-block model of width 16, 2 steps"
 NO_GPU = "CI has no GPU: --device cpu (the default)"
-MOE_TINY = "--pp 1 --ep 2 --steps 1 --chunks 2 --tokens 16 --blocks 1 --hidden 16 --experts 2 --expert-hidden 16"
+MOE_TINY = "--pp 1 --ep 2 --steps 1 --microbatches 2 --microbatch-size 1 --blocks-per-stage 1 --dim 16 --experts 2 --expert-ffn 16"
 MOE_SMALL = "PP=2 x EP=2 is 4 processes on CI's 2 cores: PP=1 x EP=2, one step of a tiny model"
-EPLB_TINY = "--pp 1 --ep 2 --steps 2 --chunks 2 --tokens 16 --blocks 1 --hidden 16 --experts 4 --expert-hidden 16 --interval 1"
+EPLB_TINY = ("--pp 1 --ep 2 --steps 2 --microbatches 2 --microbatch-size 1 --blocks-per-stage 1 --dim 16 --experts 4 "
+             "--expert-ffn 16 --interval 1")
 TINY = "--layers 2 --dim 16 --heads 2 --seq-len 16 --batch-size 4 --corpus-bytes 65536"
 TRAIN_FILES = ("twinpipe-train/train-loss.png", "twinpipe-train/train-log.json", "twinpipe-train/checkpoint-final/")
 LOADS_CSV = "90,132,40,61,104,165,39,4,73,56,183,86", "20,107,104,64,19,197,187,157,172,86,16,27"
@@ -83,8 +84,9 @@ COMMANDS: list[Command] = [
     Command('pip install "torch==2.13.0" -e ".[test]" && python -m pytest -q',
             not_run=".ci/run runs this line itself: it is the test run that runs this list"),
     _help("twinpipe demo --help"),
+    Command("twinpipe demo --moe --help", stdout=("usage: twinpipe demo --moe", "--expert-ffn", "--eplb")),
     Command("twinpipe demo --moe", f"twinpipe demo --moe --trace fb.json {MOE_TINY}",
-            MOE_SMALL + "; with --trace fb.json, so that this run is also the `python -m twinpipe.moe.demo --trace fb.json` "
+            MOE_SMALL + "; with --trace fb.json, so that this run is also the `twinpipe demo --moe --trace fb.json` "
             "line's", files=("fb.json",), stdout=("losses identical",)),
     Command("twinpipe demo --moe --eplb", f"twinpipe demo --moe --eplb {EPLB_TINY}", MOE_SMALL, stdout=("rebalanced",)),
     Command("torchrun --standalone --nproc-per-node 4 -m twinpipe.demo",
@@ -98,7 +100,7 @@ COMMANDS: list[Command] = [
     Command("torchrun --standalone --nproc-per-node 4 examples/dualpipe.py",
             "torchrun --standalone --nproc-per-node 2 examples/dualpipe.py", FOUR_ON_TWO, copy=("examples",),
             stdout=("step 2: rank",)),
-    Command("twinpipe simulate --compare 1f1b,zb-h1,dualpipe --ranks 8 --microbatches 32 --f 1 --b 1 --w 1 --fb 2.5",
+    Command("twinpipe simulate --compare 1f1b,zb-h1,dualpipe --pp 8 --microbatches 32 --f 1 --b 1 --w 1 --fb 2.5",
             stdout=("dualpipe",)),
     # ---- the commands' names in sentences
     _help("twinpipe simulate"),
@@ -130,43 +132,43 @@ COMMANDS: list[Command] = [
     _bench("python bench/bench_plan.py --skip-speed"),
     _bench("python bench/bench_compose.py"),
     # ---- docs/adding-a-schedule.md, docs/schedules.md
-    Command("twinpipe simulate <name> ...", "twinpipe simulate dualpipev --ranks 4 --microbatches 8", PLACEHOLDERS,
+    Command("twinpipe simulate <name> ...", "twinpipe simulate dualpipev --pp 4 --microbatches 8", PLACEHOLDERS,
             stdout=("bubble rate",)),
-    Command("twinpipe simulate --compare ...,<name>", "twinpipe simulate --compare 1f1b,dualpipev --ranks 4 --microbatches 8",
+    Command("twinpipe simulate --compare ...,<name>", "twinpipe simulate --compare 1f1b,dualpipev --pp 4 --microbatches 8",
             PLACEHOLDERS, stdout=("dualpipev",)),
-    Command("twinpipe simulate --compare gpipe,1f1b,... --ranks P --microbatches M",
-            "twinpipe simulate --compare gpipe,1f1b,zb-h1 --ranks 4 --microbatches 8", PLACEHOLDERS, stdout=("zb-h1",)),
+    Command("twinpipe simulate --compare gpipe,1f1b,... --pp P --microbatches M",
+            "twinpipe simulate --compare gpipe,1f1b,zb-h1 --pp 4 --microbatches 8", PLACEHOLDERS, stdout=("zb-h1",)),
     Command("twinpipe simulate/draw chimera --pairs 2",
-            "twinpipe simulate chimera --pairs 2 --ranks 4 --microbatches 8 && "
-            "twinpipe draw chimera --pairs 2 --ranks 4 --microbatches 8 -o chimera.png",
+            "twinpipe simulate chimera --pairs 2 --pp 4 --microbatches 8 && "
+            "twinpipe draw chimera --pairs 2 --pp 4 --microbatches 8 --out chimera.png",
             "two commands in one, sizes left out: both, with sizes", files=("chimera.png",)),
     # ---- docs/gallery.md (each picture into docs/img/ of a fresh folder)
-    *(Command(f"twinpipe draw {args} -o docs/img/schedule-{name}.png", files=(f"docs/img/schedule-{name}.png",))
+    *(Command(f"twinpipe draw {args} --out docs/img/schedule-{name}.png", files=(f"docs/img/schedule-{name}.png",))
       for name, args in [
-          ("1f1b", "1f1b --ranks 4 --microbatches 8"),
-          ("zb-h1", "zb-h1 --ranks 4 --microbatches 8"),
-          ("zb-h2", "zb-h2 --ranks 4 --microbatches 12"),
-          ("dualpipe", "dualpipe --ranks 8 --microbatches 20"),
-          ("dualpipe-overlap", "dualpipe --ranks 8 --microbatches 20 --fb 2.2 --comm 0.1"),
-          ("dualpipev", "dualpipev --ranks 4 --microbatches 10"),
-          ("chimera", "chimera --ranks 4 --microbatches 8 --w 0"),
-          ("bitpipe", "bitpipe --ranks 4 --microbatches 8"),
-          ("bidirectional", "--compare dualpipe,chimera,bitpipe --ranks 4 --microbatches 16"),
-          ("compare", "--compare 1f1b,zb-h1,zb-h2,dualpipe --ranks 4 --microbatches 12"),
+          ("1f1b", "1f1b --pp 4 --microbatches 8"),
+          ("zb-h1", "zb-h1 --pp 4 --microbatches 8"),
+          ("zb-h2", "zb-h2 --pp 4 --microbatches 12"),
+          ("dualpipe", "dualpipe --pp 8 --microbatches 20"),
+          ("dualpipe-overlap", "dualpipe --pp 8 --microbatches 20 --fb 2.2 --comm 0.1"),
+          ("dualpipev", "dualpipev --pp 4 --microbatches 10"),
+          ("chimera", "chimera --pp 4 --microbatches 8 --w 0"),
+          ("bitpipe", "bitpipe --pp 4 --microbatches 8"),
+          ("bidirectional", "--compare dualpipe,chimera,bitpipe --pp 4 --microbatches 16"),
+          ("compare", "--compare 1f1b,zb-h1,zb-h2,dualpipe --pp 4 --microbatches 12"),
       ]),
     # ---- docs/plan.md, docs/tracing.md
-    Command("twinpipe plan --layers 24 --hidden 2048 --seq 2048 --gpus 32 -m 32", stdout=("dualpipev",)),
-    Command("twinpipe plan --layers 48 --hidden 5120 --seq 4096 --experts 128 --top-k 8 --expert-ffn 1536 --ep 8 "
-            "--gpus 256 -m 64 --pp 16 --plot plan.png", files=("plan.png",)),
-    Command("twinpipe plan --layers 24 --hidden 2048 --seq 2048 --gpus 32 -m 32 --pp 4",
+    Command("twinpipe plan --layers 24 --dim 2048 --seq-len 2048 --gpus 32 --microbatches 32", stdout=("dualpipev",)),
+    Command("twinpipe plan --layers 48 --dim 5120 --seq-len 4096 --experts 128 --top-k 8 --expert-ffn 1536 --ep 8 "
+            "--gpus 256 --microbatches 64 --pp 16 --plot plan.png", files=("plan.png",)),
+    Command("twinpipe plan --layers 24 --dim 2048 --seq-len 2048 --gpus 32 --microbatches 32 --pp 4",
             stdout=("300.1 ms", "307.4 ms", "322.2 ms", "363.5 ms")),  # the table docs/plan.md shows
-    Command("twinpipe plan --layers 48 --hidden 5120 --seq 4096 --experts 128 --top-k 8 --expert-ffn 1536 --ep 8 "
-            "--gpus 256 -m 64 --pp 16 --plot docs/img/plan-moe.png", files=("docs/img/plan-moe.png",),
+    Command("twinpipe plan --layers 48 --dim 5120 --seq-len 4096 --experts 128 --top-k 8 --expert-ffn 1536 --ep 8 "
+            "--gpus 256 --microbatches 64 --pp 16 --plot docs/img/plan-moe.png", files=("docs/img/plan-moe.png",),
             stdout=("3.54 s", "3.76 s", "4.17 s")),
-    Command("twinpipe export dualpipev --ranks 4 --microbatches 8 --format torch-csv --out dualpipev.csv",
+    Command("twinpipe export dualpipev --pp 4 --microbatches 8 --format torch-csv --out dualpipev.csv",
             files=("dualpipev.csv",)),
     Command("twinpipe export --list", stdout=("dualpipev: yes",)),
-    Command("twinpipe demo --trace out/", "twinpipe demo --trace out/ --ranks 2 --steps 1",
+    Command("twinpipe demo --trace out/", "twinpipe demo --trace out/ --pp 2 --steps 1",
             "4 processes on CI's 2 cores take long: 2 ranks, one (traced) step", folder="trace", files=TRACE_FILES),
     Command("twinpipe plan --from-trace out/trace.json", folder="trace", stdout=("dualpipev",)),
     Command("twinpipe plan --from-trace", "twinpipe plan --from-trace out/trace.json",
@@ -185,15 +187,12 @@ COMMANDS: list[Command] = [
     Command("python -m twinpipe.eplb.cli LOADS ...",
             "python -m twinpipe.eplb.cli loads.csv --replicas 16 --groups 4 --nodes 2 --gpus 8 --json",
             PLACEHOLDERS + " (the example's)", folder="eplb", stdout=('"phy2log": [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9',)),
-    Command("python -m twinpipe.moe.demo --eplb", "python -m twinpipe.moe.demo --help",
-            "the program `twinpipe demo --moe --eplb` runs (the CLI hands `demo --moe` to this module's main), run above: "
-            "CI checks this entry point starts and lists --eplb", stdout=("usage:",)),
+    Command("python -m twinpipe.demo --moe --eplb", "python -m twinpipe.demo --moe --help",
+            "the same program as `twinpipe demo --moe --eplb`, run above: CI checks this entry point starts and lists --eplb",
+            stdout=("usage:",)),
     # ---- docs/moe-overlap.md
-    Command("python -m twinpipe.moe.demo --trace fb.json", f"twinpipe demo --moe --trace fb.json {MOE_TINY}",
-            "the program `twinpipe demo --moe` runs (the CLI hands `demo --moe` to this module's main): one run for "
-            "both lines, at the size above; the module's own entry point is checked by the next line", files=("fb.json",)),
-    Command("python -m twinpipe.moe.demo", "python -m twinpipe.moe.demo --help",
-            "the program `twinpipe demo --moe` runs, run above: CI checks this entry point starts"),
+    Command("twinpipe demo --moe --trace fb.json", f"twinpipe demo --moe --trace fb.json {MOE_TINY}",
+            MOE_SMALL + ": one run for this line and README's `twinpipe demo --moe`", files=("fb.json",)),
     # ---- docs/train.md (and the README's `twinpipe train`)
     Command("twinpipe train", f"twinpipe train --pp 2 --steps 10 {TINY}",
             "the documented run takes minutes: 2 processes (the same schedule), a 2-block model of width 16, 10 steps "

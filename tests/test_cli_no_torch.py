@@ -1,4 +1,5 @@
-"""``twinpipe simulate`` and ``twinpipe draw`` work where torch is not installed."""
+"""``twinpipe simulate``, ``draw``, ``plan`` and ``export`` work where torch is not installed (their
+shared options too: ``twinpipe.cli_options`` is pure Python)."""
 
 from __future__ import annotations
 
@@ -41,10 +42,24 @@ def test_draw_without_torch(no_torch_env, tmp_path):
     assert (tmp_path / "zb.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plan_and_export_without_torch(no_torch_env):
+    result = twinpipe(no_torch_env, "plan", "--layers", "8", "--dim", "512", "--seq-len", "512", "--gpus", "8",
+                      "--microbatches", "8", "--pp", "2", "--schedules", "1f1b", "--json")
+    assert result.returncode == 0, result.stderr
+    assert {row["schedule"] for row in json.loads(result.stdout)} == {"1f1b"}
+    result = twinpipe(no_torch_env, "export", "1f1b", "--pp", "2", "--microbatches", "2")
+    assert result.returncode == 0 and result.stdout.splitlines() == ["0F0,0F1,0B0,0B1", "1F0,1B0,1F1,1B1"], result.stderr
+    result = twinpipe(no_torch_env, "export", "1f1b", "--ranks", "2", "-m", "2")  # the old spellings, hidden
+    assert result.returncode == 0 and result.stdout.splitlines() == ["0F0,0F1,0B0,0B1", "1F0,1B0,1F1,1B1"], result.stderr
+
+
 def test_help_lists_every_command_and_demo_says_what_it_needs(no_torch_env):
     result = twinpipe(no_torch_env, "--help")
     assert result.returncode == 0, result.stderr
     assert all(name in result.stdout for name in ("demo", "simulate", "draw", "eplb", "train"))
     result = twinpipe(no_torch_env, "demo")
+    assert result.returncode == 2
+    assert "twinpipe demo: error: it needs the package 'torch', which is not installed" in result.stderr
+    result = twinpipe(no_torch_env, "demo", "--moe")
     assert result.returncode == 2
     assert "twinpipe demo: error: it needs the package 'torch', which is not installed" in result.stderr

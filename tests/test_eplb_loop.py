@@ -478,27 +478,3 @@ def test_balancer_checks_every_argument(kwargs, message):
 def test_balancer_timeout_reaches_its_loads():
     # One setting bounds every wait of the loop: the moves had it, the loads' all-reduces too.
     assert Balancer(mm.make_stage("softmax"), timeout=7).loads.timeout == 7.0
-
-
-# ---------------------------------------------------------------- twinpipe demo --moe --eplb
-def test_demo_eplb_shows_the_imbalance_falling(capsys):
-    import re
-
-    from twinpipe.moe import demo
-
-    assert demo.main(["--pp", "1", "--ep", "2", "--steps", "3", "--chunks", "2", "--tokens", "64", "--hidden", "8",
-                      "--experts", "4", "--expert-hidden", "8", "--blocks", "1", "--eplb", "--interval", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "losses identical" in out
-    steps = [line for line in out.splitlines() if line.startswith("  step ")]
-    assert len(steps) == 3 and re.search(r"rebalanced [1-9]", steps[0]), out
-    first, last = (float(re.search(r"load ([\d.]+)", line).group(1)) for line in (steps[0], steps[-1]))
-    assert first > 1.2 and last < first, out
-
-
-@pytest.mark.parametrize("argv,match", [(["--eplb", "--redundant", "3"], "--redundant=3"), (["--interval", "0"], "--interval=0")])
-def test_demo_eplb_rejects_bad_arguments(argv, match):
-    from twinpipe.moe import demo
-
-    with pytest.raises(SystemExit, match=match):
-        demo.main(argv)

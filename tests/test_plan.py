@@ -193,7 +193,7 @@ def test_model_and_cluster_refuse_bad_values():
 
 def test_cli_table_json_and_plot(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "300")  # one line per row
-    args = ["plan", "--layers", "8", "--hidden", "512", "--seq", "512", "--gpus", "8", "-m", "16", "--pp", "2,4"]
+    args = ["plan", "--layers", "8", "--dim", "512", "--seq-len", "512", "--gpus", "8", "--microbatches", "16", "--pp", "2,4"]
     assert main(args + ["--plot", str(tmp_path / "plan.png")]) == 0
     out = capsys.readouterr().out
     assert "what limits it" in out and "dualpipe" in out and (tmp_path / "plan.png").stat().st_size > 1000
@@ -215,14 +215,14 @@ def test_cli_from_trace(tmp_path, capsys):
 @pytest.mark.parametrize("extra,message", [
     ([], "missing --gpus"),
     (["--gpus", "8"], "missing --microbatches"),
-    (["--gpus", "8", "-m", "8", "--pp", "two"], "--pp='two'"),
-    (["--gpus", "8", "-m", "0"], "microbatches=0: must be an integer >= 1"),
-    (["--gpus", "0", "-m", "8"], "cluster.gpus=0: must be >= 1"),
-    (["--gpus", "8", "-m", "8", "--schedules", "nope"], "schedule='nope' is unknown"),
-    (["--gpus", "8", "-m", "8", "--experts", "4", "--top-k", "5"], "model.top_k=5"),
+    (["--gpus", "8", "--microbatches", "8", "--pp", "two"], "--pp='two'"),
+    (["--gpus", "8", "--microbatches", "0"], "microbatches=0: must be an integer >= 1"),
+    (["--gpus", "0", "--microbatches", "8"], "cluster.gpus=0: must be >= 1"),
+    (["--gpus", "8", "--microbatches", "8", "--schedules", "nope"], "schedule='nope' is unknown"),
+    (["--gpus", "8", "--microbatches", "8", "--experts", "4", "--top-k", "5"], "model.top_k=5"),
 ])
 def test_cli_bad_input_names_the_option(extra, message, capsys):
-    assert main(["plan", "--layers", "8", "--hidden", "512", "--seq", "512", *extra]) == 2
+    assert main(["plan", "--layers", "8", "--dim", "512", "--seq-len", "512", *extra]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -247,8 +247,8 @@ def test_a_traced_chimera_with_pairs_plans_its_own_variant_with_its_stage_times(
 
 
 def test_cli_missing_model_or_bad_trace(tmp_path, capsys):
-    assert main(["plan", "--gpus", "8", "-m", "8"]) == 2
-    assert "missing --layers, --hidden, --seq" in capsys.readouterr().err
+    assert main(["plan", "--gpus", "8", "--microbatches", "8"]) == 2
+    assert "missing --layers, --dim, --seq-len" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{}")
     assert main(["plan", "--from-trace", str(tmp_path / "bad.json")]) == 2
     assert "not a twinpipe Chrome trace" in capsys.readouterr().err
@@ -314,3 +314,17 @@ def test_a_registered_schedule_is_checked_on_every_simulation(monkeypatch):
     pred = predict_one("forgetful-1f1b", None, Cluster(gpus=4), 4, 64, costs=COSTS)
     assert not pred.fits and "missing op" in pred.why
     assert predict_one("1f1b", None, Cluster(gpus=4), 4, 64, costs=COSTS).fits
+
+
+@pytest.mark.parametrize("moe", [{}, {"experts": 8, "top_k": 2}])
+def test_the_planner_reads_the_model_the_trainer_builds(moe):
+    # Model.from_config reads the trainer's GPTConfig: the same model, counted within 1% (the planner
+    # leaves biases, norms and position embeddings out of its count).
+    from twinpipe.train.model import GPT, GPTConfig
+
+    cfg = GPTConfig(seq_len=64, dim=256, heads=4, layers=3, **moe)
+    model = Model.from_config(cfg, microbatch_size=2)
+    assert (model.layers, model.hidden, model.seq, model.vocab, model.experts, model.microbatch_size) == (3, 256, 64, 256, cfg.experts, 2)
+    built = sum(p.numel() for p in GPT(cfg).parameters())
+    assert model.total_params() == pytest.approx(built, rel=0.01)
+    assert Model.from_config(cfg, expert_ffn=64).expert_width == (64 if moe else 1024)

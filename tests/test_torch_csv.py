@@ -202,4 +202,4 @@ def test_export_to_stdout_and_schedule_errors(capsys):
     assert main(["export", "1f1b", "--ranks", "0", "--microbatches", "2"]) == 2
     assert "num_ranks=0" in capsys.readouterr().err
     assert main(["export", "1f1b"]) == 2
-    assert "missing --ranks, --microbatches (or --list)" in capsys.readouterr().err
+    assert "missing --pp, --microbatches (or --list)" in capsys.readouterr().err

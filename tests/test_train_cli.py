@@ -81,7 +81,7 @@ def test_overlap_dp_is_on_unless_turned_off():
 
 def test_the_timeout_default_is_the_one_default():
     assert _args().timeout == DEFAULT_TIMEOUT
-    assert f"(default {DEFAULT_TIMEOUT:g})" in " ".join(_parser().format_help().split())
+    assert f"(default: {DEFAULT_TIMEOUT:g})" in " ".join(_parser().format_help().split())
 
 
 def _parser() -> argparse.ArgumentParser:

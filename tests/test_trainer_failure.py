@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import pytest
 
 from distributed import run_world
 

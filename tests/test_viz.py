@@ -224,7 +224,7 @@ def test_picture_says_what_was_held_equal(tmp_path, monkeypatch):
 
 def test_cli_bad_output_suffix(tmp_path, capsys):
     assert _cli("1f1b", "--ranks", "2", "--microbatches", "4", "-o", str(tmp_path / "x.txt")) == 2
-    assert "--output=" in capsys.readouterr().err
+    assert "--out=" in capsys.readouterr().err
 
 
 def test_layers_only_look_down():

@@ -10,11 +10,12 @@ import argparse
 import importlib
 import sys
 
+import twinpipe.cli_options as cli_options
 from twinpipe import __version__
 
 # name -> (module, function adding its parser, function running it, one-line help for the listing)
 _COMMANDS = {
-    "demo": ("twinpipe.demo", "add_demo_parser", "run_demo", "train a small model on a pipeline and check it against one process"),
+    "demo": ("twinpipe.demo", "add_demo_parser", "run_demo", "train a small model on a pipeline and check it against one process (--moe: MoE blocks with F&B overlap)"),
     "simulate": ("twinpipe.sim.cli", "add_simulate_parser", "run_simulate", "simulate a schedule: bubble, per-rank idle time, peak activation memory"),
     "draw": ("twinpipe.viz.cli", "add_draw_parser", "run_draw", "draw a simulated schedule (or several, stacked) as PNG/SVG/PDF"),
     "eplb": ("twinpipe.eplb.cli", "add_eplb_parser", "run_eplb", "balance MoE expert replicas across GPUs (DeepSeek EPLB)"),
@@ -29,8 +30,9 @@ def _command_of(argv: list[str]) -> str | None:
     return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
-def _parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser with ``command``'s full options; the other subcommands are listed by name only."""
+def _parser(command: str | None = None, argv: list[str] = ()) -> argparse.ArgumentParser:
+    """The parser with ``command``'s full options; the other subcommands are listed by name only.
+    ``demo --moe`` is the MoE demo: the same command with its own options (and help)."""
     parser = argparse.ArgumentParser(prog="twinpipe", description="DualPipe, DualPipeV and friends: run, simulate, draw.")
     parser.add_argument("--version", action="version", version=f"twinpipe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -42,7 +44,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
                 if (error.name or "twinpipe").split(".")[0] == "twinpipe":
                     raise
                 parser.exit(2, f"twinpipe {name}: error: it needs the package {error.name!r}, which is not installed\n")
-            getattr(mod, add)(sub).set_defaults(run=getattr(mod, run))
+            variant = {"is_moe": True} if name == "demo" and "--moe" in argv else {}
+            getattr(mod, add)(sub, **variant).set_defaults(run=getattr(mod, run))
         else:
             sub.add_parser(name, help=summary)
     return parser
@@ -59,10 +62,10 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
                     "Schedules whose micro-batches walk several chains (DualPipe's two directions) cannot be written; "
                     "--list says which.")
     parser.add_argument("schedule", nargs="?", help=f"schedule name: {', '.join(sorted(registry.names()))}")
-    parser.add_argument("--ranks", "-p", type=int, metavar="P", help="pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=int, metavar="M", help="micro-batches")
+    cli_options.add(parser, "pp")
+    cli_options.add(parser, "microbatches")
     parser.add_argument("--format", choices=["torch-csv"], default="torch-csv", help="output format (default: %(default)s)")
-    parser.add_argument("--out", "-o", default=None, metavar="PATH", help="file to write (default: standard output)")
+    cli_options.add(parser, "out", more="the file", default_text="standard output")
     parser.add_argument("--list", action="store_true", help="list every registered schedule and whether the format can express it")
     return parser
 
@@ -88,11 +91,11 @@ def run_export(args) -> int:
         if args.list:
             text = _export_list()
         else:
-            missing = [flag for flag, value in (("SCHEDULE", args.schedule), ("--ranks", args.ranks), ("--microbatches", args.microbatches))
+            missing = [flag for flag, value in (("SCHEDULE", args.schedule), ("--pp", args.pp), ("--microbatches", args.microbatches))
                        if value is None]
             if missing:
                 raise ValueError(f"missing {', '.join(missing)} (or --list)")
-            text = to_torch_csv(registry.build(args.schedule, args.ranks, args.microbatches))
+            text = to_torch_csv(registry.build(args.schedule, args.pp, args.microbatches))
         if args.out:
             from pathlib import Path
 
@@ -108,12 +111,7 @@ def run_export(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if _command_of(argv) == "demo" and "--moe" in argv:  # the MoE demo has options of its own
-        from twinpipe.moe.demo import main as moe_demo
-
-        rest = argv[argv.index("demo") + 1 :]
-        return moe_demo([a for a in rest if a != "--moe"])
-    parser = _parser(_command_of(argv))
+    parser = _parser(_command_of(argv), argv)
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
         parser.print_help()

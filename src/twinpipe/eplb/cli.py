@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+import twinpipe.cli_options as cli_options
+
 from .checks import EplbArgumentError
 
 # Library parameter -> the command-line argument that feeds it.
@@ -54,14 +56,14 @@ def add_eplb_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--replicas", type=_positive_int, required=True, metavar="R", help="physical experts per layer")
     parser.add_argument("--groups", type=_positive_int, required=True, metavar="G", help="expert groups")
     parser.add_argument("--nodes", type=_positive_int, required=True, metavar="N", help="server nodes")
-    parser.add_argument("--gpus", type=_positive_int, required=True, metavar="P", help="GPUs in all")
+    cli_options.add(parser, "gpus", type=_positive_int, required=True, metavar="P")
     parser.add_argument("--refine", action="store_true", help="local search after the greedy (lower max load)")
     parser.add_argument("--distinct", action="store_true", help="never two replicas of one expert on a GPU")
     parser.add_argument(
         "--previous", metavar="FILE", help="current phy2log [layers, R] (.csv/.json/.pt): keep replicas in place"
     )
-    parser.add_argument("--json", action="store_true", help="print JSON (placement and balance) instead of tables")
-    parser.add_argument("--plot", metavar="FILE", help="draw per-GPU loads before/after to FILE (e.g. .png)")
+    cli_options.add(parser, "json")
+    cli_options.add(parser, "plot", more="per-GPU loads before and after (e.g. .png)")
     parser.set_defaults(func=run_eplb)
     return parser
 
@@ -124,7 +126,7 @@ def _plot(report, path):
     from .plot import plot_balance
 
     try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as `twinpipe draw -o` and `plan --plot` do
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as `twinpipe draw --out` and `plan --plot` do
         return plot_balance(report, path)
     except (OSError, ValueError) as exc:
         raise EplbArgumentError("plot", f"cannot write the plot to {path!r}: {exc}") from None

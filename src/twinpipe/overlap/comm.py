@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from twinpipe.checks import DEFAULT_TIMEOUT
+from twinpipe.overlap import state
 from twinpipe.overlap.parts import Done, Pending
 from twinpipe.runtime import waits
 from twinpipe.runtime.comm import wait_work
@@ -84,15 +85,6 @@ class Then(Pending):
         return self.fn(self.pending.wait())
 
 
-_side_streams: dict = {}
-
-
-def _side_stream(device: torch.device):
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
-
-
 def all_to_all(tensor: torch.Tensor, out_splits: list[int], in_splits: list[int], group, timeout: float | None = None) -> Pending:
     """Start an all-to-all of ``tensor``'s rows (``in_splits`` rows to each rank, ``out_splits``
     from each); ``wait()`` gives the received rows. With one rank it is the tensor itself.
@@ -104,7 +96,7 @@ def all_to_all(tensor: torch.Tensor, out_splits: list[int], in_splits: list[int]
     tensor = tensor.contiguous()
     out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
     if tensor.is_cuda:
-        side = _side_stream(tensor.device)
+        side = state.side_stream(tensor.device)
         side.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(side):
             dist.all_to_all_single(out, tensor, out_splits, in_splits, group=group)

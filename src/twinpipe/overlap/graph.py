@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from twinpipe.overlap import state
 from twinpipe.overlap.parts import Comm, check_state
 from twinpipe.runtime.executor import run_backward
 
 __all__ = ["Record", "run_parts", "capture_backward"]
-
-_captured: list | None = None  # set while the engine captures gradients at _Join
 
 
 def _leaf(value):
@@ -152,8 +151,9 @@ class _Join(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         record, n = ctx.record, len(ctx.needs_input_grad)
-        if _captured is not None:
-            _captured.append((record, grads))
+        captured = state.captured()
+        if captured is not None:  # capture_backward: hand the record over, run nothing
+            captured.append((record, grads))
             return (None,) * n
         record.state = grads
         for k in reversed(range(len(record.parts))):
@@ -173,15 +173,11 @@ def run_parts(parts: list, inputs: tuple, owner: str):
 def capture_backward(roots: list, grads: list) -> list[tuple[Record, tuple]]:
     """Backward from ``roots`` that stops at every ``_Join`` it reaches and returns, for each, the
     record and its output gradients (the parts themselves are left to the caller)."""
-    global _captured
     if not roots:
         return []
-    _captured = []
-    try:
+    with state.capturing() as captured:
         run_backward(roots, grads)
-        return _captured
-    finally:
-        _captured = None
+    return captured
 
 
 def accumulate_input_grads(record: Record) -> None:

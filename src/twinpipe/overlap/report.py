@@ -1,6 +1,9 @@
-"""How much communication an F&B op's steps hid: pure arithmetic over its recorded events."""
+"""How much communication an F&B op's steps hid: pure arithmetic over its recorded events; and the
+events as a Chrome trace (written by ``twinpipe.trace.chrome``, the one trace writer)."""
 
 from __future__ import annotations
+
+from twinpipe.trace.chrome import process, span, thread, trace_document
 
 __all__ = ["comm_hidden", "fb_spans", "fb_chrome_trace"]
 
@@ -43,12 +46,9 @@ def fb_chrome_trace(events_by_rank: dict[int, list[list]]) -> dict:
     timestamps are ``time.perf_counter()`` seconds, comparable across processes of one host."""
     trace = []
     for rank, ops in sorted(events_by_rank.items()):
-        trace.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
-        for lane, tid in _TIDS.items():
-            trace.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": lane}})
+        trace += [*process(rank, f"rank {rank}"), *(thread(rank, tid, lane) for lane, tid in _TIDS.items())]
         for op_index, events in enumerate(ops):
             for lane, label, t0, t1 in fb_spans(events):
-                trace.append({"name": label, "cat": "compute" if lane == "parts" else "comm", "ph": "X",
-                              "ts": round(t0 * 1e6, 3), "dur": round((t1 - t0) * 1e6, 3), "pid": rank,
-                              "tid": _TIDS[lane], "args": {"fb_op": op_index}})
-    return {"traceEvents": trace, "displayTimeUnit": "ms"}
+                trace.append(span(label, "compute" if lane == "parts" else "comm", t0 * 1e6, t1 * 1e6, rank, _TIDS[lane],
+                                  {"fb_op": op_index}))
+    return trace_document(trace)

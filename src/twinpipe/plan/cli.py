@@ -1,8 +1,11 @@
 """``twinpipe plan``: rank every schedule and pipeline size for a model on a cluster, or for a traced run.
 
-    twinpipe plan --layers 32 --hidden 4096 --seq 4096 --gpus 64 --microbatches 64
-    twinpipe plan --layers 60 --hidden 7168 --seq 4096 --experts 256 --top-k 8 --expert-ffn 2048 --gpus 256 -m 64 --plot plan.png
+    twinpipe plan --layers 32 --dim 4096 --seq-len 4096 --gpus 64 --microbatches 64
+    twinpipe plan --layers 60 --dim 7168 --seq-len 4096 --experts 256 --top-k 8 --expert-ffn 2048 --gpus 256 --microbatches 64 --plot plan.png
     twinpipe plan --from-trace out/trace.json            # the op times a `twinpipe demo --trace out` run measured
+
+The model options are ``twinpipe train``'s (the fields of ``twinpipe.train.GPTConfig``) and mean
+the same; ``twinpipe.plan.Model.from_config`` reads such a config in Python.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import sys
 import time
 
+import twinpipe.cli_options as cli_options
 from twinpipe.plan.measured import load_traced
 from twinpipe.plan.predict import PLANNED_CAP, default_pp_sizes, plan
 from twinpipe.plan.report import as_dicts, draw_plan, print_table
@@ -20,7 +24,7 @@ from twinpipe.schedule import registry
 
 __all__ = ["add_plan_parser", "run_plan"]
 
-_MODEL = ("layers", "hidden", "seq")
+_MODEL = ("layers", "dim", "seq_len")  # what a model needs; the other model options have defaults
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
@@ -30,34 +34,36 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
         description="Predict, for every registered schedule and pipeline size, the step time (pipeline simulated by the same "
                     "engine as `twinpipe simulate`, EP all-to-all and how much F&B hides, data-parallel and weight-copy "
                     "gradient all-reduces) and the fullest rank's memory; print them ranked, each with what limits it.")
-    m = parser.add_argument_group("model (a decoder-only transformer)")
-    m.add_argument("--layers", type=int, help="transformer layers")
-    m.add_argument("--hidden", type=int, help="hidden size")
-    m.add_argument("--seq", type=int, help="tokens per sequence")
-    m.add_argument("--microbatch-size", type=int, default=1, help="sequences per micro-batch (default 1)")
-    m.add_argument("--ffn", type=int, default=0, help="MLP width (default 4 x hidden)")
-    m.add_argument("--vocab", type=int, default=32000, help="vocabulary (embedding and head; default 32000)")
-    m.add_argument("--experts", type=int, default=0, help="MoE: routed experts per layer (default 0: dense)")
-    m.add_argument("--top-k", type=int, default=2, help="MoE: experts per token (default 2)")
-    m.add_argument("--expert-ffn", type=int, default=0, help="MoE: width of one expert (default --ffn)")
-    m.add_argument("--ep", type=int, default=0, help="MoE: expert-parallel GPUs (default: the most within a node dividing the experts and the data-parallel size)")
+    m = parser.add_argument_group("model (a decoder-only transformer: twinpipe train's model options)")
+    cli_options.add(parser, "layers", group=m, more="required unless --from-trace")
+    cli_options.add(parser, "dim", group=m, more="required unless --from-trace")
+    cli_options.add(parser, "seq_len", group=m, more="required unless --from-trace")
+    cli_options.add(parser, "microbatch_size", group=m, default=1)
+    cli_options.add(parser, "ffn", group=m, default=0, default_text="4 x --dim")
+    cli_options.add(parser, "vocab", group=m, default=32000)
+    cli_options.add(parser, "experts", group=m, default=0)
+    cli_options.add(parser, "top_k", group=m, default=2, more="MoE")
+    cli_options.add(parser, "expert_ffn", group=m, default=0, more="MoE", default_text="--ffn")
+    cli_options.add(parser, "ep", group=m, default=0, more="MoE, GPUs sharing a layer's experts",
+                    default_text="the most within a node dividing the experts and the data-parallel size")
     c = parser.add_argument_group("cluster")
-    c.add_argument("--gpus", type=int, help="GPUs in all (default: the traced run's ranks, else required)")
-    c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    c.add_argument("--peak-tflops", type=float, default=989.0, help="peak TFLOP/s per GPU (default 989, H100 bf16)")
-    c.add_argument("--efficiency", type=float, default=0.5, help="share of the peak the layers reach (default 0.5)")
-    c.add_argument("--memory-gib", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
-    c.add_argument("--intra-gbps", type=float, default=400.0, help="per-GPU bandwidth inside a node, GB/s (default 400)")
-    c.add_argument("--inter-gbps", type=float, default=50.0, help="per-GPU bandwidth across nodes, GB/s (default 50)")
-    c.add_argument("--latency-us", type=float, default=10.0, help="latency of every message, microseconds (default 10)")
+    cli_options.add(parser, "gpus", group=c, default_text="the traced run's ranks, else required")
+    c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default: 8)")
+    c.add_argument("--peak-tflops", type=float, default=989.0, help="peak TFLOP/s per GPU (default: 989, H100 bf16)")
+    c.add_argument("--efficiency", type=float, default=0.5, help="share of the peak the layers reach (default: 0.5)")
+    c.add_argument("--memory-gib", type=float, default=80.0, help="memory per GPU in GiB (default: 80)")
+    c.add_argument("--intra-gbps", type=float, default=400.0, help="per-GPU bandwidth inside a node, GB/s (default: 400)")
+    c.add_argument("--inter-gbps", type=float, default=50.0, help="per-GPU bandwidth across nodes, GB/s (default: 50)")
+    c.add_argument("--latency-us", type=float, default=10.0, help="latency of every message, microseconds (default: 10)")
     r = parser.add_argument_group("what to plan")
-    r.add_argument("--microbatches", "-m", type=int, help="micro-batches per pipeline per step (default: the traced run's, else required)")
-    r.add_argument("--pp", metavar="P1,P2,...", help="pipeline sizes (default: powers of two dividing --gpus, 2..64; traced: its own)")
+    cli_options.add(parser, "microbatches", group=r, more="per pipeline", default_text="the traced run's, else required")
+    cli_options.add(parser, "pp", group=r, type=str, metavar="P1,P2,...", more="the sizes to plan, comma-separated",
+                    default_text="powers of two dividing --gpus, 2..64; traced: its own")
     r.add_argument("--schedules", metavar="S1,S2,...", help=f"schedules (default all: {', '.join(registry.names())})")
     r.add_argument("--from-trace", metavar="TRACE_JSON", help="use the op times a traced run measured (twinpipe demo --trace DIR writes DIR/trace.json)")
     r.add_argument("--top", type=int, default=None, help="show only the best N fitting rows")
-    r.add_argument("--plot", metavar="PNG", help="also draw each step's parts as stacked bars")
-    r.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    cli_options.add(parser, "plot", group=r, metavar="PNG", more="each step's parts as stacked bars")
+    cli_options.add(parser, "json", group=r)
     r.add_argument("--workers", type=int, default=None,
                    help="processes to plan in (default: one per core, up to 8, when the plan is large; 1: this process)")
     return parser
@@ -77,10 +83,10 @@ def _model(args) -> Model | None:
     given = [name for name in _MODEL if getattr(args, name) is not None]
     if not given and args.from_trace:
         return None
-    missing = [f"--{name}" for name in _MODEL if getattr(args, name) is None]
+    missing = [f"--{name.replace('_', '-')}" for name in _MODEL if getattr(args, name) is None]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (the model; or give --from-trace alone)")
-    return Model(layers=args.layers, hidden=args.hidden, seq=args.seq, microbatch_size=args.microbatch_size,
+    return Model(layers=args.layers, hidden=args.dim, seq=args.seq_len, microbatch_size=args.microbatch_size,
                  ffn=args.ffn, vocab=args.vocab, experts=args.experts, top_k=args.top_k, expert_ffn=args.expert_ffn, ep=args.ep)
 
 

@@ -31,6 +31,9 @@ class Model:
     that divides both the experts and the data-parallel size).
     Bytes per parameter: ``param_bytes`` (weights), ``grad_bytes`` (gradients, also what the
     all-reduces send), ``optimizer_bytes`` (master weights and Adam moments).
+
+    ``Model.from_config(cfg)`` reads the description the trainer builds its model from
+    (``twinpipe.train.GPTConfig``); ``twinpipe plan`` takes the same options as ``twinpipe train``.
     """
 
     layers: int
@@ -62,6 +65,17 @@ class Model:
                 raise ValueError(f"model.top_k={self.top_k}: must be <= experts={self.experts}")
             if self.ep and self.experts % self.ep:
                 raise ValueError(f"model.ep={self.ep}: must divide experts={self.experts}")
+
+    @classmethod
+    def from_config(cls, config, *, microbatch_size: int = 1, expert_ffn: int = 0, ep: int = 0, **sizes) -> "Model":
+        """The model a ``twinpipe.train.GPTConfig`` describes (any object with its fields: ``layers``,
+        ``dim``, ``seq_len``, ``vocab``, ``experts``, ``top_k``), as ``GPT`` builds it: MLPs 4 x dim wide,
+        experts too unless ``expert_ffn`` says (``twinpipe.train.model.block``). ``microbatch_size``,
+        ``ep`` and the bytes per parameter (``sizes``) are how it is trained, not what it is."""
+        experts = getattr(config, "experts", 0)
+        return cls(layers=config.layers, hidden=config.dim, seq=config.seq_len, microbatch_size=microbatch_size,
+                   ffn=4 * config.dim, vocab=config.vocab, experts=experts, top_k=config.top_k if experts else 2,
+                   expert_ffn=(expert_ffn or 4 * config.dim) if experts else 0, ep=ep, **sizes)
 
     @property
     def moe(self) -> bool:

@@ -1,7 +1,7 @@
 """``twinpipe simulate``: time one schedule, or compare several, under a cost model.
 
-    twinpipe simulate zb-h1 --ranks 4 --microbatches 8 --w 0.5
-    twinpipe simulate --compare 1f1b,zb-h1,dualpipe --ranks 8 --microbatches 32 --json
+    twinpipe simulate zb-h1 --pp 4 --microbatches 8 --w 0.5
+    twinpipe simulate --compare 1f1b,zb-h1,dualpipe --pp 8 --microbatches 32 --json
 
 By default every schedule runs the same model: the times (and M_B) are those of one 1F1B stage,
 1/p of the model, and a schedule's stages get their share of them (``--hold model``; a V or
@@ -16,6 +16,7 @@ import json
 import sys
 from fractions import Fraction
 
+import twinpipe.cli_options as cli_options
 from twinpipe.schedule import registry
 from twinpipe.schedule.spec import resolve
 from twinpipe.sim.costs import CostModel, check_cost, for_model, stage_sizes
@@ -41,8 +42,9 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("schedule", nargs="?", help=f"schedule name: {', '.join(sorted(registry.names()))}")
     parser.add_argument("--compare", metavar="S1,S2,...", help="compare several schedules (comma-separated) instead of one")
-    parser.add_argument("--ranks", "-p", type=int, required=True, metavar="P", help="pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=int, required=True, metavar="M", help="micro-batches")
+    # dest "ranks": the name Timeline and the JSON use for p
+    cli_options.add(parser, "pp", dest="ranks", more="required")
+    cli_options.add(parser, "microbatches", more="required")
     parser.add_argument("--f", type=float, default=1.0, metavar="TF", help="forward time T_F of one stage (see --hold; default 1)")
     parser.add_argument("--b", type=float, default=1.0, metavar="TB", help="input-gradient backward time T_B only (default 1)")
     parser.add_argument("--w", type=float, default=1.0, metavar="TW", help="weight-gradient time T_W (default 1); a full backward takes TB+TW")
@@ -54,14 +56,14 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--mem-limit", type=float, default=None, metavar="X",
                         help="activation limit per rank (zb-auto, zbv), in M_B of a 1F1B stage (with --hold stage: of the "
                         "schedule's own stages); default: 1F1B's peak, p M_B of 1F1B stages")
-    parser.add_argument("--stages-per-rank", type=int, default=None, metavar="V", help="stages per rank (interleaved-1f1b; default 2)")
+    cli_options.add(parser, "stages_per_rank", default_text="2")
     parser.add_argument("--pairs", type=int, default=None, metavar="K", help="down/up pipeline pairs (chimera; default 1; 2K must divide P)")
     parser.add_argument("--hold", choices=HOLD, default="model",
                         help="what is the same for every schedule: 'model' (default): the times and M_B are those of one "
                         "1F1B stage (1/p of the model) and each schedule's stages get their share (1/v for V-shaped and "
                         "interleaved ranks, 1 for DualPipe's two full-size copies); 'stage': every stage of every "
                         "schedule gets the costs as given (a V then models a model twice as large)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    cli_options.add(parser, "json")
     return parser
 
 
@@ -87,6 +89,9 @@ def simulate_from_args(args: argparse.Namespace) -> list[Timeline]:
 
     Shared by ``twinpipe simulate`` and ``twinpipe draw``; raises ValueError naming the bad option.
     """
+    absent = [flag for flag, value in (("--pp", args.ranks), ("--microbatches", args.microbatches)) if value is None]
+    if absent:
+        raise ValueError(f"missing {', '.join(absent)}")
     names = _schedule_names(args)
     costs = _costs(args)
     timelines = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import twinpipe.cli_options as cli_options
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_float, check_int, checked_timeout
 from twinpipe.folders import writable_folder
 
@@ -46,22 +48,22 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--schedule", default="dualpipev", help="any registered schedule (twinpipe simulate --help lists them); default dualpipev")
-    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1); pp x dp processes in all")
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps to reach (default 300; with --resume, counted from 0)")
-    parser.add_argument("--batch-size", type=int, default=16, help="sequences per step, all replicas together (default 16)")
-    parser.add_argument("--microbatch-size", type=int, default=2, help="sequences per micro-batch (default 2)")
-    parser.add_argument("--seq-len", type=int, default=64, help="bytes per sequence (default 64)")
-    parser.add_argument("--dim", type=int, default=64, help="model width (default 64)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    parser.add_argument("--layers", type=int, default=6, help="transformer blocks (default 6; the embedding and the head are layers too)")
-    parser.add_argument("--experts", type=int, default=0,
-                        help="routed experts per block (default 0: dense MLPs); a multiple of --dp: each data-parallel rank "
-                             "of a stage holds experts/dp of them (expert parallelism)")
-    parser.add_argument("--top-k", type=int, default=None, help=f"experts each token is routed to; only with --experts (default {_DEFAULT_TOP_K})")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
-    parser.add_argument("--max-norm", type=float, default=1.0, help="clip gradients to this global norm (default 1; 0 turns clipping off)")
+    add = functools.partial(cli_options.add, parser)
+    add("schedule", default="dualpipev", more="any registered one (twinpipe simulate --help lists them)")
+    add("pp", default=4)
+    add("dp", default=1, more="pp x dp processes in all")
+    add("steps", default=300, more="the step to reach, counted from 0 (also with --resume)")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per step, all replicas together (default: 16)")
+    add("microbatch_size", default=2)
+    add("seq_len", default=64, more="a token is a byte")
+    add("dim", default=64)
+    add("heads", default=4)
+    add("layers", default=6, more="the embedding and the head are layers too")
+    add("experts", default=0, more="a multiple of --dp: each data-parallel rank of a stage holds experts/dp of them "
+        "(expert parallelism)")
+    add("top_k", default=None, more="only with --experts", default_text=str(_DEFAULT_TOP_K))
+    add("lr", default=3e-3, more="AdamW")
+    parser.add_argument("--max-norm", type=float, default=1.0, help="clip gradients to this global norm (default: 1; 0 turns clipping off)")
     parser.add_argument("--dp-reduce", default="all-reduce", choices=_DP_REDUCES,
                         help="how replicas' gradients are added: all-reduce (default) or ordered (all-gather, then replica by "
                         "replica: bitwise reproducible for any --dp)")
@@ -70,19 +72,19 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--on-nonfinite", default="skip", choices=_ON_NONFINITE,
                         help="a step whose loss or gradients are not finite: skip its update on every rank and count it "
                              "(default), or stop with an error")
-    parser.add_argument("--balance", default="params", choices=_BALANCES, help="how layers are cut into stages (default params)")
-    parser.add_argument("--device", default="cpu", choices=_DEVICES, help="cpu (gloo) or cuda (NCCL, one GPU per process)")
-    parser.add_argument("--dtype", default="float32", choices=_DTYPES, help="parameter dtype (default float32)")
-    parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default 0)")
-    parser.add_argument("--corpus-bytes", type=int, default=4 << 20, help="bytes of the standard library to read (default 4 MiB)")
-    parser.add_argument("--out", default="twinpipe-train", help="directory for the picture, the log and checkpoints (default twinpipe-train)")
-    parser.add_argument("--save-every", type=int, default=0, help="write a checkpoint every N steps (default 0: only at the end)")
+    parser.add_argument("--balance", default="params", choices=_BALANCES, help="how layers are cut into stages (default: params)")
+    add("device", default="cpu", choices=_DEVICES)
+    add("dtype", default="float32", choices=_DTYPES)
+    parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default: 0)")
+    parser.add_argument("--corpus-bytes", type=int, default=4 << 20, help="bytes of the standard library to read (default: 4 MiB)")
+    add("out", default="twinpipe-train", more="the folder for the picture, the log and checkpoints")
+    parser.add_argument("--save-every", type=int, default=0, help="write a checkpoint every N steps (default: 0, only at the end)")
     parser.add_argument("--resume", default=None, metavar="CHECKPOINT", help="continue from a checkpoint directory (any schedule/pp/dp wrote it)")
     parser.add_argument("--optimizer-hparams", default="checkpoint", choices=_OPTIMIZER_HPARAMS,
                         help="with --resume: the optimizer's hyper-parameters (learning rate...) from the checkpoint "
                              "(default) or from the current options (--lr)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                        help=f"seconds any wait for a peer may take (default {DEFAULT_TIMEOUT:g})")
+                        help=f"seconds any wait for a peer may take (default: {DEFAULT_TIMEOUT:g})")
 
 
 def _check(args) -> None:

@@ -22,13 +22,17 @@ from torch import nn
 from twinpipe.moe.block import MoEBlock
 from twinpipe.runtime.weight_grad import DeferredLinear
 
-__all__ = ["GPTConfig", "GPT", "lm_loss"]
+__all__ = ["GPTConfig", "GPT", "block", "lm_loss"]
 
 
 @dataclass(frozen=True)
 class GPTConfig:
     """Sizes of the model: ``vocab`` 256 for bytes; ``experts`` 0 for a dense MLP in every block,
-    else that many routed experts per block, ``top_k`` of them per token."""
+    else that many routed experts per block, ``top_k`` of them per token.
+
+    The one description of twinpipe's transformer: ``GPT`` builds from it, ``twinpipe demo`` builds its
+    stages' blocks from it (``block``), ``twinpipe.plan.Model.from_config`` reads it, and the
+    command-line options that set it are named after its fields (``--dim``, ``--seq-len``...)."""
 
     vocab: int = 256
     seq_len: int = 64
@@ -112,7 +116,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed = Embed(cfg)
-        self.blocks = nn.ModuleList((_moe_block(cfg) if cfg.experts else Block(cfg)) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(block(cfg) for _ in range(cfg.layers))
         self.head = Head(cfg)
         self.apply(_init)
 
@@ -123,9 +127,13 @@ class GPT(nn.Module):
         return self.head(x)
 
 
-def _moe_block(cfg: GPTConfig) -> MoEBlock:
-    """A MoE block with all ``cfg.experts`` experts local, each 4 x dim wide (as the dense MLP)."""
-    return MoEBlock(cfg.dim, cfg.heads, cfg.experts, cfg.top_k, 4 * cfg.dim)
+def block(cfg: GPTConfig, *, expert_ffn: int = 0, ep_group=None) -> nn.Module:
+    """One transformer block of the model ``cfg`` describes: ``Block`` (dense), or with ``cfg.experts`` a
+    ``MoEBlock`` whose experts are ``expert_ffn`` wide (0: 4 x dim, as the dense MLP) and sharded over
+    ``ep_group`` (None: all local)."""
+    if not cfg.experts:
+        return Block(cfg)
+    return MoEBlock(cfg.dim, cfg.heads, cfg.experts, cfg.top_k, expert_ffn or 4 * cfg.dim, ep_group=ep_group)
 
 
 def _init(module: nn.Module) -> None:

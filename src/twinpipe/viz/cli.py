@@ -1,7 +1,7 @@
 """``twinpipe draw``: simulate one schedule (or several, stacked) and draw the timeline.
 
-    twinpipe draw dualpipe --ranks 8 --microbatches 20 -o dualpipe.png
-    twinpipe draw --compare 1f1b,zb-h1,dualpipe --ranks 8 --microbatches 20 -o compare.svg
+    twinpipe draw dualpipe --pp 8 --microbatches 20 --out dualpipe.png
+    twinpipe draw --compare 1f1b,zb-h1,dualpipe --pp 8 --microbatches 20 --out compare.svg
 
 Schedule and cost options are the ``simulate`` command's, taken from its parser, so the two
 commands always accept the same ones.
@@ -18,7 +18,7 @@ __all__ = ["add_draw_parser", "run_draw"]
 
 
 def _simulate_options() -> argparse.ArgumentParser:
-    """The ``simulate`` parser, used as a parent: SCHEDULE, --compare, --ranks, cost options, --json."""
+    """The ``simulate`` parser, used as a parent: SCHEDULE, --compare, --pp, cost options, --json."""
     from twinpipe.sim.cli import add_simulate_parser
 
     return add_simulate_parser(argparse.ArgumentParser().add_subparsers())
@@ -39,7 +39,10 @@ def add_draw_parser(subparsers) -> argparse.ArgumentParser:
         "every schedule shares (see --hold).",
         allow_abbrev=False,
     )
-    parser.add_argument("--output", "-o", required=True, metavar="FILE", help=f"picture to write; the suffix picks the format ({', '.join('.' + f for f in FORMATS)})")
+    import twinpipe.cli_options as cli_options
+
+    cli_options.add(parser, "out", metavar="FILE",
+                    more=f"the picture, required; its suffix picks the format ({', '.join('.' + f for f in FORMATS)})")
     parser.add_argument("--width", type=float, default=None, metavar="INCHES", help="figure width (default: from the number of cells, 7..36)")
     parser.add_argument("--dpi", type=int, default=100, help="resolution of PNG output (default 100; the picture may have at most 50 million pixels)")
     parser.add_argument("--no-labels", action="store_true", help="leave micro-batch numbers out of the cells")
@@ -52,24 +55,26 @@ def run_draw(args: argparse.Namespace) -> int:
     from twinpipe.viz.draw import FORMATS, MAX_DPI, draw_timelines
 
     try:
-        suffix = Path(args.output).suffix.lower().lstrip(".")
+        if args.out is None:
+            raise ValueError("missing --out (the picture to write)")
+        suffix = Path(args.out).suffix.lower().lstrip(".")
         if suffix not in FORMATS:
-            raise ValueError(f"--output={args.output!r}: the suffix must be one of {', '.join('.' + f for f in FORMATS)}")
+            raise ValueError(f"--out={args.out!r}: the suffix must be one of {', '.join('.' + f for f in FORMATS)}")
         if args.width is not None and not args.width > 2:
             raise ValueError(f"--width={args.width:g}: must be more than 2 (inches)")
         if not 0 < args.dpi <= MAX_DPI:
             raise ValueError(f"--dpi={args.dpi}: must be an integer from 1 to {MAX_DPI}")
         timelines = simulate_from_args(args)
-        draw_timelines(timelines, args.output, width=args.width, dpi=args.dpi, labels=not args.no_labels, caption=held_equal(args))
+        draw_timelines(timelines, args.out, width=args.width, dpi=args.dpi, labels=not args.no_labels, caption=held_equal(args))
     except ValueError as error:
         print(f"twinpipe draw: error: {error}", file=sys.stderr)
         return 2
     if args.json:
-        summaries = [summarize(t) | {"output": str(args.output)} for t in timelines]
+        summaries = [summarize(t) | {"output": str(args.out)} for t in timelines]
         print(json.dumps(summaries if args.compare else summaries[0], indent=2))
     else:
         for t in timelines:
             peak = f", peak activation {max(t.peak_activation):g} M_B" if t.peak_activation else ""
             print(f"{t.name}: p={t.num_ranks}, m={t.num_microbatches}, makespan {t.makespan:g}, bubble rate {t.bubble_rate:.2%}{peak}")
-        print(f"wrote {args.output}")
+        print(f"wrote {args.out}")
     return 0

@@ -1,15 +1,15 @@
-"""``twinpipe demo``: train a small transformer-style model with a pipeline schedule and check every
-step against a single-process reference.
+"""``twinpipe demo``: train a small transformer with a pipeline schedule and check every step
+against a single-process reference.
 
 Launches its own ranks (CPU processes with gloo by default), or runs under torchrun:
-``torchrun --nproc-per-node 4 -m twinpipe.demo --schedule dualpipe``.
+``torchrun --nproc-per-node 4 -m twinpipe.demo --schedule dualpipe``. Its blocks are the trainer's
+(``twinpipe.train.model.block`` of a ``GPTConfig``), on random hidden states.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import sys
 import time
@@ -19,47 +19,35 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from twinpipe.checks import DEFAULT_TIMEOUT, check_float
+import twinpipe.cli_options as cli_options
+from twinpipe.checks import DEFAULT_TIMEOUT, bad
 from twinpipe.folders import writable_folder
 from twinpipe.launch import run_local
 
 GROUP_TIMEOUT = DEFAULT_TIMEOUT  # seconds any of the demo's own collectives (barriers, result gathering) may wait
 
-__all__ = ["Block", "add_demo_parser", "run_demo", "main", "grad_tolerance", "exactness_line",
-           "cpu_cores", "oversubscription_warning", "GRAD_TOLERANCE", "TRACE_FILES"]
+__all__ = ["add_options", "run", "grad_tolerance", "exactness_line", "cpu_cores", "oversubscription_warning",
+           "model_config", "GRAD_TOLERANCE", "TRACE_FILES", "DESCRIPTION"]
 
-_DESCRIPTION = ("Train a small transformer on a pipeline schedule and check every step against a single "
-                "process: losses bitwise, gradients within a tolerance per dtype. Launches its own ranks "
-                "(CPU processes with gloo by default), or runs under torchrun.")
+DESCRIPTION = ("Train a small transformer on a pipeline schedule and check every step against a single "
+               "process: losses bitwise, gradients within a tolerance per dtype. Launches its own ranks "
+               "(CPU processes with gloo by default), or runs under torchrun.")
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention and an MLP, both residual."""
+def model_config(args, num_model_stages: int = 1):
+    """The ``GPTConfig`` the options describe: ``--blocks-per-stage`` blocks in each model stage."""
+    from twinpipe.train.model import GPTConfig
 
-    def __init__(self, hidden: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
-        q, k, v = (z.reshape(b, t, self.heads, h // self.heads).transpose(1, 2) for z in (q, k, v))
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(h // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        attn = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, h))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+    return GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.blocks_per_stage * num_model_stages)
 
 
 def _stage(index: int, args, device) -> nn.Module:
-    import twinpipe
+    from twinpipe.train.model import block
 
+    cfg = model_config(args)
     torch.manual_seed(1000 + index)  # every rank builds identical model stages
-    blocks = nn.Sequential(*[Block(args.hidden, args.heads) for _ in range(args.blocks_per_stage)])
-    return twinpipe.defer_weight_grads(blocks).to(device=device, dtype=_dtype(args))
+    blocks = nn.Sequential(*[block(cfg) for _ in range(args.blocks_per_stage)])  # weight gradients deferred to W
+    return blocks.to(device=device, dtype=_dtype(args))
 
 
 def _dtype(args) -> torch.dtype:
@@ -96,17 +84,17 @@ def _run_rank(args) -> None:
     else:
         pipe = twinpipe.Pipeline(modules, schedule)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr)
-    chunks = args.chunks or 2 * world
+    chunks = args.microbatches or 2 * world
     gen = torch.Generator().manual_seed(0)
-    shape = (chunks * args.microbatch_size, args.seq, args.hidden)
+    shape = (chunks * args.microbatch_size, args.seq_len, args.dim)
     layout = batch_layout(schedule, world, rank, chunks)
     piped = torch.tensor([float(bool(pipe.shared_memory_peers))])
     dist.all_reduce(piped)
     via = dist.get_backend() + (", messages through shared memory" if piped.item() else "")
     if rank == 0:
         print(f"twinpipe demo: {args.schedule} on {world} {args.device} rank(s) ({via}), "
-              f"{num_model_stages} model stages{' (two copies)' if len(placement.chains) > 1 else ''} x {args.blocks_per_stage} block(s), hidden {args.hidden}, "
-              f"{chunks} micro-batches of {args.microbatch_size}x{args.seq}, {args.dtype}", flush=True)
+              f"{num_model_stages} model stages{' (two copies)' if len(placement.chains) > 1 else ''} x {args.blocks_per_stage} block(s), dim {args.dim}, "
+              f"{chunks} micro-batches of {args.microbatch_size}x{args.seq_len}, {args.dtype}", flush=True)
     all_exact = True
     for step in range(args.steps):
         x = torch.randn(shape, generator=gen, dtype=_dtype(args)).to(device)
@@ -241,53 +229,28 @@ def oversubscription_warning(ranks: int, threads: int, cores: int) -> str | None
             "so step times and the measured bubble say little about the schedule")
 
 
-def add_demo_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("demo", help="train a small model on a pipeline and check it against one process",
-                              description=_DESCRIPTION)
-    _add_options(p)
-    return p
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; must be an integer >= 1")
-    return value
-
-
-def _add_options(p: argparse.ArgumentParser) -> None:
+def add_options(p: argparse.ArgumentParser) -> None:
+    """The dense demo's options (``twinpipe demo``; ``--moe`` is added by the command)."""
     from twinpipe.schedule import registry
 
-    p.add_argument("--ranks", type=_positive_int, default=4,
-                   help="pipeline ranks to launch; under torchrun, its world size instead (default: %(default)s)")
-    p.add_argument("--schedule", default="dualpipev",
-                   help=f"one of {', '.join(registry.names())} (default: %(default)s)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cpu: gloo, one process per rank; cuda: NCCL, one GPU per rank (default: %(default)s)")
-    p.add_argument("--steps", type=_positive_int, default=3, help="training steps (default: %(default)s)")
-    p.add_argument("--chunks", type=_positive_int, default=None, help="micro-batches per step (default: 2 x ranks)")
-    p.add_argument("--hidden", type=_positive_int, default=64, help="model width (default: %(default)s)")
-    p.add_argument("--heads", type=_positive_int, default=4,
-                   help="attention heads; must divide --hidden (default: %(default)s)")
-    p.add_argument("--seq", type=_positive_int, default=16, help="tokens per sequence (default: %(default)s)")
-    p.add_argument("--microbatch-size", type=_positive_int, default=2,
-                   help="sequences per micro-batch (default: %(default)s)")
-    p.add_argument("--blocks-per-stage", type=_positive_int, default=1,
-                   help="transformer blocks in each pipeline stage (default: %(default)s)")
-    p.add_argument("--stages-per-rank", type=_positive_int, default=None,
-                   help="stages per rank, for interleaved-1f1b (default: the schedule's own)")
-    p.add_argument("--dtype", choices=list(GRAD_TOLERANCE), default="float64",
-                   help="parameter and activation dtype; gradients must match one process within "
-                        + ", ".join(f"{t:g} ({d})" for d, t in GRAD_TOLERANCE.items()) + " (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: %(default)s)")
-    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads per CPU rank (default: %(default)s)")
-    p.add_argument("--moe", action="store_true",
-                   help="run the MoE demo instead: MoE blocks on PP x EP ranks, DualPipeV with F&B overlap on and "
-                        "off, and how much all-to-all time the overlap hid; its options: twinpipe demo --moe --help (default: off)")
-    p.add_argument("--trace", metavar="DIR", default=None,
-                   help="record the last step and write "
-                        + ", ".join(f"{name} ({what})" for name, what in TRACE_FILES.items())
-                        + " into DIR (default: no trace)")
+    add = lambda name, **kw: cli_options.add(p, name, **kw)  # noqa: E731
+    add("pp", default=4, more="started here; under torchrun, its world size instead")
+    add("schedule", default="dualpipev", more=f"one of {', '.join(registry.names())}")
+    add("device", choices=["cpu", "cuda"], default="cpu")
+    add("steps", default=3)
+    add("microbatches", default=None, default_text="2 x --pp")
+    add("dim", default=64)
+    add("heads", default=4)
+    add("seq_len", default=16)
+    add("microbatch_size", default=2)
+    add("blocks_per_stage", default=1)
+    add("stages_per_rank", default=None, default_text="the schedule's own")
+    add("dtype", choices=list(GRAD_TOLERANCE), default="float64",
+        more="gradients must match one process within " + ", ".join(f"{t:g} ({d})" for d, t in GRAD_TOLERANCE.items()))
+    add("lr", default=0.05, more="SGD")
+    add("threads", default=1)
+    add("trace", default=None, default_text="no trace",
+        more="write " + ", ".join(f"{name} ({what})" for name, what in TRACE_FILES.items()) + " into DIR")
 
 
 def _under_torchrun() -> bool:
@@ -297,21 +260,20 @@ def _under_torchrun() -> bool:
 def _check(args, ranks: int) -> str | None:
     from twinpipe.schedule import resolve
 
-    if args.hidden % args.heads:
-        return f"--hidden={args.hidden} must be divisible by --heads={args.heads}"
+    parser = argparse.ArgumentParser()
+    add_options(parser)
     try:
-        check_float(args.lr, "--lr", low=0, low_open=True)
-    except ValueError as error:
-        return str(error)
-    try:
-        resolve(args.schedule, ranks, **_schedule_options(args)).build(args.chunks or 2 * ranks)
+        cli_options.check(args, parser)
+        if args.dim % args.heads:
+            raise bad("--dim", args.dim, f"must be a multiple of --heads={args.heads}")
+        resolve(args.schedule, ranks, **_schedule_options(args)).build(args.microbatches or 2 * ranks)
     except ValueError as exc:
         return str(exc)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             return "--device=cuda: CUDA is not available on this machine; use --device cpu"
         if ranks > torch.cuda.device_count() and not _under_torchrun():
-            return f"--ranks={args.ranks}: NCCL needs one GPU per rank and this machine has {torch.cuda.device_count()}"
+            return f"--pp={args.pp}: NCCL needs one GPU per rank and this machine has {torch.cuda.device_count()}"
     if args.trace:
         try:
             writable_folder(args.trace, "--trace")  # last: it makes the folder
@@ -320,8 +282,9 @@ def _check(args, ranks: int) -> str | None:
     return None
 
 
-def run_demo(args) -> int:
-    ranks = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.ranks
+def run(args) -> int:
+    """Run the dense demo; 0 when every step was exact, 2 (message on stderr) on bad options."""
+    ranks = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.pp
     problem = _check(args, ranks)
     if problem:
         print(f"twinpipe demo: error: {problem}", file=sys.stderr)
@@ -339,19 +302,9 @@ def run_demo(args) -> int:
             dist.destroy_process_group()
         return 0
     try:
-        run_local(args.ranks, _worker, args, threads=args.threads, backend="nccl" if args.device == "cuda" else "gloo",
+        run_local(args.pp, _worker, args, threads=args.threads, backend="nccl" if args.device == "cuda" else "gloo",
                   group_timeout=GROUP_TIMEOUT)
     except RuntimeError as exc:
         print(f"twinpipe demo: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m twinpipe.demo", description=_DESCRIPTION)
-    _add_options(parser)
-    return run_demo(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

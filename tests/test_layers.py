@@ -175,3 +175,18 @@ def test_overlap_keeps_its_module_level_state_in_one_module():
                 if name != "__all__" and not name.lstrip("_").isupper():
                     found.append(f"{path.name}:{n.lineno} {name}")
     assert not found, found
+
+
+def test_the_architecture_page_lists_the_layers_and_the_rules_where_they_live():
+    """docs/architecture.md shows ``LAYERS`` in order, and every module its rules table names exists."""
+    import re
+
+    text = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    layers_part = text.split("## The layers", 1)[1].split("## Where each rule lives", 1)[0]
+    shown = re.findall(r"^\| `([\w_]+)` \|", layers_part, re.M)
+    assert shown == [name for name, _ in LAYERS], shown
+    rules_part = text.split("## Where each rule lives", 1)[1].split("## One", 1)[0]
+    modules = [m for row in re.findall(r"^\|[^|]+\| (.+) \|$", rules_part, re.M) for m in re.findall(r"`([\w/]+\.py)`", row)]
+    assert len(modules) >= 15
+    missing = [m for m in modules if not (SRC / m).exists()]
+    assert not missing, missing

@@ -87,7 +87,7 @@ class _Counting:
     def __enter__(self):
         from twinpipe.hf import _safetensors_files as files
 
-        self.files, self.opened, self.read = files, [], []
+        self.files, self.opened, self.read, self.rows = files, [], [], []
         self._open, self._read = files.safe_open, files.CheckpointFiles.read
         counter = self
 
@@ -97,6 +97,7 @@ class _Counting:
 
         def read(this, key, rows=None):
             counter.read.append(key)
+            counter.rows.append(None if rows is None else list(rows))
             return counter._read(this, key, rows)
 
         files.safe_open, files.CheckpointFiles.read = safe_open, read
@@ -161,6 +162,7 @@ def _load_experts(root: Path, arch: str, layout: str, rank: int) -> dict:
         "equal": sorted(p.name for k, p in places.items() if not torch.equal(got[k], ref[p.name][list(rows)].double())) or True,
         "fused": len(fused),
         "experts read": experts_read,
+        "rows read": sorted({str(r) for r in seen.rows}),
         "dtype": str(got["local.0"].dtype),
     }
 
@@ -275,6 +277,23 @@ def _overwrite(group, root: Path, out: Path) -> dict:
             "left": sorted(p.name for p in out.parent.iterdir() if out.name in p.name)}
 
 
+def _configs_differ(group, root: Path, out: Path) -> dict:
+    """Rank 1 passes another config (the ranks would plan different files): every rank raises."""
+    import torch.distributed as dist
+
+    from twinpipe.hf.weights import save
+
+    rank = dist.get_rank(group)
+    ref = torch.load(root / "llama.pt")
+    config = transformers.AutoConfig.from_pretrained(str(root / "llama" / "single"))
+    parts = _save_parts(ref, config, rank)
+    if rank == 1:
+        config.rms_norm_eps = 1e-3
+    error = _raises(lambda: save(out, parts, config, group=group, timeout=120))
+    dist.barrier(group)
+    return {"error": error, "left": sorted(p.name for p in out.parent.iterdir() if out.name in p.name)}
+
+
 def _world(rank: int, world_size: int, root: str) -> dict:
     root = Path(root)
     cases = {}
@@ -288,6 +307,7 @@ def _world(rank: int, world_size: int, root: str) -> dict:
         cases[f"save/{arch}"] = (WORLD, lambda g, a=arch: _save_and_read(g, root, a, root / "saved" / a))
     cases["fault"] = (WORLD, lambda g: _fault(g, root, root / "saved" / "fault"))
     cases["missing"] = (WORLD, lambda g: _missing(g, root, root / "saved" / "missing"))
+    cases["configs differ"] = (WORLD, lambda g: _configs_differ(g, root, root / "saved" / "configs"))
     cases["overwrite"] = (WORLD, lambda g: _overwrite(g, root, root / "saved" / "overwrite"))
     return run_cases(rank, world_size, cases)
 
@@ -324,6 +344,8 @@ def test_expert_rows_split_over_two_ranks_with_a_redundant_row(world, case):
         assert r["equal"] is True and r["fused"] >= 2 and r["dtype"] == "torch.float64", r
         if not case.endswith("fused"):  # stored per expert: only this rank's experts were read
             assert r["experts read"] == sorted(set(_expert_rows(rank))), r
+        else:  # stored fused: only its rows were read
+            assert r["rows read"] == [str(list(_expert_rows(rank)))], r
 
 
 @pytest.mark.parametrize("arch", list(_configs()))
@@ -352,6 +374,68 @@ def test_a_non_empty_target_is_refused_unless_overwrite_replaces_it(world):
         assert "exists and is not empty; pass overwrite=True" in r["refused"] and r["kept"] == "mine", r
         assert r["replaced"] == "no error" and "keep.txt" not in r["files"] and "config.json" in r["files"], r
         assert r["left"] == ["overwrite"], r
+
+
+def test_ranks_passing_different_configs_all_raise(world):
+    for r in _both(world, "configs differ"):
+        assert r["error"].startswith("CheckpointWriteError:") and "rank(s) [1] passed another config" in r["error"], r
+        assert r["left"] == [], r
+
+
+# ---- in this process
+
+def test_replicas_take_turns_writing_and_one_writer_writes_model_safetensors():
+    from twinpipe.hf._safetensors_names import ModelNames
+    from twinpipe.hf.weights import _plan
+
+    names = ModelNames(_configs()["qwen3-moe"])
+    every = [[n, list(range(names.shapes[n][0])) if n in names.fused else None, "torch.float32"] for n in names.stored()]
+    plan = _plan(names, [{"claims": every}, {"claims": every}])
+    owners = list(plan.owner.values())
+    assert set(owners) == {0, 1} and abs(owners.count(0) - owners.count(1)) <= 1
+    assert plan.files == {0: "model-00001-of-00002.safetensors", 1: "model-00002-of-00002.safetensors"}
+    assert _plan(names, [{"claims": every}, {"claims": []}]).files == {0: "model.safetensors"}
+
+
+def test_a_save_without_a_process_group_writes_one_file_in_the_tensors_dtype(world, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from twinpipe.hf.weights import save
+
+    root = world[0]
+    ref = {n: t.to(torch.bfloat16) for n, t in torch.load(root / "mixtral.pt").items()}
+    config = transformers.AutoConfig.from_pretrained(str(root / "mixtral" / "single"))
+    save(tmp_path / "out", ref, config)
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    assert config.dtype == torch.float32  # the caller's config is left as it was
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert all(torch.equal(model.state_dict()[n], ref[n]) for n in ref) and model.dtype == torch.bfloat16
+
+
+def test_a_tensor_converted_by_another_operation_is_refused_by_name(world, monkeypatch):
+    from twinpipe.hf import _safetensors_names
+    from twinpipe.hf.weights import load
+
+    monkeypatch.setattr(_safetensors_names, "_ops", lambda converter: "its conversion is [Transpose(dim0=1, dim1=2)]")
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.experts.down_proj' is stored through a transformers "
+                                         r"conversion this loader does not read \(its conversion is \[Transpose"):
+        load(world[0] / "qwen3-moe" / "single", ["model.layers.0.mlp.experts.down_proj"])
+
+
+def test_the_docs_example_runs_and_round_trips(world, tmp_path, monkeypatch):
+    import re
+    import shutil
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hf-weights.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S)[1]
+    shutil.copytree(world[0] / "qwen3-moe" / "sharded", tmp_path / "tiny-qwen3-moe")
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "docs/hf-weights.md", "exec"), scope)
+    ref = torch.load(world[0] / "qwen3-moe.pt")
+    assert scope["tensors"]["my_experts"].shape == (3, 16, 16)
+    assert torch.equal(scope["tensors"]["my_experts"], ref[scope["experts"]][[2, 3, 1]])
+    assert all(torch.equal(scope["model"].state_dict()[n], ref[n]) for n in ref)
 
 
 # ---- load errors, in this process

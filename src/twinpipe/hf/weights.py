@@ -19,6 +19,7 @@ temporary folder beside the target, renamed into place once every rank has writt
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import shutil
@@ -396,6 +397,7 @@ def _save(target: Path, tensors, config, group, timeout: float, overwrite: bool)
     mine: dict = {"error": None, "claims": []}
     names = held = None
     try:
+        mine["config"] = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()
         names = ModelNames(config)
         mine["claims"], held = _mine(names, tensors)
         if rank == 0:
@@ -406,6 +408,9 @@ def _save(target: Path, tensors, config, group, timeout: float, overwrite: bool)
     folder = Path(said[0]["folder"]) if said[0].get("folder") else None
     try:
         _raise_if_failed(said, where, before)
+        differ = [r for r, s in enumerate(said) if s["config"] != said[0]["config"]]
+        if differ:  # each rank plans from its own config: they must be one
+            raise CheckpointWriteError(f"{where}: rank(s) {differ} passed another config than rank 0's; {before}")
         try:
             plan = _plan(names, said)
         except ValueError as error:  # the same on every rank: it reads only what every rank said

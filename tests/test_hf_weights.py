@@ -482,10 +482,15 @@ def test_a_missing_expert_and_rows_out_of_range_are_named(world, tmp_path):
         Place(name, ())
 
 
-def test_a_folder_without_a_checkpoint_is_refused(tmp_path):
+def test_a_folder_without_a_checkpoint_or_of_another_kind_of_model_is_refused(tmp_path):
+    from transformers import ViTConfig
+
     from twinpipe.hf.weights import CheckpointError, load
 
     with pytest.raises(CheckpointError, match="has no config.json"):
+        load(tmp_path, ["model.norm.weight"])
+    ViTConfig().save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=r"config ViTConfig \(model_type 'vit'\): transformers builds no causal LM from it"):
         load(tmp_path, ["model.norm.weight"])
 
 

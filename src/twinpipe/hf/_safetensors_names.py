@@ -57,12 +57,15 @@ class ModelNames:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
 
-        with torch.device("meta"):  # shapes and names only: no memory, no initialisation
-            model = AutoModelForCausalLM.from_config(config)
+        try:
+            with torch.device("meta"):  # shapes and names only: no memory, no initialisation
+                model = AutoModelForCausalLM.from_config(config)
+        except ValueError as error:  # transformers': "Unrecognized configuration class ..."
+            raise ValueError(f"config {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r}): "
+                             f"transformers builds no causal LM from it ({str(error).splitlines()[0]})") from None
         self.model_class = type(model).__name__
         self.meta = model.state_dict()
         self.shapes: dict[str, tuple[int, ...]] = {k: tuple(v.shape) for k, v in self.meta.items()}
-        self.dtypes: dict[str, torch.dtype] = {k: v.dtype for k, v in self.meta.items()}
         tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
         self.tied: dict[str, str] = {t: s for t, s in tied.items() if t in self.shapes and s in self.shapes}
         self.prefix = model.base_model_prefix

@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 from distributed import run_world, run_cases  # noqa: E402
 
 WORLD = 2
+KILL_TIMEOUT = 4.0  # seconds the surviving rank waits for a dead one
 SMALL = dict(vocab_size=64, hidden_size=16, num_attention_heads=2, max_position_embeddings=64)
 
 
@@ -309,7 +310,26 @@ def _world(rank: int, world_size: int, root: str) -> dict:
     cases["missing"] = (WORLD, lambda g: _missing(g, root, root / "saved" / "missing"))
     cases["configs differ"] = (WORLD, lambda g: _configs_differ(g, root, root / "saved" / "configs"))
     cases["overwrite"] = (WORLD, lambda g: _overwrite(g, root, root / "saved" / "overwrite"))
-    return run_cases(rank, world_size, cases)
+    results = run_cases(rank, world_size, cases)
+    # Last: rank 1 dies as it starts writing its shard; rank 0 must raise within the timeout, leaving nothing.
+    import time
+
+    import torch.distributed as dist
+    from safetensors import torch as safetensors_torch
+
+    from twinpipe.hf.weights import save
+
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, results)
+    ref = torch.load(root / "llama.pt")
+    config = transformers.AutoConfig.from_pretrained(str(root / "llama" / "single"))
+    out = root / "saved" / "killed"
+    if rank == 1:
+        safetensors_torch.save_file = lambda *args, **kwargs: os._exit(3)
+    start = time.monotonic()
+    killed = _raises(lambda: save(out, _save_parts(ref, config, rank), config, timeout=KILL_TIMEOUT))
+    return {"ranks": everyone, "killed": killed, "elapsed": time.monotonic() - start,
+            "left": sorted(p.name for p in out.parent.iterdir() if out.name in p.name)}
 
 
 @pytest.fixture(scope="module")
@@ -317,11 +337,11 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-weights")
     _make(root)
     (root / "saved").mkdir()
-    return root, run_world(WORLD, _world, str(root), timeout=300)
+    return root, run_world(WORLD, _world, str(root), timeout=300, allow_deaths=True)
 
 
 def _both(world, name: str) -> list:
-    results = [r[name] for r in world[1]]
+    results = [r[name] for r in world[1][0]["ranks"]]
     for r in results:
         assert not isinstance(r, str), r  # a case that raised
     return results
@@ -380,6 +400,15 @@ def test_ranks_passing_different_configs_all_raise(world):
     for r in _both(world, "configs differ"):
         assert r["error"].startswith("CheckpointWriteError:") and "rank(s) [1] passed another config" in r["error"], r
         assert r["left"] == [], r
+
+
+def test_a_rank_dying_during_a_save_makes_the_other_raise_within_the_timeout_leaving_nothing(world):
+    dead, alive = world[1][1], world[1][0]
+    assert dead[0] == "died", dead
+    assert alive["killed"].startswith(("PipelineTimeout", "PipelineCommError")), alive["killed"]  # its death or the timeout
+    assert "saving" in alive["killed"] and "waiting for every rank to write its shard" in alive["killed"], alive["killed"]
+    assert alive["elapsed"] < KILL_TIMEOUT + 30, alive["elapsed"]  # the timeout, not the process group's 10 minutes
+    assert alive["left"] == [], alive["left"]
 
 
 # ---- in this process

@@ -278,6 +278,23 @@ def _overwrite(group, root: Path, out: Path) -> dict:
             "left": sorted(p.name for p in out.parent.iterdir() if out.name in p.name)}
 
 
+def _copies_differ(group, root: Path, out: Path) -> dict:
+    """Rank 1's mirrored copy of a layer differs in one element from rank 0's: every rank raises naming it."""
+    import torch.distributed as dist
+
+    from twinpipe.hf.weights import save
+
+    rank = dist.get_rank(group)
+    ref = torch.load(root / "deepseek-v3.pt")
+    config = transformers.AutoConfig.from_pretrained(str(root / "deepseek-v3" / "single"))
+    parts = _save_parts(ref, config, rank)
+    if rank == 1:
+        parts["mirror.model.layers.0.self_attn.o_proj.weight"][1][0, 0] += 1
+    error = _raises(lambda: save(out, parts, config, group=group, timeout=120))
+    dist.barrier(group)
+    return {"error": error, "left": sorted(p.name for p in out.parent.iterdir() if out.name in p.name)}
+
+
 def _configs_differ(group, root: Path, out: Path) -> dict:
     """Rank 1 passes another config (the ranks would plan different files): every rank raises."""
     import torch.distributed as dist
@@ -308,6 +325,7 @@ def _world(rank: int, world_size: int, root: str) -> dict:
         cases[f"save/{arch}"] = (WORLD, lambda g, a=arch: _save_and_read(g, root, a, root / "saved" / a))
     cases["fault"] = (WORLD, lambda g: _fault(g, root, root / "saved" / "fault"))
     cases["missing"] = (WORLD, lambda g: _missing(g, root, root / "saved" / "missing"))
+    cases["copies differ"] = (WORLD, lambda g: _copies_differ(g, root, root / "saved" / "copies"))
     cases["configs differ"] = (WORLD, lambda g: _configs_differ(g, root, root / "saved" / "configs"))
     cases["overwrite"] = (WORLD, lambda g: _overwrite(g, root, root / "saved" / "overwrite"))
     results = run_cases(rank, world_size, cases)
@@ -396,6 +414,13 @@ def test_a_non_empty_target_is_refused_unless_overwrite_replaces_it(world):
         assert r["left"] == ["overwrite"], r
 
 
+def test_copies_that_differ_are_named_on_every_rank_and_nothing_is_written(world):
+    for r in _both(world, "copies differ"):
+        assert r["error"].startswith("CheckpointWriteError:"), r
+        assert "ranks 0 and 1 hold different values of 'model.layers.0.self_attn.o_proj.weight'" in r["error"], r
+        assert r["left"] == [], r
+
+
 def test_ranks_passing_different_configs_all_raise(world):
     for r in _both(world, "configs differ"):
         assert r["error"].startswith("CheckpointWriteError:") and "rank(s) [1] passed another config" in r["error"], r
@@ -418,7 +443,7 @@ def test_replicas_take_turns_writing_and_one_writer_writes_model_safetensors():
     from twinpipe.hf.weights import _plan
 
     names = ModelNames(_configs()["qwen3-moe"])
-    every = [[n, list(range(names.shapes[n][0])) if n in names.fused else None, "torch.float32"] for n in names.stored()]
+    every = [[n, list(range(names.shapes[n][0])) if n in names.fused else None, "torch.float32", None] for n in names.stored()]
     plan = _plan(names, [{"claims": every}, {"claims": every}])
     owners = list(plan.owner.values())
     assert set(owners) == {0, 1} and abs(owners.count(0) - owners.count(1)) <= 1
@@ -439,6 +464,22 @@ def test_a_save_without_a_process_group_writes_one_file_in_the_tensors_dtype(wor
     assert config.dtype == torch.float32  # the caller's config is left as it was
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
     assert all(torch.equal(model.state_dict()[n], ref[n]) for n in ref) and model.dtype == torch.bfloat16
+
+
+def test_two_local_copies_that_differ_are_refused(world, tmp_path):
+    from twinpipe.hf.weights import Place, save
+
+    ref = torch.load(world[0] / "qwen3-moe.pt")
+    config = transformers.AutoConfig.from_pretrained(str(world[0] / "qwen3-moe" / "single"))
+    name = "model.layers.1.mlp.experts.down_proj"
+    other = ref[name][[1]].clone()
+    other[0, 0, 0] += 1
+    parts = {**ref, "again": (Place(name, (1,)), other)}
+    with pytest.raises(Exception, match=r"tensors\['again'\] and tensors\['model.layers.1.mlp.experts.down_proj'\] are both "
+                                        r"expert 1 of 'model.layers.1.mlp.experts.down_proj' but differ"):
+        save(tmp_path / "out", parts, config)
+    assert not (tmp_path / "out").exists()
+    save(tmp_path / "out", {**ref, "again": (Place(name, (1,)), ref[name][[1]].clone())}, config)  # an equal copy is fine
 
 
 def test_a_tensor_converted_by_another_operation_is_refused_by_name(world, monkeypatch):

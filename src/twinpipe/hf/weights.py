@@ -232,11 +232,18 @@ def _dtype(text: str) -> torch.dtype:
     return getattr(torch, text.removeprefix("torch."))
 
 
-def _mine(names: ModelNames, tensors) -> tuple[list, dict]:
-    """This rank's claims ``[name, rows or None, dtype]`` and ``{(name, row or None): tensor}``."""
+def _digest(tensor: torch.Tensor) -> str:
+    """A short digest of a tensor's bytes (to compare copies that must be equal, not for security)."""
+    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def _mine(names: ModelNames, tensors, check_copies: bool) -> tuple[list, dict]:
+    """This rank's claims ``[name, rows or None, dtype, digests or None]`` and
+    ``{(name, row or None): tensor}`` (a fused tensor by expert: its rows)."""
     if not isinstance(tensors, Mapping):
         raise bad("tensors", type(tensors).__name__, "must be a mapping {local name: tensor or (Place, tensor)}")
-    claims, held = [], {}
+    claims, held, seen = [], {}, {}
     for local, value in tensors.items():
         place, tensor = (Place(local), value) if isinstance(value, torch.Tensor) else tuple(value)
         place = Place(place) if isinstance(place, str) else place
@@ -246,21 +253,31 @@ def _mine(names: ModelNames, tensors) -> tuple[list, dict]:
         if tuple(tensor.shape) != shape:
             raise ValueError(f"tensors[{local!r}]: shape {list(tensor.shape)}, but {place} has shape {list(shape)}")
         name = names.canonical(place.name)
-        if name not in names.fused:
-            if place.rows is not None:  # rows of a tensor stored whole: only the whole is written
-                raise ValueError(f"tensors[{local!r}]: {place.name!r} is not a fused expert tensor; only those are "
-                                 "saved from rows (pass the whole tensor)")
-            if (name, None) not in held:
-                held[(name, None)] = tensor
-                claims.append([name, None, str(tensor.dtype)])
-            continue
-        rows = place.rows if place.rows is not None else range(shape[0])  # a fused tensor is written expert by expert
-        new = [r for r in dict.fromkeys(rows) if (name, r) not in held]
-        for j, row in enumerate(rows):
-            held.setdefault((name, row), tensor[j])
+        if name in names.fused:  # a fused tensor is written expert by expert
+            units = [((name, row), tensor[j]) for j, row in enumerate(place.rows if place.rows is not None else range(shape[0]))]
+        elif place.rows is not None:  # rows of a tensor stored whole: only the whole is written
+            raise ValueError(f"tensors[{local!r}]: {place.name!r} is not a fused expert tensor; only those are saved "
+                             "from rows (pass the whole tensor)")
+        else:
+            units = [((name, None), tensor)]
+        new, digests = [], []
+        for unit, piece in units:
+            digest = _digest(piece) if check_copies else None
+            if unit in held:
+                if digest != seen[unit][1]:
+                    raise ValueError(f"tensors[{local!r}] and tensors[{seen[unit][0]!r}] are both {_unit(unit)} but differ")
+                continue
+            held[unit], seen[unit] = piece, (local, digest)
+            new.append(unit[1])
+            digests.append(digest)
         if new:
-            claims.append([name, new, str(tensor.dtype)])
+            claims.append([name, None if new == [None] else new, str(tensor.dtype), digests if check_copies else None])
     return claims, held
+
+
+def _unit(unit) -> str:
+    name, row = unit
+    return repr(name) if row is None else f"expert {row} of {name!r}"
 
 
 @dataclass
@@ -272,16 +289,24 @@ class _Plan:
 
 def _plan(names: ModelNames, said: list[dict]) -> _Plan:
     """Who writes what: every tensor (every expert) of the model once, by one of the ranks holding
-    it (taken in turn, so that replicas share the writing); raises if any is missing on every rank
-    or the ranks hold it in different dtypes. The same on every rank (it reads only ``said``)."""
+    it (taken in turn, so that replicas share the writing); raises if any is missing on every rank,
+    or the ranks hold it in different dtypes or (by digest) with different values. The same on every
+    rank (it reads only ``said``)."""
     holders: dict = {}
     dtypes: dict = {}
+    digests: dict = {}
     for rank, s in enumerate(said):
-        for name, rows, dtype in s["claims"]:
+        for name, rows, dtype, sums in s["claims"]:
             if dtypes.setdefault(name, dtype) != dtype:
                 raise ValueError(f"tensor {name!r} is {dtypes[name]} on one rank and {dtype} on rank {rank}")
-            for row in (rows if rows is not None else [None]):
-                holders.setdefault((name, row), []).append(rank)
+            for i, row in enumerate(rows if rows is not None else [None]):
+                unit = (name, row)
+                holders.setdefault(unit, []).append(rank)
+                if sums is not None:
+                    first = digests.setdefault(unit, (rank, sums[i]))
+                    if first[1] != sums[i]:
+                        raise ValueError(f"ranks {first[0]} and {rank} hold different values of {_unit(unit)} (copies that "
+                                         "must be equal, DualPipe's mirrored ones or data-parallel replicas, have drifted apart)")
     missing = []
     for name in names.stored():
         units = [(name, r) for r in range(names.shapes[name][0])] if name in names.fused else [(name, None)]
@@ -358,7 +383,8 @@ def _raise_if_failed(said: list[dict], where: str, before: str) -> None:
         raise CheckpointWriteError(f"{where}: failed ({'; '.join(f'rank {r}: {e}' for r, e in failed)}); {before}")
 
 
-def save(model_dir_out, tensors, config, *, group=None, timeout: float = DEFAULT_TIMEOUT, overwrite: bool = False) -> None:
+def save(model_dir_out, tensors, config, *, group=None, timeout: float = DEFAULT_TIMEOUT, overwrite: bool = False,
+         check_copies: bool = True) -> None:
     """Write a ``transformers`` checkpoint folder of the model these ranks hold, collectively.
 
     Every rank of ``group`` (default: the world; without ``torch.distributed``, this process alone)
@@ -372,21 +398,24 @@ def save(model_dir_out, tensors, config, *, group=None, timeout: float = DEFAULT
     tensors bitwise. Complete or absent: written beside ``model_dir_out`` and renamed into place
     when every rank has finished; if any rank fails, every rank raises ``CheckpointWriteError`` and
     the target is as it was. An existing non-empty ``model_dir_out`` is refused unless
-    ``overwrite``, which replaces it atomically. Every wait is bounded by ``timeout`` seconds."""
+    ``overwrite``, which replaces it atomically. ``check_copies``: compare the copies of each tensor
+    (by a digest of its bytes) and raise if they differ, rather than write one of them. Every wait is
+    bounded by ``timeout`` seconds."""
     timeout = checked_timeout(timeout)
     check_bool(overwrite, "overwrite")
+    check_bool(check_copies, "check_copies")
     target = Path(model_dir_out)
     if group is None and dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
     gloo = cpu_group(group, timeout) if group is not None else None
     try:
-        _save(target, tensors, config, gloo, timeout, overwrite)
+        _save(target, tensors, config, gloo, timeout, overwrite, check_copies)
     finally:
         if gloo is not None:
             release_cpu_group(gloo)
 
 
-def _save(target: Path, tensors, config, group, timeout: float, overwrite: bool) -> None:
+def _save(target: Path, tensors, config, group, timeout: float, overwrite: bool, check_copies: bool) -> None:
     rank = dist.get_rank(group) if group is not None else 0
     where = f"rank {rank}: saving {str(target)!r}"
     before = f"{str(target)!r} is as it was before the save"
@@ -399,7 +428,7 @@ def _save(target: Path, tensors, config, group, timeout: float, overwrite: bool)
     try:
         mine["config"] = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()
         names = ModelNames(config)
-        mine["claims"], held = _mine(names, tensors)
+        mine["claims"], held = _mine(names, tensors, check_copies)
         if rank == 0:
             mine["folder"] = str(prepare_folder(target, _replace_folder if overwrite else _refuse_non_empty))
     except Exception as error:

@@ -564,6 +564,14 @@ def test_a_folder_without_a_checkpoint_or_of_another_kind_of_model_is_refused(tm
         load(tmp_path, ["model.norm.weight"])
 
 
+def test_has_weights_tells_a_checkpoint_from_a_config_alone(world, tmp_path):
+    from twinpipe.hf.weights import has_weights
+
+    transformers.AutoConfig.from_pretrained(str(world[0] / "llama" / "single")).save_pretrained(str(tmp_path))
+    assert not has_weights(tmp_path)
+    assert has_weights(world[0] / "llama" / "single") and has_weights(world[0] / "llama" / "sharded")
+
+
 def test_load_into_fills_a_modules_tensors_in_its_dtype(world):
     from transformers import AutoModelForCausalLM
 

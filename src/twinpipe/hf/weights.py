@@ -38,7 +38,7 @@ from twinpipe.train.agreement import gather_json
 from twinpipe.train.checkpoint import CheckpointWriteError
 from twinpipe.train.checkpoint_files import CheckpointError, prepare_folder, put_in_place
 
-__all__ = ["Place", "load", "load_into", "save", "CheckpointError", "CheckpointWriteError"]
+__all__ = ["Place", "has_weights", "load", "load_into", "save", "CheckpointError", "CheckpointWriteError"]
 
 
 @dataclass(frozen=True)
@@ -161,6 +161,13 @@ class _Disk:
                 stacked.append(self.files.read(key))
             pieces.append(torch.stack(stacked))
         return torch.cat(pieces, dim=fused.dim) if fused.dim is not None else pieces[0]
+
+
+def has_weights(model_dir) -> bool:
+    """Whether folder ``model_dir`` holds safetensors weights (``model.safetensors`` or an index),
+    rather than a configuration alone."""
+    folder = Path(model_dir)
+    return (folder / SINGLE).is_file() or (folder / INDEX).is_file()
 
 
 def load(model_dir, places, *, dtype: torch.dtype | None = None, device=None) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from distributed import run_world, run_cases  # noqa: E402
+from distributed import run_cases, run_world
 
 WORLD = 2
 KILL_TIMEOUT = 4.0  # seconds the surviving rank waits for a dead one

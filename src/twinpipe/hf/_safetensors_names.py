@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ModelNames", "Fused", "model_names"]
+__all__ = ["ModelNames", "Fused"]
 
 
 @dataclass(frozen=True)

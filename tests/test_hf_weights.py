@@ -440,7 +440,7 @@ def test_a_rank_dying_during_a_save_makes_the_other_raise_within_the_timeout_lea
 
 def test_replicas_take_turns_writing_and_one_writer_writes_model_safetensors():
     from twinpipe.hf._safetensors_names import ModelNames
-    from twinpipe.hf.weights import _plan
+    from twinpipe.hf._safetensors_save import make_plan as _plan
 
     names = ModelNames(_configs()["qwen3-moe"])
     every = [[n, list(range(names.shapes[n][0])) if n in names.fused else None, "torch.float32", None] for n in names.stored()]

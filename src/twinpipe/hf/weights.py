@@ -18,63 +18,22 @@ temporary folder beside the target, renamed into place once every rank has writt
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
-import os
-import shutil
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, checked_timeout
-from twinpipe.hf._safetensors_files import INDEX, SINGLE, CheckpointFiles, shard_name
+from twinpipe.hf._safetensors_files import INDEX, SINGLE, CheckpointFiles
 from twinpipe.hf._safetensors_names import ModelNames
+from twinpipe.hf._safetensors_place import Place, check_place
+from twinpipe.hf._safetensors_place import places as places_of
+from twinpipe.hf._safetensors_save import save_collective
 from twinpipe.runtime.collectives import cpu_group, release_cpu_group
-from twinpipe.train.agreement import gather_json
 from twinpipe.train.checkpoint import CheckpointWriteError
-from twinpipe.train.checkpoint_files import CheckpointError, prepare_folder, put_in_place
+from twinpipe.train.checkpoint_files import CheckpointError
 
 __all__ = ["Place", "has_weights", "load", "load_into", "save", "CheckpointError", "CheckpointWriteError"]
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where a rank's tensor sits in the unsplit model: ``full[name]``, or with ``rows``
-    ``full[name][list(rows)]`` (expert indices along dim 0 of a fused expert tensor; a row may
-    repeat: a redundant expert)."""
-
-    name: str
-    rows: tuple[int, ...] | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name:
-            raise bad("Place.name", self.name, "must be a tensor name of the unsplit model (a non-empty str)")
-        if self.rows is not None:
-            rows = tuple(self.rows)
-            if not rows or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rows):
-                raise bad("Place.rows", self.rows, "must be None or a non-empty sequence of ints >= 0 (expert indices)")
-            object.__setattr__(self, "rows", rows)
-
-
-def _places(places) -> dict[str, Place]:
-    """``{local name: Place}`` from a mapping (values a Place or a name) or an iterable of names."""
-    if isinstance(places, (str, bytes)) or places is None:
-        raise bad("places", places, "must be a mapping {local name: Place} or an iterable of tensor names")
-    if isinstance(places, Mapping):
-        items = places.items()
-    else:
-        items = [(name, name) for name in places]
-    out = {}
-    for local, place in items:
-        place = Place(place) if isinstance(place, str) else place
-        if not isinstance(place, Place):
-            raise bad(f"places[{local!r}]", place, "must be a Place or a tensor name")
-        out[str(local)] = place
-    return out
 
 
 def _config(model_dir):
@@ -84,21 +43,6 @@ def _config(model_dir):
     if not (folder / "config.json").is_file():
         raise CheckpointError(folder, "has no config.json (not a transformers model folder)")
     return AutoConfig.from_pretrained(str(folder))
-
-
-def _check_place(names: ModelNames, place: Place, where: str) -> tuple[int, ...]:
-    """The shape of the tensor ``place`` names (rows counted); a ValueError for an unknown name or row."""
-    shape = names.shapes.get(place.name)
-    if shape is None:
-        near = [n for n in names.shapes if n.split(".")[-1] == place.name.split(".")[-1]][:3]
-        raise ValueError(f"{where}: {place.name!r} is not a tensor of {names.model_class}"
-                         + (f" (tensors of that kind: {', '.join(near)}, ...)" if near else ""))
-    if place.rows is None:
-        return shape
-    if not shape or max(place.rows) >= shape[0]:
-        raise ValueError(f"{where}: rows {list(place.rows)} of {place.name!r}: it has {shape[0] if shape else 'no'} "
-                         f"rows (shape {list(shape)})")
-    return (len(place.rows), *shape[1:])
 
 
 class _Disk:
@@ -181,13 +125,13 @@ def load(model_dir, places, *, dtype: torch.dtype | None = None, device=None) ->
     ``tie_word_embeddings``) is read from the tensor it is tied to. A tensor the model lacks, one the
     folder lacks or one of another shape: ``CheckpointError`` (a ValueError) or ValueError naming it,
     the file and the shape expected."""
-    wanted = _places(places)
+    wanted = places_of(places)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise bad("dtype", dtype, "must be None or a torch.dtype")
     names = ModelNames(_config(model_dir))
     where = f"loading {str(model_dir)!r}"
     for local, place in wanted.items():
-        _check_place(names, place, f"{where}: places[{local!r}]")
+        check_place(names, place, f"{where}: places[{local!r}]")
     disk = _Disk(CheckpointFiles(model_dir), names)
     out = {}
     for local, place in wanted.items():
@@ -202,7 +146,7 @@ def load_into(module: torch.nn.Module, model_dir, places=None, *, strict: bool =
     module must be filled (else the ones the model lacks are left as they are)."""
     check_bool(strict, "strict")
     state = module.state_dict(keep_vars=True)
-    given = _places(places) if places is not None else {}
+    given = places_of(places) if places is not None else {}
     unknown = sorted(set(given) - set(state))
     if unknown:
         raise bad("places", unknown[:4], f"names keys {type(module).__name__} lacks (its keys: {', '.join(list(state)[:4])}, ...)")
@@ -219,175 +163,6 @@ def load_into(module: torch.nn.Module, model_dir, places=None, *, strict: bool =
                                  f"{list(target.shape)}, the checkpoint's {wanted[key]} has {list(tensor.shape)}")
             target.copy_(tensor)
     return list(tensors)
-
-
-# ---------------------------------------------------------------------------------------------- save
-
-def _refuse_non_empty(target: Path) -> str | None:
-    if not target.is_dir():
-        return "exists and is not a folder; refusing to replace it"
-    if any(target.iterdir()):
-        return "exists and is not empty; pass overwrite=True to replace it"
-    return None
-
-
-def _replace_folder(target: Path) -> str | None:
-    return None if target.is_dir() else "exists and is not a folder; refusing to replace it"
-
-
-def _dtype(text: str) -> torch.dtype:
-    return getattr(torch, text.removeprefix("torch."))
-
-
-def _digest(tensor: torch.Tensor) -> str:
-    """A short digest of a tensor's bytes (to compare copies that must be equal, not for security)."""
-    data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.blake2b(data, digest_size=8).hexdigest()
-
-
-def _mine(names: ModelNames, tensors, check_copies: bool) -> tuple[list, dict]:
-    """This rank's claims ``[name, rows or None, dtype, digests or None]`` and
-    ``{(name, row or None): tensor}`` (a fused tensor by expert: its rows)."""
-    if not isinstance(tensors, Mapping):
-        raise bad("tensors", type(tensors).__name__, "must be a mapping {local name: tensor or (Place, tensor)}")
-    claims, held, seen = [], {}, {}
-    for local, value in tensors.items():
-        place, tensor = (Place(local), value) if isinstance(value, torch.Tensor) else tuple(value)
-        place = Place(place) if isinstance(place, str) else place
-        if not isinstance(place, Place) or not isinstance(tensor, torch.Tensor):
-            raise bad(f"tensors[{local!r}]", value, "must be a tensor or a (Place, tensor) pair")
-        shape = _check_place(names, place, f"tensors[{local!r}]")
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"tensors[{local!r}]: shape {list(tensor.shape)}, but {place} has shape {list(shape)}")
-        name = names.canonical(place.name)
-        if name in names.fused:  # a fused tensor is written expert by expert
-            units = [((name, row), tensor[j]) for j, row in enumerate(place.rows if place.rows is not None else range(shape[0]))]
-        elif place.rows is not None:  # rows of a tensor stored whole: only the whole is written
-            raise ValueError(f"tensors[{local!r}]: {place.name!r} is not a fused expert tensor; only those are saved "
-                             "from rows (pass the whole tensor)")
-        else:
-            units = [((name, None), tensor)]
-        new, digests = [], []
-        for unit, piece in units:
-            digest = _digest(piece) if check_copies else None
-            if unit in held:
-                if digest != seen[unit][1]:
-                    raise ValueError(f"tensors[{local!r}] and tensors[{seen[unit][0]!r}] are both {_unit(unit)} but differ")
-                continue
-            held[unit], seen[unit] = piece, (local, digest)
-            new.append(unit[1])
-            digests.append(digest)
-        if new:
-            claims.append([name, None if new == [None] else new, str(tensor.dtype), digests if check_copies else None])
-    return claims, held
-
-
-def _unit(unit) -> str:
-    name, row = unit
-    return repr(name) if row is None else f"expert {row} of {name!r}"
-
-
-@dataclass
-class _Plan:
-    owner: dict  # (name, row or None) -> group rank writing it
-    files: dict  # group rank -> file name
-    dtypes: dict  # name -> dtype string
-
-
-def _plan(names: ModelNames, said: list[dict]) -> _Plan:
-    """Who writes what: every tensor (every expert) of the model once, by one of the ranks holding
-    it (taken in turn, so that replicas share the writing); raises if any is missing on every rank,
-    or the ranks hold it in different dtypes or (by digest) with different values. The same on every
-    rank (it reads only ``said``)."""
-    holders: dict = {}
-    dtypes: dict = {}
-    digests: dict = {}
-    for rank, s in enumerate(said):
-        for name, rows, dtype, sums in s["claims"]:
-            if dtypes.setdefault(name, dtype) != dtype:
-                raise ValueError(f"tensor {name!r} is {dtypes[name]} on one rank and {dtype} on rank {rank}")
-            for i, row in enumerate(rows if rows is not None else [None]):
-                unit = (name, row)
-                holders.setdefault(unit, []).append(rank)
-                if sums is not None:
-                    first = digests.setdefault(unit, (rank, sums[i]))
-                    if first[1] != sums[i]:
-                        raise ValueError(f"ranks {first[0]} and {rank} hold different values of {_unit(unit)} (copies that "
-                                         "must be equal, DualPipe's mirrored ones or data-parallel replicas, have drifted apart)")
-    missing = []
-    for name in names.stored():
-        units = [(name, r) for r in range(names.shapes[name][0])] if name in names.fused else [(name, None)]
-        lacking = [u for u in units if u not in holders]
-        if lacking:
-            missing.append(name if len(lacking) == len(units) else f"{name} rows {[r for _, r in lacking][:8]}")
-    if missing:
-        raise ValueError(f"no rank holds {len(missing)} tensor(s) of the model: {', '.join(missing[:6])}"
-                         f"{', ...' if len(missing) > 6 else ''} (every tensor must be passed by at least one rank)")
-    owner = {}
-    for i, unit in enumerate(sorted(holders, key=lambda u: (u[0], -1 if u[1] is None else u[1]))):
-        ranks = sorted(set(holders[unit]))
-        owner[unit] = ranks[i % len(ranks)]
-    writers = sorted(set(owner.values()))
-    files = {rank: SINGLE if len(writers) == 1 else shard_name(i, len(writers)) for i, rank in enumerate(writers)}
-    return _Plan(owner, files, dtypes)
-
-
-def _disk_tensors(names: ModelNames, name: str, row, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """(key, tensor) as written for tensor ``name`` (a fused one: for its expert ``row``)."""
-    if row is None:
-        return [(names.disk_key(name), tensor)]
-    fused = names.fused[name]
-    parts = tensor.chunk(len(fused.sources), dim=fused.dim - 1) if fused.dim is not None else (tensor,)
-    return [(names.disk_key(name, i, row), part) for i, part in enumerate(parts)]
-
-
-def _write_own(folder: Path, names: ModelNames, plan: _Plan, rank: int, held: dict) -> None:
-    from safetensors.torch import save_file
-
-    out = {}
-    for unit, tensor in held.items():
-        if plan.owner.get(unit) == rank:
-            for key, part in _disk_tensors(names, *unit, tensor):
-                out[key] = part.detach().to("cpu").clone(memory_format=torch.contiguous_format)  # own storage each
-    if out:
-        path = folder / plan.files[rank]
-        save_file(out, str(path), metadata={"format": "pt"})
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-
-
-def _write_shared(folder: Path, names: ModelNames, plan: _Plan, config) -> None:
-    """``config.json`` (dtype and architecture set as ``save_pretrained`` sets them) and, for more than one
-    shard, the index; rank 0 writes them once every rank has written its shard."""
-    config = copy.deepcopy(config)
-    stored = names.stored()
-    floating = [plan.dtypes[n] for n in stored if _dtype(plan.dtypes[n]).is_floating_point]
-    if floating:
-        config.dtype = floating[0].removeprefix("torch.")
-    config.architectures = [names.model_class]
-    config.save_pretrained(str(folder))
-    if len(set(plan.files.values())) == 1:
-        return
-    weight_map, total = {}, 0
-    for (name, row), rank in plan.owner.items():
-        if name in names.fused:
-            for key, _ in _disk_tensors(names, name, row, torch.empty(names.shapes[name][1:], device="meta")):
-                weight_map[key] = plan.files[rank]
-        else:
-            weight_map[names.disk_key(name)] = plan.files[rank]
-    for name in stored:
-        numel = 1
-        for d in names.shapes[name]:
-            numel *= d
-        total += numel * _dtype(plan.dtypes[name]).itemsize
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _raise_if_failed(said: list[dict], where: str, before: str) -> None:
-    failed = [(rank, s["error"]) for rank, s in enumerate(said) if s.get("error")]
-    if failed:
-        raise CheckpointWriteError(f"{where}: failed ({'; '.join(f'rank {r}: {e}' for r, e in failed)}); {before}")
 
 
 def save(model_dir_out, tensors, config, *, group=None, timeout: float = DEFAULT_TIMEOUT, overwrite: bool = False,
@@ -416,58 +191,7 @@ def save(model_dir_out, tensors, config, *, group=None, timeout: float = DEFAULT
         group = dist.group.WORLD
     gloo = cpu_group(group, timeout) if group is not None else None
     try:
-        _save(target, tensors, config, gloo, timeout, overwrite, check_copies)
+        save_collective(target, tensors, config, gloo, timeout, overwrite, check_copies)
     finally:
         if gloo is not None:
             release_cpu_group(gloo)
-
-
-def _save(target: Path, tensors, config, group, timeout: float, overwrite: bool, check_copies: bool) -> None:
-    rank = dist.get_rank(group) if group is not None else 0
-    where = f"rank {rank}: saving {str(target)!r}"
-    before = f"{str(target)!r} is as it was before the save"
-
-    def everyone(mine: dict, what: str) -> list[dict]:
-        return gather_json(group, mine, timeout, f"{where}: {what}") if group is not None else [mine]
-
-    mine: dict = {"error": None, "claims": []}
-    names = held = None
-    try:
-        mine["config"] = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()
-        names = ModelNames(config)
-        mine["claims"], held = _mine(names, tensors, check_copies)
-        if rank == 0:
-            mine["folder"] = str(prepare_folder(target, _replace_folder if overwrite else _refuse_non_empty))
-    except Exception as error:
-        mine["error"] = f"{type(error).__name__}: {error}"
-    said = everyone(mine, "preparing")
-    folder = Path(said[0]["folder"]) if said[0].get("folder") else None
-    try:
-        _raise_if_failed(said, where, before)
-        differ = [r for r, s in enumerate(said) if s["config"] != said[0]["config"]]
-        if differ:  # each rank plans from its own config: they must be one
-            raise CheckpointWriteError(f"{where}: rank(s) {differ} passed another config than rank 0's; {before}")
-        try:
-            plan = _plan(names, said)
-        except ValueError as error:  # the same on every rank: it reads only what every rank said
-            raise CheckpointWriteError(f"{where}: {error}; {before}") from None
-        mine = {"error": None}
-        try:
-            _write_own(folder, names, plan, rank, held)
-        except Exception as error:
-            mine["error"] = f"{type(error).__name__}: {error}"
-        said = everyone(mine, "waiting for every rank to write its shard")
-        _raise_if_failed(said, where, before)
-        mine = {"error": None}
-        if rank == 0:
-            try:
-                _write_shared(folder, names, plan, config)
-                put_in_place(folder, target)
-            except Exception as error:
-                mine["error"] = f"{type(error).__name__}: {error}"
-        said = everyone(mine, "waiting for the folder to be put in place")
-        _raise_if_failed(said, where, before)
-    except BaseException:  # noqa: B036  (cleans up, then re-raises whatever it was)
-        if rank == 0 and folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)  # never the target: it is the old folder or the new one
-        raise

@@ -564,6 +564,21 @@ def test_a_folder_without_a_checkpoint_or_of_another_kind_of_model_is_refused(tm
         load(tmp_path, ["model.norm.weight"])
 
 
+def test_bad_arguments_are_named_briefly(world, tmp_path):
+    from twinpipe.hf.weights import load, save
+
+    root = world[0]
+    ref = torch.load(root / "llama.pt")
+    config = transformers.AutoConfig.from_pretrained(str(root / "llama" / "single"))
+    with pytest.raises(ValueError, match=r"^places\['model.embed_tokens.weight'\]='Tensor': must be a Place or a tensor name$"):
+        load(root / "llama" / "single", ref)  # a state dict is not a map of places
+    with pytest.raises(Exception, match=r"tensors\['x'\]='\(Tensor, Tensor\)': must be a tensor or a \(Place, tensor\) pair"):
+        save(tmp_path / "out", {**ref, "x": (ref["model.norm.weight"], ref["model.norm.weight"])}, config)
+    with pytest.raises(ValueError, match=r"timeout=0.0: must be a finite number >= 0.001"):
+        save(tmp_path / "out", ref, config, timeout=0)
+    assert not (tmp_path / "out").exists()
+
+
 def test_has_weights_tells_a_checkpoint_from_a_config_alone(world, tmp_path):
     from twinpipe.hf.weights import has_weights
 

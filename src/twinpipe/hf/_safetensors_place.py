@@ -42,7 +42,7 @@ def places(places) -> dict[str, Place]:
     for local, place in items:
         place = Place(place) if isinstance(place, str) else place
         if not isinstance(place, Place):
-            raise bad(f"places[{local!r}]", place, "must be a Place or a tensor name")
+            raise bad(f"places[{local!r}]", type(place).__name__, "must be a Place or a tensor name")
         out[str(local)] = place
     return out
 

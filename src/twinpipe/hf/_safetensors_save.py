@@ -56,10 +56,13 @@ def _mine(names: ModelNames, tensors, check_copies: bool) -> tuple[list, dict]:
         raise bad("tensors", type(tensors).__name__, "must be a mapping {local name: tensor or (Place, tensor)}")
     claims, held, seen = [], {}, {}
     for local, value in tensors.items():
-        place, tensor = (Place(local), value) if isinstance(value, torch.Tensor) else tuple(value)
+        place, tensor = (Place(local), value) if isinstance(value, torch.Tensor) else (value, None)
+        if isinstance(value, (tuple, list)) and len(value) == 2:
+            place, tensor = value
         place = Place(place) if isinstance(place, str) else place
         if not isinstance(place, Place) or not isinstance(tensor, torch.Tensor):
-            raise bad(f"tensors[{local!r}]", value, "must be a tensor or a (Place, tensor) pair")
+            what = f"({', '.join(type(v).__name__ for v in value)})" if isinstance(value, (tuple, list)) else type(value).__name__
+            raise bad(f"tensors[{local!r}]", what, "must be a tensor or a (Place, tensor) pair")
         shape = check_place(names, place, f"tensors[{local!r}]")
         if tuple(tensor.shape) != shape:
             raise ValueError(f"tensors[{local!r}]: shape {list(tensor.shape)}, but {place} has shape {list(shape)}")

@@ -155,7 +155,7 @@ def _write_own(folder: Path, names: ModelNames, plan: _Plan, rank: int, held: di
     for unit, tensor in held.items():
         if plan.owner.get(unit) == rank:
             for key, part in _disk_tensors(names, *unit, tensor):
-                out[key] = part.detach().to("cpu").clone(memory_format=torch.contiguous_format)  # own storage each
+                out[key] = part.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)  # one copy, own storage
     if out:
         path = folder / plan.files[rank]
         save_file(out, str(path), metadata={"format": "pt"})

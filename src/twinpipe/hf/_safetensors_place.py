@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from twinpipe.checks import bad
+from twinpipe.checks import bad, check_ints
 from twinpipe.hf._safetensors_names import ModelNames
 
 __all__ = ["Place", "places", "check_place"]
@@ -24,9 +24,7 @@ class Place:
         if not isinstance(self.name, str) or not self.name:
             raise bad("Place.name", self.name, "must be a tensor name of the unsplit model (a non-empty str)")
         if self.rows is not None:
-            rows = tuple(self.rows)
-            if not rows or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in rows):
-                raise bad("Place.rows", self.rows, "must be None or a non-empty sequence of ints >= 0 (expert indices)")
+            rows = check_ints(self.rows, "Place.rows", low=0, why="expert indices; or None")
             object.__setattr__(self, "rows", rows)
 
 

@@ -548,7 +548,7 @@ def test_a_missing_expert_and_rows_out_of_range_are_named(world, tmp_path):
         load(tmp_path, {"a": Place(name, (2,))})
     with pytest.raises(ValueError, match=r"rows \[4\] of 'model.layers.1.mlp.experts.gate_up_proj': it has 4 rows"):
         load(tmp_path, {"a": Place(name, (4,))})
-    with pytest.raises(ValueError, match=r"Place.rows=\(\): must be None or a non-empty sequence"):
+    with pytest.raises(ValueError, match=r"Place.rows=\(\): must be a non-empty sequence"):
         Place(name, ())
 
 

@@ -267,7 +267,33 @@ def test_batch_counts_tokens_of_the_whole_batch():
     # DualPipe: rank 0 passes the inputs of the first half and the labels of the second half.
     assert torch.equal(inputs[0], ids[:2]) and torch.equal(labs[0], labels[2:])
     assert labs[1].tolist() == [hf.count_items(labels)] * 2 == [int((labels[:, 1:] != -100).sum())] * 2
+    assert stages.batch(ids, mask, labels, num_chunks=2, num_items=7)[1][1].tolist() == [7, 7]
     with pytest.raises(ValueError, match=r"attention_mask=\(4, 7\): must be a tensor of input_ids' shape \(4, 8\)"):
         stages.batch(ids, mask[:, :7], labels, num_chunks=2)
     with pytest.raises(ValueError, match="labels=.*must count at least one token"):
         stages.batch(ids, mask, torch.full_like(labels, -100), num_chunks=2)
+
+
+def test_importing_twinpipe_or_twinpipe_hf_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, twinpipe, twinpipe.hf; print('transformers' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
+
+
+def test_eager_attention_gives_nan_on_left_padded_rows_in_float64():
+    """Why the tests (and docs/hf.md) use sdpa: the unsplit model itself, with eager attention."""
+    import transformers as tf
+
+    cfg = hf_models.config("llama", layers=1)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64)
+    ids, mask, _ = hf_models.batch(2, 8)
+    assert mask[1, 0] == 0  # row 1 is left-padded
+    eager = model(input_ids=ids, attention_mask=mask).logits
+    assert eager[1].isnan().any() and not eager[0].isnan().any()
+    model.config._attn_implementation = "sdpa"
+    assert not model(input_ids=ids, attention_mask=mask).logits.isnan().any()

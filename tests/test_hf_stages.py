@@ -132,6 +132,11 @@ def _run(case: dict, reference: list, group) -> str:
                 problems += _tied_copies_differ(stages, group)
             for m in stages.modules:
                 m.zero_grad(set_to_none=True)
+        if len(case["seqs"]) > 1:  # forward only (evaluation) on the last batch: the same losses
+            with torch.no_grad():
+                loss, _ = pipe.step(*inputs, num_chunks=n, criterion=stages.criterion, labels=labs)
+            if loss is not None and not torch.equal(loss, expected):
+                problems.append(f"forward-only losses {loss.tolist()} != reference {expected.tolist()}")
     has_fb = any(op.kind.value == "FB" for op in stages.spec.build(n).ops[rank])
     if case["parts"] and holds_layers and has_fb and not any(m.fb_events for m in stages.modules):
         problems.append("no F&B op overlapped the parts")

@@ -22,7 +22,8 @@ The convention (stable: ``twinpipe.hf`` stages and MoE layers with parts are bui
   and an exit part (``(hidden, ctx)`` -> flow or logits) around its layers' parts.
 - **Router logits** (for the auxiliary loss): when ``ctx.router_logits`` is a list, a MoE layer
   appends its router's logits ``[B*S, E]`` to it (``feed_forward`` does so through a hook on the
-  router); the stage folds them into the running sums in layer order.
+  router); the stage folds them into the running sums in layer order. (Not with layers in parts:
+  the logits would cross the parts' boundaries inside the context, so ``build`` refuses the pair.)
 
 The wrapper registers the HF layer's own children under their own names (``self_attn``, ``mlp``,
 ``input_layernorm``, ``post_attention_layernorm``), so its parameter names are the HF layer's.

@@ -428,6 +428,8 @@ def _time_weights(parts: ModelParts, sample, process_group, repeats: int = 3) ->
             p.grad = g
     if dist.is_initialized():
         t = torch.tensor(weights, dtype=torch.float64)
-        dist.all_reduce(t, group=process_group)
+        work = dist.all_reduce(t, group=process_group, async_op=True)
+        wait_work(work, DEFAULT_TIMEOUT, f"rank {dist.get_rank()}: all-reduce of the measured layer times (balance='time')",
+                  group=process_group)
         weights = t.tolist()
     return weights

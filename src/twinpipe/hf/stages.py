@@ -258,9 +258,9 @@ class HFPipelineStages:
               *, num_chunks: int, num_items: int | None = None) -> tuple[tuple, tuple]:
         """This rank's ``(inputs, labels)`` for ``step(*inputs, num_chunks=..., criterion=..., labels=labels)``
         from the WHOLE batch (every rank passes the same full tensors). ``attention_mask`` defaults
-        to all ones; ``labels`` to ``input_ids`` where ``attention_mask`` is 1 and -100 elsewhere is
-        NOT assumed: pass them (``labels=None`` gives no labels, for forward-only steps). The loss
-        is divided by ``num_items`` (default: the tokens ``labels`` counts over the whole batch)."""
+        to all ones. ``labels`` (``[B, S]``, -100 where nothing is predicted, as for ``transformers``)
+        are not made from ``input_ids``: pass them, or None for a forward-only step without a loss.
+        The loss is divided by ``num_items`` (default: the tokens ``labels`` counts over the whole batch)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise bad("input_ids", _shape(input_ids), "must be a [batch, sequence] tensor of token ids")
         if attention_mask is None:

@@ -321,3 +321,20 @@ def test_wrap_layer_must_give_a_decoder_layer_and_parts_refuse_the_aux_loss():
         hf.build(hf_models.model("mixtral", layers=2, aux=True), "1f1b", 2, 0, wrap_layer=hf_models.parted)
     stages = hf.build(hf_models.model("mixtral", layers=2), "1f1b", 2, 0, wrap_layer=hf_models.parted)
     assert [type(m).__name__ for m in stages.modules] == ["HFPartedStage"]
+
+
+def test_what_flows_between_stages():
+    ids, mask, _ = hf_models.batch(2, 8)
+    for rotary, extra in (("recompute", 0), ("pass", 2)):
+        first = hf.build(hf_models.model("llama", layers=2), "1f1b", 2, 0, rotary=rotary).modules[0]
+        out = first(ids, mask)
+        assert len(out) == 2 + extra and out[0].shape == (2, 8, hf_models.HIDDEN) and out[1] is mask
+        if extra:  # cos and sin, [1, S, head dim]
+            assert [tuple(t.shape) for t in out[2:]] == [(1, 8, 4), (1, 8, 4)]
+        last = hf.build(hf_models.model("llama", layers=2), "1f1b", 2, 1, rotary=rotary).modules[0]
+        assert hasattr(last, "rotary_emb") == (rotary == "recompute")
+        assert last(*out).shape == (2, 8, hf_models.VOCAB)
+    # With the router auxiliary loss, three running sums follow: per expert, [E], [E], and the row count.
+    first = hf.build(hf_models.model("mixtral", layers=2, aux=True), "1f1b", 2, 0).modules[0]
+    sums = first(ids, mask)[2:]
+    assert [tuple(t.shape) for t in sums] == [(4,), (4,), (1,)] and sums[2].item() == int(mask.sum())

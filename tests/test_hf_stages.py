@@ -338,3 +338,29 @@ def test_what_flows_between_stages():
     first = hf.build(hf_models.model("mixtral", layers=2, aux=True), "1f1b", 2, 0).modules[0]
     sums = first(ids, mask)[2:]
     assert [tuple(t.shape) for t in sums] == [(4,), (4,), (1,)] and sums[2].item() == int(mask.sum())
+
+
+@pytest.mark.parametrize("arch, window", [("qwen3", dict(use_sliding_window=True, sliding_window=3, max_window_layers=1)),
+                                          ("mixtral", dict(sliding_window=3))])
+def test_sliding_window_layers_get_the_models_own_masks(arch, window):
+    """Qwen3 picks each layer's mask by config.layer_types, Mixtral slides every layer when
+    sliding_window is set: stages cut anywhere give the unsplit model's logits, bit for bit."""
+    model = hf_models.model(arch, layers=2)
+    for key, value in window.items():
+        setattr(model.config, key, value)
+    if arch == "qwen3":
+        model.config.layer_types = ["full_attention", "sliding_attention"]
+        model.model.has_sliding_layers = True
+    ids, mask, _ = hf_models.batch(3, 8)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        for stages in (hf.build(model, "1f1b", 1, 0, defer=False), hf.build(model, "1f1b", 3, 0, defer=False)):
+            modules = [stages.modules[0]] if len(stages.modules) == 1 and stages.spec.num_ranks == 1 else [
+                hf.build(model, "1f1b", 3, r, defer=False).modules[0] for r in range(3)]
+            out = (ids, mask)
+            for module in modules:
+                out = module(*out)
+                out = out if isinstance(out, tuple) else (out,)
+            assert torch.equal(out[0], want)
+        full = hf.build(model, "1f1b", 1, 0, defer=False).modules[0]
+        assert full.mask_kinds == (["full_attention", "sliding_attention"] if arch == "qwen3" else ["sliding_attention"])

@@ -43,11 +43,9 @@ for i, (arch, schedule, ranks) in enumerate(itertools.product(ARCHS, SCHEDULES, 
     CASES[f"{arch}-{schedule}-p{ranks}"] = _case(arch, schedule, ranks, rotary=("recompute", "pass")[i % 2],
                                                  seqs=(8, 5) if i % 5 == 0 else (8,))
 # Tied embeddings: one parameter on the rank holding both ends (V), else two copies summed by sync_tied_grads.
-for schedule, ranks in (("dualpipev", 4), ("dualpipev", 2), ("dualpipe", 2), ("dualpipe", 4), ("1f1b", 4), ("zb-h1", 2),
-                        ("interleaved-1f1b", 2)):
+for schedule, ranks in (("dualpipev", 4), ("dualpipe", 2), ("1f1b", 4), ("zb-h1", 2), ("interleaved-1f1b", 2)):
     CASES[f"llama-tied-{schedule}-p{ranks}"] = _case("llama", schedule, ranks, tied=True, seqs=(8, 6) if ranks == 4 else (8,))
 CASES["mixtral-noaux-1f1b-p2"] = _case("mixtral", "1f1b", 2, aux=False)
-CASES["qwen3_moe-noaux-dualpipev-p2"] = _case("qwen3_moe", "dualpipev", 2, aux=False)
 CASES["llama-layout-1f1b-p2"] = _case("llama", "1f1b", 2, layout="E|t*2,L")
 CASES["llama-unpadded-1f1b-p2"] = _case("llama", "1f1b", 2, padded=False)
 # Layers declaring parts (the convention MoE layers with expert parallelism follow): F&B ops overlap them.

@@ -160,7 +160,9 @@ def _world(rank, world, names, references):
     groups = {size: dist.new_group(list(range(size))) for size in (2, 4)}
     results = {}
     for name in names:
-        case = CASES[name]
+        case = CASES.get(name)
+        if case is None:
+            continue
         if rank < case["ranks"]:
             torch.manual_seed(0)
             try:
@@ -168,13 +170,32 @@ def _world(rank, world, names, references):
             except Exception as exc:
                 results[name] = f"{type(exc).__name__}: {exc}"
         dist.barrier()
+    if TIME_BALANCE in names:
+        results[TIME_BALANCE] = _time_balance_agrees(groups[4])
     return results
+
+
+TIME_BALANCE = "balance-time-p4"
+
+
+def _time_balance_agrees(group) -> str:
+    """balance='time': each rank measures its own times, and all cut alike (the sums over the group)."""
+    import torch.distributed as dist
+
+    model = hf_models.model("llama", layers=4)
+    stages = hf.build(model, "1f1b", 4, dist.get_rank(group), balance="time", sample=torch.randint(0, 64, (2, 8)),
+                      process_group=group)
+    layouts = [None] * 4
+    dist.all_gather_object(layouts, stages.layout, group=group)
+    return "ok" if len(set(layouts)) == 1 else f"layouts differ: {layouts}"
 
 
 def run_all(names) -> list:
     """Each case's outcome per rank; the references are computed once here, for all ranks."""
     references = {}
     for name in names:
+        if name not in CASES:
+            continue
         key = _ref_key(CASES[name])
         if key not in references:
             references[key] = _reference(CASES[name])
@@ -183,7 +204,7 @@ def run_all(names) -> list:
 
 @pytest.fixture(scope="module")
 def outcomes():
-    return run_all(list(CASES))
+    return run_all([*CASES, TIME_BALANCE])
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -191,6 +212,10 @@ def test_exact_against_unsplit_model(outcomes, name):
     ranks = CASES[name]["ranks"]
     results = {r: outcomes[r][name] for r in range(ranks)}
     assert all(v == "ok" for v in results.values()), results
+
+
+def test_balance_by_time_cuts_alike_on_every_rank(outcomes):
+    assert {r: outcomes[r][TIME_BALANCE] for r in range(4)} == {r: "ok" for r in range(4)}
 
 
 # ---------------------------------------------------------------------------------------- layouts

@@ -172,7 +172,28 @@ def _world(rank, world, names, references):
         dist.barrier()
     if TIME_BALANCE in names:
         results[TIME_BALANCE] = _time_balance_agrees(groups[4])
+    if LAYOUTS_DIFFER in names and rank < 2:
+        results[LAYOUTS_DIFFER] = _layouts_differ(groups[2])
     return results
+
+
+LAYOUTS_DIFFER = "layouts-differ-p2"
+
+
+def _layouts_differ(group) -> str:
+    """Ranks that cut the model differently raise, all of them, when the pipeline is made."""
+    import torch.distributed as dist
+
+    from twinpipe.runtime.errors import PipelineMismatchError
+
+    rank = dist.get_rank(group)
+    stages = hf.build(hf_models.model("llama", layers=2), "1f1b", 2, rank, layout=("E,t|t,L", "E|t*2,L")[rank])
+    try:
+        stages.pipeline(group, timeout=60)
+    except PipelineMismatchError as exc:
+        want = "ranks built different twinpipe.hf stages: rank 0 {"
+        return "ok" if str(exc).startswith(want) and "'layout': 'E|t*2,L'" in str(exc) else f"wrong message: {exc}"
+    return "no error"
 
 
 TIME_BALANCE = "balance-time-p4"
@@ -204,7 +225,7 @@ def run_all(names) -> list:
 
 @pytest.fixture(scope="module")
 def outcomes():
-    return run_all([*CASES, TIME_BALANCE])
+    return run_all([*CASES, TIME_BALANCE, LAYOUTS_DIFFER])
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -216,6 +237,10 @@ def test_exact_against_unsplit_model(outcomes, name):
 
 def test_balance_by_time_cuts_alike_on_every_rank(outcomes):
     assert {r: outcomes[r][TIME_BALANCE] for r in range(4)} == {r: "ok" for r in range(4)}
+
+
+def test_ranks_with_different_layouts_raise(outcomes):
+    assert {r: outcomes[r][LAYOUTS_DIFFER] for r in range(2)} == {0: "ok", 1: "ok"}
 
 
 # ---------------------------------------------------------------------------------------- layouts

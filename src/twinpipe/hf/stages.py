@@ -240,6 +240,7 @@ class HFPipelineStages:
     rotary: str
     _ends: dict = field(default_factory=dict)  # "embed"/"head" -> [(stage, chain, parameter)] on this rank
     _tied_like: tuple = ()  # (shape, dtype, device) of the tied weight
+    facts: dict = field(default_factory=dict)  # what every rank must have alike (pipeline() checks)
 
     @property
     def stages(self) -> tuple:
@@ -251,7 +252,26 @@ class HFPipelineStages:
         from one step to the next (headers on every message; pass False for a fixed length)."""
         from twinpipe.runtime.pipeline import Pipeline
 
-        return Pipeline(self.modules, self.spec, process_group=process_group, dynamic_shapes=dynamic_shapes, **options)
+        pipe = Pipeline(self.modules, self.spec, process_group=process_group, dynamic_shapes=dynamic_shapes, **options)
+        try:
+            self._agree(pipe)
+        except BaseException:
+            pipe.close()  # every rank raises here, so every rank closes
+            raise
+        return pipe
+
+    def _agree(self, pipe) -> None:
+        """Every rank of ``pipe`` built its stages from the same model, layout and options: a rank
+        with another layout would run other layers than its neighbours expect, and no message
+        shape would tell (the hidden states have one shape)."""
+        from twinpipe.runtime.collectives import gather_objects
+        from twinpipe.runtime.errors import PipelineMismatchError
+
+        everyone = gather_objects(pipe._agree_group, self.facts, pipe.timeout, f"rank {self.rank}: twinpipe.hf stages agreeing")
+        differ = [r for r, facts in enumerate(everyone) if facts != everyone[0]]
+        if differ:
+            raise PipelineMismatchError(f"ranks built different twinpipe.hf stages: rank 0 {everyone[0]}, "
+                                        + ", ".join(f"rank {r} {everyone[r]}" for r in differ))
 
     def batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
               *, num_chunks: int, num_items: int | None = None) -> tuple[tuple, tuple]:
@@ -386,7 +406,10 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
     criterion = CausalLMLoss(model.loss_function, parts.config.vocab_size, parts.aux)
     weight = parts.embed_tokens.weight
     return HFPipelineStages(modules=modules, spec=spec, rank=rank, layout=format_layout(items), criterion=criterion,
-                            tie=tie, rotary=rotary, _ends=ends, _tied_like=(tuple(weight.shape), weight.dtype, weight.device))
+                            tie=tie, rotary=rotary, _ends=ends, _tied_like=(tuple(weight.shape), weight.dtype, weight.device),
+                            facts={"model": type(model).__name__, "layers": n_layers, "vocab": int(parts.config.vocab_size),
+                                   "hidden": int(parts.config.hidden_size), "aux": list(parts.aux or ()),
+                                   "layout": format_layout(items), "rotary": rotary, "tie": tie})
 
 
 def _param_weights(parts: ModelParts) -> list[float]:

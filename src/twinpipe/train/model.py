@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twinpipe.checks import bad, check_choice, check_float
 from twinpipe.moe.block import MoEBlock
+from twinpipe.moe.router import SCORES
 from twinpipe.runtime.weight_grad import DeferredLinear
 
 __all__ = ["GPTConfig", "GPT", "block", "lm_loss"]
@@ -41,6 +43,8 @@ class GPTConfig:
     layers: int = 4
     experts: int = 0
     top_k: int = 2
+    score: str = "softmax"  # the routers' affinities: "softmax" or "sigmoid" (DeepSeek-V3)
+    balance_alpha: float = 0.0  # DeepSeek-V3's sequence-wise balance loss factor (0: none)
 
     def __post_init__(self):
         for name in ("vocab", "seq_len", "dim", "heads", "layers", "top_k"):
@@ -53,6 +57,10 @@ class GPTConfig:
             raise ValueError(f"experts={self.experts!r}: must be an int >= 0 (0: dense MLPs)")
         if self.experts and self.top_k > self.experts:
             raise ValueError(f"top_k={self.top_k}: must be at most experts={self.experts}")
+        check_choice(self.score, "score", SCORES)
+        check_float(self.balance_alpha, "balance_alpha", low=0.0)
+        if self.balance_alpha and not self.experts:
+            raise bad("balance_alpha", self.balance_alpha, "must be 0 for a dense model (experts=0): no router to balance")
 
 
 class Embed(nn.Module):
@@ -133,7 +141,8 @@ def block(cfg: GPTConfig, *, expert_ffn: int = 0, ep_group=None) -> nn.Module:
     ``ep_group`` (None: all local)."""
     if not cfg.experts:
         return Block(cfg)
-    return MoEBlock(cfg.dim, cfg.heads, cfg.experts, cfg.top_k, expert_ffn or 4 * cfg.dim, ep_group=ep_group)
+    return MoEBlock(cfg.dim, cfg.heads, cfg.experts, cfg.top_k, expert_ffn or 4 * cfg.dim, ep_group=ep_group,
+                    score=cfg.score, balance_alpha=cfg.balance_alpha)
 
 
 def _init(module: nn.Module) -> None:

@@ -39,7 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from twinpipe.moe.bias import update_bias_
 from twinpipe.moe.grads import reduce_replica_grads
+from twinpipe.moe.router import TopKRouter
 from twinpipe.runtime.batches import batch_layout
 from twinpipe.runtime.collectives import cpu_group, gather_objects
 from twinpipe.runtime.comm import wait_work
@@ -107,6 +109,27 @@ def _any_nonfinite(params: Sequence[torch.Tensor]) -> torch.Tensor:
     return (~torch.isfinite(torch.stack(sums))).any().to(torch.float64)
 
 
+def model_routers(model: nn.Module) -> list[tuple[str, TopKRouter]]:
+    """``(name in the unsplit model, router)`` of every ``TopKRouter`` of a splittable model, in run order."""
+    return [(f"{name}.{sub}" if sub else name, m) for name, layer in model_layers(model)
+            for sub, m in layer.named_modules() if isinstance(m, TopKRouter)]
+
+
+def _stage_routers(stage) -> list[tuple[str, TopKRouter]]:
+    """``(name in the unsplit model, router)`` of every ``TopKRouter`` of a stage, in run order."""
+    return [(f"{name}.{sub}" if sub else name, m) for name, layer in zip(stage.names, stage.layers)
+            for sub, m in layer.named_modules() if isinstance(m, TopKRouter)]
+
+
+def _router_slices(model: nn.Module, held: Sequence[str]) -> tuple[list[tuple[int, int]], int]:
+    """Where each held router's loads sit in the model's vector of loads (all routers, in order), and its length."""
+    where, offset = {}, 0
+    for name, router in model_routers(model):
+        where[name] = (offset, offset + router.num_experts)
+        offset += router.num_experts
+    return [where[name] for name in held], offset
+
+
 def _few(items: Sequence, limit: int = 4) -> str:
     shown = ", ".join(map(str, items[:limit]))
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
@@ -156,6 +179,11 @@ class Trainer:
         self.params = [p for _, p, _ in self.held]
         self._owned = [p for _, p, owned in self.held if owned]
         self._dense = [p for p in self.params if id(p) not in experts]  # the same on every data-parallel replica
+        # Routing biases (buffers, DeepSeek-V3's balancing), owned as dense parameters are; loads by model router.
+        self.held_buffers = [(f"{name}.bias", router.bias, not is_mirror_copy(self.placement, s) and mesh.dp_rank == 0)
+                             for s, m in zip(pipeline_stages, modules) for name, router in _stage_routers(m)]
+        self._routers = [router for s, m in zip(pipeline_stages, modules) for _, router in _stage_routers(m)]
+        self._router_slices = _router_slices(model, [name for s, m in zip(pipeline_stages, modules) for name, _ in _stage_routers(m)])
         # Overlapped: one part per stage, started by the pipeline's on_grads_ready; else one part of all.
         self.overlap_dp = config.overlap_dp and not self.is_dual
         if self.overlap_dp:
@@ -179,7 +207,8 @@ class Trainer:
             "schedule": registry.get(c.schedule).name, "schedule_options": sorted(c.schedule_options),
             "batch_size": c.batch_size, "microbatch_size": c.microbatch_size, "max_norm": canonical(c.max_norm),
             "balance": c.balance, "seed": c.seed, "timeout": canonical(c.timeout), "dp_reduce": c.dp_reduce, "overlap_dp": c.overlap_dp,
-            "on_nonfinite": c.on_nonfinite,
+            "on_nonfinite": c.on_nonfinite, "bias_update_speed": canonical(c.bias_update_speed),
+            "mtp_depth": c.mtp_depth, "mtp_weight": canonical(c.mtp_weight),
             "dtype": ",".join(sorted({str(p.dtype) for p in model.parameters()})), "device": torch.device(device).type,
             "criterion": _qualname(self.criterion),
             "model parameters": f"{len(self.parameter_names)} named, sha256 {hashlib.sha256(names).hexdigest()[:16]}",
@@ -290,6 +319,7 @@ class Trainer:
         n_norms = len(self.parameter_names) if clip else 0
         vec = self._sum_vector(step, loss, digest, n_norms)
         losses = vec[n_norms : n_norms + dp * m].clone()
+        loads = vec[n_norms + dp * m : len(vec) - 3]
         problem = self._nonfinite(vec, n_norms, losses)
         norm, factor = clip_coefficient(vec[:n_norms], self.config.max_norm) if clip else (None, 1.0)
         if problem is not None:
@@ -297,6 +327,9 @@ class Trainer:
         else:
             clip_grads(self.params, factor)
             self.optimizer.step()
+            self._move_biases(loads)
+        for router in self._routers:
+            router.loads.zero_()
         times["update"] = time.perf_counter() - mark
         times["total"] = time.perf_counter() - start
         return StepResult(step, float(losses.mean()), losses, norm, times, skipped=problem is not None)
@@ -305,14 +338,19 @@ class Trainer:
         """The step's one vector, summed over the pipeline, then the replicas (returned on the CPU).
 
         Entries: squared norms by model parameter (``n_norms``: when clipping), the losses of every
-        micro-batch of the global batch, the number of ranks whose gradients are not finite, and a
+        micro-batch of the global batch, with ``bias_update_speed`` the token copies routed to each
+        expert of every router of the model (its copies on every replica and mirrored copy), the number of ranks whose gradients are not finite, and a
         16-bit digest of the global batch and its square. Each norm and loss entry has one non-zero
         contribution (its owner's): exact sums. Ranks asked for different steps (or with other samplers)
         would pair one batch's inputs with another's labels, and n digests are all equal only when
         sum**2 == n * (sum of squares): ``PipelineMismatchError`` before anything is updated.
         """
         dp, m, device = self.mesh.dp, self.num_chunks, self.pipe.device
-        vec = torch.zeros(n_norms + dp * m + 3, dtype=torch.float64, device=device)  # on the device: NCCL moves no CPU tensors
+        n_loads = self._router_slices[1] if self.config.bias_update_speed else 0
+        vec = torch.zeros(n_norms + dp * m + n_loads + 3, dtype=torch.float64, device=device)  # on the device: NCCL moves no CPU tensors
+        if n_loads:  # token copies per expert of every router of the model (counts: exact float64 sums)
+            for router, (start, end) in zip(self._routers, self._router_slices[0]):
+                vec[n_norms + dp * m + start : n_norms + dp * m + end] += router.loads.to(torch.float64)
         vec[-2:] = torch.tensor([digest, digest * digest], dtype=torch.float64)
         if n_norms:
             vec[self._owned_index] = squared_norms(self._owned)  # a non-finite gradient makes its norm non-finite
@@ -344,6 +382,13 @@ class Trainer:
         if vec[-3].item():
             parts.append(f"the gradients of {int(vec[-3].item())} rank(s)")
         return ", ".join(parts) if parts else None
+
+    def _move_biases(self, loads: torch.Tensor) -> None:
+        """Every held router's bias moved against its summed loads (the same on every copy and replica)."""
+        gamma = self.config.bias_update_speed
+        if gamma:
+            for router, (start, end) in zip(self._routers, self._router_slices[0]):
+                update_bias_(router.bias, loads[start:end], gamma)
 
     def _refuse_update(self, step: int, problem: str) -> None:
         """No rank updates (every rank sees the same sums): count the step as skipped, or raise."""

@@ -45,7 +45,7 @@ AUX_CASES = [exactness.Case(name, p, m, "aux", opts) for name, p, m, opts in (
 )]
 
 
-def _setup(schedule: str, *, gamma: float = 0.05, alpha: float = 0.01, mtp: int = 0, mtp_weight: float = 0.3,
+def _setup(schedule: str, *, gamma: float = 0.05, alpha: float = 0.01, mtp: int = 1, mtp_weight: float = 0.3,
            max_norm: float | None = 0.5, layers: int = 2):
     """A ``layers``-block MoE GPT (4 experts, top-2, sigmoid scores) and its training pieces."""
     import torch
@@ -153,6 +153,9 @@ def _follow(rank, trainer, ref, steps, what) -> list[str]:
                   + _buffer_problems(copies, {n: b.detach() for n, b in ref.named_buffers().items()}, "after")]
         if trainer.config.bias_update_speed and all(float(b.abs().sum()) == 0 for b in ref.named_buffers().values()):
             differ[0].append("no bias moved")
+        for main, copy in getattr(ref.model, "tied_copies", ()):  # the MTP head's embedding copy stays the embedding
+            if not torch.equal(state[0][main], state[0][copy]):
+                differ[0].append(f"{copy} differs from {main}")
     dist.broadcast_object_list(differ, src=0)
     if differ[0]:
         problems.append(f"{what}: after step {steps[-1]}: {differ[0][:4]}")
@@ -161,7 +164,7 @@ def _follow(rank, trainer, ref, steps, what) -> list[str]:
 
 TRAIN_CASES = [  # (schedule, dp, pp, options)
     ("dualpipev", 2, 2, {}),
-    ("1f1b", 2, 2, {}),
+    ("1f1b", 2, 2, {"mtp": 2}),
     ("dualpipev", 1, 4, {"layers": 6}),
     ("1f1b", 1, 4, {}),
     ("dualpipe", 2, 2, {}),

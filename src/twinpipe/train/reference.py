@@ -32,6 +32,7 @@ from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule.spec import resolve
 from twinpipe.train.data import BatchSampler, replica_rows
 from twinpipe.train.grads import clip_coefficient, clip_grads, scale_grads, squared_norms
+from twinpipe.train.mtp import MTPLoss, mtp_heads
 from twinpipe.train.stages import model_layers
 from twinpipe.train.trainer import TrainConfig, model_routers
 
@@ -55,6 +56,11 @@ class ReferenceTrainer:
         self._dense = [p for p in self.params if id(p) not in experts]
         self.replicas = self._replicas(experts)
         self.routers = [r for _, r in model_routers(self.model)]
+        self.criteria = [MTPLoss(criterion, mtp_heads([r])[0], config.mtp_weight) if config.mtp_depth else criterion
+                         for r in self.replicas]
+        named = self.named_parameters()
+        self.tied = [(named[main], named[copy]) for main, copy in getattr(self.model, "tied_copies", ())]
+        self._norm_skip = [i for i, p in enumerate(self.params) if any(p is c for _, c in self.tied)]
         self.optimizer = optimizer_fn(self.params)
 
     def _replicas(self, experts: set[int]) -> list[nn.Module]:
@@ -116,7 +122,8 @@ class ReferenceTrainer:
             for j in range(c * per, (c + 1) * per):
                 mb = [microbatch_rows(len(xr), m, range(j, j + 1)) for xr in xs]
                 outs = local.forward(stages, [xr[s] for xr, s in zip(xs, mb)])
-                mb_losses = [self.criterion(o, yr[s]) for o, yr, s in zip(outs, ys, mb)]
+                mb_losses = [crit(*(o if isinstance(o, tuple) else (o,)), yr[s])
+                             for crit, o, yr, s in zip(self.criteria, outs, ys, mb)]
                 local.backward(mb_losses, [torch.ones_like(loss) for loss in mb_losses])
                 for d, loss in enumerate(mb_losses):
                     losses[d * m + j] = float(loss.detach())
@@ -134,10 +141,15 @@ class ReferenceTrainer:
             p.grad = g
         for p, g in zip(self._experts, expert_grads):
             p.grad = g
+        for main, copy in self.tied:  # then a tied copy's gradient and its main parameter's, added
+            main.grad = main.grad + copy.grad
+            copy.grad = main.grad.clone()
         scale_grads(self.params, m * dp)
         norm = None
         if self.config.max_norm is not None:
-            norm, factor = clip_coefficient(squared_norms(self.params), self.config.max_norm)
+            norms = squared_norms(self.params)
+            norms[self._norm_skip] = 0.0  # a tied copy counts as its main parameter, once
+            norm, factor = clip_coefficient(norms, self.config.max_norm)
             clip_grads(self.params, factor)
         self.optimizer.step()
         if self.config.bias_update_speed:  # each router's loads summed over the replicas, then its bias moved

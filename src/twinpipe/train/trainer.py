@@ -53,6 +53,7 @@ from twinpipe.runtime.pipeline import Pipeline
 from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule import registry
 from twinpipe.schedule.spec import resolve
+from twinpipe.checks import bad
 from twinpipe.train.agreement import agree, canonical
 from twinpipe.train.config import TrainConfig, model_record
 from twinpipe.train.data import BatchSampler, replica_rows
@@ -61,6 +62,7 @@ from twinpipe.train.grads import (
     DataParallelReducer, clip_coefficient, clip_grads, scale_grads, squared_norms, sum_across,
 )
 from twinpipe.train.mesh import TrainMesh
+from twinpipe.train.mtp import MTPLoss, mtp_heads
 from twinpipe.train.stages import is_mirror_copy, model_layers, split, stage_modules
 
 __all__ = ["TrainConfig", "StepResult", "Trainer", "NonFiniteStepError", "model_parameter_names"]
@@ -175,9 +177,14 @@ class Trainer:
         # rank owns each model parameter: data-parallel rank 0 (an expert: its only holder), first copy.
         self.held = [(name, p, not is_mirror_copy(self.placement, s) and (mesh.dp_rank == 0 or id(p) in experts))
                      for s, m in zip(pipeline_stages, modules) for name, p in m.named_model_parameters()]
-        self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned], dtype=torch.long, device=device)
+        # Tied copies (an MTP head's embedding copy): kept equal to their main parameter, not in the norm.
+        self.tied = tuple(getattr(model, "tied_copies", ()))
+        copies = {copy for _, copy in self.tied}
+        self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned and n not in copies], dtype=torch.long,
+                                         device=device)
         self.params = [p for _, p, _ in self.held]
-        self._owned = [p for _, p, owned in self.held if owned]
+        self._owned = [p for n, p, owned in self.held if owned and n not in copies]
+        self._criterion = self._mtp_criterion(model, modules)
         self._dense = [p for p in self.params if id(p) not in experts]  # the same on every data-parallel replica
         # Routing biases (buffers, DeepSeek-V3's balancing), owned as dense parameters are; loads by model router.
         self.held_buffers = [(f"{name}.bias", router.bias, not is_mirror_copy(self.placement, s) and mesh.dp_rank == 0)
@@ -231,6 +238,44 @@ class Trainer:
                     facts[f"optimizer param_groups[{i}].{key}"] = canonical(value)
         agree(self.checkpoint_group, facts, self.timeout, self._where("building the trainer"),
               "Build every rank's optimizer alike (optimizer_fn); nothing ran.", decisive=("optimizer", "optimizer param_groups"))
+
+    def _mtp_criterion(self, model: nn.Module, modules: Sequence[nn.Module]):
+        """The criterion this rank's last stage runs: with MTP, ``MTPLoss`` over its head's modules."""
+        depth = sum(len(h.mtp) for h in mtp_heads([model]))
+        if depth != self.config.mtp_depth:
+            raise bad("mtp_depth", self.config.mtp_depth, f"must be the number of MTP modules the model holds ({depth}): "
+                      "build the model with as many (GPTConfig.mtp_depth)")
+        if not depth:
+            return self.criterion
+        heads = mtp_heads(modules)
+        if len(heads) > 1:
+            raise ValueError(f"schedule={self.config.schedule!r}: rank pp={self.mesh.pp_rank} holds {len(heads)} copies of the "
+                             "MTP head; multi-token prediction needs at most one per rank")
+        return MTPLoss(self.criterion, heads[0], self.config.mtp_weight) if heads else self.criterion
+
+    def _sum_tied_grads(self, step: int) -> None:
+        """Each tied pair (main, copy): every copy of both gets ``main's gradient + copy's gradient``.
+
+        After the mirrored and data-parallel sums every copy of a parameter holds its gradient; the
+        rank holding a parameter's first copy puts it into a [2, ...] buffer, summed over the pipeline
+        (each slot has one non-zero contribution: exact), and every holder adds the two slots."""
+        held = {}
+        for stage, module in zip(self.placement.stages_of(self.mesh.pp_rank), self.pipe.module):
+            for name, p in module.named_model_parameters():
+                held.setdefault(name, []).append((p, not is_mirror_copy(self.placement, stage)))
+        device = self.pipe.device
+        for main, copy in self.tied:
+            shape = next(s for n, s in self.parameter_names if n == main)
+            both = torch.zeros(2, *shape, dtype=self.params[0].dtype if self.params else torch.float32, device=device)
+            for slot, name in enumerate((main, copy)):
+                for p, first in held.get(name, ()):
+                    if first and p.grad is not None:
+                        both[slot] += p.grad
+            sum_across(both, self.mesh.pp_group, self.timeout, self._where(f"step {step}: summing {main} and its copy {copy}"))
+            total = both[0] + both[1]
+            for name in (main, copy):
+                for p, _ in held.get(name, ()):
+                    p.grad = total.clone()
 
     def _layer_counts(self, model: nn.Module, device) -> str | Sequence[int]:
         """How to cut the model; with ``balance="time"``, global rank 0's measurement, for every rank."""
@@ -295,7 +340,7 @@ class Trainer:
             p.grad = None
         overlap = self.overlap_dp and self.reducer.active
         try:
-            loss, _ = self.pipe.step(*self.layout.inputs(x), num_chunks=m, criterion=self.criterion, labels=self.layout.labels(y),
+            loss, _ = self.pipe.step(*self.layout.inputs(x), num_chunks=m, criterion=self._criterion, labels=self.layout.labels(y),
                                      on_grads_ready=self._start_reduction if overlap else None)
         except BaseException:
             self.reducer.abandon()  # its peers' waits time out, naming the step
@@ -312,6 +357,8 @@ class Trainer:
             self.reducer.all_reduce(self._where(f"step {step}"))
         if self.experts:
             reduce_replica_grads(self.pipe.module, self.timeout)
+        if self.tied:
+            self._sum_tied_grads(step)
         times["dp"] = time.perf_counter() - mark
         mark = time.perf_counter()
         scale_grads(self.params, m * dp)

@@ -208,6 +208,58 @@ def _checkpoint(rank, root) -> list[str]:
     return problems[0]
 
 
+def _hf_config():
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=3,
+                            num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                            topk_group=1, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
+                            qk_nope_head_dim=4, v_head_dim=4, n_shared_experts=1, max_position_embeddings=64,
+                            experts_implementation="eager")
+
+
+def _hf_bias(rank, group) -> list[str]:
+    """HF DeepSeek-V3 on 2 data-parallel ranks: ``BiasBalancer`` moves every gate's
+    ``e_score_correction_bias`` by the loads of both ranks' tokens, the same on both, as one
+    process holding both ranks' batches moves them."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from transformers import DeepseekV3ForCausalLM
+
+    from twinpipe.moe.bias import HF_BIAS, BiasBalancer
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(_hf_config()).double()
+    whole = copy.deepcopy(model)
+    batches = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(10 + r)) for r in range(2)]
+    balancer = BiasBalancer(model, 0.01, group=group)
+    one = BiasBalancer(whole, 0.01)
+    problems, moved = [], False
+    for _ in range(2):
+        model(batches[rank], labels=batches[rank]).loss.backward()
+        loads = balancer.step()
+        moved |= any(float(getattr(m, HF_BIAS).abs().sum()) > 0 for m in model.modules() if hasattr(m, HF_BIAS))
+        for x in batches:
+            whole(x, labels=x).loss.backward()
+        want = one.step()
+        if any(not torch.equal(a, b) for a, b in zip(loads, want)):
+            problems.append(f"loads {[t.tolist() for t in loads]} != one process's {[t.tolist() for t in want]}")
+    mine = [getattr(m, HF_BIAS).clone() for m in model.modules() if hasattr(m, HF_BIAS)]
+    theirs = [None, None]
+    dist.all_gather_object(theirs, mine, group=group)
+    ref = [getattr(m, HF_BIAS) for m in whole.modules() if hasattr(m, HF_BIAS)]
+    if not all(torch.equal(a, b) for a, b in zip(theirs[0], theirs[1])):
+        problems.append("the ranks' biases differ")
+    if not all(torch.equal(a, b) for a, b in zip(mine, ref)):
+        problems.append(f"biases {[t.tolist() for t in mine]} != one process's {[t.tolist() for t in ref]}")
+    if not moved or len(mine) != 2:
+        problems.append(f"{len(mine)} gates, moved: {moved}; expected 2 gates whose biases moved")
+    balancer.close()
+    return problems
+
+
 def _world(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
@@ -222,6 +274,13 @@ def _world(rank: int, world: int, root: str) -> dict:
         dist.barrier()
     named = [(_case_id(c), lambda c=c: _train_case(rank, c)) for c in TRAIN_CASES]
     named += [("checkpoint", lambda: _checkpoint(rank, root))]
+    try:
+        import transformers  # noqa: F401  (the optional extra)
+
+        two = groups[2]
+        named.append(("hf_bias", lambda: _hf_bias(rank, two) if rank < 2 else []))
+    except ImportError:
+        pass
     for name, fn in named:
         try:
             results[name] = fn()
@@ -259,3 +318,214 @@ def test_balancing_training_matches_reference(outcomes, case):
 
 def test_routing_biases_checkpointed(outcomes):
     _check(outcomes, "checkpoint")
+
+
+def test_hf_deepseek_bias_moved_by_both_ranks_loads(outcomes):
+    pytest.importorskip("transformers")
+    _check(outcomes, "hf_bias")
+
+
+def test_bias_step_is_the_sign_rule():
+    import torch
+
+    from twinpipe.moe.bias import bias_step, update_bias_
+
+    loads = torch.tensor([5, 3, 4, 0])  # mean 3: over, at, over, under
+    assert bias_step(loads, 0.5).tolist() == [-0.5, 0.0, -0.5, 0.5]
+    bias = torch.zeros(4, dtype=torch.float32)
+    update_bias_(bias, loads, 0.25)
+    assert bias.tolist() == [-0.25, 0.0, -0.25, 0.25] and bias.dtype == torch.float32
+    with pytest.raises(ValueError, match="loads has shape"):
+        update_bias_(bias, torch.zeros(3), 0.1)
+
+
+def test_sequence_balance_loss_is_the_papers_formula():
+    import torch
+
+    from twinpipe.moe.router import sequence_balance_loss
+
+    torch.manual_seed(0)
+    b, t, e, k = 3, 5, 4, 2
+    scores = torch.rand(b * t, e, dtype=torch.float64)
+    experts = scores.topk(k, dim=-1).indices
+    want = 0.0
+    for s in range(b):
+        rows = range(s * t, (s + 1) * t)
+        for i in range(e):
+            f = e / (k * t) * sum(int(i in experts[r].tolist()) for r in rows)
+            p = sum(float(scores[r, i] / scores[r].sum()) for r in rows) / t
+            want += f * p / b
+    assert abs(float(sequence_balance_loss(scores, experts, t)) - want) < 1e-12
+    with pytest.raises(ValueError, match="seq_len=4"):
+        sequence_balance_loss(scores, experts, 4)
+
+
+def test_hf_balance_loss_hook_adds_alpha_times_the_loss():
+    """The hook's gradient is that of ``loss + alpha * sum over gates of the sequence balance loss``."""
+    pytest.importorskip("transformers")
+    import copy
+
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    from twinpipe.moe.balance_loss import install_balance_loss
+    from twinpipe.moe.bias import HF_BIAS
+    from twinpipe.moe.router import sequence_balance_loss
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(_hf_config()).double()
+    manual = copy.deepcopy(model)
+    x = torch.randint(0, 64, (2, 8))
+    handles = install_balance_loss(model, 0.1)
+    model(x, labels=x).loss.backward()
+    seen = []
+    gates = [m for m in manual.modules() if hasattr(m, HF_BIAS)]
+    hooks = [g.register_forward_hook(lambda g, i, o: seen.append(sequence_balance_loss(o[0].sigmoid(), o[2], i[0].shape[1])))
+             for g in gates]
+    loss = manual(x, labels=x).loss
+    (loss + 0.1 * sum(seen)).backward()
+    for (name, p), q in zip(model.named_parameters(), manual.parameters()):
+        if p.grad is not None or q.grad is not None:
+            assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-13), name
+    gate = gates[0].weight
+    assert float(next(p for n, p in model.named_parameters() if n.endswith("gate.weight")).grad.abs().sum()) > 0
+    for h in handles + hooks:
+        h.remove()
+    with pytest.raises(ValueError, match="alpha=0"):
+        install_balance_loss(model, 0)
+    del gate
+
+
+def test_hf_mtp_module_runs_a_deepseek_layer_with_the_shared_embedding_and_head():
+    """``hf_mtp_module`` + ``mtp_losses`` on a Hugging Face DeepSeek-V3: finite losses, gradients
+    into the module, the embedding and the head."""
+    pytest.importorskip("transformers")
+    import torch
+    import torch.nn.functional as F
+    from transformers import DeepseekV3ForCausalLM
+    from transformers.masking_utils import create_causal_mask
+
+    from twinpipe.train.mtp import hf_mtp_module, mtp_losses
+
+    torch.manual_seed(0)
+    cfg = _hf_config()
+    model = DeepseekV3ForCausalLM(cfg).double()
+    modules = [hf_mtp_module(model), hf_mtp_module(model, cfg.num_hidden_layers + 1)]
+    x = torch.randint(0, 64, (2, 9))
+    ids, labels = x[:, :-1], x[:, 1:]
+    h = model.model(ids).last_hidden_state
+
+    def block_kwargs(length):
+        e = torch.zeros(2, length, cfg.hidden_size, dtype=torch.float64)
+        pos = torch.arange(length).unsqueeze(0)
+        return {"position_embeddings": model.model.rotary_emb(e, pos),
+                "attention_mask": create_causal_mask(config=cfg, inputs_embeds=e, attention_mask=None, cache=None, position_ids=pos)}
+
+    losses = mtp_losses(modules, h, labels, model.model.embed_tokens, model.lm_head,
+                        lambda lg, t: F.cross_entropy(lg.reshape(-1, lg.shape[-1]), t.reshape(-1)), block_kwargs)
+    assert len(losses) == 2 and all(0 < v.item() < 10 for v in (loss.detach() for loss in losses))
+    sum(losses).backward()
+    for p in (modules[0].proj.weight, modules[1].proj.weight, model.model.embed_tokens.weight, model.lm_head.weight):
+        assert p.grad is not None and float(p.grad.abs().sum()) > 0
+
+
+def test_with_aux_loss_adds_the_term_to_the_gradient_only():
+    import torch
+
+    from twinpipe.runtime.aux_loss import with_aux_loss
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    h = x @ w
+    out = with_aux_loss(h, 0.5 * h.pow(2).mean())
+    assert torch.equal(out, h)
+    out.sum().backward()
+    got = w.grad.clone()
+    w.grad = None
+    h = x @ w
+    (h.sum() + 0.5 * h.pow(2).mean()).backward()
+    assert torch.allclose(got, w.grad, rtol=0, atol=1e-15) and not torch.allclose(got, (x.sum(0, keepdim=True).t()).expand(3, 3))
+    with pytest.raises(ValueError, match="aux="):
+        with_aux_loss(h, h)
+
+
+def test_router_balance_alpha_adds_the_sequence_loss_and_bias_steers_the_choice_only():
+    import copy
+
+    import torch
+
+    from twinpipe.moe.router import TopKRouter, sequence_balance_loss
+
+    torch.manual_seed(0)
+    router = TopKRouter(8, 4, 2, score="sigmoid", balance_alpha=0.3).double()
+    plain = copy.deepcopy(router)
+    plain.balance_alpha = 0.0
+    tokens = torch.randn(12, 8, dtype=torch.float64)
+    experts, weights = router(tokens, seq_len=6)
+    weights.pow(2).sum().backward()
+    e2, w2 = plain(tokens)
+    scores = plain.gate(tokens).sigmoid()
+    (w2.pow(2).sum() + 0.3 * sequence_balance_loss(scores, e2, 6)).backward()
+    assert torch.equal(experts, e2) and torch.allclose(router.gate.weight.grad, plain.gate.weight.grad, rtol=0, atol=1e-14)
+    assert router.loads.tolist() == torch.bincount(experts.reshape(-1), minlength=4).tolist()
+    with torch.no_grad():  # a large bias on expert 3 puts it in every choice; the weights stay the unbiased scores'
+        router.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0], dtype=torch.float64))
+        biased, w = router.eval()(tokens)
+    assert (biased == 3).any(-1).all()
+    raw = router.gate(tokens).sigmoid().gather(1, biased)
+    assert torch.allclose(w, raw / raw.sum(-1, keepdim=True), rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="balance_alpha=-1"):
+        TopKRouter(8, 4, 2, balance_alpha=-1)
+
+
+def test_mtp_loss_is_main_plus_lambda_over_d_times_the_depth_losses():
+    """``MTPLoss`` on the GPT's head, written out by hand for D=2."""
+    import torch
+    import torch.nn.functional as F
+
+    from twinpipe.train.model import GPT, GPTConfig, lm_loss
+    from twinpipe.train.mtp import MTPLoss
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=32, seq_len=8, dim=8, heads=2, layers=1, mtp_depth=2)).double()
+    assert torch.equal(model.head.mtp_embed, model.embed.tokens.weight)
+    x, y = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    logits, hidden = model(x)
+    got = MTPLoss(lm_loss, model.head, 0.3)(logits, hidden, y)
+    head, emb = model.head, model.embed.tokens.weight
+    h1 = head.mtp[0](hidden[:, :7], F.embedding(y[:, 0:7], emb))  # token i+1 is label i
+    h2 = head.mtp[1](h1[:, :6], F.embedding(y[:, 1:7], emb))
+    want = lm_loss(logits, y) + 0.3 / 2 * (lm_loss(head.logits(h1), y[:, 1:]) + lm_loss(head.logits(h2), y[:, 2:]))
+    assert torch.allclose(got, want, rtol=0, atol=1e-14)
+    with pytest.raises(ValueError, match="mtp_depth=8"):
+        GPTConfig(seq_len=8, mtp_depth=8)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(bias_update_speed=-0.1), "bias_update_speed=-0.1"), (dict(mtp_depth=-1), "mtp_depth=-1"),
+    (dict(mtp_weight=0.3), "mtp_weight=0.3: must be 0 without"), (dict(mtp_depth=1, mtp_weight=float("nan")), "mtp_weight=nan"),
+])
+def test_train_config_refuses_bad_ds3_options(kwargs, named):
+    from twinpipe.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match=named):
+        TrainConfig(**kwargs)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bias-update-speed", "0.01"], "--bias-update-speed=0.01: needs --experts"),
+    (["--experts", "4", "--bias-update-speed", "-1"], "--bias-update-speed=-1.0: must be a finite number >= 0"),
+    (["--score", "sigmoid"], "--score='sigmoid': needs --experts"),
+    (["--mtp-depth", "64"], "--mtp-depth=64: must be >= 0 and <= 63"),
+    (["--experts", "4", "--balance-alpha", "-0.5"], "--balance-alpha=-0.5"),
+])
+def test_cli_refuses_bad_ds3_options_before_any_process_starts(argv, message, capsys):
+    import argparse
+
+    from twinpipe.train.cli import add_train_parser, run_train
+
+    args = add_train_parser(argparse.ArgumentParser().add_subparsers()).parse_args(argv)
+    assert run_train(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("twinpipe train: error:") and message in err, err

@@ -30,7 +30,7 @@ from torch import nn
 from twinpipe.checks import check_float, check_int
 from twinpipe.runtime.weight_grad import DeferredLinear
 
-__all__ = ["MTPModule", "mtp_losses", "MTPLoss", "mtp_heads"]
+__all__ = ["MTPModule", "mtp_losses", "MTPLoss", "mtp_heads", "hf_mtp_module"]
 
 
 class MTPModule(nn.Module):
@@ -91,3 +91,22 @@ class MTPLoss:
 def mtp_heads(modules: Sequence[nn.Module]) -> list[nn.Module]:
     """The layers among ``modules`` (and their submodules) that hold MTP modules (``mtp``)."""
     return [m for module in modules for m in module.modules() if isinstance(getattr(m, "mtp", None), nn.ModuleList)]
+
+
+def hf_mtp_module(model, layer_idx: int | None = None) -> MTPModule:
+    """An MTP depth for a Hugging Face DeepSeek-V3 ``model`` (a ``DeepseekV3ForCausalLM`` or its base
+    model): ``MTPModule(hidden_size, DeepseekV3DecoderLayer(config, layer_idx), rms_norm_eps)``,
+    initialised by the model's own ``_init_weights``. The block is DeepSeek-V3's decoder layer (MoE
+    when ``layer_idx >= first_k_dense_replace``; default index ``num_hidden_layers``, the first
+    after the model's, as in DeepSeek-V3's checkpoints). Call it as ``module(h, e,
+    position_embeddings=..., attention_mask=...)`` with the layer's own arguments for the T-k
+    positions of its depth (``mtp_losses``' ``block_kwargs``); the embedding and the head are the
+    model's (``model.model.embed_tokens``, ``lm_head`` after ``model.model.norm``)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    config = model.config
+    index = config.num_hidden_layers if layer_idx is None else layer_idx
+    module = MTPModule(config.hidden_size, DeepseekV3DecoderLayer(config, index), eps=config.rms_norm_eps)
+    with torch.no_grad():
+        module.apply(model._init_weights)
+    return module.to(next(model.parameters()).dtype)

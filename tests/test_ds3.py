@@ -260,6 +260,19 @@ def _hf_bias(rank, group) -> list[str]:
     return problems
 
 
+def _disagree(rank) -> list[str]:
+    """Ranks built with different DeepSeek-V3 settings refuse together, naming the setting."""
+    problems = []
+    for field, mine in (("bias_update_speed", {"gamma": 0.05 if rank % 2 else 0.01}), ("mtp_weight", {"mtp_weight": 0.3 + rank % 2})):
+        try:
+            _trainer("1f1b", 1, 4, **mine)
+            problems.append(f"different {field} accepted")
+        except Exception as exc:  # noqa: BLE001  (the agreement's error, whatever its class)
+            if field not in str(exc):
+                problems.append(f"different {field}: the error does not name it: {exc}")
+    return problems
+
+
 def _world(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
@@ -273,7 +286,7 @@ def _world(rank: int, world: int, root: str) -> dict:
                 results[case.id] = [f"{type(exc).__name__}: {exc}"]
         dist.barrier()
     named = [(_case_id(c), lambda c=c: _train_case(rank, c)) for c in TRAIN_CASES]
-    named += [("checkpoint", lambda: _checkpoint(rank, root))]
+    named += [("checkpoint", lambda: _checkpoint(rank, root)), ("disagree", lambda: _disagree(rank))]
     try:
         import transformers  # noqa: F401  (the optional extra)
 
@@ -318,6 +331,10 @@ def test_balancing_training_matches_reference(outcomes, case):
 
 def test_routing_biases_checkpointed(outcomes):
     _check(outcomes, "checkpoint")
+
+
+def test_ranks_agree_on_ds3_settings(outcomes):
+    _check(outcomes, "disagree")
 
 
 def test_hf_deepseek_bias_moved_by_both_ranks_loads(outcomes):

@@ -21,7 +21,7 @@ from distributed import run_world
 from train_setup import gather_state, reference_state, state_differences
 
 WORLD = 4
-STEPS = 3
+STEPS = 2
 
 
 class AuxStage(models.MLPStage):
@@ -270,6 +270,25 @@ def _disagree(rank) -> list[str]:
         except Exception as exc:  # noqa: BLE001  (the agreement's error, whatever its class)
             if field not in str(exc):
                 problems.append(f"different {field}: the error does not name it: {exc}")
+    import dataclasses
+
+    import torch
+
+    from twinpipe.train.mesh import build_mesh
+    from twinpipe.train.model import GPT, GPTConfig
+    from twinpipe.train.trainer import Trainer
+
+    fn, sampler, criterion, make_opt, config = _setup("1f1b", mtp=0)
+    dense = lambda: GPT(GPTConfig(vocab=32, seq_len=8, dim=8, heads=2, layers=2))  # noqa: E731
+    for model_fn, changes, want in ((dense, {}, "bias_update_speed=0.05: must be 0 for a model without MoE routers"),
+                                    (fn, {"mtp_depth": 1, "mtp_weight": 0.3}, "mtp_depth=1: must be the number of MTP modules")):
+        try:
+            Trainer(model_fn, sampler, criterion, make_opt, build_mesh(1, 4), dataclasses.replace(config, **changes),
+                    dtype=torch.float64)
+            problems.append(f"accepted: {want}")
+        except ValueError as exc:
+            if want not in str(exc):
+                problems.append(f"unclear error {exc}, expected {want}")
     return problems
 
 

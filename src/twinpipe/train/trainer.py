@@ -179,6 +179,7 @@ class Trainer:
                      for s, m in zip(pipeline_stages, modules) for name, p in m.named_model_parameters()]
         # Tied copies (an MTP head's embedding copy): kept equal to their main parameter, not in the norm.
         self.tied = tuple(getattr(model, "tied_copies", ()))
+        self._tied_dtypes = {main: p.dtype for main, p in model.named_parameters() if main in dict(self.tied)}
         copies = {copy for _, copy in self.tied}
         self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned and n not in copies], dtype=torch.long,
                                          device=device)
@@ -191,6 +192,8 @@ class Trainer:
                              for s, m in zip(pipeline_stages, modules) for name, router in _stage_routers(m)]
         self._routers = [router for s, m in zip(pipeline_stages, modules) for _, router in _stage_routers(m)]
         self._router_slices = _router_slices(model, [name for s, m in zip(pipeline_stages, modules) for name, _ in _stage_routers(m)])
+        if config.bias_update_speed and not self._router_slices[1]:
+            raise bad("bias_update_speed", config.bias_update_speed, "must be 0 for a model without MoE routers (nothing to balance)")
         # Overlapped: one part per stage, started by the pipeline's on_grads_ready; else one part of all.
         self.overlap_dp = config.overlap_dp and not self.is_dual
         if self.overlap_dp:
@@ -266,7 +269,7 @@ class Trainer:
         device = self.pipe.device
         for main, copy in self.tied:
             shape = next(s for n, s in self.parameter_names if n == main)
-            both = torch.zeros(2, *shape, dtype=self.params[0].dtype if self.params else torch.float32, device=device)
+            both = torch.zeros(2, *shape, dtype=self._tied_dtypes[main], device=device)
             for slot, name in enumerate((main, copy)):
                 for p, first in held.get(name, ()):
                     if first and p.grad is not None:

@@ -208,6 +208,8 @@ class Trainer:
         self._agree_optimizer()  # before the initial weights' broadcast
         self._agree_group = cpu_group(mesh.pp_group, self.timeout)  # small CPU exchanges (mirrors_equal)
         self._sync_start()
+        for router in self._routers:  # a step counts its own tokens only (balance="time" ran the layers)
+            router.loads.zero_()
 
     def _agree_settings(self, model: nn.Module, device) -> None:
         """Every rank's configuration, model and precision, compared (``agreement.agree``)."""

@@ -566,3 +566,14 @@ def test_cli_refuses_bad_ds3_options_before_any_process_starts(argv, message, ca
     assert run_train(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("twinpipe train: error:") and message in err, err
+
+
+def test_model_record_keeps_ds3_fields_only_when_set():
+    """Checkpoints written before the DeepSeek-V3 fields existed still match a default model's record."""
+    from twinpipe.train.config import model_record, record_differences
+    from twinpipe.train.model import GPT, GPTConfig
+
+    old = {"config": {"vocab": 32, "seq_len": 8, "dim": 8, "heads": 2, "layers": 1, "experts": 0, "top_k": 2}}
+    assert record_differences(old, model_record(GPT(GPTConfig(vocab=32, seq_len=8, dim=8, heads=2, layers=1)))) == []
+    mtp = model_record(GPT(GPTConfig(vocab=32, seq_len=8, dim=8, heads=2, layers=1, mtp_depth=1)))
+    assert record_differences(old, mtp) == ["mtp_depth: '(absent)' in the checkpoint, 1 here"]

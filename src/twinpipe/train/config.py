@@ -116,10 +116,12 @@ def _checked_options(options, info) -> tuple:
 
 
 def model_record(model) -> dict:
-    """The model's configuration as JSON data: ``{"config": {...}}`` from its ``config`` attribute (a
-    dataclass, or anything with ``to_dict()``), else ``{"repr_sha256": ...}`` of ``repr(model)``."""
+    """The model's configuration as JSON data: ``{"config": {...}}`` from its ``config`` attribute (its
+    ``record()``, a dataclass, or anything with ``to_dict()``), else ``{"repr_sha256": ...}`` of ``repr(model)``."""
     config = getattr(model, "config", None)
-    if config is not None and is_dataclass(config) and not isinstance(config, type):
+    if callable(getattr(config, "record", None)):  # a config that says what of it a record keeps
+        value = config.record()
+    elif config is not None and is_dataclass(config) and not isinstance(config, type):
         value = asdict(config)
     elif config is not None and callable(getattr(config, "to_dict", None)):
         value = config.to_dict()

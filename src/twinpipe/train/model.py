@@ -13,7 +13,7 @@ stage's data-parallel group).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,15 @@ class GPTConfig:
     balance_alpha: float = 0.0  # DeepSeek-V3's sequence-wise balance loss factor (0: none)
     mtp_depth: int = 0  # multi-token prediction modules on the head (0: none; twinpipe.train.mtp)
 
+    def record(self) -> dict:
+        """The fields as checkpoints record them: DeepSeek-V3's (``score``, ``balance_alpha``,
+        ``mtp_depth``) only when set, so checkpoints written before they existed still match."""
+        fields = asdict(self)
+        for name, off in _LATER_FIELDS.items():
+            if fields[name] == off:
+                del fields[name]
+        return fields
+
     def __post_init__(self):
         for name in ("vocab", "seq_len", "dim", "heads", "layers", "top_k"):
             value = getattr(self, name)
@@ -64,6 +73,9 @@ class GPTConfig:
         check_int(self.mtp_depth, "mtp_depth", low=0, high=self.seq_len - 1)
         if self.balance_alpha and not self.experts:
             raise bad("balance_alpha", self.balance_alpha, "must be 0 for a dense model (experts=0): no router to balance")
+
+
+_LATER_FIELDS = {"score": "softmax", "balance_alpha": 0.0, "mtp_depth": 0}  # added after checkpoints were written
 
 
 class Embed(nn.Module):

@@ -210,6 +210,12 @@ COMMANDS: list[Command] = [
             TRAIN_SMALL + "; PP=1 x DP=2 (EP=2): the same run as the line above", folder="train-moe"),
     Command("twinpipe train --experts E --top-k K", f"twinpipe train --experts 4 --top-k 2 --pp 1 --dp 2 --steps 2 {TINY}",
             PLACEHOLDERS + "; the same run as the lines above", folder="train-moe"),
+    # ---- docs/deepseek-v3.md
+    Command("twinpipe train --experts 4 --score sigmoid --bias-update-speed 0.001 --balance-alpha 0.0001 --mtp-depth 1 "
+            "--mtp-weight 0.3 --pp 2 --dp 2",
+            "twinpipe train --experts 4 --top-k 2 --score sigmoid --bias-update-speed 0.001 --balance-alpha 0.0001 "
+            f"--mtp-depth 1 --mtp-weight 0.3 --pp 1 --dp 2 --steps 2 {TINY}",
+            TRAIN_SMALL + "; PP=1 x DP=2 (EP=2), 4 experts", folder="train-ds3", files=TRAIN_FILES),
     _help("twinpipe train --no-overlap-dp"),
     _help("twinpipe train --resume"),
     _help("twinpipe train --on-nonfinite skip|raise"),

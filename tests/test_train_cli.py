@@ -143,10 +143,17 @@ BAD = [
     (["--schedule", "interleaved-1f1b", "--pp", "4", "--batch-size", "6"],
      "--batch-size=6 / (--dp=1 x --microbatch-size=2) = 3 micro-batch(es) per pipeline: --schedule interleaved-1f1b needs "
      "a number of micro-batches that is >= 4 and a multiple of 4"),
+    # DeepSeek-V3's options (docs/deepseek-v3.md)
+    (["--bias-update-speed", "0.01"], "--bias-update-speed=0.01: needs --experts"),
+    (["--bias-update-speed", "nan", "--experts", "4"], "--bias-update-speed=nan: must be a finite number >= 0"),
+    (["--balance-alpha", "nan", "--experts", "4"], "--balance-alpha=nan: must be a finite number >= 0"),
+    (["--balance-alpha", "-1", "--experts", "4"], "--balance-alpha=-1.0: must be a finite number >= 0"),
+    (["--mtp-depth", "16", "--seq-len", "16"], "--mtp-depth=16: must be >= 0 and <= 15"),
+    (["--mtp-weight", "nan", "--mtp-depth", "1"], "--mtp-weight=nan: must be a finite number >= 0"),
 ]
 # Refused by argparse (exit 2, its usage line and one error line).
 BAD_CHOICE = [["--dtype", "float16"], ["--device", "tpu"], ["--balance", "flops"], ["--dp-reduce", "sum"], ["--pp", "two"],
-              ["--on-nonfinite", "ignore"], ["--optimizer-hparams", "mine"]]
+              ["--on-nonfinite", "ignore"], ["--optimizer-hparams", "mine"], ["--score", "cosine"]]
 NO_BAD_VALUE = {"overlap_dp"}
 
 

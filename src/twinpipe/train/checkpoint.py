@@ -1,7 +1,7 @@
 """Checkpoints with ``torch.distributed.checkpoint``, stored by the unsplit model's parameter names.
 
-Tensor keys: ``model.<name>`` for each parameter and ``optim.<name>.<state>`` for its optimizer
-state. Each model parameter is written once: by data-parallel replica 0 (a MoE expert by the
+Tensor keys: ``model.<name>`` for each parameter, ``optim.<name>.<state>`` for its optimizer
+state and ``buffer.<name>`` for each MoE router's routing bias (``twinpipe.moe.bias``). Each model parameter is written once: by data-parallel replica 0 (a MoE expert by the
 data-parallel rank that holds it, under the expert's own name), from the copy that is not DualPipe's
 mirror. Because keys name model parameters, not ranks or stages, a checkpoint loads under any
 schedule, pipeline size or data-parallel size (each rank reads the experts it holds).
@@ -91,6 +91,9 @@ def _rank_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
             else:
                 raise ValueError(f"optimizer state {name}.{key} is a {type(value).__name__}: checkpoints store tensors, "
                                  "numbers, strings, booleans and None only (nothing pickled)")
+    for name, buffer, owned in getattr(trainer, "held_buffers", ()):  # routing biases, written once as parameters are
+        if owned:
+            tensors[f"buffer.{name}"] = buffer.detach()
     return tensors, plain
 
 
@@ -268,6 +271,12 @@ def load_checkpoint(trainer, path: str, *, optimizer_hparams: str = "checkpoint"
             if key.startswith(prefix):
                 state[key] = torch.empty(meta.size, dtype=meta.properties.dtype, device=p.device if meta.size else "cpu")
                 optim_keys.setdefault(id(p), []).append((key, key[len(prefix):]))
+    saved_keys = info.metadata.state_dict_metadata
+    for name, buffer, _ in getattr(trainer, "held_buffers", ()):
+        if f"buffer.{name}" in saved_keys:
+            state[f"buffer.{name}"] = buffer
+        else:  # written before routing biases were saved, when nothing moved them: zero
+            buffer.zero_()
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=TensorsOnlyLoadPlanner(), process_group=group)
     except CheckpointException as error:

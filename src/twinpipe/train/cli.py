@@ -35,6 +35,7 @@ _ON_NONFINITE = ("skip", "raise")
 _OPTIMIZER_HPARAMS = ("checkpoint", "current")
 _MAX_SEED = 2**32 - 1
 _DEFAULT_TOP_K = 2
+_SCORES = ("softmax", "sigmoid")
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
@@ -62,6 +63,17 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add("experts", default=0, more="a multiple of --dp: each data-parallel rank of a stage holds experts/dp of them "
         "(expert parallelism)")
     add("top_k", default=None, more="only with --experts", default_text=str(_DEFAULT_TOP_K))
+    parser.add_argument("--score", default="softmax", choices=_SCORES,
+                        help="the routers' affinities: softmax (default) or sigmoid (DeepSeek-V3); only with --experts")
+    parser.add_argument("--bias-update-speed", type=float, default=0.0, metavar="GAMMA",
+                        help="DeepSeek-V3's auxiliary-loss-free balancing: after each step every routing bias moves by GAMMA "
+                             "against its expert's load (default: 0, off); only with --experts")
+    parser.add_argument("--balance-alpha", type=float, default=0.0, metavar="ALPHA",
+                        help="DeepSeek-V3's sequence-wise balance loss factor (default: 0, off); only with --experts")
+    parser.add_argument("--mtp-depth", type=int, default=0, metavar="D",
+                        help="multi-token prediction modules on the last stage (default: 0, off); below --seq-len")
+    parser.add_argument("--mtp-weight", type=float, default=0.3, metavar="LAMBDA",
+                        help="the MTP losses' weight: loss = main + LAMBDA / D x their sum (default: 0.3); only with --mtp-depth")
     add("lr", default=3e-3, more="AdamW")
     parser.add_argument("--max-norm", type=float, default=1.0, help="clip gradients to this global norm (default: 1; 0 turns clipping off)")
     parser.add_argument("--dp-reduce", default="all-reduce", choices=_DP_REDUCES,
@@ -289,7 +301,7 @@ def _train(args, device) -> None:
     sampler = BatchSampler(stdlib_corpus(args.corpus_bytes), args.seq_len, seed=args.seed)
     config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                          max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout,
-                         dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp, on_nonfinite=args.on_nonfinite)
+                         dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp, on_nonfinite=args.on_nonfinite, **_ds3_config(args))
     mesh = build_mesh(args.dp, args.pp, device.type)
     trainer = Trainer(lambda: GPT(cfg), sampler, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01),
                       mesh, config, device=device, dtype=dtype)
@@ -349,8 +361,30 @@ def _model_config(args):
         raise bad("--top-k", top_k, f"must be in 1..--experts ({args.experts})")
     if not args.experts and args.top_k is not None:
         raise bad("--top-k", args.top_k, "needs --experts: a dense model (--experts 0) routes no tokens")
+    _check_ds3(args)
     return GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers,
-                     experts=args.experts, top_k=top_k if args.experts else _DEFAULT_TOP_K)
+                     experts=args.experts, top_k=top_k if args.experts else _DEFAULT_TOP_K, score=args.score,
+                     balance_alpha=args.balance_alpha, mtp_depth=args.mtp_depth)
+
+
+def _check_ds3(args) -> None:
+    """DeepSeek-V3's options (docs/deepseek-v3.md), each named with what it needs."""
+    check_choice(args.score, "--score", _SCORES)
+    check_float(args.bias_update_speed, "--bias-update-speed", low=0)
+    check_float(args.balance_alpha, "--balance-alpha", low=0)
+    check_int(args.mtp_depth, "--mtp-depth", low=0, high=args.seq_len - 1)
+    check_float(args.mtp_weight, "--mtp-weight", low=0)
+    if not args.experts:
+        for flag, value, off in (("--score", args.score, "softmax"), ("--bias-update-speed", args.bias_update_speed, 0.0),
+                                 ("--balance-alpha", args.balance_alpha, 0.0)):
+            if value != off:
+                raise bad(flag, value, "needs --experts: a dense model (--experts 0) routes no tokens")
+
+
+def _ds3_config(args) -> dict:
+    """The TrainConfig fields of DeepSeek-V3's options."""
+    return {"bias_update_speed": args.bias_update_speed, "mtp_depth": args.mtp_depth,
+            "mtp_weight": args.mtp_weight if args.mtp_depth else 0.0}
 
 
 def _progress(show: bool, title: str, start: int, total: int):

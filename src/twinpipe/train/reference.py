@@ -24,6 +24,7 @@ from torch import nn
 
 from twinpipe.moe import local
 from twinpipe.moe.block import MoEBlock
+from twinpipe.moe.bias import update_bias_
 from twinpipe.moe.grads import expert_parameters
 from twinpipe.overlap.stage import PartedSequential
 from twinpipe.runtime.batches import microbatch_rows
@@ -31,8 +32,9 @@ from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule.spec import resolve
 from twinpipe.train.data import BatchSampler, replica_rows
 from twinpipe.train.grads import clip_coefficient, clip_grads, scale_grads, squared_norms
+from twinpipe.train.mtp import MTPLoss, mtp_heads
 from twinpipe.train.stages import model_layers
-from twinpipe.train.trainer import TrainConfig
+from twinpipe.train.trainer import TrainConfig, model_routers
 
 __all__ = ["ReferenceTrainer"]
 
@@ -53,6 +55,12 @@ class ReferenceTrainer:
         self._experts = [p for p in self.params if id(p) in experts]
         self._dense = [p for p in self.params if id(p) not in experts]
         self.replicas = self._replicas(experts)
+        self.routers = [r for _, r in model_routers(self.model)]
+        self.criteria = [MTPLoss(criterion, mtp_heads([r])[0], config.mtp_weight) if config.mtp_depth else criterion
+                         for r in self.replicas]
+        named = self.named_parameters()
+        self.tied = [(named[main], named[copy]) for main, copy in getattr(self.model, "tied_copies", ())]
+        self._norm_skip = [i for i, p in enumerate(self.params) if any(p is c for _, c in self.tied)]
         self.optimizer = optimizer_fn(self.params)
 
     def _replicas(self, experts: set[int]) -> list[nn.Module]:
@@ -91,11 +99,18 @@ class ReferenceTrainer:
         rows = [replica_rows(self.config.batch_size, dp, d) for d in range(dp)]
         xs, ys = [x[r] for r in rows], [y[r] for r in rows]
         dense = [self._replica_dense(r) for r in self.replicas] if dp > 1 else [self._dense]
-        if dp > 1:  # every replica starts from the model's weights
+        routers = [[r for _, r in model_routers(replica)] for replica in self.replicas]
+        if dp > 1:  # every replica starts from the model's weights (and routing biases)
             with torch.no_grad():
                 for params in dense:
                     for p, q in zip(params, self._dense):
                         p.copy_(q)
+                for mine in routers:
+                    for r, q in zip(mine, self.routers):
+                        r.bias.copy_(q.bias)
+        for mine in routers:
+            for r in mine:
+                r.loads.zero_()
         stages = [self._stage(r) for r in self.replicas]
         losses = torch.zeros(dp * m, dtype=torch.float64)
         per = m // self.directions
@@ -107,7 +122,8 @@ class ReferenceTrainer:
             for j in range(c * per, (c + 1) * per):
                 mb = [microbatch_rows(len(xr), m, range(j, j + 1)) for xr in xs]
                 outs = local.forward(stages, [xr[s] for xr, s in zip(xs, mb)])
-                mb_losses = [self.criterion(o, yr[s]) for o, yr, s in zip(outs, ys, mb)]
+                mb_losses = [crit(*(o if isinstance(o, tuple) else (o,)), yr[s])
+                             for crit, o, yr, s in zip(self.criteria, outs, ys, mb)]
                 local.backward(mb_losses, [torch.ones_like(loss) for loss in mb_losses])
                 for d, loss in enumerate(mb_losses):
                     losses[d * m + j] = float(loss.detach())
@@ -125,18 +141,31 @@ class ReferenceTrainer:
             p.grad = g
         for p, g in zip(self._experts, expert_grads):
             p.grad = g
+        for main, twin in self.tied:  # then a tied copy's gradient and its main parameter's, added
+            main.grad = main.grad + twin.grad
+            twin.grad = main.grad.clone()
         scale_grads(self.params, m * dp)
         norm = None
         if self.config.max_norm is not None:
-            norm, factor = clip_coefficient(squared_norms(self.params), self.config.max_norm)
+            norms = squared_norms(self.params)
+            norms[self._norm_skip] = 0.0  # a tied copy counts as its main parameter, once
+            norm, factor = clip_coefficient(norms, self.config.max_norm)
             clip_grads(self.params, factor)
         self.optimizer.step()
+        if self.config.bias_update_speed:  # each router's loads summed over the replicas, then its bias moved
+            for j, router in enumerate(self.routers):
+                update_bias_(router.bias, sum(mine[j].loads for mine in routers), self.config.bias_update_speed)
         return float(losses.mean()), losses, norm
+
+    def named_buffers(self) -> dict[str, torch.Tensor]:
+        """The routing biases by name in the model (as ``Trainer.held_buffers`` names them)."""
+        return {f"{name}.bias": r.bias for name, r in model_routers(self.model)}
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         return {f"{name}.{sub}": p for name, layer in model_layers(self.model) for sub, p in layer.named_parameters()}
 
-    def load_state(self, parameters: dict[str, torch.Tensor], optimizer_state: dict[str, dict] | None = None) -> None:
+    def load_state(self, parameters: dict[str, torch.Tensor], optimizer_state: dict[str, dict] | None = None,
+                   buffers: dict[str, torch.Tensor] | None = None) -> None:
         """Continue from another run's weights (and, by parameter name, its optimizer state), e.g. a
         pipelined run's before each step, so a comparison measures one step's difference."""
         named = self.named_parameters()
@@ -146,6 +175,10 @@ class ReferenceTrainer:
         with torch.no_grad():
             for name, p in named.items():
                 p.copy_(parameters[name])
+        if buffers is not None:
+            with torch.no_grad():
+                for name, b in self.named_buffers().items():
+                    b.copy_(buffers[name])
         if optimizer_state is not None:
             for name, p in named.items():
                 state = optimizer_state.get(name, {})

@@ -39,7 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from twinpipe.moe.bias import update_bias_
 from twinpipe.moe.grads import reduce_replica_grads
+from twinpipe.moe.router import TopKRouter
 from twinpipe.runtime.batches import batch_layout
 from twinpipe.runtime.collectives import cpu_group, gather_objects
 from twinpipe.runtime.comm import wait_work
@@ -51,6 +53,7 @@ from twinpipe.runtime.pipeline import Pipeline
 from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule import registry
 from twinpipe.schedule.spec import resolve
+from twinpipe.checks import bad
 from twinpipe.train.agreement import agree, canonical
 from twinpipe.train.config import TrainConfig, model_record
 from twinpipe.train.data import BatchSampler, replica_rows
@@ -59,6 +62,7 @@ from twinpipe.train.grads import (
     DataParallelReducer, clip_coefficient, clip_grads, scale_grads, squared_norms, sum_across,
 )
 from twinpipe.train.mesh import TrainMesh
+from twinpipe.train.mtp import MTPLoss, mtp_heads
 from twinpipe.train.stages import is_mirror_copy, model_layers, split, stage_modules
 
 __all__ = ["TrainConfig", "StepResult", "Trainer", "NonFiniteStepError", "model_parameter_names"]
@@ -107,6 +111,27 @@ def _any_nonfinite(params: Sequence[torch.Tensor]) -> torch.Tensor:
     return (~torch.isfinite(torch.stack(sums))).any().to(torch.float64)
 
 
+def model_routers(model: nn.Module) -> list[tuple[str, TopKRouter]]:
+    """``(name in the unsplit model, router)`` of every ``TopKRouter`` of a splittable model, in run order."""
+    return [(f"{name}.{sub}" if sub else name, m) for name, layer in model_layers(model)
+            for sub, m in layer.named_modules() if isinstance(m, TopKRouter)]
+
+
+def _stage_routers(stage) -> list[tuple[str, TopKRouter]]:
+    """``(name in the unsplit model, router)`` of every ``TopKRouter`` of a stage, in run order."""
+    return [(f"{name}.{sub}" if sub else name, m) for name, layer in zip(stage.names, stage.layers)
+            for sub, m in layer.named_modules() if isinstance(m, TopKRouter)]
+
+
+def _router_slices(model: nn.Module, held: Sequence[str]) -> tuple[list[tuple[int, int]], int]:
+    """Where each held router's loads sit in the model's vector of loads (all routers, in order), and its length."""
+    where, offset = {}, 0
+    for name, router in model_routers(model):
+        where[name] = (offset, offset + router.num_experts)
+        offset += router.num_experts
+    return [where[name] for name in held], offset
+
+
 def _few(items: Sequence, limit: int = 4) -> str:
     shown = ", ".join(map(str, items[:limit]))
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
@@ -152,10 +177,23 @@ class Trainer:
         # rank owns each model parameter: data-parallel rank 0 (an expert: its only holder), first copy.
         self.held = [(name, p, not is_mirror_copy(self.placement, s) and (mesh.dp_rank == 0 or id(p) in experts))
                      for s, m in zip(pipeline_stages, modules) for name, p in m.named_model_parameters()]
-        self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned], dtype=torch.long, device=device)
+        # Tied copies (an MTP head's embedding copy): kept equal to their main parameter, not in the norm.
+        self.tied = tuple(getattr(model, "tied_copies", ()))
+        self._tied_dtypes = {main: p.dtype for main, p in model.named_parameters() if main in dict(self.tied)}
+        copies = {copy for _, copy in self.tied}
+        self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned and n not in copies], dtype=torch.long,
+                                         device=device)
         self.params = [p for _, p, _ in self.held]
-        self._owned = [p for _, p, owned in self.held if owned]
+        self._owned = [p for n, p, owned in self.held if owned and n not in copies]
+        self._criterion = self._mtp_criterion(model, modules)
         self._dense = [p for p in self.params if id(p) not in experts]  # the same on every data-parallel replica
+        # Routing biases (buffers, DeepSeek-V3's balancing), owned as dense parameters are; loads by model router.
+        self.held_buffers = [(f"{name}.bias", router.bias, not is_mirror_copy(self.placement, s) and mesh.dp_rank == 0)
+                             for s, m in zip(pipeline_stages, modules) for name, router in _stage_routers(m)]
+        self._routers = [router for s, m in zip(pipeline_stages, modules) for _, router in _stage_routers(m)]
+        self._router_slices = _router_slices(model, [name for s, m in zip(pipeline_stages, modules) for name, _ in _stage_routers(m)])
+        if config.bias_update_speed and not self._router_slices[1]:
+            raise bad("bias_update_speed", config.bias_update_speed, "must be 0 for a model without MoE routers (nothing to balance)")
         # Overlapped: one part per stage, started by the pipeline's on_grads_ready; else one part of all.
         self.overlap_dp = config.overlap_dp and not self.is_dual
         if self.overlap_dp:
@@ -170,6 +208,8 @@ class Trainer:
         self._agree_optimizer()  # before the initial weights' broadcast
         self._agree_group = cpu_group(mesh.pp_group, self.timeout)  # small CPU exchanges (mirrors_equal)
         self._sync_start()
+        for router in self._routers:  # a step counts its own tokens only (balance="time" ran the layers)
+            router.loads.zero_()
 
     def _agree_settings(self, model: nn.Module, device) -> None:
         """Every rank's configuration, model and precision, compared (``agreement.agree``)."""
@@ -179,7 +219,8 @@ class Trainer:
             "schedule": registry.get(c.schedule).name, "schedule_options": sorted(c.schedule_options),
             "batch_size": c.batch_size, "microbatch_size": c.microbatch_size, "max_norm": canonical(c.max_norm),
             "balance": c.balance, "seed": c.seed, "timeout": canonical(c.timeout), "dp_reduce": c.dp_reduce, "overlap_dp": c.overlap_dp,
-            "on_nonfinite": c.on_nonfinite,
+            "on_nonfinite": c.on_nonfinite, "bias_update_speed": canonical(c.bias_update_speed),
+            "mtp_depth": c.mtp_depth, "mtp_weight": canonical(c.mtp_weight),
             "dtype": ",".join(sorted({str(p.dtype) for p in model.parameters()})), "device": torch.device(device).type,
             "criterion": _qualname(self.criterion),
             "model parameters": f"{len(self.parameter_names)} named, sha256 {hashlib.sha256(names).hexdigest()[:16]}",
@@ -202,6 +243,44 @@ class Trainer:
                     facts[f"optimizer param_groups[{i}].{key}"] = canonical(value)
         agree(self.checkpoint_group, facts, self.timeout, self._where("building the trainer"),
               "Build every rank's optimizer alike (optimizer_fn); nothing ran.", decisive=("optimizer", "optimizer param_groups"))
+
+    def _mtp_criterion(self, model: nn.Module, modules: Sequence[nn.Module]):
+        """The criterion this rank's last stage runs: with MTP, ``MTPLoss`` over its head's modules."""
+        depth = sum(len(h.mtp) for h in mtp_heads([model]))
+        if depth != self.config.mtp_depth:
+            raise bad("mtp_depth", self.config.mtp_depth, f"must be the number of MTP modules the model holds ({depth}): "
+                      "build the model with as many (GPTConfig.mtp_depth)")
+        if not depth:
+            return self.criterion
+        heads = mtp_heads(modules)
+        if len(heads) > 1:
+            raise ValueError(f"schedule={self.config.schedule!r}: rank pp={self.mesh.pp_rank} holds {len(heads)} copies of the "
+                             "MTP head; multi-token prediction needs at most one per rank")
+        return MTPLoss(self.criterion, heads[0], self.config.mtp_weight) if heads else self.criterion
+
+    def _sum_tied_grads(self, step: int) -> None:
+        """Each tied pair (main, copy): every copy of both gets ``main's gradient + copy's gradient``.
+
+        After the mirrored and data-parallel sums every copy of a parameter holds its gradient; the
+        rank holding a parameter's first copy puts it into a [2, ...] buffer, summed over the pipeline
+        (each slot has one non-zero contribution: exact), and every holder adds the two slots."""
+        held = {}
+        for stage, module in zip(self.placement.stages_of(self.mesh.pp_rank), self.pipe.module):
+            for name, p in module.named_model_parameters():
+                held.setdefault(name, []).append((p, not is_mirror_copy(self.placement, stage)))
+        device = self.pipe.device
+        for main, copy in self.tied:
+            shape = next(s for n, s in self.parameter_names if n == main)
+            both = torch.zeros(2, *shape, dtype=self._tied_dtypes[main], device=device)
+            for slot, name in enumerate((main, copy)):
+                for p, first in held.get(name, ()):
+                    if first and p.grad is not None:
+                        both[slot] += p.grad
+            sum_across(both, self.mesh.pp_group, self.timeout, self._where(f"step {step}: summing {main} and its copy {copy}"))
+            total = both[0] + both[1]
+            for name in (main, copy):
+                for p, _ in held.get(name, ()):
+                    p.grad = total.clone()
 
     def _layer_counts(self, model: nn.Module, device) -> str | Sequence[int]:
         """How to cut the model; with ``balance="time"``, global rank 0's measurement, for every rank."""
@@ -266,7 +345,7 @@ class Trainer:
             p.grad = None
         overlap = self.overlap_dp and self.reducer.active
         try:
-            loss, _ = self.pipe.step(*self.layout.inputs(x), num_chunks=m, criterion=self.criterion, labels=self.layout.labels(y),
+            loss, _ = self.pipe.step(*self.layout.inputs(x), num_chunks=m, criterion=self._criterion, labels=self.layout.labels(y),
                                      on_grads_ready=self._start_reduction if overlap else None)
         except BaseException:
             self.reducer.abandon()  # its peers' waits time out, naming the step
@@ -283,6 +362,8 @@ class Trainer:
             self.reducer.all_reduce(self._where(f"step {step}"))
         if self.experts:
             reduce_replica_grads(self.pipe.module, self.timeout)
+        if self.tied:
+            self._sum_tied_grads(step)
         times["dp"] = time.perf_counter() - mark
         mark = time.perf_counter()
         scale_grads(self.params, m * dp)
@@ -290,6 +371,7 @@ class Trainer:
         n_norms = len(self.parameter_names) if clip else 0
         vec = self._sum_vector(step, loss, digest, n_norms)
         losses = vec[n_norms : n_norms + dp * m].clone()
+        loads = vec[n_norms + dp * m : len(vec) - 3]
         problem = self._nonfinite(vec, n_norms, losses)
         norm, factor = clip_coefficient(vec[:n_norms], self.config.max_norm) if clip else (None, 1.0)
         if problem is not None:
@@ -297,6 +379,9 @@ class Trainer:
         else:
             clip_grads(self.params, factor)
             self.optimizer.step()
+            self._move_biases(loads)
+        for router in self._routers:
+            router.loads.zero_()
         times["update"] = time.perf_counter() - mark
         times["total"] = time.perf_counter() - start
         return StepResult(step, float(losses.mean()), losses, norm, times, skipped=problem is not None)
@@ -305,14 +390,19 @@ class Trainer:
         """The step's one vector, summed over the pipeline, then the replicas (returned on the CPU).
 
         Entries: squared norms by model parameter (``n_norms``: when clipping), the losses of every
-        micro-batch of the global batch, the number of ranks whose gradients are not finite, and a
+        micro-batch of the global batch, with ``bias_update_speed`` the token copies routed to each
+        expert of every router of the model (its copies on every replica and mirrored copy), the number of ranks whose gradients are not finite, and a
         16-bit digest of the global batch and its square. Each norm and loss entry has one non-zero
         contribution (its owner's): exact sums. Ranks asked for different steps (or with other samplers)
         would pair one batch's inputs with another's labels, and n digests are all equal only when
         sum**2 == n * (sum of squares): ``PipelineMismatchError`` before anything is updated.
         """
         dp, m, device = self.mesh.dp, self.num_chunks, self.pipe.device
-        vec = torch.zeros(n_norms + dp * m + 3, dtype=torch.float64, device=device)  # on the device: NCCL moves no CPU tensors
+        n_loads = self._router_slices[1] if self.config.bias_update_speed else 0
+        vec = torch.zeros(n_norms + dp * m + n_loads + 3, dtype=torch.float64, device=device)  # on the device: NCCL moves no CPU tensors
+        if n_loads:  # token copies per expert of every router of the model (counts: exact float64 sums)
+            for router, (start, end) in zip(self._routers, self._router_slices[0]):
+                vec[n_norms + dp * m + start : n_norms + dp * m + end] += router.loads.to(torch.float64)
         vec[-2:] = torch.tensor([digest, digest * digest], dtype=torch.float64)
         if n_norms:
             vec[self._owned_index] = squared_norms(self._owned)  # a non-finite gradient makes its norm non-finite
@@ -344,6 +434,13 @@ class Trainer:
         if vec[-3].item():
             parts.append(f"the gradients of {int(vec[-3].item())} rank(s)")
         return ", ".join(parts) if parts else None
+
+    def _move_biases(self, loads: torch.Tensor) -> None:
+        """Every held router's bias moved against its summed loads (the same on every copy and replica)."""
+        gamma = self.config.bias_update_speed
+        if gamma:
+            for router, (start, end) in zip(self._routers, self._router_slices[0]):
+                update_bias_(router.bias, loads[start:end], gamma)
 
     def _refuse_update(self, step: int, problem: str) -> None:
         """No rank updates (every rank sees the same sums): count the step as skipped, or raise."""

@@ -4,8 +4,8 @@ experts over an EP group (``twinpipe.moe.MoEBlock``, ``twinpipe.hf.experts.EPMoE
 ``ExpertExchange`` holds the placement (``phy2log``: R physical slots sharded over the group, rank
 r holding slots ``r*R/ep .. (r+1)*R/ep - 1``; placement.py) and declares the communication parts
 of a block: ``counts`` (how many copies each rank sends to each slot), ``dispatch`` and
-``combine`` (the all-to-alls of the token rows, there and back). Their state is a 5-tuple
-``(a, b, rows, weights, route)``: ``rows`` move, the rest passes through. A host class sets
+``combine`` (the all-to-alls of the token rows, there and back). Their state is
+``(a, b, rows, weights, route, *extra)``: ``rows`` move, the rest passes through. A host class sets
 ``ep_group``, ``ep``, ``ep_rank``, ``local``, ``num_experts``, ``top_k``, ``hidden``, a
 ``routed_tokens`` buffer [E], and defines ``_layout()`` (what every EP rank must agree on) and
 ``_zeros(rows)`` (a zero row block in the rows' dtype and device).
@@ -37,6 +37,7 @@ class _Route:
     send: list | None = None  # rows to each rank
     recv: list | None = None  # rows from each rank
     recv_counts: torch.Tensor | None = None  # [ep, local slots] rows from each rank for each local slot
+    experts: torch.Tensor | None = None  # [T, k] the router's choices, where a block's mix needs them
 
 
 class _Permute(torch.autograd.Function):
@@ -129,25 +130,25 @@ class ExpertExchange(nn.Module):
         self.routed_tokens += torch.bincount(flat, minlength=self.num_experts)
         return sent, _Route(tuple(shape), order, counts)
 
-    def _counts(self, h, tokens, sent, weights, route):
+    def _counts(self, h, tokens, sent, weights, route, *extra):
         def arrived(received):
             received = received.view(self.ep, self.local)
             full = replace(route, send=route.counts.view(self.ep, self.local).sum(1).tolist(),
                            recv=received.sum(1).tolist(), recv_counts=received)
-            return (h, tokens, sent, weights, full), None
+            return (h, tokens, sent, weights, full, *extra), None
 
         self._agree_layout()
         each = [self.local] * self.ep
         return Then(self._all_to_all(route.counts, each, each), arrived)
 
-    def _dispatch(self, h, tokens, sent, weights, route):
-        return self._move((h, tokens, sent, weights, route), route.recv, route.send)
+    def _dispatch(self, *state):
+        return self._move(state, state[4].recv, state[4].send)
 
     def _dispatch_backward(self, route, grads):
         return self._move_back(grads, route.recv, route.send)
 
-    def _combine(self, h, shared, outs, weights, route):
-        return self._move((h, shared, outs, weights, route), route.send, route.recv)
+    def _combine(self, *state):
+        return self._move(state, state[4].send, state[4].recv)
 
     def _combine_backward(self, route, grads):
         return self._move_back(grads, route.send, route.recv)
@@ -167,7 +168,7 @@ class ExpertExchange(nn.Module):
     def _move_back(self, grads: tuple, out_splits: list, in_splits: list):
         """The backward of ``_move(state, out_splits, in_splits)``: the row gradients go back."""
         g_rows = grads[2] if grads[2] is not None else self._zeros(sum(out_splits))
-        return Then(self._all_to_all(g_rows, in_splits, out_splits), lambda g: (*grads[:2], g, grads[3], None))
+        return Then(self._all_to_all(g_rows, in_splits, out_splits), lambda g: (*grads[:2], g, *grads[3:]))
 
     def _grouping(self, route) -> tuple[torch.Tensor, list[int]]:
         """The received rows (source-major) in expert-major order, and each local expert's count."""

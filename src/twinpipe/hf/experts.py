@@ -1,0 +1,311 @@
+"""Expert parallelism for the MoE blocks of Hugging Face models (DeepSeek-V3, Qwen3-MoE, Mixtral).
+
+``EPMoE(block, ep_group, phy2log)`` replaces a ``transformers`` MoE block (``DeepseekV3MoE``,
+``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``): it keeps the block's own router module
+(``block.gate``, called as is: the model's scores, correction bias, group limit, top-k,
+normalisation and scaling) and its shared experts (computed on the rank's own tokens), and holds
+only this rank's slots of the fused routed experts (a copy of ``block.experts`` whose
+``gate_up_proj``/``down_proj`` keep the rows of this rank's slots, run by the model's own experts
+code). The token copies go to their experts' ranks and back by the all-to-alls of
+``twinpipe.moe.exchange.ExpertExchange`` (the placement ``phy2log`` with redundant experts, and
+the spreading rule over replicas, as ``twinpipe.moe``), declared as parts so that DualPipe's F&B
+overlap hides them:
+
+    route (compute)    router on the tokens; sort token copies by slot
+    counts (comm)      copies per slot, to every rank (nothing in backward)
+    dispatch (comm)    all-to-all the token copies to their slots' ranks
+    experts (compute)  the local slots on what arrived; the shared experts on the local tokens
+    combine (comm)     all-to-all the expert outputs back
+    mix (compute)      out = sum_j weight_j * y_j (as the model's experts code sums) + shared
+
+``shard_experts_(module, ep_group, phy2log)`` replaces every such block of a model or stage in
+place; ``expert_places(module)`` says which rows of the checkpoint's fused tensors each local
+tensor holds (``Place``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from twinpipe.moe.agree import ep_timeout
+from twinpipe.moe.exchange import ExpertExchange, _permute
+from twinpipe.moe.placement import check_placement
+from twinpipe.overlap.graph import run_parts
+from twinpipe.overlap.parts import Comm, Compute
+
+try:  # the weights helper's definition, once it exists
+    from twinpipe.hf.weights import Place
+except ImportError:  # pragma: no cover - until twinpipe.hf.weights lands
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Place:
+        """A local fused-expert tensor equals ``full[name][list(rows)]`` (rows: expert indices, dim 0)."""
+
+        name: str
+        rows: tuple
+
+
+__all__ = ["EPMoE", "Place", "shard_experts_", "expert_places", "is_moe_block", "reduce_replica_grads", "FUSED"]
+
+FUSED = ("gate_up_proj", "down_proj")  # the fused expert parameters, [E, ...] each
+
+
+def is_moe_block(module: nn.Module) -> bool:
+    """A ``transformers`` MoE block this module can shard: a router ``gate`` and fused ``experts``."""
+    experts, gate = getattr(module, "experts", None), getattr(module, "gate", None)
+    return (isinstance(gate, nn.Module) and isinstance(experts, nn.Module) and not isinstance(module, EPMoE)
+            and all(isinstance(getattr(experts, n, None), torch.Tensor) and getattr(experts, n).dim() == 3 for n in FUSED))
+
+
+def _unsupported(block: nn.Module) -> str | None:
+    """Why ``block`` cannot be sharded exactly, or None."""
+    extra = sorted(set(dict(block.named_children())) - {"gate", "experts", "shared_experts"})
+    if extra:
+        return f"it has {', '.join(extra)} besides gate, experts and shared_experts"
+    e = block.experts
+    if getattr(e, "has_bias", False) or not getattr(e, "has_gate", True) or getattr(e, "has_post_expert_norm", False):
+        return "its experts have biases, no gate or a post-expert norm"
+    if getattr(e, "is_transposed", False):
+        return "its fused expert weights are transposed"
+    return None
+
+
+class EPMoE(ExpertExchange):
+    """A ``transformers`` MoE block with its routed experts sharded over ``ep_group`` (see the module doc).
+
+    ``ep_group``: a process group, a ``twinpipe.moe.local.LocalEPRank`` or None (all slots local).
+    ``phy2log`` [R]: slot s runs logical expert ``phy2log[s]`` (default: R = E, slot s runs expert
+    s); R must be a multiple of the group size, rank r holds slots ``r*R/ep .. (r+1)*R/ep - 1``.
+    Takes the block's modules over (the original block is left without its experts' storage
+    shared: the local fused tensors are copies of the slots' rows).
+    """
+
+    def __init__(self, block: nn.Module, ep_group=None, phy2log=None):
+        super().__init__()
+        if not is_moe_block(block):
+            raise ValueError(f"block={type(block).__name__}: not a transformers MoE block (a router `gate` and "
+                             f"`experts` with 3-D {' and '.join(FUSED)})")
+        why = _unsupported(block)
+        if why:
+            raise ValueError(f"block={type(block).__name__}: {why}; supported are the MoE blocks of DeepSeek-V3, "
+                             "Qwen3-MoE and Mixtral")
+        full = block.experts
+        num_experts, _, hidden = full.gate_up_proj.shape
+        self.num_experts, self.hidden = int(num_experts), int(hidden)
+        self.top_k = int(block.gate.top_k)
+        self.kind = type(block).__name__
+        ep = self._group_size(ep_group)
+        placement = torch.arange(num_experts) if phy2log is None else check_placement(phy2log, num_experts, ep=ep)
+        ep, rank = self._check_group(ep_group, len(placement))
+        self.ep_group, self.ep, self.ep_rank = ep_group, ep, rank
+        self.local = len(placement) // ep
+        self.first_expert = self.first_slot = rank * self.local
+        self.gate = block.gate
+        self.shared_experts = getattr(block, "shared_experts", None)
+        self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)  # Mixtral's router jitter
+        self.rows = tuple(placement[rank * self.local : (rank + 1) * self.local].tolist())  # logical expert of each local slot
+        self.experts = _local_experts(full, self.rows)
+        device = full.gate_up_proj.device
+        self.register_buffer("routed_tokens", torch.zeros(num_experts, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("expert_rows", torch.zeros(self.local, dtype=torch.long, device=device), persistent=False)
+        self._set_placement(placement)
+
+    # ------------------------------------------------------------ what the exchange needs
+    def _layout(self) -> dict:
+        w = self.experts.gate_up_proj
+        return {"num_experts": self.num_experts, "num_slots": self.num_slots, "hidden": self.hidden,
+                "dtype": str(w.dtype).removeprefix("torch."), "phy2log": self._phy2log.tolist(),
+                "expert parameters": sum(getattr(self.experts, n)[0].numel() for n in FUSED)}
+
+    def _zeros(self, rows: int) -> torch.Tensor:
+        w = self.experts.gate_up_proj
+        return torch.zeros(rows, self.hidden, dtype=w.dtype, device=w.device)
+
+    def places(self, prefix: str = "") -> dict[str, Place]:
+        """Each local fused tensor's name -> its ``Place`` in the unsharded block (``prefix`` + name)."""
+        return {f"{prefix}experts.{n}": Place(f"{prefix}experts.{n}", self.rows) for n in FUSED}
+
+    def reset_counts(self) -> None:
+        self.routed_tokens.zero_()
+        self.expert_rows.zero_()
+
+    # ------------------------------------------------------------ parts
+    def parts(self) -> list:
+        return [Compute("route", self._route_part), *self.exchange_parts()]
+
+    def exchange_parts(self) -> list:
+        """The parts after routing (a layer puts its own first part before them)."""
+        return [
+            Comm("counts", self._counts),
+            Comm("dispatch", self._dispatch, self._dispatch_backward),
+            Compute("experts", self._experts_part),
+            Comm("combine", self._combine, self._combine_backward),
+            Compute("mix", self._mix_part),
+        ]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The block's output ``[B, S, H]`` (no residual), as the HF block's forward; parts in order."""
+        return run_parts(self.parts(), (hidden_states,), type(self).__name__)
+
+    def route(self, residual, hidden_states: torch.Tensor, *extra) -> tuple:
+        """The state after routing ``hidden_states`` [B, S, H]: ``(residual, hidden_states, sent,
+        weights, route, *extra)``; the router logits go to ``extra[0].router_logits`` when it is a list
+        (the ``twinpipe.hf.layer`` convention)."""
+        shape = hidden_states.shape
+        if self.training and self.jitter_noise > 0:  # as MixtralSparseMoeBlock (out of place)
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        tokens = hidden_states.reshape(-1, self.hidden)
+        logits, weights, experts = self.gate(tokens)
+        collect = getattr(extra[0], "router_logits", None) if extra else None
+        if isinstance(collect, list):
+            collect.append(logits)
+        sent, route = self._route_copies(tokens, experts, shape)
+        if self._eager():
+            route = replace(route, experts=experts)
+        return (residual, hidden_states, sent, weights, route, *extra)
+
+    def _route_part(self, hidden_states):
+        return self.route(None, hidden_states)
+
+    def _experts_part(self, residual, hidden_states, rows, weights, route, *extra):
+        # Received rows: from each rank in turn, within each by slot; their local slot ids.
+        n = route.recv_counts.reshape(-1)
+        slot = torch.arange(self.local, device=n.device).repeat(self.ep)
+        ids = torch.repeat_interleave(slot, n).to(rows.device).unsqueeze(1)
+        ones = torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)
+        # The model's own experts code on the local slots, each row's weight 1 (exact: y * 1 = y);
+        # the routing weights multiply at the token's rank, in mix.
+        outs = self.experts(rows, ids, ones)
+        self.expert_rows += route.recv_counts.sum(0).to(self.expert_rows.device)
+        shared = self.shared_experts(hidden_states) if self.shared_experts is not None else None
+        return residual, shared, outs, weights, route, *extra
+
+    def _mix_part(self, residual, shared, rows, weights, route, *extra):
+        out = self.mix(rows, weights, route, shared)
+        return (out,) if residual is None else (residual + out, *extra)
+
+    def mix(self, rows, weights, route, shared, experts=None):
+        """``sum_j w_j * y_j`` per token, summed as the model's experts code sums, plus shared.
+
+        With ``experts_implementation="eager"`` (the HF loop over experts): each contribution cast
+        to the rows' dtype, added into zeros in ascending expert order (``index_add_``); with any
+        other (``grouped_mm``, the default, ``batched_mm``): the copies in router order,
+        ``.sum(1)``, then cast (``grouped_mm_experts_forward``)."""
+        t, k = weights.shape
+        y = _permute(rows, torch.argsort(route.order), route.order)  # back to copy order (token*k + j)
+        c = (y * weights.reshape(-1, 1)).view(t, k, self.hidden)
+        if self._eager():
+            by_expert = route.experts.argsort(dim=1, stable=True)  # the order index_add_ adds them in
+            c = c.to(rows.dtype).gather(1, by_expert.unsqueeze(2).expand(t, k, self.hidden))
+            routed = torch.zeros_like(c[:, 0])
+            for j in range(k):
+                routed = routed + c[:, j]
+        else:
+            routed = c.sum(dim=1).to(rows.dtype)
+        routed = routed.view(route.shape)
+        return routed if shared is None else routed + shared
+
+    def _eager(self) -> bool:
+        config = getattr(self.experts, "config", None)
+        return getattr(config, "_experts_implementation", None) in (None, "eager")
+
+
+def _local_experts(full: nn.Module, rows: tuple) -> nn.Module:
+    """A copy of the fused experts module ``full`` holding only ``rows`` (slot i: expert rows[i])."""
+    local = copy.copy(full)
+    local._parameters, local._buffers, local._modules = dict(full._parameters), dict(full._buffers), dict(full._modules)
+    index = torch.tensor(rows, dtype=torch.long, device=full.gate_up_proj.device)
+    for name in FUSED:
+        p = getattr(full, name)
+        setattr(local, name, nn.Parameter(p.detach().index_select(0, index), requires_grad=p.requires_grad))
+    local.num_experts = len(rows)
+    return local
+
+
+def _placements(phy2log, names: list[str]) -> dict:
+    """One placement per MoE block: None, one for all, a dict name -> placement, or one row per block."""
+    if phy2log is None or isinstance(phy2log, dict):
+        table = phy2log or {}
+        unknown = sorted(set(table) - set(names))
+        if unknown:
+            raise ValueError(f"phy2log names {unknown}, which are not MoE blocks of the module (those are {names})")
+        return {n: table.get(n) for n in names}
+    p = torch.as_tensor(phy2log)
+    if p.dim() == 2:
+        if len(p) != len(names):
+            raise ValueError(f"phy2log has {len(p)} rows; the module has {len(names)} MoE blocks ({names})")
+        return dict(zip(names, p))
+    return {n: p for n in names}
+
+
+def shard_experts_(module: nn.Module, ep_group, phy2log=None) -> nn.Module:
+    """Replace every ``transformers`` MoE block of ``module`` (a model, a stage, a layer or the
+    block itself) by an ``EPMoE`` over ``ep_group``; returns ``module`` (or the ``EPMoE`` when
+    ``module`` is a block). ``phy2log``: None (slot s runs expert s), one placement for every
+    block, a ``[blocks, R]`` table (blocks in ``named_modules`` order: EPLB's per-layer output) or
+    a dict block name -> placement. Every EP rank must call it alike."""
+    if is_moe_block(module):
+        return EPMoE(module, ep_group, _placements(phy2log, [""])[""])
+    names = [name for name, m in module.named_modules() if is_moe_block(m)]
+    if not names:
+        raise ValueError(f"module={type(module).__name__}: has no transformers MoE block (a `gate` and fused `experts`)")
+    placements = _placements(phy2log, names)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name)
+        setattr(parent, child, EPMoE(getattr(parent, child), ep_group, placements[name]))
+    return module
+
+
+def ep_blocks(module: nn.Module) -> Iterable[tuple[str, EPMoE]]:
+    return ((name, m) for name, m in module.named_modules() if isinstance(m, EPMoE))
+
+
+def expert_places(module: nn.Module) -> dict[str, Place]:
+    """Every local fused-expert parameter of ``module`` (by its name in ``module``) -> ``Place``
+    (the same name, and the rows of the unsharded tensor it holds)."""
+    out = {}
+    for name, block in ep_blocks(module):
+        out.update(block.places(f"{name}." if name else ""))
+    return out
+
+
+def reduce_replica_grads(module: nn.Module, timeout: float | None = None) -> None:
+    """Give every replica of a routed expert the sum of its replicas' gradients (over the local
+    slots in slot order, then an all-reduce over the EP group), as ``twinpipe.moe.reduce_replica_grads``
+    does for ``MoEBlock``: call on every EP rank after the step, before the optimizer step."""
+    from twinpipe.moe.agree import all_reduce
+    from twinpipe.moe.grads import _agree_blocks
+
+    timeout = ep_timeout(timeout)
+    blocks = [b for _, b in ep_blocks(module)]
+    _agree_blocks(blocks, timeout)
+    for block in blocks:
+        counts = torch.bincount(block._phy2log, minlength=block.num_experts)
+        shared = torch.nonzero(counts > 1).reshape(-1).tolist()
+        if not shared:
+            continue
+        params = [getattr(block.experts, n) for n in FUSED]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        row_of = {e: i for i, e in enumerate(shared)}
+        size = sum(p[0].numel() for p in params)
+        table = torch.zeros(len(shared), size, dtype=params[0].dtype, device=params[0].device)
+        for i, e in enumerate(block.rows):
+            if e in row_of:
+                table[row_of[e]] += torch.cat([p.grad[i].reshape(-1) for p in params])
+        if block.ep > 1:
+            all_reduce(table, block.ep_group, timeout, "reduce_replica_grads")
+        for i, e in enumerate(block.rows):
+            if e in row_of:
+                offset = 0
+                for p in params:
+                    p.grad[i].copy_(table[row_of[e], offset : offset + p[0].numel()].view_as(p.grad[i]))
+                    offset += p[0].numel()

@@ -1,0 +1,59 @@
+"""A Hugging Face decoder layer whose MLP is an expert-parallel MoE block, declared as parts.
+
+``MoEDecoderLayer`` is a ``twinpipe.hf.layer.DecoderLayer`` (same children, same parameter names,
+same ``layer(hidden, ctx) -> hidden``) whose ``mlp`` is a ``twinpipe.hf.experts.EPMoE``. Its
+``parts()`` work on the state ``(hidden, ctx)`` (the ``twinpipe.hf.layer`` convention), so a stage
+of such layers (``twinpipe.hf.stages.HFPartedStage``, or ``twinpipe.overlap.PartedSequential``)
+overlaps one micro-batch's all-to-alls with another's compute in DualPipe/DualPipeV F&B ops:
+
+    attn (compute)     h = hidden + self_attn(input_layernorm(hidden)); the router on
+                       post_attention_layernorm(h); token copies sorted by slot
+    counts (comm)      copies per slot, to every EP rank (nothing in backward)
+    dispatch (comm)    the token copies to their slots' ranks
+    experts (compute)  the local expert slots; the shared experts on the local tokens
+    combine (comm)     the expert outputs back
+    mix (compute)      h + (sum_j w_j * y_j + shared)
+
+Called as a module (``forward``) it runs the layer's halves as ``DecoderLayer`` does, the MoE
+block's parts in order inside ``mlp``: the same arithmetic.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from twinpipe.hf.experts import EPMoE
+from twinpipe.hf.layer import DecoderLayer
+from twinpipe.overlap.parts import Compute
+
+__all__ = ["MoEDecoderLayer", "part_layers_"]
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """A ``DecoderLayer`` whose ``mlp`` is an ``EPMoE`` (``shard_experts_`` first), with parts."""
+
+    def __init__(self, layer: nn.Module, index: int, mask_kind: str = "full_attention", router: nn.Module | None = None):
+        super().__init__(layer, index, mask_kind, router)
+        _check(self)
+
+    def parts(self) -> list:
+        return [Compute("attn", self._attn), *self.mlp.exchange_parts()]
+
+    def _attn(self, hidden, ctx):
+        h = self.attention(hidden, ctx)
+        return self.mlp.route(h, self.post_attention_layernorm(h), ctx)
+
+
+def _check(layer: DecoderLayer) -> None:
+    if not isinstance(layer.mlp, EPMoE):
+        raise ValueError(f"layer {layer.index}: its mlp is a {type(layer.mlp).__name__}, not an EPMoE "
+                         "(twinpipe.hf.experts.shard_experts_ replaces the MoE blocks first)")
+
+
+def part_layers_(module: nn.Module) -> nn.Module:
+    """Make every ``DecoderLayer`` of ``module`` (a stage) whose ``mlp`` is an ``EPMoE`` a
+    ``MoEDecoderLayer`` in place (the same object, the same parameters); returns ``module``."""
+    for layer in module.modules():
+        if type(layer) is DecoderLayer and isinstance(layer.mlp, EPMoE):
+            layer.__class__ = MoEDecoderLayer  # adds parts() only: no state of its own
+    return module

@@ -165,7 +165,7 @@ class EPMoE(ExpertExchange):
         collect = getattr(extra[0], "router_logits", None) if extra else None
         if isinstance(collect, list):
             collect.append(logits)
-        sent, route = self._route_copies(tokens, experts, shape)
+        sent, route = self._route_copies(tokens, experts, shape, by_choice=self._eager())
         if self._eager():
             route = replace(route, experts=experts)
         return (residual, hidden_states, sent, weights, route, *extra)
@@ -174,14 +174,18 @@ class EPMoE(ExpertExchange):
         return self.route(None, hidden_states)
 
     def _experts_part(self, residual, hidden_states, rows, weights, route, *extra):
-        # Received rows: from each rank in turn, within each by slot; their local slot ids.
-        n = route.recv_counts.reshape(-1)
-        slot = torch.arange(self.local, device=n.device).repeat(self.ep)
-        ids = torch.repeat_interleave(slot, n).to(rows.device).unsqueeze(1)
+        # Received rows: from each rank in turn, within each by slot (and by choice j). Each slot's
+        # rows go to the experts code in the unsplit block's order: by choice j, then by rank
+        # (the eager loop, a token's j-th choices in token order), or by rank (grouped_mm: by token).
+        counts = route.recv_choice if route.recv_choice is not None else route.recv_counts.unsqueeze(2)
+        order, slot_of_row = _regroup(counts)
+        order, slot_of_row = order.to(rows.device), slot_of_row.to(rows.device)
+        back = torch.argsort(order)
+        grouped = _permute(rows, order, back)
         ones = torch.ones(len(rows), 1, dtype=rows.dtype, device=rows.device)
         # The model's own experts code on the local slots, each row's weight 1 (exact: y * 1 = y);
         # the routing weights multiply at the token's rank, in mix.
-        outs = self.experts(rows, ids, ones)
+        outs = _permute(self.experts(grouped, slot_of_row.unsqueeze(1), ones), back, order) if len(rows) else rows.clone()
         self.expert_rows += route.recv_counts.sum(0).to(self.expert_rows.device)
         shared = self.shared_experts(hidden_states) if self.shared_experts is not None else None
         return residual, shared, outs, weights, route, *extra
@@ -214,6 +218,19 @@ class EPMoE(ExpertExchange):
     def _eager(self) -> bool:
         config = getattr(self.experts, "config", None)
         return getattr(config, "_experts_implementation", None) in (None, "eager")
+
+
+def _regroup(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows received as segments ``counts [ep, local, sub]`` (rank-major, then slot, then sub):
+    the order that puts them slot-major, then sub, then rank; and the local slot of each row in it."""
+    ep, local, sub = counts.shape
+    flat = counts.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view(ep, local, sub)
+    seg_start, seg_len = starts.permute(1, 2, 0).reshape(-1), counts.permute(1, 2, 0).reshape(-1)
+    ends = torch.cumsum(seg_len, 0)
+    within = torch.arange(int(ends[-1]), device=counts.device) - torch.repeat_interleave(ends - seg_len, seg_len)
+    slots = torch.arange(local, device=counts.device).repeat_interleave(sub * ep)
+    return torch.repeat_interleave(seg_start, seg_len) + within, torch.repeat_interleave(slots, seg_len)
 
 
 def _local_experts(full: nn.Module, rows: tuple) -> nn.Module:

@@ -33,11 +33,12 @@ class _Route:
 
     shape: tuple  # (batch, seq, hidden) of the block input
     order: torch.Tensor  # token copies (token*k + j) sorted by physical slot, stable
-    counts: torch.Tensor  # [R] copies this rank sends to each slot
+    counts: torch.Tensor  # [R] copies this rank sends to each slot ([R, k]: per slot and choice)
     send: list | None = None  # rows to each rank
     recv: list | None = None  # rows from each rank
     recv_counts: torch.Tensor | None = None  # [ep, local slots] rows from each rank for each local slot
     experts: torch.Tensor | None = None  # [T, k] the router's choices, where a block's mix needs them
+    recv_choice: torch.Tensor | None = None  # [ep, local slots, k] with counts per (slot, choice)
 
 
 class _Permute(torch.autograd.Function):
@@ -118,28 +119,38 @@ class ExpertExchange(nn.Module):
         self._log2phy, self._logcnt = self._log2phy.to(device), self._logcnt.to(device)
         return out
 
-    def _route_copies(self, tokens: torch.Tensor, experts: torch.Tensor, shape: tuple):
+    def _route_copies(self, tokens: torch.Tensor, experts: torch.Tensor, shape: tuple, by_choice: bool = False):
         """``experts [T, k]`` (logical ids, the router's order) -> ``(sent, route)``: the token
         rows of the copies sorted by physical slot (stable; slot of each copy by
-        ``slots_of_copies``), and the route with this rank's counts per slot."""
+        ``slots_of_copies``), and the route with this rank's counts per slot. ``by_choice``: sorted
+        by (slot, choice j) instead, counts per (slot, j) ``[R, k]`` (the receiver can then order
+        a slot's rows choice by choice, as ``transformers``' eager experts loop does)."""
         flat = experts.reshape(-1)
         slots = slots_of_copies(flat, self._log2phy, self._logcnt, self.ep_rank)
-        order = torch.argsort(slots, stable=True)
+        if by_choice:
+            key = slots * self.top_k + torch.arange(len(flat), device=flat.device) % self.top_k
+            order = torch.argsort(key, stable=True)
+            counts = torch.bincount(key, minlength=self.num_slots * self.top_k).view(self.num_slots, self.top_k)
+        else:
+            order = torch.argsort(slots, stable=True)
+            counts = torch.bincount(slots, minlength=self.num_slots)
         sent = tokens.index_select(0, order // self.top_k)
-        counts = torch.bincount(slots, minlength=self.num_slots)
         self.routed_tokens += torch.bincount(flat, minlength=self.num_experts)
         return sent, _Route(tuple(shape), order, counts)
 
     def _counts(self, h, tokens, sent, weights, route, *extra):
+        sub = route.counts[0].numel()  # 1, or k with counts per (slot, choice)
+
         def arrived(received):
-            received = received.view(self.ep, self.local)
-            full = replace(route, send=route.counts.view(self.ep, self.local).sum(1).tolist(),
-                           recv=received.sum(1).tolist(), recv_counts=received)
+            received = received.view(self.ep, self.local, sub)
+            full = replace(route, send=route.counts.reshape(self.ep, -1).sum(1).tolist(),
+                           recv=received.sum((1, 2)).tolist(), recv_counts=received.sum(2),
+                           recv_choice=received if route.counts.dim() > 1 else None)
             return (h, tokens, sent, weights, full, *extra), None
 
         self._agree_layout()
-        each = [self.local] * self.ep
-        return Then(self._all_to_all(route.counts, each, each), arrived)
+        each = [self.local * sub] * self.ep
+        return Then(self._all_to_all(route.counts.reshape(-1), each, each), arrived)
 
     def _dispatch(self, *state):
         return self._move(state, state[4].recv, state[4].send)

@@ -409,3 +409,48 @@ def test_an_ep_rank_whose_experts_get_no_token(outcomes):
 def test_grouped_mm_experts_code_float32(outcomes):
     assert [o["grouped_mm"] for o in outcomes] == [[], []]
     assert outcomes[0]["grouped_mm-ep1"] == []
+
+
+# ---------------------------------------------------------------- bad input (no process group)
+def _raises(fn, *fragments):
+    with pytest.raises(ValueError) as info:
+        fn()
+    missing = [f for f in fragments if f not in str(info.value)]
+    assert not missing, f"the error lacks {missing}: {info.value}"
+
+
+def test_bad_input_is_named():
+    from twinpipe.hf.experts import EPMoE, shard_experts_
+    from twinpipe.hf.layer import DecoderLayer
+    from twinpipe.hf.moe_layer import MoEDecoderLayer
+    from twinpipe.moe.local import LocalEPGroup
+
+    m = model("qwen3_moe", layers=2)
+    block = m.model.layers[0].mlp
+    _raises(lambda: shard_experts_(torch.nn.Linear(2, 2), None), "module='Linear'", "MoE block")
+    _raises(lambda: EPMoE(torch.nn.Linear(2, 2)), "block='Linear'", "gate")
+    _raises(lambda: EPMoE(copy.deepcopy(block), None, [0, 1, 2, 3, 4, 5, 6, 6]), "phy2log", "no slot to experts [7]")
+    _raises(lambda: EPMoE(copy.deepcopy(block), LocalEPGroup(3).rank(0)), "ep_group has 3 ranks", "8 expert slots")
+    _raises(lambda: shard_experts_(copy.deepcopy(m), None, torch.arange(8).repeat(3, 1)), "phy2log", "one row per MoE block",
+            "model.layers.0.mlp")
+    _raises(lambda: shard_experts_(copy.deepcopy(m), None, {"model.layers.9.mlp": list(range(8))}), "phy2log",
+            "'model.layers.9.mlp'")
+    gated = copy.deepcopy(block)
+    gated.shared_expert_gate = torch.nn.Linear(HIDDEN, 1)  # Qwen2-MoE's gated shared expert: not supported
+    _raises(lambda: EPMoE(gated), "block='Qwen3MoeSparseMoeBlock'", "shared_expert_gate")
+    _raises(lambda: MoEDecoderLayer(m.model.layers[1], 1), "layer=", "EPMoE")
+    layer = DecoderLayer(copy.deepcopy(m.model.layers[1]), 1)
+    assert not hasattr(layer, "parts")
+
+
+def test_shard_experts_replaces_every_moe_block_with_per_block_placements():
+    from twinpipe.hf.experts import EPMoE, expert_places, shard_experts_
+
+    m = shard_experts_(model("qwen3_moe", layers=2), None, {"model.layers.1.mlp": [7, 6, 5, 4, 3, 2, 1, 0, 0]})
+    blocks = [layer.mlp for layer in m.model.layers]
+    assert all(isinstance(b, EPMoE) for b in blocks)
+    assert blocks[0].rows == tuple(range(8)) and blocks[1].rows == (7, 6, 5, 4, 3, 2, 1, 0, 0)
+    places = expert_places(m)
+    assert places["model.layers.1.mlp.experts.gate_up_proj"].rows == (7, 6, 5, 4, 3, 2, 1, 0, 0)
+    assert places["model.layers.1.mlp.experts.gate_up_proj"].name == "model.layers.1.mlp.experts.gate_up_proj"
+    assert dict(m.named_parameters())["model.layers.1.mlp.experts.down_proj"].shape[0] == 9

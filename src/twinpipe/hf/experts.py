@@ -32,6 +32,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from twinpipe.checks import bad
 from twinpipe.moe.agree import ep_timeout
 from twinpipe.moe.exchange import ExpertExchange, _permute
 from twinpipe.moe.placement import check_placement
@@ -89,12 +90,11 @@ class EPMoE(ExpertExchange):
     def __init__(self, block: nn.Module, ep_group=None, phy2log=None):
         super().__init__()
         if not is_moe_block(block):
-            raise ValueError(f"block={type(block).__name__}: not a transformers MoE block (a router `gate` and "
-                             f"`experts` with 3-D {' and '.join(FUSED)})")
+            raise bad("block", type(block).__name__, f"must be a transformers MoE block (a router `gate` and `experts` "
+                      f"with 3-D {' and '.join(FUSED)}), as in DeepSeek-V3, Qwen3-MoE and Mixtral")
         why = _unsupported(block)
         if why:
-            raise ValueError(f"block={type(block).__name__}: {why}; supported are the MoE blocks of DeepSeek-V3, "
-                             "Qwen3-MoE and Mixtral")
+            raise bad("block", type(block).__name__, f"{why}; supported are the MoE blocks of DeepSeek-V3, Qwen3-MoE and Mixtral")
         full = block.experts
         num_experts, _, hidden = full.gate_up_proj.shape
         self.num_experts, self.hidden = int(num_experts), int(hidden)
@@ -251,12 +251,12 @@ def _placements(phy2log, names: list[str]) -> dict:
         table = phy2log or {}
         unknown = sorted(set(table) - set(names))
         if unknown:
-            raise ValueError(f"phy2log names {unknown}, which are not MoE blocks of the module (those are {names})")
+            raise bad("phy2log", f"{{{', '.join(map(repr, unknown))}: ...}}", f"must name MoE blocks of the module: {names}")
         return {n: table.get(n) for n in names}
     p = torch.as_tensor(phy2log)
     if p.dim() == 2:
         if len(p) != len(names):
-            raise ValueError(f"phy2log has {len(p)} rows; the module has {len(names)} MoE blocks ({names})")
+            raise bad("phy2log", f"<{len(p)} rows>", f"must have one row per MoE block of the module ({len(names)}: {names})")
         return dict(zip(names, p))
     return {n: p for n in names}
 
@@ -271,7 +271,7 @@ def shard_experts_(module: nn.Module, ep_group, phy2log=None) -> nn.Module:
         return EPMoE(module, ep_group, _placements(phy2log, [""])[""])
     names = [name for name, m in module.named_modules() if is_moe_block(m)]
     if not names:
-        raise ValueError(f"module={type(module).__name__}: has no transformers MoE block (a `gate` and fused `experts`)")
+        raise bad("module", type(module).__name__, "must hold a transformers MoE block (a `gate` and fused `experts`)")
     placements = _placements(phy2log, names)
     for name in names:
         parent_name, _, child = name.rpartition(".")

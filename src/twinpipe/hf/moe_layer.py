@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from twinpipe.checks import bad
 from twinpipe.hf.experts import EPMoE
 from twinpipe.hf.layer import DecoderLayer
 from twinpipe.overlap.parts import Compute
@@ -46,8 +47,8 @@ class MoEDecoderLayer(DecoderLayer):
 
 def _check(layer: DecoderLayer) -> None:
     if not isinstance(layer.mlp, EPMoE):
-        raise ValueError(f"layer {layer.index}: its mlp is a {type(layer.mlp).__name__}, not an EPMoE "
-                         "(twinpipe.hf.experts.shard_experts_ replaces the MoE blocks first)")
+        raise bad("layer", f"{layer.kind} {layer.index}", f"must have an EPMoE as mlp, not a {type(layer.mlp).__name__} "
+                  "(twinpipe.hf.experts.shard_experts_ replaces the MoE blocks first)")
 
 
 def part_layers_(module: nn.Module) -> nn.Module:

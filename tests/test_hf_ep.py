@@ -346,6 +346,42 @@ def pipeline_case(arch: str, kind, mesh, chunks: int = 4) -> dict:
     return problems
 
 
+# ---------------------------------------------------------------- docs/hf-ep.md's example
+def docs_example() -> str:
+    from pathlib import Path
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hf-ep.md").read_text()
+    return re.search(r"```python\n(.*?)```", text, re.S)[1]
+
+
+def docs_case(group) -> list[str]:
+    """The example on this rank (Qwen3-MoE, 2 layers, 8 experts, 12 slots), against the unsplit
+    model on each rank's batch: loss and every gradient (summed over the ranks) within BOUND."""
+    rank = dist.get_rank(group)
+    base = model("qwen3_moe", layers=2)
+    torch.manual_seed(3)
+    all_ids = [torch.randint(0, 32, (BATCH, SEQ)) for _ in range(2)]
+    ref = copy.deepcopy(base)
+    ref_losses = [ref(input_ids=i, labels=i).loss for i in all_ids]
+    sum(ref_losses).backward()
+    scope = {"model": copy.deepcopy(base), "group": group, "ids": all_ids[rank]}
+    exec(docs_example(), scope)
+    m, problems = scope["model"], []
+    if not rel(scope["loss"].detach(), ref_losses[rank].detach()) <= BOUND:
+        problems.append(f"loss off by {rel(scope['loss'].detach(), ref_losses[rank].detach()):.3g}")
+    want = dict(ref.named_parameters())
+    for name, p in m.named_parameters():
+        if ".experts." in name:
+            block = m.get_submodule(name.rsplit(".experts.", 1)[0])
+            got = _full_expert_grads(block, name.rsplit(".", 1)[1], lambda t: dist.all_reduce(t, group=group))
+        else:
+            got = p.grad
+        if not rel(got, want[name].grad) <= BOUND:
+            problems.append(f"{name} gradient off by {rel(got, want[name].grad):.3g}")
+    return problems
+
+
 def _world(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -360,6 +396,7 @@ def _world(rank, world):
                 results[("ep4", arch, label)] = _guard(lambda: block_case(arch, kind, 4))
             results[("pipe", arch, label)] = _guard(lambda: pipeline_case(arch, kind, mesh))
             dist.barrier()
+    results["docs"] = _guard(lambda: docs_case(group))
     results["starved"] = _guard(lambda: block_case("deepseek_v3", None, 2, group, starved=True))
     results["grouped_mm"] = _guard(lambda: block_case("qwen3_moe", None, 2, group, "grouped_mm", torch.float32))
     results["grouped_mm-ep1"] = _guard(lambda: block_case("mixtral", None, 1, None, "grouped_mm", torch.float32))
@@ -395,6 +432,10 @@ def test_ep4_block_matches_unsplit(outcomes, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dualpipev_ep2_overlap_on_and_off(outcomes, arch, label):
     assert [o[("pipe", arch, label)] for o in outcomes] == [[], []]
+
+
+def test_docs_example_on_two_ranks(outcomes):
+    assert [o["docs"] for o in outcomes] == [[], []]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

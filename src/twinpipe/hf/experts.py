@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover - until twinpipe.hf.weights lands
         """A local fused-expert tensor equals ``full[name][list(rows)]`` (rows: expert indices, dim 0)."""
 
         name: str
-        rows: tuple
+        rows: tuple | None = None
 
 
 __all__ = ["EPMoE", "Place", "shard_experts_", "expert_places", "is_moe_block", "reduce_replica_grads", "FUSED"]
@@ -284,12 +284,14 @@ def ep_blocks(module: nn.Module) -> Iterable[tuple[str, EPMoE]]:
     return ((name, m) for name, m in module.named_modules() if isinstance(m, EPMoE))
 
 
-def expert_places(module: nn.Module) -> dict[str, Place]:
-    """Every local fused-expert parameter of ``module`` (by its name in ``module``) -> ``Place``
-    (the same name, and the rows of the unsharded tensor it holds)."""
+def expert_places(module: nn.Module, name_of=None) -> dict[str, Place]:
+    """Every local fused-expert parameter of ``module`` (by its name in ``module``) -> ``Place``:
+    its name in the unsplit model (``name_of(local name)``, default the same name) and the rows of
+    the unsplit tensor it holds (``twinpipe.hf.weights`` reads and writes those rows)."""
     out = {}
     for name, block in ep_blocks(module):
-        out.update(block.places(f"{name}." if name else ""))
+        for local, place in block.places(f"{name}." if name else "").items():
+            out[local] = Place(name_of(local), place.rows) if name_of is not None else place
     return out
 
 

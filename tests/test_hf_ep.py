@@ -382,6 +382,103 @@ def docs_case(group) -> list[str]:
     return problems
 
 
+def _hidden(events) -> set:
+    """The streams (F, B) of one F&B op whose comm parts were in flight while the other stream ran
+    a compute part (as moe_models.interleaved, for ops where one side may have no comm)."""
+    seen, flying = set(), {"F": set(), "B": set()}
+    for action, stream, name, *_ in events:
+        if action == "start":
+            flying[stream].add(name)
+        elif action == "wait":
+            flying[stream].discard(name)
+        elif stream in ("F", "B"):
+            other = "B" if stream == "F" else "F"
+            if flying[other]:
+                seen.add(other)
+    return seen
+
+
+# ---------------------------------------------------------------- twinpipe.hf stages with EP
+def hf_pipeline_case(arch: str, mesh, chunks: int = 4) -> list[str]:
+    """``twinpipe.hf.build`` on a model whose MoE blocks are sharded (EP=2), PP=1 DualPipeV (both
+    stages on one rank), the router auxiliary loss on where the model has one; each EP rank trains
+    on its own batch. Overlap on and off: bitwise equal, interleaved only when on; losses within
+    BOUND of the unsplit model on the rank's batch, gradients of the sum over the EP ranks."""
+    import hf_models
+
+    from twinpipe import hf
+    from twinpipe.hf.experts import reduce_replica_grads, shard_experts_
+    from twinpipe.hf.moe_layer import MoEDecoderLayer, part_layers_
+    from twinpipe.moe import reduce_dense_grads
+
+    pp_group, group = mesh["pp"].get_group(), mesh["ep"].get_group()
+    rank = dist.get_rank(group)
+    base = hf_models.model(arch, layers=2, aux=arch in ("mixtral", "qwen3_moe"))
+    ids, mask, labels = hf_models.batch(chunks, 8, seed=1 + rank)
+    count = torch.tensor(hf.count_items(labels))
+    ref = copy.deepcopy(base)
+    ref_losses = []
+    for j in range(chunks):
+        out = ref(input_ids=ids[j : j + 1], attention_mask=mask[j : j + 1], labels=labels[j : j + 1], num_items_in_batch=count)
+        out.loss.backward()
+        ref_losses.append(out.loss.detach())
+    ref_grads = {}
+    for name, p in ref.named_parameters():
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g, group=group)  # the EP ranks' batches together
+        ref_grads[name] = g
+    problems, runs = [], {}
+    for overlap in (True, False):
+        m = shard_experts_(copy.deepcopy(base), group)
+        stages = hf.build(m, "dualpipev", 1, 0)
+        for module in stages.modules:
+            part_layers_(module).overlap = overlap
+        if not any(isinstance(layer, MoEDecoderLayer) for module in stages.modules for layer in module.modules()):
+            problems.append("no MoE layer with parts in the stages")
+        inputs, labs = stages.batch(ids, mask, labels, num_chunks=chunks)
+        with stages.pipeline(pp_group, timeout=60) as pipe:
+            loss, _ = pipe.step(*inputs, num_chunks=chunks, criterion=stages.criterion, labels=labs)
+            stages.sync_grads(pipe)
+        for module in stages.modules:
+            reduce_dense_grads(module, group)
+            reduce_replica_grads(module)
+        grads = {}
+        for module in stages.modules:
+            for name, p in module.named_model_parameters():
+                if ".experts." in name:
+                    block = m.get_submodule(name.rsplit(".experts.", 1)[0])
+                    grads[name] = _full_expert_grads(block, name.rsplit(".", 1)[1], lambda t: dist.all_reduce(t, group=group))
+                else:
+                    grads[name] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        events = [e for module in stages.modules for e in module.fb_events]
+        both = [e for e in events if {s for a, s, *_ in e if a == "start"} == {"F", "B"}]
+        if not events or (arch == "mixtral" and not both):  # Mixtral: both layers MoE
+            problems.append(f"overlap={overlap}: {len(events)} F&B ops, {len(both)} with comm on both sides")
+        for e in events:
+            # Where both micro-batches communicate, each one's all-to-alls run under the other's
+            # compute (overlap on) or never (off). (With one side's stage dense, fb_order runs that
+            # side's compute first: nothing to hide it under.)
+            communicating = {stream for action, stream, *_ in e if action == "start"}
+            if len(communicating) < 2 and overlap:
+                continue
+            if _hidden(e) != (communicating if overlap else set()):
+                problems.append(f"overlap={overlap}: the comm of {sorted(_hidden(e))} ran under the other stream's "
+                                f"compute; comm parts in {sorted(communicating)}")
+                break
+        runs[overlap] = (loss, grads)
+    (loss, grads), (loss_off, grads_off) = runs[True], runs[False]
+    if not torch.equal(loss, loss_off) or any(not torch.equal(grads[n], grads_off[n]) for n in grads):
+        problems.append("overlap on and off differ")
+    bound = BOUND32 if arch == "deepseek_v3" else BOUND
+    want = torch.stack(ref_losses)
+    if not rel(loss, want) <= bound:
+        problems.append(f"losses off by {rel(loss, want):.3g}")
+    for name, g in grads.items():
+        if not rel(g, ref_grads[name]) <= bound:
+            problems.append(f"{name} gradient off by {rel(g, ref_grads[name]):.3g}")
+    return problems
+
+
 def _world(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -396,6 +493,8 @@ def _world(rank, world):
                 results[("ep4", arch, label)] = _guard(lambda: block_case(arch, kind, 4))
             results[("pipe", arch, label)] = _guard(lambda: pipeline_case(arch, kind, mesh))
             dist.barrier()
+        results[("hf", arch)] = _guard(lambda: hf_pipeline_case(arch, mesh))
+        dist.barrier()
     results["docs"] = _guard(lambda: docs_case(group))
     results["starved"] = _guard(lambda: block_case("deepseek_v3", None, 2, group, starved=True))
     results["grouped_mm"] = _guard(lambda: block_case("qwen3_moe", None, 2, group, "grouped_mm", torch.float32))
@@ -432,6 +531,11 @@ def test_ep4_block_matches_unsplit(outcomes, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dualpipev_ep2_overlap_on_and_off(outcomes, arch, label):
     assert [o[("pipe", arch, label)] for o in outcomes] == [[], []]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hf_stages_with_ep2_under_dualpipev(outcomes, arch):
+    assert [o[("hf", arch)] for o in outcomes] == [[], []]
 
 
 def test_docs_example_on_two_ranks(outcomes):

@@ -153,22 +153,24 @@ class EPMoE(ExpertExchange):
         """The block's output ``[B, S, H]`` (no residual), as the HF block's forward; parts in order."""
         return run_parts(self.parts(), (hidden_states,), type(self).__name__)
 
-    def route(self, residual, hidden_states: torch.Tensor, *extra) -> tuple:
+    def route(self, residual, hidden_states: torch.Tensor, ctx=None) -> tuple:
         """The state after routing ``hidden_states`` [B, S, H]: ``(residual, hidden_states, sent,
-        weights, route, *extra)``; the router logits go to ``extra[0].router_logits`` when it is a list
-        (the ``twinpipe.hf.layer`` convention)."""
+        weights, route)``, and with a layer's ``ctx`` (``twinpipe.hf.layer.Context``) two more
+        entries: ``ctx`` and the router logits when ``ctx.router_logits`` is a list (else None).
+        The logits travel in the state, not in ``ctx``, so that each part's autograd graph stays
+        its own; ``mix`` appends them to ``ctx.router_logits``."""
         shape = hidden_states.shape
         if self.training and self.jitter_noise > 0:  # as MixtralSparseMoeBlock (out of place)
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         tokens = hidden_states.reshape(-1, self.hidden)
         logits, weights, experts = self.gate(tokens)
-        collect = getattr(extra[0], "router_logits", None) if extra else None
-        if isinstance(collect, list):
-            collect.append(logits)
         sent, route = self._route_copies(tokens, experts, shape, by_choice=self._eager())
         if self._eager():
             route = replace(route, experts=experts)
-        return (residual, hidden_states, sent, weights, route, *extra)
+        state = (residual, hidden_states, sent, weights, route)
+        if ctx is None:
+            return state
+        return (*state, ctx, logits if isinstance(ctx.router_logits, list) else None)
 
     def _route_part(self, hidden_states):
         return self.route(None, hidden_states)
@@ -190,9 +192,13 @@ class EPMoE(ExpertExchange):
         shared = self.shared_experts(hidden_states) if self.shared_experts is not None else None
         return residual, shared, outs, weights, route, *extra
 
-    def _mix_part(self, residual, shared, rows, weights, route, *extra):
+    def _mix_part(self, residual, shared, rows, weights, route, ctx=None, logits=None):
         out = self.mix(rows, weights, route, shared)
-        return (out,) if residual is None else (residual + out, *extra)
+        if ctx is None:
+            return (out,)
+        if logits is not None:
+            ctx.router_logits.append(logits)
+        return residual + out, ctx
 
     def mix(self, rows, weights, route, shared, experts=None):
         """``sum_j w_j * y_j`` per token, summed as the model's experts code sums, plus shared.

@@ -4,7 +4,8 @@
 same ``layer(hidden, ctx) -> hidden``) whose ``mlp`` is a ``twinpipe.hf.experts.EPMoE``. Its
 ``parts()`` work on the state ``(hidden, ctx)`` (the ``twinpipe.hf.layer`` convention), so a stage
 of such layers (``twinpipe.hf.stages.HFPartedStage``, or ``twinpipe.overlap.PartedSequential``)
-overlaps one micro-batch's all-to-alls with another's compute in DualPipe/DualPipeV F&B ops:
+overlaps one micro-batch's all-to-alls with another's compute in DualPipe/DualPipeV F&B ops
+(``part_layers_`` makes a built stage's MoE layers such layers):
 
     attn (compute)     h = hidden + self_attn(input_layernorm(hidden)); the router on
                        post_attention_layernorm(h); token copies sorted by slot
@@ -52,9 +53,18 @@ def _check(layer: DecoderLayer) -> None:
 
 
 def part_layers_(module: nn.Module) -> nn.Module:
-    """Make every ``DecoderLayer`` of ``module`` (a stage) whose ``mlp`` is an ``EPMoE`` a
-    ``MoEDecoderLayer`` in place (the same object, the same parameters); returns ``module``."""
+    """Make every ``DecoderLayer`` of ``module`` whose ``mlp`` is an ``EPMoE`` a ``MoEDecoderLayer``,
+    and ``module``, when it is a ``twinpipe.hf.stages.HFStage``, an ``HFPartedStage`` (whose F&B ops
+    overlap part by part), in place: the same objects, the same parameters; returns ``module``.
+
+    Call it on every stage module of a rank (``build(...).modules``) before making the pipeline: a
+    ``Pipeline`` overlaps F&B ops when all its modules are of one class that declares them, and an
+    ``HFPartedStage`` without MoE layers gives what an ``HFStage`` gives (each layer one part)."""
+    from twinpipe.hf.stages import HFPartedStage, HFStage
+
     for layer in module.modules():
         if type(layer) is DecoderLayer and isinstance(layer.mlp, EPMoE):
             layer.__class__ = MoEDecoderLayer  # adds parts() only: no state of its own
+    if type(module) is HFStage:
+        module.__class__ = HFPartedStage  # adds parts() and the F&B op only
     return module

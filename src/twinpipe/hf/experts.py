@@ -26,8 +26,8 @@ tensor holds (``Place``).
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn

@@ -73,3 +73,18 @@ def batch(rows: int, seq: int, *, seed: int = 1, padded: bool = True):
     labels = ids.masked_fill(mask == 0, -100)
     labels[0, seq // 2] = -100
     return ids, mask, labels
+
+
+def parted(layer):
+    """``layer`` (a ``twinpipe.hf.DecoderLayer``) declaring parts, as a MoE layer with expert
+    parallelism does: the attention half, a communication (none here), the feed-forward half."""
+    from twinpipe.hf import DecoderLayer
+    from twinpipe.overlap.parts import Comm, Compute, Done
+
+    class PartedLayer(DecoderLayer):
+        def parts(self):
+            return [Compute("attention", lambda h, ctx: (self.attention(h, ctx), ctx)),
+                    Comm("exchange", lambda h, ctx: Done(((h, ctx), None))),
+                    Compute("feed_forward", lambda h, ctx: (self.feed_forward(h, ctx), ctx))]
+
+    return PartedLayer(layer, layer.index, layer.mask_kind, layer.router)

@@ -30,11 +30,11 @@ SCHEDULES = ("dualpipev", "dualpipe", "1f1b", "zb-h1", "interleaved-1f1b")
 
 
 def _case(arch, schedule, ranks, *, tied=False, aux=None, rotary="recompute", layout=None, seqs=(8,), chunks=4,
-          padded=True):
+          padded=True, parts=False):
     aux = arch in ("mixtral", "qwen3_moe") if aux is None else aux
     layers = 6 if ranks == 4 and schedule in ("dualpipev", "interleaved-1f1b") else 2  # >= 1 item per stage
     return dict(arch=arch, schedule=schedule, ranks=ranks, tied=tied, aux=aux, rotary=rotary, layout=layout, seqs=seqs,
-                chunks=chunks, padded=padded, layers=layers)
+                chunks=chunks, padded=padded, layers=layers, parts=parts)
 
 
 CASES = {}
@@ -50,6 +50,9 @@ CASES["mixtral-noaux-1f1b-p2"] = _case("mixtral", "1f1b", 2, aux=False)
 CASES["qwen3_moe-noaux-dualpipev-p2"] = _case("qwen3_moe", "dualpipev", 2, aux=False)
 CASES["llama-layout-1f1b-p2"] = _case("llama", "1f1b", 2, layout="E|t*2,L")
 CASES["llama-unpadded-1f1b-p2"] = _case("llama", "1f1b", 2, padded=False)
+# Layers declaring parts (the convention MoE layers with expert parallelism follow): F&B ops overlap them.
+CASES["llama-parts-dualpipev-p2"] = _case("llama", "dualpipev", 2, parts=True)
+CASES["mixtral-parts-dualpipe-p4"] = _case("mixtral", "dualpipe", 4, parts=True, rotary="pass", aux=False)
 CASES["deepseek_v3-layout-dualpipe-p2"] = _case("deepseek_v3", "dualpipe", 2, layout="E,t*2|L", chunks=2)
 
 
@@ -94,8 +97,12 @@ def _run(case: dict, reference: list, group) -> str:
     import torch.distributed as dist
 
     rank = dist.get_rank(group)
-    stages = hf.build(_model(case), case["schedule"], case["ranks"], rank, layout=case["layout"], rotary=case["rotary"])
+    stages = hf.build(_model(case), case["schedule"], case["ranks"], rank, layout=case["layout"], rotary=case["rotary"],
+                      wrap_layer=hf_models.parted if case["parts"] else None)
     problems = []
+    holds_layers = any(m.layer_ids for m in stages.modules)
+    if case["parts"] and holds_layers and not all(isinstance(m, hf.HFPartedStage) for m in stages.modules):
+        problems.append(f"stages {[type(m).__name__ for m in stages.modules]} are not HFPartedStage")
     if case["tied"]:
         expected_tie = "shared" if case["schedule"] == "dualpipev" else "split"
         if stages.tie != expected_tie:
@@ -125,6 +132,9 @@ def _run(case: dict, reference: list, group) -> str:
                 problems += _tied_copies_differ(stages, group)
             for m in stages.modules:
                 m.zero_grad(set_to_none=True)
+    has_fb = any(op.kind.value == "FB" for op in stages.spec.build(n).ops[rank])
+    if case["parts"] and holds_layers and has_fb and not any(m.fb_events for m in stages.modules):
+        problems.append("no F&B op overlapped the parts")
     return "; ".join(problems[:6]) or "ok"
 
 
@@ -267,7 +277,42 @@ def test_batch_counts_tokens_of_the_whole_batch():
     # DualPipe: rank 0 passes the inputs of the first half and the labels of the second half.
     assert torch.equal(inputs[0], ids[:2]) and torch.equal(labs[0], labels[2:])
     assert labs[1].tolist() == [hf.count_items(labels)] * 2 == [int((labels[:, 1:] != -100).sum())] * 2
+    assert stages.batch(ids, mask, labels, num_chunks=2, num_items=7)[1][1].tolist() == [7, 7]
     with pytest.raises(ValueError, match=r"attention_mask=\(4, 7\): must be a tensor of input_ids' shape \(4, 8\)"):
         stages.batch(ids, mask[:, :7], labels, num_chunks=2)
     with pytest.raises(ValueError, match="labels=.*must count at least one token"):
         stages.batch(ids, mask, torch.full_like(labels, -100), num_chunks=2)
+
+
+def test_importing_twinpipe_or_twinpipe_hf_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, twinpipe, twinpipe.hf; print('transformers' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
+
+
+def test_eager_attention_gives_nan_on_left_padded_rows_in_float64():
+    """Why the tests (and docs/hf.md) use sdpa: the unsplit model itself, with eager attention."""
+    import transformers as tf
+
+    cfg = hf_models.config("llama", layers=1)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64)
+    ids, mask, _ = hf_models.batch(2, 8)
+    assert mask[1, 0] == 0  # row 1 is left-padded
+    eager = model(input_ids=ids, attention_mask=mask).logits
+    assert eager[1].isnan().any() and not eager[0].isnan().any()
+    model.config._attn_implementation = "sdpa"
+    assert not model(input_ids=ids, attention_mask=mask).logits.isnan().any()
+
+
+def test_wrap_layer_must_give_a_decoder_layer_and_parts_refuse_the_aux_loss():
+    with pytest.raises(ValueError, match=r"wrap_layer=.*must return a twinpipe.hf.DecoderLayer .*it returned a Linear for layer 0"):
+        hf.build(hf_models.model("llama", layers=2), "1f1b", 2, 0, wrap_layer=lambda layer: torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"wrap_layer=.*the router auxiliary loss is on.*output_router_logits=False"):
+        hf.build(hf_models.model("mixtral", layers=2, aux=True), "1f1b", 2, 0, wrap_layer=hf_models.parted)
+    stages = hf.build(hf_models.model("mixtral", layers=2), "1f1b", 2, 0, wrap_layer=hf_models.parted)
+    assert [type(m).__name__ for m in stages.modules] == ["HFPartedStage"]

@@ -41,7 +41,7 @@ class HFStage(nn.Module):
     names they have in the unsplit model (``model.layers.3.mlp...``, ``lm_head.weight``)."""
 
     def __init__(self, parts: ModelParts, items: Sequence[str], first_layer: int, *, rotary: str = "recompute",
-                 head: nn.Module | None = None):
+                 head: nn.Module | None = None, layers: dict | None = None):
         super().__init__()
         self.items = tuple(items)
         self.first, self.last = self.items[0] == "E", self.items[-1] == "L"
@@ -52,10 +52,9 @@ class HFStage(nn.Module):
             self.embed_tokens = parts.embed_tokens
         count = self.items.count("t")
         self.layer_ids = list(range(first_layer, first_layer + count))
-        self.layers = nn.ModuleDict({
-            str(i): DecoderLayer(parts.layers[i], i, parts.mask_kinds[i], parts.routers[i] if parts.aux else None)
-            for i in self.layer_ids
-        })
+        if layers is None:
+            layers = decoder_layers(parts, self.layer_ids)
+        self.layers = nn.ModuleDict({str(i): layers[i] for i in self.layer_ids})
         self.mask_kinds = sorted({parts.mask_kinds[i] for i in self.layer_ids})
         if self.first or (count and rotary == "recompute"):
             self.rotary_emb = parts.rotary_emb
@@ -148,6 +147,20 @@ class HFPartedStage(HFStage, overlap_stage.PartedStage):
         return out
 
     forward = overlap_stage.PartedStage.forward
+
+
+def decoder_layers(parts: ModelParts, ids, wrap_layer=None) -> dict:
+    """Layer number -> its ``DecoderLayer`` (or what ``wrap_layer`` makes of it)."""
+    layers = {i: DecoderLayer(parts.layers[i], i, parts.mask_kinds[i], parts.routers[i] if parts.aux else None) for i in ids}
+    return layers if wrap_layer is None else {i: _wrapped(wrap_layer, layer) for i, layer in layers.items()}
+
+
+def _wrapped(wrap_layer, layer: DecoderLayer) -> nn.Module:
+    new = wrap_layer(layer)
+    if not isinstance(new, DecoderLayer):
+        raise bad("wrap_layer", wrap_layer, f"must return a twinpipe.hf.DecoderLayer (or subclass); it returned a "
+                                            f"{type(new).__name__} for layer {layer.index}")
+    return new
 
 
 def _renamed(part, name):
@@ -300,7 +313,7 @@ def _shape(value):
 def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | None = None, rank: int | None = None, *,
           layout: str | None = None, balance: str = "params", sample: torch.Tensor | None = None,
           rotary: str = "recompute", defer: bool = True, untested: bool = False, process_group=None,
-          **schedule_options) -> HFPipelineStages:
+          wrap_layer=None, **schedule_options) -> HFPipelineStages:
     """Rank ``rank``'s stages of ``model`` (a ``transformers`` causal LM) under ``schedule`` on
     ``num_ranks`` ranks (both default to the process group's, when torch.distributed is up).
 
@@ -314,6 +327,9 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
     zero gradients back). ``defer``: weight gradients of linear layers deferred to W ops (zero
     bubble schedules). The stages share the model's modules (build on a model of your own; the
     head gets its own copy of a tied weight where the two ends are on different stages' copies).
+    ``wrap_layer``: called with each ``DecoderLayer`` this rank builds, returns the layer to use (a
+    ``DecoderLayer`` subclass, e.g. a MoE layer declaring ``parts()`` for the F&B overlap; when one
+    of this rank's layers declares parts, all its stages are ``HFPartedStage``).
     """
     parts = model_parts(model, untested=untested)
     if dist.is_initialized():
@@ -342,17 +358,24 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
         one_copy = placement.num_stages == n_stages
         tie = "shared" if one_copy and placement.rank_of(0) == placement.rank_of(n_stages - 1) else "split"
     starts = [sum(stage.count("t") for stage in items[:k]) for k in range(n_stages)]
-    kind = HFPartedStage if any(hasattr(layer, "parts") for layer in parts.layers) else HFStage
-    modules, built = [], {}
-    ends: dict = {}
+    layers = {k: decoder_layers(parts, range(starts[k], starts[k] + items[k].count("t")), wrap_layer)
+              for k in sorted(set(model_stages))}
+    # One stage class for all of this rank's stages (the pipeline overlaps F&B ops only when they agree).
+    kind = HFPartedStage if any(hasattr(layer, "parts") for ls in layers.values() for layer in ls.values()) else HFStage
+    if kind is HFPartedStage and parts.aux:
+        # The router logits travel inside the Context, past the parts' boundaries, where the
+        # overlap engine cuts the graph: their gradients would be run twice.
+        raise bad("wrap_layer", wrap_layer, "gives layers that declare parts, and the router auxiliary loss is on: the "
+                                            "two do not go together yet; set config.output_router_logits=False")
+    modules, ends, built = [], {}, set()
     for s, k in zip(mine, model_stages):
         head = None
         if items[k][-1] == "L" and tie == "split":
             head = copy.deepcopy(parts.lm_head)  # its own parameter, equal to the embedding
-        module = kind(parts, items[k], starts[k], rotary=rotary, head=head)
+        module = kind(parts, items[k], starts[k], rotary=rotary, head=head, layers=layers[k])
         if k in built:  # a second copy of one model stage on this rank
             module = copy.deepcopy(module)
-        built[k] = module
+        built.add(k)
         if defer:
             defer_weight_grads(module)
         chain = placement.chain_of_stage(s)

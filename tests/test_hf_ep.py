@@ -27,6 +27,9 @@ HIDDEN, BATCH, SEQ = 16, 2, 5
 BOUND = 1e-12
 BOUND32 = 1e-5  # the same for DeepSeek-V3's router, which computes in float32
 PLACEMENTS = {"plain": None, "redundant": "redundant"}
+# twinpipe.hf pipelines: (arch, placement) -> router auxiliary loss on (Mixtral: every layer MoE)
+HF_CASES = {("deepseek_v3", "plain"): False, ("qwen3_moe", "plain"): False, ("mixtral", "plain"): True,
+            ("mixtral", "redundant"): False}
 
 
 def config(arch: str, layers: int = 1, implementation: str = "eager"):
@@ -285,22 +288,23 @@ def _hidden(events) -> set:
 
 
 # ---------------------------------------------------------------- twinpipe.hf stages with EP
-def hf_pipeline_case(arch: str, kind, mesh, chunks: int = 4) -> list[str]:
+def hf_pipeline_case(arch: str, kind, mesh, aux: bool, chunks: int = 4) -> list[str]:
     """``twinpipe.hf.build`` on a model whose MoE blocks are sharded (EP=2, placement ``kind``),
-    PP=1 DualPipeV (both stages on one rank), the router auxiliary loss on where the model has one;
-    each EP rank trains on its own batch. Overlap on and off: bitwise equal, all-to-alls hidden
+    PP=1 DualPipeV (both stages on one rank): built with ``wrap_layer``, or with the router
+    auxiliary loss (``aux``) built plain and converted by ``part_layers_`` (``build`` refuses
+    parted layers with the auxiliary loss); each EP rank trains on its own batch. Overlap on and off: bitwise equal, all-to-alls hidden
     only when on; losses within BOUND of the unsplit model on the rank's batch, gradients of the
     sum over the EP ranks."""
     import hf_models
 
     from twinpipe import hf
     from twinpipe.hf.experts import reduce_replica_grads, shard_experts_
-    from twinpipe.hf.moe_layer import MoEDecoderLayer, part_layers_
+    from twinpipe.hf.moe_layer import MoEDecoderLayer, part_layers_, wrap_layer
     from twinpipe.moe import reduce_dense_grads
 
     pp_group, group = mesh["pp"].get_group(), mesh["ep"].get_group()
     rank = dist.get_rank(group)
-    base = hf_models.model(arch, layers=2, aux=arch in ("mixtral", "qwen3_moe"))
+    base = hf_models.model(arch, layers=2, aux=aux)
     experts = [m for m in base.modules() if hasattr(m, "gate_up_proj")][0].gate_up_proj.shape[0]
     ids, mask, labels = hf_models.batch(chunks, 8, seed=1 + rank)
     count = torch.tensor(hf.count_items(labels))
@@ -318,9 +322,11 @@ def hf_pipeline_case(arch: str, kind, mesh, chunks: int = 4) -> list[str]:
     problems, runs = [], {}
     for overlap in (True, False):
         m = shard_experts_(copy.deepcopy(base), group, placement(kind, experts, 2))
-        stages = hf.build(m, "dualpipev", 1, 0)
+        stages = hf.build(m, "dualpipev", 1, 0, wrap_layer=None if aux else wrap_layer)
         for module in stages.modules:
-            part_layers_(module).overlap = overlap
+            if aux:
+                part_layers_(module)
+            module.overlap = overlap
         if not any(isinstance(layer, MoEDecoderLayer) for module in stages.modules for layer in module.modules()):
             problems.append("no MoE layer with parts in the stages")
         inputs, labs = stages.batch(ids, mask, labels, num_chunks=chunks)
@@ -379,8 +385,8 @@ def _world(rank, world):
             results[("ep2", arch, label)] = _guard(lambda: block_case(arch, kind, 2, group))
             if rank == 0 and label == "plain":
                 results[("ep4", arch, label)] = _guard(lambda: block_case(arch, kind, 4))
-            if label == "plain" or arch == "mixtral":  # Mixtral: every layer MoE
-                results[("hf", arch, label)] = _guard(lambda: hf_pipeline_case(arch, kind, mesh))
+            if (arch, label) in HF_CASES:
+                results[("hf", arch, label)] = _guard(lambda: hf_pipeline_case(arch, kind, mesh, HF_CASES[arch, label]))
                 dist.barrier()
     results["docs"] = _guard(lambda: docs_case(group))
     results["starved"] = _guard(lambda: block_case("deepseek_v3", None, 2, group, starved=True))
@@ -414,7 +420,7 @@ def test_ep4_block_matches_unsplit(outcomes, arch):
     assert outcomes[0][("ep4", arch, "plain")] == []
 
 
-@pytest.mark.parametrize("arch,label", [(a, "plain") for a in ARCHS] + [("mixtral", "redundant")])
+@pytest.mark.parametrize("arch,label", list(HF_CASES))
 def test_hf_stages_with_ep2_under_dualpipev_overlap_on_and_off(outcomes, arch, label):
     assert [o[("hf", arch, label)] for o in outcomes] == [[], []]
 
@@ -467,6 +473,13 @@ def test_bad_input_is_named():
     _raises(lambda: MoEDecoderLayer(m.model.layers[1], 1), "layer=", "EPMoE")
     layer = DecoderLayer(copy.deepcopy(m.model.layers[1]), 1)
     assert not hasattr(layer, "parts")
+    import hf_models
+
+    from twinpipe import hf
+    from twinpipe.hf.moe_layer import part_layers_
+
+    stage = hf.build(hf_models.model("mixtral", layers=2, aux=True), "1f1b", 1, 0).modules[0]
+    _raises(lambda: part_layers_(stage), "module='HFStage with layers [0, 1]'", "shard_experts_", "auxiliary loss")
 
 
 def test_shard_experts_replaces_every_moe_block_with_per_block_placements():

@@ -162,12 +162,14 @@ class EPMoE(ExpertExchange):
         shape = hidden_states.shape
         if self.training and self.jitter_noise > 0:  # as MixtralSparseMoeBlock (out of place)
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-        tokens = hidden_states.reshape(-1, self.hidden)
-        logits, weights, experts = self.gate(tokens)
-        sent, route = self._route_copies(tokens, experts, shape, by_choice=self._eager())
+        # The router, the routed copies and the shared experts each take their own view of the
+        # tokens, made in that order: autograd then adds a token's gradient terms as the HF block's
+        # graph does, newest first: (shared + routed) + router.
+        logits, weights, experts = self.gate(hidden_states.reshape(-1, self.hidden))
+        sent, route = self._route_copies(hidden_states.reshape(-1, self.hidden), experts, shape, by_choice=self._eager())
         if self._eager():
             route = replace(route, experts=experts)
-        state = (residual, hidden_states, sent, weights, route)
+        state = (residual, hidden_states.view_as(hidden_states), sent, weights, route)
         if ctx is None:
             return state
         return (*state, ctx, logits if isinstance(ctx.router_logits, list) else None)

@@ -234,6 +234,21 @@ def _local_replica_sums(blocks, ranks) -> None:
                     getattr(blocks[r].experts, name).grad[i].copy_(totals[e])
 
 
+def deepcopy_case(group) -> list[str]:
+    """A copy of a sharded model shares the EP group (a process group cannot be copied) and computes
+    what the original computes."""
+    from twinpipe.hf.experts import shard_experts_
+
+    m = shard_experts_(model("qwen3_moe"), group)
+    c = copy.deepcopy(m)
+    b0, b1 = m.model.layers[0].mlp, c.model.layers[0].mlp
+    x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64)
+    problems = [] if b1.ep_group is group else ["the copy has another EP group"]
+    if b1.experts.gate_up_proj is b0.experts.gate_up_proj or not torch.equal(b0(x), b1(x)):
+        problems.append("the copy shares the experts' storage or computes otherwise")
+    return problems
+
+
 # ---------------------------------------------------------------- docs/hf-ep.md's example
 def docs_example() -> str:
     import re
@@ -388,6 +403,7 @@ def _world(rank, world):
                 results[("hf", arch, label)] = _guard(lambda: hf_pipeline_case(arch, kind, mesh, HF_CASES[arch, label]))
                 dist.barrier()
     results["docs"] = _guard(lambda: docs_case(group))
+    results["deepcopy"] = _guard(lambda: deepcopy_case(group))
     results["starved"] = _guard(lambda: block_case("deepseek_v3", None, 2, group, starved=True))
     results["grouped_mm"] = _guard(lambda: block_case("qwen3_moe", None, 2, group, "grouped_mm", torch.float32))
     results["grouped_mm-ep1"] = _guard(lambda: block_case("mixtral", None, 1, None, "grouped_mm", torch.float32))
@@ -492,3 +508,30 @@ def test_shard_experts_replaces_every_moe_block_with_per_block_placements():
     assert places["model.layers.1.mlp.experts.gate_up_proj"].rows == (7, 6, 5, 4, 3, 2, 1, 0, 0)
     assert places["model.layers.1.mlp.experts.gate_up_proj"].name == "model.layers.1.mlp.experts.gate_up_proj"
     assert dict(m.named_parameters())["model.layers.1.mlp.experts.down_proj"].shape[0] == 9
+
+
+def test_a_copy_shares_the_ep_group(outcomes):
+    assert [o["deepcopy"] for o in outcomes] == [[], []]
+
+
+def test_a_model_built_on_meta_shards_then_takes_its_rows():
+    """Build on the meta device, shard, allocate, copy in each local tensor's Place: the block
+    computes what one sharded from real weights computes, its counters at zero."""
+    from transformers import AutoModelForCausalLM
+
+    from twinpipe.hf.experts import EPMoE, expert_places, shard_experts_
+
+    phy2log = list(range(8)) + [0, 1, 2, 3]
+    real = model("deepseek_v3")
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(config("deepseek_v3")).double()
+    shard_experts_(m, None, phy2log)
+    m.to_empty(device="cpu")
+    full, places = real.state_dict(), expert_places(m)
+    with torch.no_grad():
+        for name, t in m.state_dict(keep_vars=True).items():
+            t.copy_(full[name][list(places[name].rows)] if name in places else full[name])
+    block = m.model.layers[0].mlp
+    assert not block.routed_tokens.any() and not block.expert_rows.any()
+    x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64)
+    assert torch.equal(block(x), EPMoE(real.model.layers[0].mlp, None, phy2log)(x))

@@ -83,8 +83,9 @@ class EPMoE(ExpertExchange):
     ``ep_group``: a process group, a ``twinpipe.moe.local.LocalEPRank`` or None (all slots local).
     ``phy2log`` [R]: slot s runs logical expert ``phy2log[s]`` (default: R = E, slot s runs expert
     s); R must be a multiple of the group size, rank r holds slots ``r*R/ep .. (r+1)*R/ep - 1``.
-    Takes the block's modules over (the original block is left without its experts' storage
-    shared: the local fused tensors are copies of the slots' rows).
+    The block's router and shared experts are taken over as they are (the same modules); the local
+    fused expert tensors are new ones, copies of this rank's slots' rows (on the meta device too:
+    build the model there, shard, then load the rows ``expert_places`` names).
     """
 
     def __init__(self, block: nn.Module, ep_group=None, phy2log=None):

@@ -13,6 +13,7 @@ of a block: ``counts`` (how many copies each rank sends to each slot), ``dispatc
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
 import torch
@@ -113,10 +114,28 @@ class ExpertExchange(nn.Module):
             agree(self.ep_group, self._layout(), type(self).__name__, ep_timeout(None), frame_device(self.routed_tokens))
             self._layout_agreed = True
 
-    def _apply(self, fn, *args, **kwargs):  # keep the replica tables on the module's device
+    def __deepcopy__(self, memo):
+        """A copy that shares the EP process group (a handle, which cannot be copied); a local EP
+        rank (``twinpipe.moe.local``) is copied as before."""
+        if self.ep_group is not None and not isinstance(self.ep_group, LocalEPRank):
+            memo.setdefault(id(self.ep_group), self.ep_group)
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
+
+    def _apply(self, fn, *args, **kwargs):
+        """Keep the replica tables on the module's device (made again from ``phy2log``, which stays
+        on the CPU: a block built on the meta device has no table values to move); counters that
+        come off the meta device (``to_empty``) start at zero."""
+        was_meta = self.routed_tokens.is_meta
         out = super()._apply(fn, *args, **kwargs)
         device = self.routed_tokens.device
-        self._log2phy, self._logcnt = self._log2phy.to(device), self._logcnt.to(device)
+        log2phy, logcnt = replica_table(self._phy2log, self.num_experts)
+        self._log2phy, self._logcnt = log2phy.to(device), logcnt.to(device)
+        if was_meta and not self.routed_tokens.is_meta:
+            self.reset_counts()
         return out
 
     def _route_copies(self, tokens: torch.Tensor, experts: torch.Tensor, shape: tuple, by_choice: bool = False):

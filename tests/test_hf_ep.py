@@ -535,3 +535,28 @@ def test_a_model_built_on_meta_shards_then_takes_its_rows():
     assert not block.routed_tokens.any() and not block.expert_rows.any()
     x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64)
     assert torch.equal(block(x), EPMoE(real.model.layers[0].mlp, None, phy2log)(x))
+
+
+def test_mixtral_router_jitter_in_training_draws_as_the_hf_block():
+    """EP=1, training, jitter on: the same draw on the same tokens, so the HF block's bits."""
+    from twinpipe.hf.experts import EPMoE
+
+    m = model("mixtral")
+    block = m.model.layers[0].mlp
+    block.jitter_noise = 0.1
+    ep = EPMoE(copy.deepcopy(block)).train()
+    x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.float64)
+    torch.manual_seed(5)
+    want = block.train()(x.clone())
+    torch.manual_seed(5)
+    got = ep(x.clone())
+    assert torch.equal(got, want)
+    torch.manual_seed(6)
+    assert not torch.equal(ep(x.clone()), want)  # the jitter is drawn
+
+
+def test_live_replacement_and_loads_are_for_moe_blocks_only():
+    from twinpipe.hf.experts import shard_experts_
+    from twinpipe.moe import ExpertLoads
+
+    _raises(lambda: ExpertLoads(shard_experts_(model("qwen3_moe"), None)), "has no MoEBlock")

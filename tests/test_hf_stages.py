@@ -43,11 +43,9 @@ for i, (arch, schedule, ranks) in enumerate(itertools.product(ARCHS, SCHEDULES, 
     CASES[f"{arch}-{schedule}-p{ranks}"] = _case(arch, schedule, ranks, rotary=("recompute", "pass")[i % 2],
                                                  seqs=(8, 5) if i % 5 == 0 else (8,))
 # Tied embeddings: one parameter on the rank holding both ends (V), else two copies summed by sync_tied_grads.
-for schedule, ranks in (("dualpipev", 4), ("dualpipev", 2), ("dualpipe", 2), ("dualpipe", 4), ("1f1b", 4), ("zb-h1", 2),
-                        ("interleaved-1f1b", 2)):
+for schedule, ranks in (("dualpipev", 4), ("dualpipe", 2), ("1f1b", 4), ("zb-h1", 2), ("interleaved-1f1b", 2)):
     CASES[f"llama-tied-{schedule}-p{ranks}"] = _case("llama", schedule, ranks, tied=True, seqs=(8, 6) if ranks == 4 else (8,))
 CASES["mixtral-noaux-1f1b-p2"] = _case("mixtral", "1f1b", 2, aux=False)
-CASES["qwen3_moe-noaux-dualpipev-p2"] = _case("qwen3_moe", "dualpipev", 2, aux=False)
 CASES["llama-layout-1f1b-p2"] = _case("llama", "1f1b", 2, layout="E|t*2,L")
 CASES["llama-unpadded-1f1b-p2"] = _case("llama", "1f1b", 2, padded=False)
 # Layers declaring parts (the convention MoE layers with expert parallelism follow): F&B ops overlap them.
@@ -132,6 +130,11 @@ def _run(case: dict, reference: list, group) -> str:
                 problems += _tied_copies_differ(stages, group)
             for m in stages.modules:
                 m.zero_grad(set_to_none=True)
+        if len(case["seqs"]) > 1:  # forward only (evaluation) on the last batch: the same losses
+            with torch.no_grad():
+                loss, _ = pipe.step(*inputs, num_chunks=n, criterion=stages.criterion, labels=labs)
+            if loss is not None and not torch.equal(loss, expected):
+                problems.append(f"forward-only losses {loss.tolist()} != reference {expected.tolist()}")
     has_fb = any(op.kind.value == "FB" for op in stages.spec.build(n).ops[rank])
     if case["parts"] and holds_layers and has_fb and not any(m.fb_events for m in stages.modules):
         problems.append("no F&B op overlapped the parts")
@@ -157,7 +160,9 @@ def _world(rank, world, names, references):
     groups = {size: dist.new_group(list(range(size))) for size in (2, 4)}
     results = {}
     for name in names:
-        case = CASES[name]
+        case = CASES.get(name)
+        if case is None:
+            continue
         if rank < case["ranks"]:
             torch.manual_seed(0)
             try:
@@ -165,13 +170,53 @@ def _world(rank, world, names, references):
             except Exception as exc:
                 results[name] = f"{type(exc).__name__}: {exc}"
         dist.barrier()
+    if TIME_BALANCE in names:
+        results[TIME_BALANCE] = _time_balance_agrees(groups[4])
+    if LAYOUTS_DIFFER in names and rank < 2:
+        results[LAYOUTS_DIFFER] = _layouts_differ(groups[2])
     return results
+
+
+LAYOUTS_DIFFER = "layouts-differ-p2"
+
+
+def _layouts_differ(group) -> str:
+    """Ranks that cut the model differently raise, all of them, when the pipeline is made."""
+    import torch.distributed as dist
+
+    from twinpipe.runtime.errors import PipelineMismatchError
+
+    rank = dist.get_rank(group)
+    stages = hf.build(hf_models.model("llama", layers=2), "1f1b", 2, rank, layout=("E,t|t,L", "E|t*2,L")[rank])
+    try:
+        stages.pipeline(group, timeout=60)
+    except PipelineMismatchError as exc:
+        want = "ranks built different twinpipe.hf stages: rank 0 {"
+        return "ok" if str(exc).startswith(want) and "'layout': 'E|t*2,L'" in str(exc) else f"wrong message: {exc}"
+    return "no error"
+
+
+TIME_BALANCE = "balance-time-p4"
+
+
+def _time_balance_agrees(group) -> str:
+    """balance='time': each rank measures its own times, and all cut alike (the sums over the group)."""
+    import torch.distributed as dist
+
+    model = hf_models.model("llama", layers=4)
+    stages = hf.build(model, "1f1b", 4, dist.get_rank(group), balance="time", sample=torch.randint(0, 64, (2, 8)),
+                      process_group=group)
+    layouts = [None] * 4
+    dist.all_gather_object(layouts, stages.layout, group=group)
+    return "ok" if len(set(layouts)) == 1 else f"layouts differ: {layouts}"
 
 
 def run_all(names) -> list:
     """Each case's outcome per rank; the references are computed once here, for all ranks."""
     references = {}
     for name in names:
+        if name not in CASES:
+            continue
         key = _ref_key(CASES[name])
         if key not in references:
             references[key] = _reference(CASES[name])
@@ -180,7 +225,7 @@ def run_all(names) -> list:
 
 @pytest.fixture(scope="module")
 def outcomes():
-    return run_all(list(CASES))
+    return run_all([*CASES, TIME_BALANCE, LAYOUTS_DIFFER])
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -188,6 +233,14 @@ def test_exact_against_unsplit_model(outcomes, name):
     ranks = CASES[name]["ranks"]
     results = {r: outcomes[r][name] for r in range(ranks)}
     assert all(v == "ok" for v in results.values()), results
+
+
+def test_balance_by_time_cuts_alike_on_every_rank(outcomes):
+    assert {r: outcomes[r][TIME_BALANCE] for r in range(4)} == {r: "ok" for r in range(4)}
+
+
+def test_ranks_with_different_layouts_raise(outcomes):
+    assert {r: outcomes[r][LAYOUTS_DIFFER] for r in range(2)} == {0: "ok", 1: "ok"}
 
 
 # ---------------------------------------------------------------------------------------- layouts
@@ -316,3 +369,44 @@ def test_wrap_layer_must_give_a_decoder_layer_and_parts_refuse_the_aux_loss():
         hf.build(hf_models.model("mixtral", layers=2, aux=True), "1f1b", 2, 0, wrap_layer=hf_models.parted)
     stages = hf.build(hf_models.model("mixtral", layers=2), "1f1b", 2, 0, wrap_layer=hf_models.parted)
     assert [type(m).__name__ for m in stages.modules] == ["HFPartedStage"]
+
+
+def test_what_flows_between_stages():
+    ids, mask, _ = hf_models.batch(2, 8)
+    for rotary, extra in (("recompute", 0), ("pass", 2)):
+        first = hf.build(hf_models.model("llama", layers=2), "1f1b", 2, 0, rotary=rotary).modules[0]
+        out = first(ids, mask)
+        assert len(out) == 2 + extra and out[0].shape == (2, 8, hf_models.HIDDEN) and out[1] is mask
+        if extra:  # cos and sin, [1, S, head dim]
+            assert [tuple(t.shape) for t in out[2:]] == [(1, 8, 4), (1, 8, 4)]
+        last = hf.build(hf_models.model("llama", layers=2), "1f1b", 2, 1, rotary=rotary).modules[0]
+        assert hasattr(last, "rotary_emb") == (rotary == "recompute")
+        assert last(*out).shape == (2, 8, hf_models.VOCAB)
+    # With the router auxiliary loss, three running sums follow: per expert, [E], [E], and the row count.
+    first = hf.build(hf_models.model("mixtral", layers=2, aux=True), "1f1b", 2, 0).modules[0]
+    sums = first(ids, mask)[2:]
+    assert [tuple(t.shape) for t in sums] == [(4,), (4,), (1,)] and sums[2].item() == int(mask.sum())
+
+
+@pytest.mark.parametrize("arch, window", [("qwen3", dict(use_sliding_window=True, sliding_window=3, max_window_layers=1)),
+                                          ("mixtral", dict(sliding_window=3))])
+def test_sliding_window_layers_get_the_models_own_masks(arch, window):
+    """Qwen3 picks each layer's mask by config.layer_types, Mixtral slides every layer when
+    sliding_window is set: stages cut anywhere give the unsplit model's logits, bit for bit."""
+    model = hf_models.model(arch, layers=2)
+    for key, value in window.items():
+        setattr(model.config, key, value)
+    if arch == "qwen3":
+        model.config.layer_types = ["full_attention", "sliding_attention"]
+        model.model.has_sliding_layers = True
+    ids, mask, _ = hf_models.batch(3, 8)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        for ranks in (1, 3):  # one stage, and three cut at every layer
+            out = (ids, mask)
+            for rank in range(ranks):
+                out = hf.build(model, "1f1b", ranks, rank, defer=False).modules[0](*out)
+                out = out if isinstance(out, tuple) else (out,)
+            assert torch.equal(out[0], want)
+        full = hf.build(model, "1f1b", 1, 0, defer=False).modules[0]
+        assert full.mask_kinds == (["full_attention", "sliding_attention"] if arch == "qwen3" else ["sliding_attention"])

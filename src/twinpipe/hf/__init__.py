@@ -1,7 +1,8 @@
 """Hugging Face ``transformers`` causal LMs through every twinpipe schedule (``pip install twinpipe[hf]``).
 
 ``build(model, schedule, num_ranks, rank, layout=...)`` gives one rank its stage modules, the
-criterion and the batch split (docs/hf.md). Importing ``twinpipe`` does not import
+criterion and the batch split (docs/hf.md); ``twinpipe.hf.weights`` reads and writes the
+model's safetensors checkpoints per stage (``load``, ``load_into``, ``save``). Importing ``twinpipe`` does not import
 ``transformers``; the stages import it when they first run.
 """
 

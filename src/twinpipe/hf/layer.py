@@ -9,7 +9,7 @@ The convention (stable: ``twinpipe.hf`` stages and MoE layers with parts are bui
   ``[1, S, rotary dim]``) when rotary tables are passed rather than recomputed, followed by
   ``(tokens_per_expert, router_prob, rows)`` (float32 ``[E]``, ``[E]``, ``[1]``: the
   load-balancing loss's running sums) when the router auxiliary loss is on; the last stage returns
-  the logits ``[B, S, V]``.
+  the logits ``[B, S, V]`` (followed by those sums, which the criterion reads, when it is on).
 - **Inside a stage** each layer takes and returns ``hidden`` with a ``Context`` beside it:
   ``layer(hidden, ctx) -> hidden``. The stage builds the context once per micro-batch (position ids
   ``[1, S]``, each mask kind's mask made by the model's own ``transformers.masking_utils`` functions,
@@ -22,7 +22,8 @@ The convention (stable: ``twinpipe.hf`` stages and MoE layers with parts are bui
   and an exit part (``(hidden, ctx)`` -> flow or logits) around its layers' parts.
 - **Router logits** (for the auxiliary loss): when ``ctx.router_logits`` is a list, a MoE layer
   appends its router's logits ``[B*S, E]`` to it (``feed_forward`` does so through a hook on the
-  router); the stage folds them into the running sums in layer order.
+  router); the stage folds them into the running sums in layer order. (Not with layers in parts:
+  the logits would cross the parts' boundaries inside the context, so ``build`` refuses the pair.)
 
 The wrapper registers the HF layer's own children under their own names (``self_attn``, ``mlp``,
 ``input_layernorm``, ``post_attention_layernorm``), so its parameter names are the HF layer's.
@@ -49,6 +50,7 @@ class Context:
     position_embeddings: tuple  # (cos, sin) from the model's rotary embedding
     masks: dict = field(default_factory=dict)  # mask kind ("full_attention", "sliding_attention") -> mask or None
     router_logits: list | None = None  # a list when the router auxiliary loss is on (see the module doc)
+    aux_sums: tuple | None = None  # the auxiliary loss's running sums received by the stage (when on)
 
 
 class DecoderLayer(nn.Module):

@@ -102,8 +102,7 @@ class HFStage(nn.Module):
         makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         masks = {kind: makers[kind](config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
                                     position_ids=position_ids) for kind in self.mask_kinds}
-        ctx = Context(attention_mask, position_ids, cos_sin, masks, [] if self.aux else None)
-        ctx.aux_sums = aux_sums
+        ctx = Context(attention_mask, position_ids, cos_sin, masks, [] if self.aux else None, aux_sums)
         return hidden, ctx
 
     def exit(self, hidden, ctx) -> tuple:
@@ -241,6 +240,7 @@ class HFPipelineStages:
     rotary: str
     _ends: dict = field(default_factory=dict)  # "embed"/"head" -> [(stage, chain, parameter)] on this rank
     _tied_like: tuple = ()  # (shape, dtype, device) of the tied weight
+    facts: dict = field(default_factory=dict)  # what every rank must have alike (pipeline() checks)
 
     @property
     def stages(self) -> tuple:
@@ -252,15 +252,34 @@ class HFPipelineStages:
         from one step to the next (headers on every message; pass False for a fixed length)."""
         from twinpipe.runtime.pipeline import Pipeline
 
-        return Pipeline(self.modules, self.spec, process_group=process_group, dynamic_shapes=dynamic_shapes, **options)
+        pipe = Pipeline(self.modules, self.spec, process_group=process_group, dynamic_shapes=dynamic_shapes, **options)
+        try:
+            self._agree(pipe)
+        except BaseException:
+            pipe.close()  # every rank raises here, so every rank closes
+            raise
+        return pipe
+
+    def _agree(self, pipe) -> None:
+        """Every rank of ``pipe`` built its stages from the same model, layout and options: a rank
+        with another layout would run other layers than its neighbours expect, and no message
+        shape would tell (the hidden states have one shape)."""
+        from twinpipe.runtime.collectives import gather_objects
+        from twinpipe.runtime.errors import PipelineMismatchError
+
+        everyone = gather_objects(pipe._agree_group, self.facts, pipe.timeout, f"rank {self.rank}: twinpipe.hf stages agreeing")
+        differ = [r for r, facts in enumerate(everyone) if facts != everyone[0]]
+        if differ:
+            raise PipelineMismatchError(f"ranks built different twinpipe.hf stages: rank 0 {everyone[0]}, "
+                                        + ", ".join(f"rank {r} {everyone[r]}" for r in differ))
 
     def batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
               *, num_chunks: int, num_items: int | None = None) -> tuple[tuple, tuple]:
         """This rank's ``(inputs, labels)`` for ``step(*inputs, num_chunks=..., criterion=..., labels=labels)``
         from the WHOLE batch (every rank passes the same full tensors). ``attention_mask`` defaults
-        to all ones; ``labels`` to ``input_ids`` where ``attention_mask`` is 1 and -100 elsewhere is
-        NOT assumed: pass them (``labels=None`` gives no labels, for forward-only steps). The loss
-        is divided by ``num_items`` (default: the tokens ``labels`` counts over the whole batch)."""
+        to all ones. ``labels`` (``[B, S]``, -100 where nothing is predicted, as for ``transformers``)
+        are not made from ``input_ids``: pass them, or None for a forward-only step without a loss.
+        The loss is divided by ``num_items`` (default: the tokens ``labels`` counts over the whole batch)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise bad("input_ids", _shape(input_ids), "must be a [batch, sequence] tensor of token ids")
         if attention_mask is None:
@@ -387,7 +406,10 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
     criterion = CausalLMLoss(model.loss_function, parts.config.vocab_size, parts.aux)
     weight = parts.embed_tokens.weight
     return HFPipelineStages(modules=modules, spec=spec, rank=rank, layout=format_layout(items), criterion=criterion,
-                            tie=tie, rotary=rotary, _ends=ends, _tied_like=(tuple(weight.shape), weight.dtype, weight.device))
+                            tie=tie, rotary=rotary, _ends=ends, _tied_like=(tuple(weight.shape), weight.dtype, weight.device),
+                            facts={"model": type(model).__name__, "layers": n_layers, "vocab": int(parts.config.vocab_size),
+                                   "hidden": int(parts.config.hidden_size), "aux": list(parts.aux or ()),
+                                   "layout": format_layout(items), "rotary": rotary, "tie": tie})
 
 
 def _param_weights(parts: ModelParts) -> list[float]:
@@ -428,6 +450,8 @@ def _time_weights(parts: ModelParts, sample, process_group, repeats: int = 3) ->
             p.grad = g
     if dist.is_initialized():
         t = torch.tensor(weights, dtype=torch.float64)
-        dist.all_reduce(t, group=process_group)
+        work = dist.all_reduce(t, group=process_group, async_op=True)
+        wait_work(work, DEFAULT_TIMEOUT, f"rank {dist.get_rank()}: all-reduce of the measured layer times (balance='time')",
+                  group=process_group)
         weights = t.tolist()
     return weights

@@ -104,9 +104,7 @@ def _mask_kinds(inner, config, n: int) -> list[str]:
 
 def _routers(model, layers) -> list:
     """Per layer, the module whose output ``[0]`` the model records as ``router_logits`` (None if none)."""
-    recorder = getattr(type(model), "_can_record_outputs", None) or {}
-    for cls in type(model).__mro__:  # the base model class declares it
-        recorder = recorder or getattr(cls, "_can_record_outputs", None) or {}
+    recorder = getattr(type(model), "_can_record_outputs", None) or {}  # declared by the model's base class
     target = recorder.get("router_logits")
     kind = getattr(target, "target_class", None)
     routers = []

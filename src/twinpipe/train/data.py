@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from twinpipe.checks import check_int
+
 __all__ = ["stdlib_corpus", "BatchSampler", "replica_rows"]
 
 
@@ -47,8 +49,7 @@ class BatchSampler:
     def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0):
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
             raise ValueError("tokens: must be a 1-D tensor of token ids")
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len < tokens.numel():
-            raise ValueError(f"seq_len={seq_len!r}: must be an int in 1..{tokens.numel() - 1} (the corpus length - 1)")
+        check_int(seq_len, "seq_len", low=1, high=tokens.numel() - 1, why="the corpus length - 1 at most")
         self.tokens, self.seq_len, self.seed = tokens.long(), seq_len, int(seed)
 
     def batch(self, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,14 +8,16 @@ from torch import nn
 
 from twinpipe.moe.agree import agree, all_reduce, ep_timeout, frame_device
 from twinpipe.moe.block import MoEBlock
+from twinpipe.moe.exchange import ExpertExchange
 
 __all__ = ["reduce_dense_grads", "reduce_replica_grads", "expert_parameters"]
 
 
 def expert_parameters(module: nn.Module) -> set[int]:
-    """``id()`` of every routed-expert parameter of ``module``'s MoE blocks: the parameters each
+    """``id()`` of every routed-expert parameter of ``module``'s MoE blocks (``MoEBlock``, and any
+    other ``ExpertExchange`` such as ``twinpipe.hf.experts.EPMoE``): the parameters each
     EP rank holds its own share of (everything else is replicated over the EP group)."""
-    return {id(p) for block in module.modules() if isinstance(block, MoEBlock) for p in block.experts.parameters()}
+    return {id(p) for block in module.modules() if isinstance(block, ExpertExchange) for p in block.experts.parameters()}
 
 
 def reduce_dense_grads(module: nn.Module, ep_group, timeout: float | None = None) -> None:

@@ -1,6 +1,6 @@
 """twinpipe.hf: F&B overlap of an HF MoE model with EP=2; twinpipe vs torch.distributed.pipelining on HF Llama.
 
-``ep``: a small Qwen3-MoE (random weights, float32) under DualPipeV on PP=2 x EP=2 (4 gloo
+``ep``: a small Qwen3-MoE (``--arch deepseek_v3``: DeepSeek-V3; random weights, float32) under DualPipeV on PP=2 x EP=2 (4 gloo
 processes): its experts sharded by ``twinpipe.hf.experts.shard_experts_``, its layers in parts
 (``twinpipe.hf.moe_layer.wrap_layer``). Timed blocks of BLOCK steps with the F&B overlap on and off
 alternate (the baseline is overlap off, measured in the same run); we print the median step time of
@@ -15,7 +15,7 @@ mask)`` between stages, logits out) of an identical model, the same loss. Blocks
 libraries alternate as in ``bench_vs_torch.py``; baseline: torch's step; ratio twinpipe / torch,
 the median of paired blocks.
 
-    python bench/bench_hf.py [--parts ep,vs-torch] [--blocks 7] [--hidden 64] [--seq 32] [--rows 2]
+    python bench/bench_hf.py [--parts ep,vs-torch] [--arch qwen3_moe] [--blocks 7] [--hidden 64] [--seq 32] [--rows 2]
 """
 
 from __future__ import annotations
@@ -54,18 +54,29 @@ def _paired(times: dict, a: str, b: str) -> tuple[float, float, float]:
 
 
 # ---------------------------------------------------------------- EP: overlap on vs off
-def _moe_model(hidden: int, experts: int):
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+ARCHS = {"qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3"}
 
-    config = Qwen3MoeConfig(vocab_size=256, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=hidden // 4, intermediate_size=2 * hidden,
-                            moe_intermediate_size=2 * hidden, num_experts=experts, num_experts_per_tok=2,
-                            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], attn_implementation="sdpa")
+
+def _moe_model(arch: str, hidden: int, experts: int):
+    """Every layer a MoE layer, top-2, expert width 2*hidden (DeepSeek-V3: one shared expert, MLA,
+    2 expert groups of which the router picks 1)."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=256, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=2 * hidden, moe_intermediate_size=2 * hidden, num_experts_per_tok=2,
+                  norm_topk_prob=True, attn_implementation="sdpa")
+    if arch == "deepseek_v3":
+        config = DeepseekV3Config(**common, n_routed_experts=experts, n_shared_experts=1, n_group=2, topk_group=1,
+                                  first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=hidden // 4,
+                                  qk_rope_head_dim=hidden // 8, qk_nope_head_dim=hidden // 8, v_head_dim=hidden // 4,
+                                  routed_scaling_factor=2.5)
+    else:
+        config = Qwen3MoeConfig(**common, head_dim=hidden // 4, num_experts=experts, decoder_sparse_step=1, mlp_only_layers=[])
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).float()
 
 
-def _ep_worker(rank, world, blocks, hidden, seq, rows, experts):
+def _ep_worker(rank, world, arch, blocks, hidden, seq, rows, experts):
     from torch.distributed.device_mesh import init_device_mesh
 
     from twinpipe import hf
@@ -75,7 +86,7 @@ def _ep_worker(rank, world, blocks, hidden, seq, rows, experts):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
     pp, ep = mesh["pp"].get_group(), mesh["ep"].get_group()
-    model = shard_experts_(_moe_model(hidden, experts), ep)
+    model = shard_experts_(_moe_model(arch, hidden, experts), ep)
     stages = hf.build(model, "dualpipev", 2, dist.get_rank(pp), layout="E,t|t|t|t,L", wrap_layer=wrap_layer)
     ids = _ids(CHUNKS * rows, seq, 256, seed=1 + dist.get_rank(ep))  # each EP rank its own batch
     inputs, labels = stages.batch(ids, None, ids, num_chunks=CHUNKS)
@@ -109,13 +120,13 @@ def _ep_worker(rank, world, blocks, hidden, seq, rows, experts):
     return times, shares
 
 
-def run_ep(blocks: int, hidden: int, seq: int, rows: int, experts: int) -> None:
-    out = run_local(4, _ep_worker, blocks, hidden, seq, rows, experts, timeout=1800)
+def run_ep(arch: str, blocks: int, hidden: int, seq: int, rows: int, experts: int) -> None:
+    out = run_local(4, _ep_worker, arch, blocks, hidden, seq, rows, experts, timeout=1800)
     times, _ = out[0]  # every rank's block ends at the same barrier
     t_on, t_off, ratio = _paired(times, "on", "off")
     flight = {k: sum(o[1][k][0] for o in out) for k in ("on", "off")}
     hidden_s = {k: sum(o[1][k][1] for o in out) for k in ("on", "off")}
-    print(f"\nQwen3-MoE (4 layers, hidden {hidden}, {experts} experts, top-2, float32) under DualPipeV, PP=2 x EP=2 "
+    print(f"\n{ARCHS[arch]} (4 layers, hidden {hidden}, {experts} experts, top-2, float32) under DualPipeV, PP=2 x EP=2 "
           f"(4 gloo processes), {CHUNKS} micro-batches of {rows}x{seq} tokens per EP rank; {blocks} blocks of {BLOCK} steps "
           f"each, medians; baseline: overlap off")
     print(f"{'overlap':>8} {'step ms':>9} {'a2a in flight ms':>17} {'hidden by compute':>18}")
@@ -215,6 +226,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64, help="hidden size of both models")
     ap.add_argument("--seq", type=int, default=32, help="sequence length")
     ap.add_argument("--rows", type=int, default=2, help="sequences per micro-batch")
+    ap.add_argument("--arch", choices=list(ARCHS), default="qwen3_moe", help="the MoE model (ep)")
     ap.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (ep)")
     ap.add_argument("--layers", type=int, default=4, help="Llama decoder layers (vs-torch; at least 4)")
     ap.add_argument("--schedules", default=",".join(SCHEDULES), help=f"vs-torch: comma-separated, of {', '.join(SCHEDULES)}")
@@ -224,8 +236,8 @@ def main() -> None:
         unknown = [n for n in given if n not in allowed]
         if unknown:
             ap.error(f"{what}: {', '.join(unknown)} not known; allowed: {', '.join(allowed)}")
-    if args.hidden % 4 or args.hidden < 8:
-        ap.error(f"--hidden={args.hidden}: must be a multiple of 4 (4 attention heads), at least 8")
+    if args.hidden % 16 or args.hidden < 16:
+        ap.error(f"--hidden={args.hidden}: must be a positive multiple of 16 (4 heads; DeepSeek-V3's rotary part hidden/8, even)")
     if args.layers < 4:
         ap.error(f"--layers={args.layers}: must be at least 4 (4 stages for the V schedules)")
     for flag in ("blocks", "seq", "rows", "experts"):
@@ -233,7 +245,7 @@ def main() -> None:
             ap.error(f"--{flag}={getattr(args, flag)}: must be a positive" + (" even" if flag == "experts" else "") + " integer")
     print(f"{os.cpu_count()} CPU cores, torch {torch.__version__}, 1 compute thread per process")
     if "ep" in parts:
-        run_ep(args.blocks, args.hidden, args.seq, args.rows, args.experts)
+        run_ep(args.arch, args.blocks, args.hidden, args.seq, args.rows, args.experts)
     if "vs-torch" in parts:
         run_vs_torch(names, args.blocks, args.hidden, args.seq, args.rows, args.layers)
 

@@ -131,6 +131,8 @@ COMMANDS: list[Command] = [
     _bench("python bench/bench_plan.py --skip-run"),
     _bench("python bench/bench_plan.py --skip-speed"),
     _bench("python bench/bench_compose.py"),
+    _bench("python bench/bench_hf.py"),
+    _bench("python bench/bench_hf.py --parts ep --arch deepseek_v3"),
     # ---- docs/adding-a-schedule.md, docs/schedules.md
     Command("twinpipe simulate <name> ...", "twinpipe simulate dualpipev --pp 4 --microbatches 8", PLACEHOLDERS,
             stdout=("bubble rate",)),

@@ -101,13 +101,8 @@ def block_case(arch: str, kind, ep: int, group=None, implementation: str = "eage
                starved: bool = False) -> list[str]:
     """The MoE block of layer 0, EP=``ep`` (``group``: gloo; None: a LocalEPGroup in this process),
     against the unsplit HF block on the batch of every EP rank."""
-    from twinpipe.hf.experts import (
-        EPMoE,
-        expert_places,
-        reduce_replica_grads,
-        shard_experts_,
-    )
-    from twinpipe.moe import local, reduce_dense_grads
+    from twinpipe.hf.experts import EPMoE, expert_places, shard_experts_
+    from twinpipe.moe import local, reduce_dense_grads, reduce_replica_grads
 
     m = model(arch, implementation=implementation, dtype=dtype, starved=starved)
     block = m.model.layers[0].mlp
@@ -141,6 +136,7 @@ def block_case(arch: str, kind, ep: int, group=None, implementation: str = "eage
         def reduce(t):
             dist.all_reduce(t, group=group)
     else:
+        assert phy2log is None, "simulated ranks: placements without replicas only"
         lg = local.LocalEPGroup(ep)
         ranks = list(range(ep))
         blocks = {r: EPMoE(copy.deepcopy(block), lg.rank(r), phy2log) for r in ranks}
@@ -155,7 +151,6 @@ def block_case(arch: str, kind, ep: int, group=None, implementation: str = "eage
                 total = sum(dict(blocks[r].named_parameters())[name].grad for r in ranks)
                 for r in ranks:
                     dict(blocks[r].named_parameters())[name].grad = total.clone()
-        _local_replica_sums(blocks, ranks)
         holder = {}
 
         def reduce(t):  # sum over the simulated ranks: collect, add once all are in
@@ -215,23 +210,6 @@ def block_case(arch: str, kind, ep: int, group=None, implementation: str = "eage
         if not (err == 0 if bitwise and implementation == "eager" else err <= bound):
             problems.append(f"experts.{name} gradient off by {err:.3g}")
     return problems
-
-
-def _local_replica_sums(blocks, ranks) -> None:
-    """What reduce_replica_grads does over a process group, for simulated ranks."""
-    b0 = blocks[ranks[0]]
-    counts = torch.bincount(b0.phy2log, minlength=b0.num_experts)
-    for name in ("gate_up_proj", "down_proj"):
-        totals = {}
-        for r in ranks:
-            for i, e in enumerate(blocks[r].rows):
-                if counts[e] > 1:
-                    g = getattr(blocks[r].experts, name).grad[i]
-                    totals[e] = totals[e] + g if e in totals else g.clone()
-        for r in ranks:
-            for i, e in enumerate(blocks[r].rows):
-                if e in totals:
-                    getattr(blocks[r].experts, name).grad[i].copy_(totals[e])
 
 
 def deepcopy_case(group) -> list[str]:
@@ -312,9 +290,9 @@ def hf_pipeline_case(arch: str, kind, mesh, aux: bool, chunks: int = 4) -> list[
     import hf_models
 
     from twinpipe import hf
-    from twinpipe.hf.experts import reduce_replica_grads, shard_experts_
+    from twinpipe.hf.experts import shard_experts_
     from twinpipe.hf.moe_layer import MoEDecoderLayer, part_layers_, wrap_layer
-    from twinpipe.moe import reduce_dense_grads
+    from twinpipe.moe import reduce_dense_grads, reduce_replica_grads
 
     pp_group, group = mesh["pp"].get_group(), mesh["ep"].get_group()
     rank = dist.get_rank(group)

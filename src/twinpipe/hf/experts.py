@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from twinpipe.checks import bad
-from twinpipe.moe.agree import ep_timeout
 from twinpipe.moe.exchange import ExpertExchange, _permute
 from twinpipe.moe.placement import check_placement
 from twinpipe.overlap.graph import run_parts
@@ -52,7 +51,7 @@ except ImportError:  # pragma: no cover - until twinpipe.hf.weights lands
         rows: tuple | None = None
 
 
-__all__ = ["EPMoE", "Place", "shard_experts_", "expert_places", "is_moe_block", "reduce_replica_grads", "FUSED"]
+__all__ = ["EPMoE", "Place", "shard_experts_", "expert_places", "is_moe_block", "FUSED"]
 
 FUSED = ("gate_up_proj", "down_proj")  # the fused expert parameters, [E, ...] each
 
@@ -135,6 +134,17 @@ class EPMoE(ExpertExchange):
     def reset_counts(self) -> None:
         self.routed_tokens.zero_()
         self.expert_rows.zero_()
+
+    def _slot_numel(self) -> int:
+        return sum(getattr(self.experts, n)[0].numel() for n in FUSED)
+
+    def _slot_grads(self, i: int) -> list:
+        """Local slot ``i``'s rows of the fused gradients (zeros where missing), views written in place."""
+        for n in FUSED:
+            p = getattr(self.experts, n)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [getattr(self.experts, n).grad[i] for n in FUSED]
 
     # ------------------------------------------------------------ parts
     def parts(self) -> list:
@@ -302,38 +312,3 @@ def expert_places(module: nn.Module, name_of=None) -> dict[str, Place]:
         for local, place in block.places(f"{name}." if name else "").items():
             out[local] = Place(name_of(local), place.rows) if name_of is not None else place
     return out
-
-
-def reduce_replica_grads(module: nn.Module, timeout: float | None = None) -> None:
-    """Give every replica of a routed expert the sum of its replicas' gradients (over the local
-    slots in slot order, then an all-reduce over the EP group), as ``twinpipe.moe.reduce_replica_grads``
-    does for ``MoEBlock``: call on every EP rank after the step, before the optimizer step."""
-    from twinpipe.moe.agree import all_reduce
-    from twinpipe.moe.grads import _agree_blocks
-
-    timeout = ep_timeout(timeout)
-    blocks = [b for _, b in ep_blocks(module)]
-    _agree_blocks(blocks, timeout)
-    for block in blocks:
-        counts = torch.bincount(block._phy2log, minlength=block.num_experts)
-        shared = torch.nonzero(counts > 1).reshape(-1).tolist()
-        if not shared:
-            continue
-        params = [getattr(block.experts, n) for n in FUSED]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        row_of = {e: i for i, e in enumerate(shared)}
-        size = sum(p[0].numel() for p in params)
-        table = torch.zeros(len(shared), size, dtype=params[0].dtype, device=params[0].device)
-        for i, e in enumerate(block.rows):
-            if e in row_of:
-                table[row_of[e]] += torch.cat([p.grad[i].reshape(-1) for p in params])
-        if block.ep > 1:
-            all_reduce(table, block.ep_group, timeout, "reduce_replica_grads")
-        for i, e in enumerate(block.rows):
-            if e in row_of:
-                offset = 0
-                for p in params:
-                    p.grad[i].copy_(table[row_of[e], offset : offset + p[0].numel()].view_as(p.grad[i]))
-                    offset += p[0].numel()

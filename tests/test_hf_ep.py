@@ -325,6 +325,10 @@ def hf_pipeline_case(arch: str, kind, mesh, aux: bool, chunks: int = 4) -> list[
         with stages.pipeline(pp_group, timeout=60) as pipe:
             loss, _ = pipe.step(*inputs, num_chunks=chunks, criterion=stages.criterion, labels=labs)
             stages.sync_grads(pipe)
+            with torch.no_grad():  # forward only: the same losses
+                again, _ = pipe.step(*inputs, num_chunks=chunks, criterion=stages.criterion, labels=labs)
+            if not torch.equal(again, loss):
+                problems.append(f"overlap={overlap}: forward-only losses {again.tolist()} != {loss.tolist()}")
         for module in stages.modules:
             reduce_dense_grads(module, group)
             reduce_replica_grads(module)

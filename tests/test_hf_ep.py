@@ -280,13 +280,14 @@ def _hidden(events) -> set:
 
 
 # ---------------------------------------------------------------- twinpipe.hf stages with EP
-def hf_pipeline_case(arch: str, kind, mesh, aux: bool, chunks: int = 4) -> list[str]:
-    """``twinpipe.hf.build`` on a model whose MoE blocks are sharded (EP=2, placement ``kind``),
-    PP=1 DualPipeV (both stages on one rank): built with ``wrap_layer``, or with the router
-    auxiliary loss (``aux``) built plain and converted by ``part_layers_`` (``build`` refuses
-    parted layers with the auxiliary loss); each EP rank trains on its own batch. Overlap on and off: bitwise equal, all-to-alls hidden
-    only when on; losses within BOUND of the unsplit model on the rank's batch, gradients of the
-    sum over the EP ranks."""
+def hf_pipeline_case(arch: str, kind, mesh, aux: bool, schedule: str = "dualpipev", chunks: int = 4) -> list[str]:
+    """``twinpipe.hf.build`` on a model whose MoE blocks are sharded (EP=2, placement ``kind``), on
+    one pipeline rank. DualPipeV (both stages on that rank): built with ``wrap_layer``, or with the
+    router auxiliary loss (``aux``) built plain and converted by ``part_layers_`` (``build`` refuses
+    parted layers with the auxiliary loss); overlap on and off bitwise equal, all-to-alls hidden
+    only when on. Another schedule: plain stages, the MoE blocks' parts run inside each layer.
+    Each EP rank trains on its own batch: losses within BOUND of the unsplit model on the rank's
+    batch, gradients of the sum over the EP ranks."""
     import hf_models
 
     from twinpipe import hf
@@ -312,15 +313,16 @@ def hf_pipeline_case(arch: str, kind, mesh, aux: bool, chunks: int = 4) -> list[
         dist.all_reduce(g, group=group)  # the EP ranks' batches together
         ref_grads[name] = g
     problems, runs = [], {}
-    for overlap in (True, False):
+    parted = schedule == "dualpipev"
+    for overlap in (True, False) if parted else (False,):
         m = shard_experts_(copy.deepcopy(base), group, placement(kind, experts, 2))
-        stages = hf.build(m, "dualpipev", 1, 0, wrap_layer=None if aux else wrap_layer)
+        stages = hf.build(m, schedule, 1, 0, wrap_layer=None if aux or not parted else wrap_layer)
         for module in stages.modules:
-            if aux:
+            if aux and parted:
                 part_layers_(module)
             module.overlap = overlap
-        if not any(isinstance(layer, MoEDecoderLayer) for module in stages.modules for layer in module.modules()):
-            problems.append("no MoE layer with parts in the stages")
+        if parted != any(isinstance(layer, MoEDecoderLayer) for module in stages.modules for layer in module.modules()):
+            problems.append(f"MoE layers with parts: {not parted}")
         inputs, labs = stages.batch(ids, mask, labels, num_chunks=chunks)
         with stages.pipeline(pp_group, timeout=60) as pipe:
             loss, _ = pipe.step(*inputs, num_chunks=chunks, criterion=stages.criterion, labels=labs)
@@ -340,6 +342,9 @@ def hf_pipeline_case(arch: str, kind, mesh, aux: bool, chunks: int = 4) -> list[
                     grads[name] = _full_expert_grads(block, name.rsplit(".", 1)[1], lambda t: dist.all_reduce(t, group=group))
                 else:
                     grads[name] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        runs[overlap] = (loss, grads)
+        if not parted:
+            break
         events = [e for module in stages.modules for e in module.fb_events]
         both = [e for e in events if {s for a, s, *_ in e if a == "start"} == {"F", "B"}]
         if not events or (arch == "mixtral" and not both):  # Mixtral: both layers MoE
@@ -355,8 +360,8 @@ def hf_pipeline_case(arch: str, kind, mesh, aux: bool, chunks: int = 4) -> list[
                 problems.append(f"overlap={overlap}: the comm of {sorted(_hidden(e))} ran under the other stream's "
                                 f"compute; comm parts in {sorted(communicating)}")
                 break
-        runs[overlap] = (loss, grads)
-    (loss, grads), (loss_off, grads_off) = runs[True], runs[False]
+    loss, grads = runs[parted]
+    loss_off, grads_off = runs[False]
     if not torch.equal(loss, loss_off) or any(not torch.equal(grads[n], grads_off[n]) for n in grads):
         problems.append("overlap on and off differ")
     bound = BOUND32 if arch == "deepseek_v3" else BOUND
@@ -384,6 +389,7 @@ def _world(rank, world):
             if (arch, label) in HF_CASES:
                 results[("hf", arch, label)] = _guard(lambda: hf_pipeline_case(arch, kind, mesh, HF_CASES[arch, label]))
                 dist.barrier()
+    results["hf-1f1b"] = _guard(lambda: hf_pipeline_case("qwen3_moe", None, mesh, True, "1f1b"))
     results["docs"] = _guard(lambda: docs_case(group))
     results["deepcopy"] = _guard(lambda: deepcopy_case(group))
     results["starved"] = _guard(lambda: block_case("deepseek_v3", None, 2, group, starved=True))
@@ -542,3 +548,7 @@ def test_live_replacement_and_loads_are_for_moe_blocks_only():
     from twinpipe.moe import ExpertLoads
 
     _raises(lambda: ExpertLoads(shard_experts_(model("qwen3_moe"), None)), "has no MoEBlock")
+
+
+def test_hf_stages_with_ep2_under_1f1b_plain_stages_and_aux_loss(outcomes):
+    assert [o["hf-1f1b"] for o in outcomes] == [[], []]

@@ -161,8 +161,14 @@ class EPMoE(ExpertExchange):
         ]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The block's output ``[B, S, H]`` (no residual), as the HF block's forward; parts in order."""
-        return run_parts(self.parts(), (hidden_states,), type(self).__name__)
+        """The block's output ``[B, S, H]`` (no residual), as the HF block's forward. The router runs
+        first, outside the parts (so that what hooks on it keep, such as the logits a
+        ``twinpipe.hf.layer.DecoderLayer`` collects for the auxiliary loss, is ordinary autograd),
+        then the parts in order."""
+        hidden_states = self._jitter(hidden_states)
+        _, weights, experts = self.gate(hidden_states.reshape(-1, self.hidden))
+        parts = [Compute("route", self._sort_part), *self.exchange_parts()]
+        return run_parts(parts, (hidden_states, weights, experts), type(self).__name__)
 
     def route(self, residual, hidden_states: torch.Tensor, ctx=None) -> tuple:
         """The state after routing ``hidden_states`` [B, S, H]: ``(residual, hidden_states, sent,
@@ -170,23 +176,34 @@ class EPMoE(ExpertExchange):
         entries: ``ctx`` and the router logits when ``ctx.router_logits`` is a list (else None).
         The logits travel in the state, not in ``ctx``, so that each part's autograd graph stays
         its own; ``mix`` appends them to ``ctx.router_logits``."""
-        shape = hidden_states.shape
-        if self.training and self.jitter_noise > 0:  # as MixtralSparseMoeBlock (out of place)
-            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        hidden_states = self._jitter(hidden_states)
         # The router, the routed copies and the shared experts each take their own view of the
         # tokens, made in that order: autograd then adds a token's gradient terms as the HF block's
         # graph does, newest first: (shared + routed) + router.
         logits, weights, experts = self.gate(hidden_states.reshape(-1, self.hidden))
-        sent, route = self._route_copies(hidden_states.reshape(-1, self.hidden), experts, shape, by_choice=self._eager())
-        if self._eager():
-            route = replace(route, experts=experts)
-        state = (residual, hidden_states.view_as(hidden_states), sent, weights, route)
+        state = self._sort(residual, hidden_states, weights, experts)
         if ctx is None:
             return state
         return (*state, ctx, logits if isinstance(ctx.router_logits, list) else None)
 
+    def _jitter(self, hidden_states):
+        if self.training and self.jitter_noise > 0:  # as MixtralSparseMoeBlock (out of place)
+            return hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        return hidden_states
+
+    def _sort(self, residual, hidden_states, weights, experts) -> tuple:
+        """The token copies sorted by slot, given the router's ``weights`` and ``experts`` [T, k]."""
+        sent, route = self._route_copies(hidden_states.reshape(-1, self.hidden), experts, hidden_states.shape,
+                                         by_choice=self._eager())
+        if self._eager():
+            route = replace(route, experts=experts)
+        return residual, hidden_states.view_as(hidden_states), sent, weights, route
+
     def _route_part(self, hidden_states):
         return self.route(None, hidden_states)
+
+    def _sort_part(self, hidden_states, weights, experts):
+        return self._sort(None, hidden_states, weights, experts)
 
     def _experts_part(self, residual, hidden_states, rows, weights, route, *extra):
         # Received rows: from each rank in turn, within each by slot (and by choice j). Each slot's

@@ -552,3 +552,16 @@ def test_live_replacement_and_loads_are_for_moe_blocks_only():
 
 def test_hf_stages_with_ep2_under_1f1b_plain_stages_and_aux_loss(outcomes):
     assert [o["hf-1f1b"] for o in outcomes] == [[], []]
+
+
+def test_an_eplb_placement_table_places_each_block():
+    """twinpipe.eplb.rebalance_experts' [layers, R] output, one row per MoE block, on 2 EP ranks."""
+    from twinpipe.eplb import rebalance_experts
+    from twinpipe.hf.experts import shard_experts_
+    from twinpipe.moe.local import LocalEPGroup
+
+    loads = torch.tensor([[90, 10, 5, 5, 40, 20, 10, 20], [5, 5, 5, 100, 10, 10, 60, 5]], dtype=torch.float)
+    phy2log, _, _ = rebalance_experts(loads, 12, 4, 1, 2)
+    m = shard_experts_(model("qwen3_moe", layers=2), LocalEPGroup(2).rank(1), phy2log)
+    for layer, row in zip(m.model.layers, phy2log):
+        assert layer.mlp.rows == tuple(row[6:].tolist()) and torch.equal(layer.mlp.phy2log, row)

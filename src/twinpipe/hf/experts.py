@@ -33,23 +33,11 @@ import torch
 from torch import nn
 
 from twinpipe.checks import bad
+from twinpipe.hf.weights import Place
 from twinpipe.moe.exchange import ExpertExchange, _permute
 from twinpipe.moe.placement import check_placement
 from twinpipe.overlap.graph import run_parts
 from twinpipe.overlap.parts import Comm, Compute
-
-try:  # the weights helper's definition, once it exists
-    from twinpipe.hf.weights import Place
-except ImportError:  # pragma: no cover - until twinpipe.hf.weights lands
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class Place:
-        """A local fused-expert tensor equals ``full[name][list(rows)]`` (rows: expert indices, dim 0)."""
-
-        name: str
-        rows: tuple | None = None
-
 
 __all__ = ["EPMoE", "Place", "shard_experts_", "expert_places", "is_moe_block", "FUSED"]
 

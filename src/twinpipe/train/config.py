@@ -12,11 +12,13 @@ from dataclasses import asdict, dataclass, is_dataclass
 
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_choice, check_float, check_int, checked_timeout
 
-__all__ = ["TrainConfig", "DP_REDUCE", "ON_NONFINITE", "BALANCE", "model_record", "record_differences"]
+__all__ = ["TrainConfig", "DP_REDUCE", "ON_NONFINITE", "BALANCE", "PRECISIONS", "ZERO", "model_record", "record_differences"]
 
 DP_REDUCE = ("all-reduce", "ordered")  # the same names as grads.DataParallelReducer takes
 ON_NONFINITE = ("skip", "raise")
 BALANCE = ("params", "time")  # or a sequence of layer counts per stage (stages.split)
+PRECISIONS = ("pure", "bf16-mixed")  # precision.py: what each means, and how it relates to the model's dtype
+ZERO = (0, 1)  # 0: every data-parallel rank holds all optimizer state; 1: each a shard (zero.py)
 MAX_SEED = 2**63 - 1
 
 
@@ -28,6 +30,10 @@ class TrainConfig:
     what is allowed). ``max_norm``: None (no clipping) or a finite number > 0. ``on_nonfinite``: what
     a step whose loss or gradient norm is not finite does: ``"skip"`` (no update on any rank, the step
     is counted in ``Trainer.skipped_steps``) or ``"raise"`` (``NonFiniteStepError`` on every rank).
+    ``precision``: ``"pure"`` (everything in the model's dtype, ``Trainer(dtype=...)``) or
+    ``"bf16-mixed"`` (bf16 compute, FP32 masters, gradients and optimizer state; ``precision.py``).
+    ``zero``: 0 (every data-parallel rank updates every parameter) or 1 (ZeRO-1: each updates and
+    keeps optimizer state for its shard; ``zero.py``).
     """
 
     schedule: str = "dualpipev"
@@ -41,6 +47,8 @@ class TrainConfig:
     overlap_dp: bool = True  # start a stage's data-parallel reduction inside the pipeline step (one chain only)
     schedule_options: tuple = ()  # (name, value) pairs
     on_nonfinite: str = "skip"
+    precision: str = "pure"
+    zero: int = 0
 
     def __post_init__(self):
         from twinpipe.schedule import registry
@@ -62,6 +70,8 @@ class TrainConfig:
         check_choice(self.dp_reduce, "dp_reduce", DP_REDUCE)
         check_bool(self.overlap_dp, "overlap_dp")
         check_choice(self.on_nonfinite, "on_nonfinite", ON_NONFINITE)
+        check_choice(self.precision, "precision", PRECISIONS)
+        check_int(self.zero, "zero", low=0, high=1)  # ZERO
         object.__setattr__(self, "schedule_options", _checked_options(self.schedule_options, info))
 
     def num_microbatches(self, dp: int) -> int:

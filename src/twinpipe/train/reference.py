@@ -2,7 +2,8 @@
 
 It runs the whole model on each micro-batch and adds gradients in the order the trainer defines
 (``twinpipe.train.grads``): per direction, then directions, then replicas, then scaled; norms,
-clipping and the optimizer are the trainer's own functions.
+clipping and the optimizer are the trainer's own functions; mixed precision (FP32 masters, bf16
+compute, FP32 gradient buffers) is ``precision.py``'s, as in the trainer.
 
 The data-parallel replicas are copies of the model in this process, run side by side on their own
 rows. With MoE blocks and ``dp > 1`` each copy holds its replica's share of the experts, as the
@@ -28,7 +29,9 @@ from twinpipe.moe.grads import expert_parameters
 from twinpipe.overlap.stage import PartedSequential
 from twinpipe.runtime.batches import microbatch_rows
 from twinpipe.runtime.weight_grad import defer_weight_grads
+from twinpipe.runtime.main_grad import grad_of
 from twinpipe.schedule.spec import resolve
+from twinpipe.train import precision
 from twinpipe.train.data import BatchSampler, replica_rows
 from twinpipe.train.grads import clip_coefficient, clip_grads, scale_grads, squared_norms
 from twinpipe.train.stages import model_layers
@@ -46,14 +49,20 @@ class ReferenceTrainer:
         placement = resolve(config.schedule, pp, **dict(config.schedule_options)).placement
         self.directions = len(placement.chains)
         self.num_chunks = config.num_microbatches(dp)
+        precision.check_dtype(config.precision, dtype)
+        self.mixed = config.precision == "bf16-mixed"
         torch.manual_seed(config.seed)
-        self.model = defer_weight_grads(model_fn()).to(dtype=dtype)
+        self.model = defer_weight_grads(model_fn()).to(dtype=precision.MASTER_DTYPE if self.mixed else dtype)
         self.params = [p for _, layer in model_layers(self.model) for p in layer.parameters()]
         experts = expert_parameters(self.model)
         self._experts = [p for p in self.params if id(p) in experts]
         self._dense = [p for p in self.params if id(p) not in experts]
         self.replicas = self._replicas(experts)
-        self.optimizer = optimizer_fn(self.params)
+        # What the optimizer updates: FP32 masters (mixed precision: the replicas compute in bf16) or the parameters.
+        self.masters = precision.make_masters(self.params) if self.mixed else self.params
+        if self.mixed:
+            precision.to_compute([self.model, *self.replicas])
+        self.optimizer = optimizer_fn(self.masters)
 
     def _replicas(self, experts: set[int]) -> list[nn.Module]:
         """The data-parallel replicas: the model itself for one; else copies whose dense parameters
@@ -102,8 +111,7 @@ class ReferenceTrainer:
         replica_grads: list | None = None
         expert_grads = None
         for c in range(self.directions):
-            for p in [p for params in dense for p in params] + self._experts:
-                p.grad = None
+            _fresh_grads([p for params in dense for p in params] + self._experts)
             for j in range(c * per, (c + 1) * per):
                 mb = [microbatch_rows(len(xr), m, range(j, j + 1)) for xr in xs]
                 outs = local.forward(stages, [xr[s] for xr, s in zip(xs, mb)])
@@ -121,31 +129,39 @@ class ReferenceTrainer:
         total = replica_grads[0]
         for more in replica_grads[1:]:  # then the replicas, left to right
             total = [a.add_(b) for a, b in zip(total, more)]
-        for p, g in zip(self._dense, total):
-            p.grad = g
-        for p, g in zip(self._experts, expert_grads):
-            p.grad = g
-        scale_grads(self.params, m * dp)
+        grad_of_param = dict(zip(map(id, self._dense + self._experts), total + expert_grads))
+        for p, t in zip(self.params, self.masters):
+            t.grad = grad_of_param[id(p)]
+        scale_grads(self.masters, m * dp)
         norm = None
         if self.config.max_norm is not None:
-            norm, factor = clip_coefficient(squared_norms(self.params), self.config.max_norm)
-            clip_grads(self.params, factor)
+            norm, factor = clip_coefficient(squared_norms(self.masters), self.config.max_norm)
+            clip_grads(self.masters, factor)
         self.optimizer.step()
+        if self.mixed:
+            precision.refresh(self.params, self.masters)
         return float(losses.mean()), losses, norm
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         return {f"{name}.{sub}": p for name, layer in model_layers(self.model) for sub, p in layer.named_parameters()}
 
+    def named_masters(self) -> dict[str, torch.Tensor]:
+        """What the optimizer updates, by parameter name: the FP32 masters (mixed precision), else the parameters."""
+        master = dict(zip(map(id, self.params), self.masters))
+        return {name: master[id(p)] for name, p in self.named_parameters().items()}
+
     def load_state(self, parameters: dict[str, torch.Tensor], optimizer_state: dict[str, dict] | None = None) -> None:
         """Continue from another run's weights (and, by parameter name, its optimizer state), e.g. a
         pipelined run's before each step, so a comparison measures one step's difference."""
-        named = self.named_parameters()
+        named = self.named_masters()
         missing = sorted(set(named) - set(parameters))
         if missing:
             raise ValueError(f"parameters: lacks {missing}")
         with torch.no_grad():
             for name, p in named.items():
                 p.copy_(parameters[name])
+        if self.mixed:
+            precision.refresh(self.params, self.masters)
         if optimizer_state is not None:
             for name, p in named.items():
                 state = optimizer_state.get(name, {})
@@ -153,4 +169,14 @@ class ReferenceTrainer:
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
-    return p.grad if p.grad is not None else torch.zeros_like(p)
+    g = grad_of(p)
+    return g if g is not None else torch.zeros_like(p)
+
+
+def _fresh_grads(params) -> None:
+    """No gradient yet: ``.grad`` dropped, a new zero ``main_grad`` (mixed precision; the old one is
+    kept by the sums of the directions)."""
+    for p in params:
+        p.grad = None
+        if getattr(p, "main_grad", None) is not None:
+            p.main_grad = torch.zeros_like(p.main_grad)

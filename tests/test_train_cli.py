@@ -134,6 +134,8 @@ BAD = [
     (["--timeout", "1e300"], "--timeout=1e+300: must be a finite number >= 0.001 and <= 2.592e+06"),
     (["--timeout", "nan"], "--timeout=nan: must be a finite number"),
     (["--device", "cuda"], "--device='cuda': must be cpu on this machine: torch sees no CUDA GPU"),
+    (["--precision", "bf16-mixed", "--dtype", "bfloat16"], "--dtype='bfloat16': must be float32 with --precision bf16-mixed"),
+    (["--precision", "bf16-mixed", "--dtype", "float64"], "--dtype='float64': must be float32 with --precision bf16-mixed"),
     (["--schedule", "zigzag"], "--schedule='zigzag': allowed are 1f1b, bitpipe, chimera, dualpipe, dualpipev"),
     (["--schedule", "dualpipe", "--pp", "1"], "--pp=1: must be an even integer >= 2 for --schedule dualpipe"),
     (["--schedule", "chimera", "--pp", "3"], "--pp=3: must be an even integer >= 2 for --schedule chimera"),
@@ -146,7 +148,7 @@ BAD = [
 ]
 # Refused by argparse (exit 2, its usage line and one error line).
 BAD_CHOICE = [["--dtype", "float16"], ["--device", "tpu"], ["--balance", "flops"], ["--dp-reduce", "sum"], ["--pp", "two"],
-              ["--on-nonfinite", "ignore"], ["--optimizer-hparams", "mine"]]
+              ["--on-nonfinite", "ignore"], ["--optimizer-hparams", "mine"], ["--precision", "fp16"], ["--zero", "2"]]
 NO_BAD_VALUE = {"overlap_dp"}
 
 

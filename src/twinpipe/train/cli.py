@@ -32,6 +32,8 @@ _DTYPES = ("float32", "float64", "bfloat16")
 _BALANCES = ("params", "time")
 _DP_REDUCES = ("all-reduce", "ordered")
 _ON_NONFINITE = ("skip", "raise")
+_PRECISIONS = ("pure", "bf16-mixed")  # train.config.PRECISIONS
+_ZERO = (0, 1)
 _OPTIMIZER_HPARAMS = ("checkpoint", "current")
 _MAX_SEED = 2**32 - 1
 _DEFAULT_TOP_K = 2
@@ -75,6 +77,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--balance", default="params", choices=_BALANCES, help="how layers are cut into stages (default: params)")
     add("device", default="cpu", choices=_DEVICES)
     add("dtype", default="float32", choices=_DTYPES)
+    parser.add_argument("--precision", default="pure", choices=_PRECISIONS,
+                        help="pure (default): weights, gradients and optimizer state in --dtype; bf16-mixed: bf16 weights and "
+                             "activations, FP32 master weights, gradients and optimizer state (needs --dtype float32)")
+    parser.add_argument("--zero", type=int, default=0, choices=_ZERO,
+                        help="0 (default): every data-parallel rank holds the whole optimizer state; 1: each holds 1/dp of it "
+                             "(ZeRO-1: gradients reduce-scattered, weights all-gathered)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default: 0)")
     parser.add_argument("--corpus-bytes", type=int, default=4 << 20, help="bytes of the standard library to read (default: 4 MiB)")
     add("out", default="twinpipe-train", more="the folder for the picture, the log and checkpoints")
@@ -102,8 +110,12 @@ def _check(args) -> None:
     check_float(args.max_norm, "--max-norm", low=0)  # 0: no clipping
     checked_timeout(args.timeout, "--timeout")
     for flag, allowed in (("--device", _DEVICES), ("--dtype", _DTYPES), ("--balance", _BALANCES), ("--dp-reduce", _DP_REDUCES),
-                          ("--on-nonfinite", _ON_NONFINITE), ("--optimizer-hparams", _OPTIMIZER_HPARAMS)):
+                          ("--on-nonfinite", _ON_NONFINITE), ("--optimizer-hparams", _OPTIMIZER_HPARAMS),
+                          ("--precision", _PRECISIONS), ("--zero", _ZERO)):
         check_choice(_option(args, flag), flag, allowed)
+    if args.precision == "bf16-mixed" and args.dtype != "float32":
+        raise bad("--dtype", args.dtype, "must be float32 with --precision bf16-mixed (the master weights' dtype; the compute "
+                  "copy is bf16)")
     try:
         registry.get(args.schedule)
     except ValueError as error:  # it lists the names and aliases
@@ -290,7 +302,8 @@ def _train(args, device) -> None:
     sampler = BatchSampler(stdlib_corpus(args.corpus_bytes), args.seq_len, seed=args.seed)
     config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                          max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout,
-                         dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp, on_nonfinite=args.on_nonfinite)
+                         dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp, on_nonfinite=args.on_nonfinite,
+                         precision=args.precision, zero=args.zero)
     mesh = build_mesh(args.dp, args.pp, device.type)
     trainer = Trainer(lambda: GPT(cfg), sampler, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01),
                       mesh, config, device=device, dtype=dtype)

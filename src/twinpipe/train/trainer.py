@@ -384,6 +384,22 @@ class Trainer:
         if isinstance(self.reducer, ShardedReducer):
             self.reducer.gather(self._where(f"step {step}"))
 
+    def state_bytes(self) -> dict[str, int]:
+        """This rank's bytes of model state, by part (``twinpipe.sim.memory.MemoryParts`` names):
+        ``params`` (every parameter held, mirrored copies included, in its own dtype), ``grads`` (the
+        buffers gradients accumulate in: FP32 ``main_grad`` under mixed precision, else one
+        ``.grad`` per parameter), ``master`` (FP32 masters of the parameters this rank updates:
+        mixed precision only) and ``optimizer`` (every tensor of the optimizer's state as it is now:
+        AdamW builds its state at the first step)."""
+        def size(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        params = sum(size(p) for p in self.params)
+        grads = sum(size(p.main_grad) if getattr(p, "main_grad", None) is not None else size(p) for p in self.params)
+        master = sum(size(t) for t in self._optimized.values()) if self.mixed else 0
+        optimizer = sum(size(v) for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+        return {"params": params, "grads": grads, "master": master, "optimizer": optimizer}
+
     def loaded_weights(self) -> None:
         """New values were written into the optimizer's tensors (a checkpoint): refresh the bf16
         weights from the masters (mixed precision)."""

@@ -214,6 +214,12 @@ COMMANDS: list[Command] = [
     _help("twinpipe train --resume"),
     _help("twinpipe train --on-nonfinite skip|raise"),
     _help("twinpipe train --resume DIR --optimizer-hparams checkpoint|current"),
+    # ---- docs/precision-zero.md
+    Command("twinpipe train --precision bf16-mixed --zero 1 --schedule dualpipe --pp 2 --dp 2 --steps 100",
+            f"twinpipe train --precision bf16-mixed --zero 1 --schedule 1f1b --pp 1 --dp 2 --steps 2 {TINY}",
+            TRAIN_SMALL + "; PP=1 x DP=2 (ZeRO-1 shards over the 2 replicas)", files=TRAIN_FILES),
+    _bench("python bench/bench_precision.py --steps 600 --lr 3e-4 --out docs/img/precision-loss.png"),
+    _bench("python bench/bench_zero.py --dps 2,4 --precision bf16-mixed"),
     Command("torchrun --standalone --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda",
             f"torchrun --standalone --nproc-per-node 2 -m twinpipe.train --pp 2 --steps 2 {TINY}",
             NO_GPU + "; 2 processes, a tiny model, 2 steps", files=TRAIN_FILES),

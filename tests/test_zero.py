@@ -96,7 +96,8 @@ def _against_reference(rank: int, schedule, pp, dp, optimizer, max_norm, mode, e
 def _checkpoints(rank: int, root: str) -> list[str]:
     """bf16-mixed: ZeRO-1 DualPipe DP=2 x PP=2 saves; replicated 1F1B DP=1 x PP=4 loads it (every
     master and optimizer state bitwise the saved one, stored in FP32), trains a step and saves;
-    ZeRO-1 DP=2 x PP=2 loads that. The same layout resumes bitwise."""
+    ZeRO-1 DP=2 x PP=2 loads that; a pure float64 run loads the first (the masters and state widened
+    exactly). The same layout resumes bitwise."""
     import torch
     import torch.distributed as dist
 
@@ -137,6 +138,13 @@ def _checkpoints(rank: int, root: str) -> list[str]:
         problems.append("ZeRO-1 DP=2 x PP=2's first loss after loading differs from DP=1 x PP=4's")
     if not c.mirrors_equal():
         problems.append("mirrored copies differ after loading")
+
+    e = _trainer("1f1b", 4, 1, zero=0, optimizer="adamw", max_norm=0.3, mode="pure")  # float64: the FP32 masters widened
+    load_checkpoint(e, f"{root}/zero1")
+    widened = [({n: p.double() for n, p in saved_a[0].items()},
+                {n: {k: v.double() if k != "step" else v for k, v in st.items()} for n, st in saved_a[1].items()})  # AdamW's step stays
+               if rank == 0 else None][0]
+    problems += same_state(e, widened, "bf16-mixed ZeRO-1 -> pure float64 replicated")
 
     d = _trainer("dualpipe", 2, 2, **mixed)
     start = load_checkpoint(d, f"{root}/zero1")

@@ -294,10 +294,19 @@ def load_checkpoint(trainer, path: str, *, optimizer_hparams: str = "checkpoint"
     for name, p, _ in trainer.held:
         t = trainer.optimized_tensor(p)
         if t is not None and (id(t) in optim_keys or name in plain):
-            trainer.optimizer.state[t] = {**{short: state[key] for key, short in optim_keys.get(id(t), [])}, **plain.get(name, {})}
+            tensors = {short: _state_dtype(state[key], short, t) for key, short in optim_keys.get(id(t), [])}
+            trainer.optimizer.state[t] = {**tensors, **plain.get(name, {})}
     trainer.loaded_weights()  # the bf16 compute copy from the masters (mixed precision)
     _apply_hparams(trainer.optimizer, info.optimizer.get("param_groups") or [], optimizer_hparams, where)
     return info.step
+
+
+def _state_dtype(value: torch.Tensor, key: str, param: torch.Tensor) -> torch.Tensor:
+    """Floating optimizer state in its parameter's dtype, as ``Optimizer.load_state_dict`` casts it
+    (a checkpoint of FP32 masters loaded by a float64 run), but a ``step`` count as it was saved."""
+    if key != "step" and value.is_floating_point() and param.is_floating_point() and value.dtype != param.dtype:
+        return value.to(param.dtype)
+    return value
 
 
 def _same(a, b) -> bool:

@@ -67,6 +67,14 @@ def test_a_small_update_moves_the_master_and_in_time_the_bf16_weight():
     assert torch.equal(weight, masters[0])
 
 
+def test_the_training_loss_of_bf16_logits_is_computed_in_fp32():
+    from twinpipe.train.model import lm_loss
+
+    logits, targets = torch.randn(2, 8, 32).to(torch.bfloat16), torch.randint(0, 32, (2, 8))
+    loss = lm_loss(logits, targets)
+    assert loss.dtype == torch.float32 and torch.equal(loss, lm_loss(logits.float(), targets))
+
+
 def test_dtype_must_be_the_masters():
     with pytest.raises(ValueError, match=r"dtype=torch.float64: with precision='bf16-mixed' must be None or torch.float32"):
         precision.check_dtype("bf16-mixed", torch.float64)

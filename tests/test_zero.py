@@ -73,7 +73,19 @@ def _against_reference(rank: int, schedule, pp, dp, optimizer, max_norm, mode, e
     model_fn, sampler, criterion, make_opt, config = tiny_setup(schedule, optimizer=optimizer, max_norm=max_norm, experts=experts,
                                                                 dp_reduce=dp_reduce, precision=mode)  # zero=0
     ref = ReferenceTrainer(model_fn, sampler, criterion, make_opt, config, dp, pp, dtype=_dtype(mode)) if rank == 0 else None
-    problems = []
+    problems, inside = [], []  # inside: whether each reduce-scatter started within the pipeline step
+    step_fn, start = trainer.pipe.step, trainer.reducer.start
+    running = [False]
+
+    def watched_step(*args, **kwargs):
+        running[0] = True
+        try:
+            return step_fn(*args, **kwargs)
+        finally:
+            running[0] = False
+
+    trainer.pipe.step = watched_step
+    trainer.reducer.start = lambda part: (inside.append(running[0]), start(part))
     for step in range(STEPS):
         got = trainer.step(step)
         want = [ref.step(step) if rank == 0 else None]
@@ -90,6 +102,9 @@ def _against_reference(rank: int, schedule, pp, dp, optimizer, max_norm, mode, e
     weights = [{n: p.detach() for n, p in ref.named_parameters().items()} if rank == 0 else None]
     dist.broadcast_object_list(weights, src=0)
     problems += [f"{n}: the weight every rank computes with differs" for n, p, _ in trainer.held if not torch.equal(p.detach(), weights[0][n])]
+    overlapped = trainer.config.overlap_dp and len(trainer.placement.chains) == 1  # overlap_dp: started by on_grads_ready
+    if not inside or set(inside) != {overlapped}:
+        problems.append(f"reduce-scatters started inside the pipeline step: {inside}; expected all {overlapped}")
     return problems + _shards(trainer)
 
 

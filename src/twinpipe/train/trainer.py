@@ -406,6 +406,12 @@ class Trainer:
         if self.mixed:
             precision.refresh(self._updated, [self._optimized[id(p)] for p in self._updated])
 
+    @property
+    def updated_parameters(self) -> list[torch.Tensor]:
+        """The parameters this rank's optimizer updates (through their masters under mixed
+        precision): all it holds, or with ZeRO-1 its shard of the dense ones and its experts."""
+        return list(self._updated)
+
     def optimized_tensor(self, p: torch.Tensor) -> torch.Tensor | None:
         """The tensor this rank's optimizer updates for parameter ``p``: its FP32 master (mixed
         precision) or ``p`` itself; None when another data-parallel rank updates it (ZeRO-1)."""

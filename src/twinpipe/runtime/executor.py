@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
+from twinpipe.runtime.memory import ActivationMeter
 from twinpipe.runtime.recorder import Recorder
 from twinpipe.runtime.transport import Transport
 from twinpipe.runtime.weight_grad import GradStore
@@ -97,6 +98,7 @@ class Executor:
         self.saved: dict[tuple[int, int], tuple] = {}  # (inputs, outputs, loss) kept for backward
         self.live = 0
         self.op_index = -1
+        self.meter: ActivationMeter | None = None  # set to measure the step's activation memory
 
     def _where(self) -> str:
         ops = self.program.ops
@@ -218,6 +220,8 @@ class Executor:
         module0, module1 = self.modules[f_stage], self.modules[b_stage]
         if self.overlap_fn is None:
             self._forward(f_stage, f_mb, data)
+            if self.meter is not None:  # the forward's activations are live before the backward frees the other's
+                self.meter.sample()
             self._backward(b_stage, b_mb, False, data)
             return
         inputs0 = self._inputs_for(f_stage, f_mb, data)
@@ -240,7 +244,14 @@ class Executor:
 
     # ---------------------------------------------------------------- the loop
     def run(self, data: StepData, num_microbatches: int) -> StepResult:
+        if self.meter is None:
+            return self._run(data, num_microbatches)
+        with self.meter.measuring():
+            return self._run(data, num_microbatches)
+
+    def _run(self, data: StepData, num_microbatches: int) -> StepResult:
         self._num_mb = num_microbatches
+        meter = self.meter
         self.result = StepResult()
         program, rec = self.program, self.recorder
         hook = self.on_grads_ready if data.training else None  # forward-only steps write no gradients
@@ -260,6 +271,8 @@ class Executor:
                         self.grads[(msg.dst_stage, msg.microbatch)] = tuple(tensors)
                 if rec:
                     rec.add("wait", f"recv for {op}", t0, rec.mark())
+                if meter is not None:
+                    meter.sample()
             t0 = rec.mark() if rec else 0.0
             if _profiling():
                 with torch.profiler.record_function(str(op)):
@@ -271,6 +284,8 @@ class Executor:
             self.transport.open_if_agreed()
             if self.transport.in_flight:
                 self.transport.retire(wait=False)
+            if meter is not None:
+                meter.sample()
             if ready and index in ready:  # after the op's sends went out: peers wait on them, not on the hook
                 for stage in ready[index]:
                     hook(stage)

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from twinpipe.runtime import comm
+from twinpipe.runtime import comm, memory
 from twinpipe.runtime.comm import HEADER_LEN, Layout, pack, receive_buffers, unpack
 from twinpipe.runtime.wiring import StepWiring
 from twinpipe.schedule.lower import Message, Packet
@@ -106,6 +106,7 @@ class Transport:
                 shapes = [shape for layout in layouts for shape in layout.shapes]
                 dtypes = [dtype for layout in layouts for dtype in layout.dtypes]
                 buffers = receive_buffers(shapes, dtypes, self.device, self.p2p.flattens(peer))
+                memory.note(buffers)  # counted from the moment they are posted
                 self.posted[packet] = ([self.p2p.irecv(b, peer) for b in buffers], buffers, layouts)
             channel.cursor += 1
 

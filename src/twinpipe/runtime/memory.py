@@ -1,0 +1,144 @@
+"""Measuring one rank's activation memory during a step, and the bytes of its other state.
+
+``ActivationMeter`` counts the storages a step keeps for backward: every tensor autograd saves
+(``torch.autograd.graph.saved_tensors_hooks``), every tensor a deferred weight-gradient closure
+captures until its W, and every receive buffer the transport posts. Each storage counts once, by
+its bytes, from when it is first seen until it is freed (a weak reference to the storage tells).
+Parameters, buffers and the user's inputs and labels are not activations and are left out. The
+meter samples the live total after every op (and every receive) and keeps the peak: an op-level
+peak, the granularity of the memory model (``twinpipe.sim.memory``).
+
+On CUDA, ``torch.cuda.max_memory_allocated`` over the step is read as well (``device_peak``).
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = ["ActivationMeter", "note", "note_closures", "storage_bytes", "grad_bytes", "optimizer_bytes"]
+
+_local = threading.local()
+
+
+def _key(t: torch.Tensor) -> tuple:
+    s = t.untyped_storage()
+    return (s.device.type, s.device.index, s.data_ptr())
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (each storage once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            continue
+        key = _key(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def grad_bytes(params) -> int:
+    """Bytes of the parameters' ``.grad`` storages."""
+    return storage_bytes(p.grad for p in params if p.grad is not None)
+
+
+def optimizer_bytes(optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state`` (moments, steps), each storage once."""
+    return storage_bytes(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class ActivationMeter:
+    """Live bytes of the activations a step holds, and their peak (see the module doc).
+
+    ``exclude``: tensors whose storages are not activations (parameters, buffers, user data)."""
+
+    def __init__(self, exclude=(), device: torch.device | None = None):
+        self.excluded = {_key(t) for t in exclude if isinstance(t, torch.Tensor) and not t.is_meta}
+        self.tracked: dict[tuple, tuple[StorageWeakRef, int]] = {}
+        self.live = 0
+        self.peak = 0
+        self.device_peak: int | None = None
+        self.device = device
+
+    def track(self, t) -> None:
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            return
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        key = _key(t)
+        if key in self.excluded:
+            return
+        seen = self.tracked.get(key)
+        if seen is not None and not seen[0].expired():
+            return
+        self.tracked[key] = (StorageWeakRef(storage), nbytes)
+        self.live += nbytes  # the peak is taken at ``sample``, once freed storages are swept
+
+    def sample(self) -> int:
+        """Forget freed storages; the live total now (and update the peak)."""
+        dead = [k for k, (ref, _) in self.tracked.items() if ref.expired()]
+        for k in dead:
+            self.live -= self.tracked.pop(k)[1]
+        self.peak = max(self.peak, self.live)
+        return self.live
+
+    def _pack(self, t: torch.Tensor):
+        self.track(t)
+        # A new tensor on the same storage: returning ``t`` itself would tie an output to its own
+        # graph node (a reference cycle) and share its data with the executor's freeing of sent outputs.
+        return t.detach()
+
+    @staticmethod
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @contextmanager
+    def measuring(self):
+        """Count while inside: saved tensors, and what ``note``/``note_closures`` are given."""
+        previous = getattr(_local, "meter", None)
+        _local.meter = self
+        cuda = self.device is not None and self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+        finally:
+            _local.meter = previous
+            self.sample()
+            if cuda:
+                self.device_peak = int(torch.cuda.max_memory_allocated(self.device))
+
+
+def _current() -> ActivationMeter | None:
+    return getattr(_local, "meter", None)
+
+
+def note(tensors) -> None:
+    """Count ``tensors`` (receive buffers) in the step being measured, if any."""
+    meter = _current()
+    if meter is not None:
+        for t in tensors:
+            meter.track(t)
+
+
+def note_closures(funcs) -> None:
+    """Count the tensors deferred weight-gradient closures captured (kept until their W)."""
+    meter = _current()
+    if meter is None:
+        return
+    for func in funcs:
+        for cell in getattr(func, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, torch.Tensor):
+                meter.track(value)

@@ -132,7 +132,9 @@ class Executor:
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise ValueError(f"criterion must return a one-element tensor, got {type(loss).__name__} "
                                      f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-                self.result.losses.setdefault(stage, []).append(loss.detach())
+                # A copy: a loss can be a view of an output-sized buffer (F.mse_loss's is), which a
+                # detached view would keep alive for the whole step.
+                self.result.losses.setdefault(stage, []).append(loss.detach().clone())
             if data.return_outputs:
                 self.result.outputs.setdefault(stage, []).append(tuple(o.detach() for o in outputs))
         else:
@@ -192,6 +194,8 @@ class Executor:
                 self.grads[(prev, mb)] = in_grads
             else:
                 self.transport.send(Message("grad", stage, prev, mb, self.rank, self.placement.rank_of(prev)), in_grads)
+            for t in inputs:  # handed on: W, which may keep the input itself, does not need its gradient
+                t.grad = None
         if send_first and run_graph:
             self.store.pop((stage, mb))
         if not defer_w:
@@ -269,6 +273,7 @@ class Executor:
                         )
                     else:
                         self.grads[(msg.dst_stage, msg.microbatch)] = tuple(tensors)
+                del tensors  # the loop must not keep the last message alive past its op
                 if rec:
                     rec.add("wait", f"recv for {op}", t0, rec.mark())
                 if meter is not None:

@@ -19,7 +19,9 @@ from contextlib import contextmanager
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["ActivationMeter", "note", "note_closures", "storage_bytes", "grad_bytes", "optimizer_bytes"]
+from twinpipe.sim.memory import StageMemory
+
+__all__ = ["ActivationMeter", "measure_stage", "note", "note_closures", "storage_bytes", "grad_bytes", "optimizer_bytes"]
 
 _local = threading.local()
 
@@ -76,8 +78,10 @@ class ActivationMeter:
         if key in self.excluded:
             return
         seen = self.tracked.get(key)
-        if seen is not None and not seen[0].expired():
-            return
+        if seen is not None:
+            if not seen[0].expired():
+                return
+            self.live -= seen[1]  # a freed storage whose address was reused
         self.tracked[key] = (StorageWeakRef(storage), nbytes)
         self.live += nbytes  # the peak is taken at ``sample``, once freed storages are swept
 
@@ -142,3 +146,73 @@ def note_closures(funcs) -> None:
                 continue
             if isinstance(value, torch.Tensor):
                 meter.track(value)
+
+
+def _message_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measure_stage(module, inputs, *, first: bool = False, criterion=None, labels=()) -> StageMemory:
+    """What one micro-batch of ``module`` holds (``twinpipe.sim.memory.StageMemory``), measured on
+    the stage itself as the executor runs it: F on ``inputs`` (copies, as if received, unless
+    ``first``; with ``criterion`` and ``labels`` for a last stage), then B with its weight
+    gradients deferred, then W. Parameters' gradients are left as they were."""
+    from twinpipe.runtime.executor import _as_tuple, run_backward
+    from twinpipe.runtime.weight_grad import GradStore
+
+    params = [*module.parameters(), *module.buffers()]
+    grads_before = [(p, p.grad) for p in module.parameters()]
+    if first:
+        ins = list(inputs)
+    else:
+        ins = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    labels = tuple(labels)
+    meter = ActivationMeter([*params, *labels, *(ins if first else ())])
+    store = GradStore()
+    try:
+        with store.active(), meter.measuring():
+            outputs = _as_tuple(module(*ins))
+            loss = criterion(*outputs, *labels) if criterion is not None else None
+            meter.sample()
+            in_keys = set() if first else {_key(t) for t in ins}
+            out_keys = {_key(t) for t in outputs}
+            in_bytes = 0 if first else _message_bytes(ins)
+            out_bytes = _message_bytes(outputs)
+            out_count = len(outputs)
+            floats = [o for o in outputs if o.is_floating_point() and o.requires_grad]
+            out_grad_bytes = _message_bytes(floats)
+            saves_in = bool(in_keys & set(meter.tracked))
+            saves_out = bool(out_keys & set(meter.tracked))
+            f_other = meter.live - in_bytes * saves_in - out_bytes * saves_out
+            if loss is not None:
+                roots, grads = [loss], [torch.ones_like(loss)]
+            else:
+                roots, grads = floats, [torch.randn_like(o) for o in floats]
+            grad_refs = [StorageWeakRef(g.untyped_storage()) for g in grads]
+            grad_keys = {_key(g) for g in grads}
+            store.enabled = True
+            with store.running_backward():
+                run_backward(roots, grads)
+            store.enabled = False
+            store.flush("measured")
+            in_grads = [t.grad for t in ins if t.is_floating_point() and t.grad is not None] if not first else []
+            in_grad_bytes = _message_bytes(in_grads)
+            for t in ins:
+                t.grad = None
+            in_refs = [(StorageWeakRef(t.untyped_storage()), _key(t)) for t in ins] if not first else []
+            del outputs, loss, roots, grads, floats, in_grads
+            if not first:
+                ins = None
+            meter.sample()
+            w_keeps_in = any(not ref.expired() and key in meter.tracked for ref, key in in_refs)
+            w_keeps_grad = criterion is None and any(not ref.expired() for ref in grad_refs) and bool(grad_keys & set(meter.tracked))
+            w_other = meter.live - in_bytes * w_keeps_in - out_grad_bytes * w_keeps_grad
+            store.pop("measured")
+    finally:
+        store.clear()
+        for p, g in grads_before:
+            p.grad = g
+    return StageMemory(in_bytes=in_bytes, out_bytes=out_bytes, in_grad_bytes=in_grad_bytes, out_grad_bytes=out_grad_bytes,
+                       in_tensors=len(inputs), out_tensors=out_count, f_other=max(0, f_other),
+                       saves_in=saves_in, saves_out=saves_out, w_other=max(0, w_other), w_keeps_in=w_keeps_in,
+                       w_keeps_grad=w_keeps_grad)

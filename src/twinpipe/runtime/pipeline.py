@@ -35,7 +35,7 @@ from twinpipe.runtime.wiring import StepWiring
 from twinpipe.schedule.lower import LoweredSchedule, forward_only, lower
 from twinpipe.schedule.ops import Schedule
 from twinpipe.schedule.spec import ScheduleSpec, describe, name_of, resolve
-from twinpipe.sim.memory import MemoryParts
+from twinpipe.sim.memory import MemoryParts, activation_peak
 
 __all__ = ["Pipeline", "DualPipe", "DualPipeV"]
 
@@ -350,6 +350,15 @@ class Pipeline(nn.Module):
         self.last_peak_live = result.peak_live
         self.last_trace = recorder.events if recorder else None
         return self._collect(result)
+
+    def predict_activation_peak(self, num_chunks: int, stages: dict) -> int:
+        """The peak bytes this rank's activations reach in a training step of ``num_chunks``
+        micro-batches (after the first, once message layouts are known), from its stages'
+        ``StageMemory`` (``stages``: stage -> ``twinpipe.runtime.memory.measure_stage``'s result):
+        ``twinpipe.sim.memory.activation_peak`` on this rank's program."""
+        lowered = self._lowered_for(num_chunks, True)
+        return activation_peak(lowered.programs[self.rank], lowered.schedule.placement, stages, self._p2p.flattens,
+                               fb_middle=self._overlap is None)
 
     def _not_activations(self, data: StepData) -> list[torch.Tensor]:
         """Storages a memory measurement leaves out: parameters, buffers, the user's inputs and labels."""

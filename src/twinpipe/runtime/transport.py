@@ -41,6 +41,7 @@ class Transport:
         self.layouts, self.declared, self.timeout, self.where = wiring.layouts, wiring.declared, wiring.timeout, where
         self.channels = {peer: _Channel(peer, packets) for peer, packets in program.channels.items()}
         self.packet_of = {m: pk for ch in self.channels.values() for pk in ch.packets for m in pk.messages}
+        self.position = {pk: i for ch in self.channels.values() for i, pk in enumerate(ch.packets)}  # in its channel
         self.posted: dict[Packet, tuple[list, list[torch.Tensor], list[Layout]]] = {}
         self.arrived: dict[Message, list[torch.Tensor]] = {}  # unpacked, waiting for their op
         self.outbox: dict[Message, tuple[torch.Tensor, ...]] = {}
@@ -132,6 +133,7 @@ class Transport:
             works.append(self.p2p.isend(header, peer))
             keep.append(header)
         buffers = pack([t for tensors in payloads for t in tensors], self.p2p.flattens(peer))
+        memory.note(buffers)  # held until the send is retired
         works += [self.p2p.isend(b, peer) for b in buffers]
         self.in_flight.append((works, keep + buffers, packet))
 
@@ -152,6 +154,7 @@ class Transport:
         works, buffers, layouts = self.posted.pop(packet)
         for work in works:
             comm.wait_work(work, self.timeout, self._what(str(packet), packet.src_rank))
+        self._complete_sends_before(packet)
         tensors = unpack(buffers, [shape for layout in layouts for shape in layout.shapes])
         for m, layout in zip(packet.messages, layouts):
             self.arrived[m], tensors = tensors[: len(layout.shapes)], tensors[len(layout.shapes) :]
@@ -163,6 +166,20 @@ class Transport:
             return  # posted, in order, once the agreement is in
         self._open()
         self.pump(self.channels[msg.dst_rank])
+
+    def _complete_sends_before(self, packet: Packet) -> None:
+        """Wait for the sends to ``packet``'s sender that precede it in the channel: that peer posted
+        their receives before it sent ``packet``, so they complete at once. A process-group send (gloo)
+        reports done only once waited, so without this its tensors would live until the step ends."""
+        peer, before = packet.src_rank, self.position[packet]
+        keep = []
+        for works, tensors, sent in self.in_flight:
+            if sent.dst_rank == peer and self.position[sent] < before:
+                for work in works:
+                    comm.wait_work(work, self.timeout, self._what(f"delivery of {sent}", peer))
+            else:
+                keep.append((works, tensors, sent))
+        self.in_flight = keep
 
     def retire(self, wait: bool) -> None:
         keep = []

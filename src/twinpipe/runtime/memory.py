@@ -157,62 +157,69 @@ def measure_stage(module, inputs, *, first: bool = False, criterion=None, labels
     the stage itself as the executor runs it: F on ``inputs`` (copies, as if received, unless
     ``first``; with ``criterion`` and ``labels`` for a last stage), then B with its weight
     gradients deferred, then W. Parameters' gradients are left as they were."""
-    from twinpipe.runtime.executor import _as_tuple, run_backward
     from twinpipe.runtime.weight_grad import GradStore
 
-    params = [*module.parameters(), *module.buffers()]
     grads_before = [(p, p.grad) for p in module.parameters()]
-    if first:
-        ins = list(inputs)
-    else:
-        ins = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    ins = list(inputs) if first else [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
     labels = tuple(labels)
-    meter = ActivationMeter([*params, *labels, *(ins if first else ())])
+    meter = ActivationMeter([*module.parameters(), *module.buffers(), *labels, *(ins if first else ())])
     store = GradStore()
     try:
         with store.active(), meter.measuring():
-            outputs = _as_tuple(module(*ins))
-            loss = criterion(*outputs, *labels) if criterion is not None else None
-            meter.sample()
-            in_keys = set() if first else {_key(t) for t in ins}
-            out_keys = {_key(t) for t in outputs}
-            in_bytes = 0 if first else _message_bytes(ins)
-            out_bytes = _message_bytes(outputs)
-            out_count = len(outputs)
-            floats = [o for o in outputs if o.is_floating_point() and o.requires_grad]
-            out_grad_bytes = _message_bytes(floats)
-            saves_in = bool(in_keys & set(meter.tracked))
-            saves_out = bool(out_keys & set(meter.tracked))
-            f_other = meter.live - in_bytes * saves_in - out_bytes * saves_out
-            if loss is not None:
-                roots, grads = [loss], [torch.ones_like(loss)]
-            else:
-                roots, grads = floats, [torch.randn_like(o) for o in floats]
-            grad_refs = [StorageWeakRef(g.untyped_storage()) for g in grads]
-            grad_keys = {_key(g) for g in grads}
-            store.enabled = True
-            with store.running_backward():
-                run_backward(roots, grads)
-            store.enabled = False
-            store.flush("measured")
-            in_grads = [t.grad for t in ins if t.is_floating_point() and t.grad is not None] if not first else []
-            in_grad_bytes = _message_bytes(in_grads)
-            for t in ins:
-                t.grad = None
-            in_refs = [(StorageWeakRef(t.untyped_storage()), _key(t)) for t in ins] if not first else []
-            del outputs, loss, roots, grads, floats, in_grads
-            if not first:
-                ins = None
-            meter.sample()
-            w_keeps_in = any(not ref.expired() and key in meter.tracked for ref, key in in_refs)
-            w_keeps_grad = criterion is None and any(not ref.expired() for ref in grad_refs) and bool(grad_keys & set(meter.tracked))
-            w_other = meter.live - in_bytes * w_keeps_in - out_grad_bytes * w_keeps_grad
+            found = _measure_forward(meter, module, ins, first, criterion, labels)
+            roots, grads = found.pop("roots"), found.pop("grads")
+            found.update(_measure_backward(meter, store, roots, grads, ins if not first else [], criterion is None, found))
+            del roots, grads, ins
             store.pop("measured")
     finally:
         store.clear()
         for p, g in grads_before:
             p.grad = g
-    return StageMemory(in_bytes=in_bytes, out_bytes=out_bytes, in_grad_bytes=in_grad_bytes, out_grad_bytes=out_grad_bytes,
-                       in_tensors=len(inputs), out_tensors=out_count, f_other=max(0, f_other),
-                       saves_in=saves_in, saves_out=saves_out, w_other=max(0, w_other), w_keeps_in=w_keeps_in,
-                       w_keeps_grad=w_keeps_grad)
+    return StageMemory(**found)
+
+
+def _measure_forward(meter: ActivationMeter, module, ins: list, first: bool, criterion, labels: tuple) -> dict:
+    """F: what autograd saved, besides the input and output storages."""
+    from twinpipe.runtime.executor import _as_tuple
+
+    outputs = _as_tuple(module(*ins))
+    loss = criterion(*outputs, *labels) if criterion is not None else None
+    meter.sample()
+    in_keys = set() if first else {_key(t) for t in ins}
+    in_bytes = 0 if first else _message_bytes(ins)
+    out_bytes = _message_bytes(outputs)
+    floats = [o for o in outputs if o.is_floating_point() and o.requires_grad]
+    saves_in = bool(in_keys & set(meter.tracked))
+    saves_out = bool({_key(t) for t in outputs} & set(meter.tracked))
+    found = dict(in_bytes=in_bytes, out_bytes=out_bytes, out_grad_bytes=_message_bytes(floats), in_tensors=len(ins),
+                 out_tensors=len(outputs), saves_in=saves_in, saves_out=saves_out,
+                 f_other=max(0, meter.live - in_bytes * saves_in - out_bytes * saves_out))
+    if loss is not None:
+        found.update(roots=[loss], grads=[torch.ones_like(loss)])
+    else:
+        found.update(roots=floats, grads=[torch.randn_like(o) for o in floats])
+    return found
+
+
+def _measure_backward(meter: ActivationMeter, store, roots: list, grads: list, ins: list, received_grad: bool, found: dict) -> dict:
+    """B with deferred weight gradients: what W keeps, besides the input and the received gradient."""
+    from twinpipe.runtime.executor import run_backward
+
+    grad_refs = [(StorageWeakRef(g.untyped_storage()), _key(g)) for g in grads]
+    store.enabled = True
+    with store.running_backward():
+        run_backward(roots, grads)
+    store.enabled = False
+    store.flush("measured")
+    in_grads = [t.grad for t in ins if t.is_floating_point() and t.grad is not None]
+    in_grad_bytes = _message_bytes(in_grads)
+    for t in ins:
+        t.grad = None
+    in_refs = [(StorageWeakRef(t.untyped_storage()), _key(t)) for t in ins]
+    roots.clear(), grads.clear(), ins.clear()
+    del in_grads
+    meter.sample()
+    alive = lambda refs: any(not ref.expired() and key in meter.tracked for ref, key in refs)  # noqa: E731
+    w_keeps_in, w_keeps_grad = alive(in_refs), received_grad and alive(grad_refs)
+    w_other = meter.live - found["in_bytes"] * w_keeps_in - found["out_grad_bytes"] * w_keeps_grad
+    return dict(in_grad_bytes=in_grad_bytes, w_other=max(0, w_other), w_keeps_in=w_keeps_in, w_keeps_grad=w_keeps_grad)

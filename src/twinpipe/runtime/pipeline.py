@@ -112,6 +112,7 @@ class Pipeline(nn.Module):
     """
 
     _out_of_step: str | None = None  # why the ranks are known to run different steps (until resync())
+    measure_memory = False  # every step measures its memory while True (``step(measure_memory=...)``)
 
     def __init__(
         self,
@@ -293,7 +294,7 @@ class Pipeline(nn.Module):
 
     # ------------------------------------------------------------------ step
     def step(self, *inputs, num_chunks: int = 0, criterion=None, labels=(), return_outputs: bool = False, trace: bool = False,
-             on_grads_ready: Callable[[int], None] | None = None, step_id: int | None = None, measure_memory: bool = False):
+             on_grads_ready: Callable[[int], None] | None = None, step_id: int | None = None, measure_memory: bool | None = None):
         """Run one pipelined step over ``num_chunks`` micro-batches. Returns ``(loss, outputs)``.
 
         ``on_grads_ready(stage)``, in training, is called once for each of this rank's stages, right
@@ -310,12 +311,14 @@ class Pipeline(nn.Module):
         steps (other ids, or one rank's extra step) stay out of step: every later ``step()``
         raises ``PipelineOutOfStepError`` until every rank calls ``resync()``.
 
-        ``measure_memory=True``: ``last_memory`` then holds this rank's bytes (``twinpipe.sim.memory.
-        MemoryParts``: its stages' parameters and gradients, and the peak its activations reached,
-        counted as ``twinpipe.runtime.memory`` says); otherwise it is None.
+        ``measure_memory=True`` (default: the pipeline's ``measure_memory`` attribute, False):
+        ``last_memory`` then holds this rank's bytes (``twinpipe.sim.memory.MemoryParts``: its stages'
+        parameters and gradients, and the peak its activations reached, counted as
+        ``twinpipe.runtime.memory`` says); otherwise it is None.
         """
         self._check_open()
         training = torch.is_grad_enabled()
+        measure_memory = self.measure_memory if measure_memory is None else measure_memory
         round_index = self._rounds
         self._rounds += 1
         where = f"rank {self.rank}, step {round_index}"
@@ -343,8 +346,7 @@ class Pipeline(nn.Module):
         wiring = self._wiring(lowered, declared, agreement, num_chunks if discovering else None)
         recorder = Recorder(self.device) if trace else None
         executor = Executor(wiring, self._by_stage, self.store, recorder, self._overlap, on_grads_ready)
-        if measure_memory:
-            executor.meter = ActivationMeter(self._not_activations(data), self.device)
+        executor.meter = ActivationMeter(self._not_activations(data), self.device) if measure_memory else None
         result = self._run(executor, data, num_chunks, agreement, round_index)
         self.last_memory = self._memory(executor.meter) if measure_memory else None
         self.last_peak_live = result.peak_live

@@ -420,3 +420,30 @@ def activation_peak(program, placement, stages: dict, flattens=lambda peer: Fals
     (and between an FB's halves, ``fb_middle``), and at the end.
     """
     return _Replay(_Indexed(program), placement, stages, flattens, fb_middle).run()
+
+
+# --------------------------------------------------------------------------- model state
+
+
+ADAM_STATE = 2  # AdamW keeps two moments per value (and one scalar step per tensor)
+
+
+def state_prediction(numels, elsize: int, *, mixed: bool = False, updated=None, optimizer: str = "adamw") -> MemoryParts:
+    """Bytes of a rank's model state: parameters of ``numels`` values (one entry per tensor) in
+    ``elsize``-byte elements; gradients alike (FP32 under ``mixed`` precision); FP32 masters of the
+    ``updated`` tensors (default: all) under ``mixed``; AdamW's two moments (in the updated tensors'
+    dtype) and a 4-byte step per updated tensor (``optimizer="adamw"``; "sgd": one momentum buffer,
+    "none": nothing)."""
+    numels = [int(n) for n in numels]
+    updated = numels if updated is None else [int(n) for n in updated]
+    params = sum(numels) * elsize
+    grads = sum(numels) * (4 if mixed else elsize)
+    opt_elsize = 4 if mixed else elsize
+    master = sum(updated) * 4 if mixed else 0
+    if optimizer == "adamw":
+        state = ADAM_STATE * sum(updated) * opt_elsize + 4 * len(updated)
+    elif optimizer == "sgd":
+        state = sum(updated) * opt_elsize
+    else:
+        state = 0
+    return MemoryParts(params=params, grads=grads, master=master, optimizer=state)

@@ -24,6 +24,7 @@ from pathlib import Path
 import twinpipe.cli_options as cli_options
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_float, check_int, checked_timeout
 from twinpipe.folders import writable_folder
+from twinpipe.train.fits import check_fits
 
 __all__ = ["add_train_parser", "run_train", "main"]
 
@@ -124,6 +125,7 @@ def _check(args) -> None:
         raise bad("--corpus-bytes", args.corpus_bytes, f"must be at least --batch-size x (--seq-len + 1) = {need} "
                   "(one batch of windows, each a sequence and its next byte)")
     _check_device(args)
+    check_fits(args, _model_config(args))  # what the fullest rank needs, against what this machine has
     world = args.pp * args.dp
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) != world:  # started by torchrun
         raise ValueError(f"--pp={args.pp} x --dp={args.dp} = {world} processes, but torchrun started "

@@ -39,3 +39,36 @@ def test_stage_activation_estimate_within_10_percent_of_the_measured_stage():
         measured = measure_stage(stage, inputs, **extra).m_b
         estimate = stage_activation_bytes(stage.names, cfg, 4, 4)
         assert abs(measured - estimate) <= 0.1 * measured, (stage.names, measured, estimate)
+
+
+def test_zbv_and_zb_auto_are_planned_with_the_measured_mw():
+    """The trainer's options for ZB-V and zb-auto carry the M_W/M_B its stages measure (unless given);
+    ZB-V's plan then keeps its design limit under that M_W."""
+    import dataclasses
+
+    import torch
+
+    from twinpipe.schedule import resolve
+    from twinpipe.sim import CostModel, summarize
+    from twinpipe.train.memory import measured_mw, planned_options
+    from twinpipe.train.model import GPT, GPTConfig, lm_loss
+    from twinpipe.train.data import BatchSampler
+    from twinpipe.train.config import TrainConfig
+
+    cfg = GPTConfig(vocab=32, seq_len=8, dim=16, heads=2, layers=6)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    sampler = BatchSampler(torch.randint(0, cfg.vocab, (4096,)), cfg.seq_len, seed=0)
+    config = TrainConfig(schedule="zbv", batch_size=16, microbatch_size=2)
+    x, y = sampler.batch(0, 2)
+    mw = measured_mw(model, 8, (x, y), lm_loss)
+    assert 0 < mw
+    for name in ("zbv", "zb-auto"):
+        options = planned_options(dataclasses.replace(config, schedule=name), model, sampler, lm_loss, 4, "cpu")
+        assert options["mw"] == round(mw if name == "zbv" else measured_mw(model, 4, (x, y), lm_loss), 3), options
+    assert "mw" not in planned_options(dataclasses.replace(config, schedule="1f1b"), model, sampler, lm_loss, 4, "cpu")
+    given = dataclasses.replace(config, schedule_options=(("mw", 0.25),))
+    assert planned_options(given, model, sampler, lm_loss, 4, "cpu") == {"mw": 0.25}
+    spec = resolve("zbv", 4, mw=round(mw, 3))
+    peak = max(summarize(spec.build(16), CostModel(mw=round(mw, 3))).peak)
+    assert peak <= 2 * 4, peak

@@ -94,3 +94,42 @@ def gather_report(trainer, entry: RankMemory) -> list[RankMemory]:
     entries = gather_objects(trainer.checkpoint_group, entry.to_dict(), trainer.timeout,
                              f"rank {torch.distributed.get_rank()}: gathering the memory report")
     return sorted((RankMemory.from_dict(e) for e in entries), key=lambda e: e.rank)
+
+
+PLANNED_WITH_MW = ("zbv", "zb-auto")  # generators that order their ops by the memory W keeps
+
+
+def measured_mw(model, num_stages: int, sample: tuple, criterion) -> float:
+    """M_W / M_B of ``model`` cut into ``num_stages`` (``"params"`` balance), the largest over its
+    stages, each measured alone on ``sample`` = (inputs, labels) of one micro-batch: what W really
+    keeps, for the generators that plan with it (``PLANNED_WITH_MW``). The same on every rank (the
+    same model, the same sample), so every rank builds the same schedule."""
+    from twinpipe.runtime.weight_grad import defer_weight_grads
+    from twinpipe.train.stages import split
+
+    x, y = sample
+    ratios, h = [], x
+    stages = split(model, num_stages, "params")
+    for k, stage in enumerate(stages):
+        defer_weight_grads(stage)  # in place, as the trainer's stages are
+        last = k == len(stages) - 1
+        ratios.append(measure_stage(stage, (h,), first=k == 0, criterion=criterion if last else None,
+                                    labels=(y,) if last else ()).mw)
+        with torch.no_grad():
+            h = stage(h)
+    return max(ratios)
+
+
+def planned_options(config, model, sampler, criterion, pp: int, device) -> dict:
+    """``config.schedule_options`` with ``mw`` measured (``measured_mw`` on the sampler's first
+    micro-batch, to 3 digits) for a schedule that plans with it, unless given; MoE models (experts
+    talk across ranks) keep the generator's default."""
+    from twinpipe.schedule import registry, resolve
+
+    options = dict(config.schedule_options)
+    if "mw" in options or registry.get(config.schedule).name not in PLANNED_WITH_MW or \
+            any(hasattr(m, "parts") for m in model.modules()):
+        return options
+    num_stages = resolve(config.schedule, pp, **options).placement.num_model_stages
+    x, y = sampler.batch(0, config.microbatch_size)
+    return {**options, "mw": round(measured_mw(model, num_stages, (x.to(device), y.to(device)), criterion), 3)}

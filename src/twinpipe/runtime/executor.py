@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from twinpipe.runtime.memory import ActivationMeter
+from twinpipe.runtime.memory import ActivationMeter, early_release, note
 from twinpipe.runtime.recorder import Recorder
 from twinpipe.runtime.transport import Transport
 from twinpipe.runtime.weight_grad import GradStore
@@ -134,7 +134,9 @@ class Executor:
                                      f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
                 # A copy: a loss can be a view of an output-sized buffer (F.mse_loss's is), which a
                 # detached view would keep alive for the whole step.
-                self.result.losses.setdefault(stage, []).append(loss.detach().clone())
+                kept = loss.detach().clone() if early_release("losses") else loss.detach()
+                note((kept,))  # held to the step's end: counted when measured
+                self.result.losses.setdefault(stage, []).append(kept)
             if data.return_outputs:
                 self.result.outputs.setdefault(stage, []).append(tuple(o.detach() for o in outputs))
         else:
@@ -194,8 +196,9 @@ class Executor:
                 self.grads[(prev, mb)] = in_grads
             else:
                 self.transport.send(Message("grad", stage, prev, mb, self.rank, self.placement.rank_of(prev)), in_grads)
-            for t in inputs:  # handed on: W, which may keep the input itself, does not need its gradient
-                t.grad = None
+            if early_release("input grad"):
+                for t in inputs:  # handed on: W, which may keep the input itself, does not need its gradient
+                    t.grad = None
         if send_first and run_graph:
             self.store.pop((stage, mb))
         if not defer_w:
@@ -273,7 +276,8 @@ class Executor:
                         )
                     else:
                         self.grads[(msg.dst_stage, msg.microbatch)] = tuple(tensors)
-                del tensors  # the loop must not keep the last message alive past its op
+                if early_release("last message"):
+                    del tensors  # the loop must not keep the last message alive past its op
                 if rec:
                     rec.add("wait", f"recv for {op}", t0, rec.mark())
                 if meter is not None:

@@ -25,6 +25,19 @@ __all__ = ["ActivationMeter", "measure_stage", "note", "note_closures", "storage
 
 _local = threading.local()
 
+# The runtime's early releases, each on by default. Turned off (removed from this set) only to
+# measure what each saves (``bench/bench_memory.py --no-release``): "losses" (the kept losses are
+# copies, not views of an output-sized buffer), "input grad" (a received input drops its gradient
+# once it is handed upstream; W may keep the input itself), "last message" (the executor's loop
+# drops the last message it received) and "sends" (process-group sends are waited once the peer's
+# next packet arrived, not only polled).
+RELEASES = ("losses", "input grad", "last message", "sends")
+EARLY_RELEASE = set(RELEASES)
+
+
+def early_release(name: str) -> bool:
+    return name in EARLY_RELEASE
+
 
 def _key(t: torch.Tensor) -> tuple:
     s = t.untyped_storage()

@@ -171,6 +171,8 @@ class Transport:
         """Wait for the sends to ``packet``'s sender that precede it in the channel: that peer posted
         their receives before it sent ``packet``, so they complete at once. A process-group send (gloo)
         reports done only once waited, so without this its tensors would live until the step ends."""
+        if not memory.early_release("sends"):
+            return
         peer, before = packet.src_rank, self.position[packet]
         keep = []
         for works, tensors, sent in self.in_flight:

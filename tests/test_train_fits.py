@@ -72,3 +72,14 @@ def test_zbv_and_zb_auto_are_planned_with_the_measured_mw():
     spec = resolve("zbv", 4, mw=round(mw, 3))
     peak = max(summarize(spec.build(16), CostModel(mw=round(mw, 3))).peak)
     assert peak <= 2 * 4, peak
+
+
+def test_the_planner_names_the_memory_parts_as_the_report_does():
+    from twinpipe.plan.spec import Cluster, Model
+    from twinpipe.plan.predict import predict_one
+    from twinpipe.sim.memory import PARTS
+
+    pred = predict_one("1f1b", Model(layers=4, hidden=256, seq=128), Cluster(gpus=4), 4, 8)
+    assert set(PARTS) <= set(pred.memory)
+    assert pred.memory["total"] == sum(pred.memory[k] for k in PARTS)
+    assert pred.memory["master"] == 4 * pred.memory["params"] / 2  # bf16 weights: FP32 masters apart from the moments

@@ -4,7 +4,7 @@ Checked before any rank starts (``twinpipe train``'s checks), so a run too big f
 stops with one line instead of dying in an allocator inside a rank. The need is the fullest
 pipeline rank's: its stages' parameters, gradients, master weights and AdamW state
 (``twinpipe.sim.memory.state_prediction``, from the parameter counts of the model built on the
-meta device: no memory), its peak activations (each stage's M_B estimated from the GPT's shapes,
+meta device: no memory; a MoE block's experts counted as MLPs of the dense block's size), its peak activations (each stage's M_B estimated from the GPT's shapes,
 the peak per rank from the simulator, ``twinpipe.sim``) and the batch every rank samples. What
 the machine has: free GPU memory per device (``torch.cuda.mem_get_info``), or the host's
 ``MemAvailable`` (``/proc/meminfo``; else ``os.sysconf``) shared by the ranks started on it.
@@ -12,6 +12,7 @@ the machine has: free GPU memory per device (``torch.cuda.mem_get_info``), or th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from twinpipe.sim.memory import format_bytes, state_prediction
@@ -44,12 +45,17 @@ def need_per_rank(args, cfg) -> tuple[int, dict]:
     from twinpipe.train.model import GPT
     from twinpipe.train.stages import split
 
-    with torch.device("meta"):
-        model = GPT(cfg)
+    with torch.device("meta"):  # MoE routing tables cannot be built there: the dense model, experts added below
+        model = GPT(dataclasses.replace(cfg, experts=0))
     spec = resolve(args.schedule, args.pp)
     placement = spec.placement
     stages = split(model, placement.num_model_stages, "params")  # "time" needs a run: the params cut stands in
     numels = [[p.numel() for p in stage.parameters()] for stage in stages]
+    if cfg.experts:  # each data-parallel rank holds experts/dp MLPs per block (and a router) instead of one MLP
+        mlp = 8 * cfg.dim * cfg.dim + 5 * cfg.dim
+        extra = (cfg.experts // args.dp - 1) * mlp + cfg.dim * cfg.experts
+        for k, stage in enumerate(stages):
+            numels[k] += [extra] * sum(name.startswith("blocks") for name in stage.names)
     mixed = getattr(args, "precision", "pure") == "bf16-mixed"
     elsize = 2 if mixed else _ELSIZE.get(args.dtype, 4)
     m_b = [stage_activation_bytes(stages[placement.model_stage(s)].names, cfg, args.microbatch_size, elsize)

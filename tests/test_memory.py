@@ -260,7 +260,29 @@ def _sends_released(group):
     return alive if rank == 0 else None
 
 
-RELEASE = {"losses": (2, _losses_released), "received grad": (2, _received_grad_released),
+def _measuring_changes_nothing(group):
+    """A measured step gives the unmeasured step's losses and gradients, bitwise (ZB-H1: deferred W)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import twinpipe
+
+    rank = dist.get_rank(group)
+    x, y = torch.randn(ROWS * M, H, dtype=torch.float64), torch.randn(ROWS * M, H, dtype=torch.float64)
+    runs = []
+    with twinpipe.Pipeline(_mlp_stage(), "zb-h1", process_group=group) as pipe:
+        for measure in (False, True, False):
+            pipe.zero_grad()
+            args = dict(criterion=F.mse_loss, labels=(y,)) if rank == 1 else {}
+            loss, _ = pipe.step(*((x,) if rank == 0 else ()), num_chunks=M, measure_memory=measure, **args)
+            runs.append((loss, [p.grad.clone() for p in pipe.parameters()], pipe.last_memory))
+    (l0, g0, m0), (l1, g1, m1), (_, _, m2) = runs
+    same = all(torch.equal(a, b) for a, b in zip(g0, g1)) and (l0 is None or torch.equal(l0, l1))
+    return same, m0 is None and m2 is None and m1.activations_peak > 0
+
+
+RELEASE = {"exact": (2, _measuring_changes_nothing), "losses": (2, _losses_released), "received grad": (2, _received_grad_released),
            "input grad": (2, _input_grad_released), "process-group sends": (2, _sends_released)}
 PEAKS = _peak_cases()
 
@@ -303,3 +325,9 @@ def test_process_group_sends_released_once_delivered(outcomes):
     alive = outcomes[0]["process-group sends"]
     assert not isinstance(alive, str), alive
     assert len(alive) == M and not any(alive), alive
+
+
+def test_measuring_changes_no_result(outcomes):
+    for rank in range(2):
+        result = outcomes[rank]["exact"]
+        assert tuple(result) == (True, True), result

@@ -31,7 +31,7 @@ def _state_measured(trainer) -> dict:
 
 def _state_predicted(trainer) -> MemoryParts:
     params = trainer.params
-    updated = getattr(trainer, "_updated", params)
+    updated = getattr(trainer, "updated_parameters", params)  # ZeRO-1: this rank's shard (Trainer.updated_parameters)
     kind = "adamw" if isinstance(trainer.optimizer, (torch.optim.Adam, torch.optim.AdamW)) else \
         "sgd" if isinstance(trainer.optimizer, torch.optim.SGD) else "none"
     elsize = params[0].element_size() if params else 4

@@ -24,6 +24,7 @@ from pathlib import Path
 import twinpipe.cli_options as cli_options
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_float, check_int, checked_timeout
 from twinpipe.folders import writable_folder
+from twinpipe.train.fits import check_fits
 
 __all__ = ["add_train_parser", "run_train", "main"]
 
@@ -136,6 +137,7 @@ def _check(args) -> None:
         raise bad("--corpus-bytes", args.corpus_bytes, f"must be at least --batch-size x (--seq-len + 1) = {need} "
                   "(one batch of windows, each a sequence and its next byte)")
     _check_device(args)
+    check_fits(args, _model_config(args))  # what the fullest rank needs, against what this machine has
     world = args.pp * args.dp
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) != world:  # started by torchrun
         raise ValueError(f"--pp={args.pp} x --dp={args.dp} = {world} processes, but torchrun started "
@@ -294,7 +296,8 @@ def _train(args, device) -> None:
     from twinpipe.train.data import BatchSampler, stdlib_corpus
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.model import GPT, lm_loss
-    from twinpipe.train.report import bits_per_byte, plot_losses, print_summary, summary_rows
+    from twinpipe.train.memory import gather_report, measured_step
+    from twinpipe.train.report import bits_per_byte, memory_rows, plot_losses, print_summary, summary_rows
     from twinpipe.train.trainer import TrainConfig, Trainer
 
     dtype = getattr(torch, args.dtype)
@@ -326,7 +329,10 @@ def _train(args, device) -> None:
     with progress:
         task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0, skipped=0) if first else None
         for step in range(start, args.steps):
-            result = trainer.step(step)
+            if step == args.steps - 1:  # the last step is measured (after the first, message layouts are known)
+                result, memory_entry = measured_step(trainer, step)
+            else:
+                result = trainer.step(step)
             log.append({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped, **result.times})
             for key, value in result.times.items():
                 times.setdefault(key, []).append(value)
@@ -336,16 +342,19 @@ def _train(args, device) -> None:
                 progress.update(task, advance=1, loss=bits_per_byte(result.loss), tps=tokens / result.times["total"],
                                 skipped=trainer.skipped_steps)
     elapsed = time.perf_counter() - began
+    memory = gather_report(trainer, memory_entry)  # collective
     if args.steps > start:
         save_checkpoint(trainer, str(out / "checkpoint-final"), args.steps)
     if not first or not log:
         return
     plot_losses([e["step"] for e in log], [e["loss"] for e in log], str(out / "train-loss.png"), title)
     (out / "train-log.json").write_text(json.dumps({"args": _options_record(args), "elapsed_s": elapsed,
-                                                    "skipped_steps": trainer.skipped_steps, "steps": log}, indent=1))
+                                                    "skipped_steps": trainer.skipped_steps, "steps": log,
+                                                    "memory": [e.to_dict() for e in memory]}, indent=1))
     rows = summary_rows([e["loss"] for e in log], times, tokens, mirrored=trainer.is_dual, replicas=args.dp)
     rows.append(("steps skipped (not finite)", str(trainer.skipped_steps)))
     rows.append(("wall time", f"{elapsed:.1f} s"))
+    rows += memory_rows(memory)
     rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / 'checkpoint-final'}"))
     print_summary(title, rows)
 

@@ -64,6 +64,7 @@ from twinpipe.train.experts import check_experts, expert_ids, shard_experts
 from twinpipe.train.grads import (
     DataParallelReducer, clip_coefficient, clip_grads, scale_grads, squared_norms, sum_across,
 )
+from twinpipe.train.memory import planned_options
 from twinpipe.train.mesh import TrainMesh
 from twinpipe.train import precision
 from twinpipe.train.zero import ShardedReducer
@@ -145,6 +146,7 @@ class Trainer:
         self.parameter_names = model_parameter_names(model)
         self.model_record = model_record(model)  # the model's configuration, as checkpoints store it
         self._agree_settings(model, device)  # before any collective whose sizes depend on the settings
+        options = planned_options(config, model, sampler, criterion, mesh.pp, device)  # ZB-V, zb-auto: the measured M_W
         self.schedule = resolve(config.schedule, mesh.pp, **options)  # once: the layout, stages and pipeline share it
         self.placement = self.schedule.placement
         self.num_chunks = config.num_microbatches(mesh.dp)

@@ -24,6 +24,7 @@ from pathlib import Path
 import twinpipe.cli_options as cli_options
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_float, check_int, checked_timeout
 from twinpipe.folders import writable_folder
+from twinpipe.train.fits import check_fits
 
 __all__ = ["add_train_parser", "run_train", "main"]
 
@@ -32,6 +33,8 @@ _DTYPES = ("float32", "float64", "bfloat16")
 _BALANCES = ("params", "time")
 _DP_REDUCES = ("all-reduce", "ordered")
 _ON_NONFINITE = ("skip", "raise")
+_PRECISIONS = ("pure", "bf16-mixed")  # train.config.PRECISIONS
+_ZERO = (0, 1)
 _OPTIMIZER_HPARAMS = ("checkpoint", "current")
 _MAX_SEED = 2**32 - 1
 _DEFAULT_TOP_K = 2
@@ -87,6 +90,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--balance", default="params", choices=_BALANCES, help="how layers are cut into stages (default: params)")
     add("device", default="cpu", choices=_DEVICES)
     add("dtype", default="float32", choices=_DTYPES)
+    parser.add_argument("--precision", default="pure", choices=_PRECISIONS,
+                        help="pure (default): weights, gradients and optimizer state in --dtype; bf16-mixed: bf16 weights and "
+                             "activations, FP32 master weights, gradients and optimizer state (needs --dtype float32)")
+    parser.add_argument("--zero", type=int, default=0, choices=_ZERO,
+                        help="0 (default): every data-parallel rank holds the whole optimizer state; 1: each holds 1/dp of it "
+                             "(ZeRO-1: gradients reduce-scattered, weights all-gathered)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default: 0)")
     parser.add_argument("--corpus-bytes", type=int, default=4 << 20, help="bytes of the standard library to read (default: 4 MiB)")
     add("out", default="twinpipe-train", more="the folder for the picture, the log and checkpoints")
@@ -113,8 +122,12 @@ def _check(args) -> None:
     check_float(args.max_norm, "--max-norm", low=0)  # 0: no clipping
     checked_timeout(args.timeout, "--timeout")
     for flag, allowed in (("--device", _DEVICES), ("--dtype", _DTYPES), ("--balance", _BALANCES), ("--dp-reduce", _DP_REDUCES),
-                          ("--on-nonfinite", _ON_NONFINITE), ("--optimizer-hparams", _OPTIMIZER_HPARAMS)):
+                          ("--on-nonfinite", _ON_NONFINITE), ("--optimizer-hparams", _OPTIMIZER_HPARAMS),
+                          ("--precision", _PRECISIONS), ("--zero", _ZERO)):
         check_choice(_option(args, flag), flag, allowed)
+    if args.precision == "bf16-mixed" and args.dtype != "float32":
+        raise bad("--dtype", args.dtype, "must be float32 with --precision bf16-mixed (the master weights' dtype; the compute "
+                  "copy is bf16)")
     try:
         registry.get(args.schedule)
     except ValueError as error:  # it lists the names and aliases
@@ -135,6 +148,7 @@ def _check(args) -> None:
         raise bad("--corpus-bytes", args.corpus_bytes, f"must be at least --batch-size x (--seq-len + 1) = {need} "
                   "(one batch of windows, each a sequence and its next byte)")
     _check_device(args)
+    check_fits(args, _model_config(args))  # what the fullest rank needs, against what this machine has
     world = args.pp * args.dp
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) != world:  # started by torchrun
         raise ValueError(f"--pp={args.pp} x --dp={args.dp} = {world} processes, but torchrun started "
@@ -293,7 +307,8 @@ def _train(args, device) -> None:
     from twinpipe.train.data import BatchSampler, stdlib_corpus
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.model import GPT, lm_loss
-    from twinpipe.train.report import bits_per_byte, plot_losses, print_summary, summary_rows
+    from twinpipe.train.memory import gather_report, measured_step
+    from twinpipe.train.report import bits_per_byte, memory_rows, plot_losses, print_summary, summary_rows
     from twinpipe.train.trainer import TrainConfig, Trainer
 
     dtype = getattr(torch, args.dtype)
@@ -301,7 +316,8 @@ def _train(args, device) -> None:
     sampler = BatchSampler(stdlib_corpus(args.corpus_bytes), args.seq_len, seed=args.seed)
     config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                          max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout,
-                         dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp, on_nonfinite=args.on_nonfinite, **_ds3_config(args))
+                         dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp, on_nonfinite=args.on_nonfinite,
+                         precision=args.precision, zero=args.zero, **_ds3_config(args))
     mesh = build_mesh(args.dp, args.pp, device.type)
     trainer = Trainer(lambda: GPT(cfg), sampler, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01),
                       mesh, config, device=device, dtype=dtype)
@@ -324,7 +340,10 @@ def _train(args, device) -> None:
     with progress:
         task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0, skipped=0) if first else None
         for step in range(start, args.steps):
-            result = trainer.step(step)
+            if step == args.steps - 1:  # the last step is measured (after the first, message layouts are known)
+                result, memory_entry = measured_step(trainer, step)
+            else:
+                result = trainer.step(step)
             log.append({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped, **result.times})
             for key, value in result.times.items():
                 times.setdefault(key, []).append(value)
@@ -334,16 +353,19 @@ def _train(args, device) -> None:
                 progress.update(task, advance=1, loss=bits_per_byte(result.loss), tps=tokens / result.times["total"],
                                 skipped=trainer.skipped_steps)
     elapsed = time.perf_counter() - began
+    memory = gather_report(trainer, memory_entry)  # collective
     if args.steps > start:
         save_checkpoint(trainer, str(out / "checkpoint-final"), args.steps)
     if not first or not log:
         return
     plot_losses([e["step"] for e in log], [e["loss"] for e in log], str(out / "train-loss.png"), title)
     (out / "train-log.json").write_text(json.dumps({"args": _options_record(args), "elapsed_s": elapsed,
-                                                    "skipped_steps": trainer.skipped_steps, "steps": log}, indent=1))
+                                                    "skipped_steps": trainer.skipped_steps, "steps": log,
+                                                    "memory": [e.to_dict() for e in memory]}, indent=1))
     rows = summary_rows([e["loss"] for e in log], times, tokens, mirrored=trainer.is_dual, replicas=args.dp)
     rows.append(("steps skipped (not finite)", str(trainer.skipped_steps)))
     rows.append(("wall time", f"{elapsed:.1f} s"))
+    rows += memory_rows(memory)
     rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / 'checkpoint-final'}"))
     print_summary(title, rows)
 

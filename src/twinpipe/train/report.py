@@ -6,7 +6,7 @@ import math
 import statistics
 from typing import Sequence
 
-__all__ = ["bits_per_byte", "plot_losses", "summary_rows", "print_summary"]
+__all__ = ["bits_per_byte", "plot_losses", "summary_rows", "memory_rows", "print_summary"]
 
 
 def bits_per_byte(loss_nats: float) -> float:
@@ -58,6 +58,20 @@ def summary_rows(losses: Sequence[float], step_times: dict[str, list[float]], to
         if (part == "mirror" and not mirrored) or (part == "dp" and replicas < 2):
             continue
         rows.append((f"  {label}", f"{statistics.median(step_times[part]) * 1e3:.2f} ms"))
+    return rows
+
+
+def memory_rows(entries) -> list[tuple[str, str]]:
+    """(label, value) rows: per rank, the activation peak and the total, measured / predicted
+    (``twinpipe.sim.memory.RankMemory`` entries)."""
+    from twinpipe.sim.memory import format_bytes
+
+    rows = []
+    for e in entries:
+        m, p = e.measured, e.predicted
+        rows.append((f"memory, rank {e.rank} (pp {e.pp_rank}, dp {e.dp_rank})",
+                     f"activations {format_bytes(m.activations_peak)} / {format_bytes(p.activations_peak)} predicted, "
+                     f"total {format_bytes(m.total)} / {format_bytes(p.total)}"))
     return rows
 
 

@@ -58,8 +58,8 @@ def _gpt_world(spec, rank):
     from twinpipe.train.model import GPT, GPTConfig
     from twinpipe.train.stages import split, stage_modules
 
-    cfg = GPTConfig(vocab=32, seq_len=8, dim=16, heads=2, layers=4)
     placement = spec.placement
+    cfg = GPTConfig(vocab=32, seq_len=8, dim=16, heads=2, layers=max(4, placement.num_model_stages - 2))  # a layer per stage at least
     torch.manual_seed(0)
     model = GPT(cfg)
     cut = split(model, placement.num_model_stages)
@@ -111,7 +111,8 @@ def _peak_cases() -> dict:
     for name in names():
         for ranks in (2, 4):
             cases[f"mlp-{name}-p{ranks}"] = (ranks, _measure(name, "mlp"))
-        cases[f"gpt-{name}-p2"] = (2, _measure(name, "gpt"))
+        for ranks in (2, 4):
+            cases[f"gpt-{name}-p{ranks}"] = (ranks, _measure(name, "gpt"))
     for name in ("gpipe", "zb-h1", "dualpipe", "zbv"):
         cases[f"mlp-{name}-p4-process-group"] = (4, _measure(name, "mlp", "process-group"))
     return cases

@@ -180,6 +180,7 @@ class _Replay:
         self.peak = 0
         self.cursor = {peer: 0 for peer in program.channels}
         self.position = {pk: i for packets in program.channels.values() for i, pk in enumerate(packets)}
+        self.packet_of = {m: pk for packets in program.channels.values() for pk in packets for m in pk.messages}
         self.outbox: set = set()
         self.in_flight: list = []  # (packet, storages)
         self.recv_storage: dict = {}  # message -> storage key
@@ -251,7 +252,7 @@ class _Replay:
         self.pump(msg.dst_rank)
 
     def receive(self, msg) -> None:
-        packet = next(pk for pk in self.program.channels[msg.src_rank] if msg in pk.messages)
+        packet = self.packet_of[msg]
         self.pump(msg.src_rank)
         before = self.position[packet]
         keep = []

@@ -73,11 +73,10 @@ def measured_step(trainer, step: int):
 
 
 def predict_activations(trainer, inputs: dict, labels: tuple) -> int:
-    """This rank's predicted activation peak from its stages measured alone (0 where a stage
-    talks to other ranks in its forward: MoE experts over a data-parallel group)."""
+    """This rank's predicted activation peak from its stages measured alone on the inputs they saw.
+    Collective over the data-parallel ranks of a stage: MoE experts exchange tokens in their forward
+    and backward, and every rank measures its stages in the same order at the same point."""
     pipe, placement = trainer.pipe, trainer.placement
-    if getattr(trainer, "experts", None):
-        return 0
     grads = [(p, p.grad) for p in trainer.params]
     stages = {}
     for s, module in zip(pipe.stages, pipe.module):

@@ -49,7 +49,7 @@ def measured_step(trainer, step: int):
         if stage not in inputs:
             inputs[stage] = tuple(a.detach().clone() for a in args)
 
-    criterion = trainer.criterion
+    criterion = trainer._criterion  # what the last stage runs (with MTP: MTPLoss over the model's criterion)
 
     def keeping_labels(*args):
         if not labels:
@@ -57,11 +57,11 @@ def measured_step(trainer, step: int):
         return criterion(*args)
 
     handles = [m.register_forward_pre_hook(functools.partial(keep_input, s)) for s, m in zip(pipe.stages, pipe.module)]
-    trainer.criterion, pipe.measure_memory = keeping_labels, True
+    trainer._criterion, pipe.measure_memory = keeping_labels, True
     try:
         result = trainer.step(step)
     finally:
-        trainer.criterion, pipe.measure_memory = criterion, False
+        trainer._criterion, pipe.measure_memory = criterion, False
         for h in handles:
             h.remove()
     measured = MemoryParts(**_state_measured(trainer), activations_peak=pipe.last_memory.activations_peak,
@@ -82,7 +82,7 @@ def predict_activations(trainer, inputs: dict, labels: tuple) -> int:
     for s, module in zip(pipe.stages, pipe.module):
         last = placement.is_last(s)
         stages[s] = measure_stage(module, inputs[s], first=placement.is_first(s),
-                                  criterion=trainer.criterion if last else None, labels=labels if last else ())
+                                  criterion=trainer._criterion if last else None, labels=labels if last else ())
     for p, g in grads:  # measuring ran the stages' W: leave the step's gradients as they were
         p.grad = g
     return pipe.predict_activation_peak(trainer.num_chunks, stages)

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import twinpipe.cli_options as cli_options
+import twinpipe.train.cli_data as cli_data
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_float, check_int, checked_timeout
 from twinpipe.folders import writable_folder
 
@@ -85,6 +86,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default) or from the current options (--lr)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                         help=f"seconds any wait for a peer may take (default: {DEFAULT_TIMEOUT:g})")
+    cli_data.add_arguments(parser)
 
 
 def _check(args) -> None:
@@ -96,8 +98,11 @@ def _check(args) -> None:
                       ("--seq-len", 1), ("--dim", 1), ("--heads", 1), ("--layers", 1), ("--experts", 0),
                       ("--save-every", 0), ("--corpus-bytes", 1)):
         check_int(_option(args, flag), flag, low=low)
+    if args.vocab is not None:
+        check_int(args.vocab, "--vocab", low=1)
+    args.data_vocab = cli_data.check_data(args)  # the built-in GPT's vocabulary: --vocab, or the data's largest id + 1
     if isinstance(args.seed, bool) or not isinstance(args.seed, int) or not 0 <= args.seed <= _MAX_SEED:
-        raise bad("--seed", args.seed, f"must be an int in 0..{_MAX_SEED} (the data sampler seeds a 64-bit generator with it)")
+        raise bad("--seed", args.seed, f"must be an int in 0..{_MAX_SEED} (torch's generator keeps 32 bits of a seed)")
     check_float(args.lr, "--lr", low=0, low_open=True)
     check_float(args.max_norm, "--max-norm", low=0)  # 0: no clipping
     checked_timeout(args.timeout, "--timeout")
@@ -120,7 +125,7 @@ def _check(args) -> None:
         raise ValueError(f"--layers={args.layers}: {args.schedule} on --pp={args.pp} cuts the model into {stages} stages, "
                          f"and the model has {args.layers + 2} layers (blocks, embedding, head); use --layers {stages - 2} or more")
     need = args.batch_size * (args.seq_len + 1)
-    if args.corpus_bytes < need:
+    if args.data is None and args.corpus_bytes < need:
         raise bad("--corpus-bytes", args.corpus_bytes, f"must be at least --batch-size x (--seq-len + 1) = {need} "
                   "(one batch of windows, each a sequence and its next byte)")
     _check_device(args)
@@ -189,6 +194,7 @@ def _check_resume(args) -> None:
     saved = {
         "--layers": len({n.split(".")[1] for n in shapes if n.startswith("blocks.")}),
         "--dim": shapes.get("embed.tokens.weight", [0, args.dim])[1],
+        "--vocab": shapes.get("embed.tokens.weight", [cli_data.vocab(args)])[0],
         "--seq-len": shapes.get("embed.positions.weight", [args.seq_len])[0],
         "--experts": len({n.split(".experts.")[1].split(".")[0] for n in shapes if n.startswith("blocks.0.experts.")}),
     }
@@ -197,8 +203,8 @@ def _check_resume(args) -> None:
         saved["--heads"] = config["heads"]
     if config.get("experts"):
         saved["--top-k"] = config.get("top_k")
-    wrong = [f"{flag}={_option(args, flag)} (the checkpoint's model has {value})" for flag, value in saved.items()
-             if value != _option(args, flag)]
+    mine = {**{flag: _option(args, flag) for flag in saved}, "--vocab": cli_data.vocab(args)}
+    wrong = [f"{flag}={mine[flag]} (the checkpoint's model has {value})" for flag, value in saved.items() if value != mine[flag]]
     if wrong:
         raise ValueError(f"--resume={args.resume}: holds another model than the options describe: {'; '.join(wrong)}")
 
@@ -287,7 +293,8 @@ def _train(args, device) -> None:
 
     dtype = getattr(torch, args.dtype)
     cfg = _model_config(args)
-    sampler = BatchSampler(stdlib_corpus(args.corpus_bytes), args.seq_len, seed=args.seed)
+    corpus = stdlib_corpus(args.corpus_bytes) if args.data is None else cli_data.tokens(args)
+    sampler = BatchSampler(corpus, args.seq_len, seed=args.seed)
     config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                          max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout,
                          dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp, on_nonfinite=args.on_nonfinite)
@@ -350,7 +357,7 @@ def _model_config(args):
         raise bad("--top-k", top_k, f"must be in 1..--experts ({args.experts})")
     if not args.experts and args.top_k is not None:
         raise bad("--top-k", args.top_k, "needs --experts: a dense model (--experts 0) routes no tokens")
-    return GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers,
+    return GPTConfig(vocab=cli_data.vocab(args), seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers,
                      experts=args.experts, top_k=top_k if args.experts else _DEFAULT_TOP_K)
 
 

@@ -1,0 +1,173 @@
+"""``twinpipe train --data FILE`` (and ``--model DIR``): token files memory-mapped, the sampler over them,
+the checks before any rank starts, and whole runs through the installed console script."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from twinpipe.train.cli import main as train_main
+from twinpipe.train.data import BatchSampler
+from twinpipe.train.tokens import MEGATRON_MAGIC, open_tokens, token_range
+
+TINY_LLAMA = Path(__file__).parent / "data" / "tiny-llama"
+SMALL = ["--layers", "2", "--dim", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "4"]
+
+
+def _ids(n: int, high: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, high, n)
+
+
+def _megatron_idx(path: Path, code: int) -> None:
+    """The first bytes of a Megatron ``.idx``: magic, version 1, the dtype code (the rest is not read)."""
+    path.write_bytes(MEGATRON_MAGIC + (1).to_bytes(8, "little") + bytes([code]) + bytes(16))
+
+
+# ---- reading token files
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "int64"])
+def test_npy_is_memory_mapped(tmp_path, dtype):
+    ids = _ids(1000, 60000 if dtype == "uint16" else 100000).astype(dtype)
+    np.save(tmp_path / "t.npy", ids)
+    tokens = open_tokens(str(tmp_path / "t.npy"))
+    assert isinstance(tokens, np.memmap) and tokens.dtype == np.dtype(dtype)
+    assert np.array_equal(tokens, ids)
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_bin_reads_raw_little_endian_ids(tmp_path, dtype):
+    ids = _ids(1000, 60000).astype(np.dtype(dtype).newbyteorder("<"))
+    ids.tofile(tmp_path / "t.bin")
+    tokens = open_tokens(str(tmp_path / "t.bin"), dtype)
+    assert isinstance(tokens, np.memmap) and np.array_equal(tokens, ids)
+
+
+def test_bin_width_from_a_megatron_idx(tmp_path):
+    ids = _ids(500, 60000).astype("<u2")
+    ids.tofile(tmp_path / "t.bin")
+    _megatron_idx(tmp_path / "t.idx", 8)  # Megatron's uint16
+    assert np.array_equal(open_tokens(str(tmp_path / "t.bin")), ids)
+    with pytest.raises(ValueError, match=r"dtype='uint32': .*t.idx says the ids are uint16"):
+        open_tokens(str(tmp_path / "t.bin"), "uint32")
+    _megatron_idx(tmp_path / "t.idx", 6)  # a float code
+    with pytest.raises(ValueError, match="not an integer token dtype"):
+        open_tokens(str(tmp_path / "t.bin"))
+
+
+def test_token_range_scans_in_chunks(tmp_path):
+    ids = _ids(10_001, 5000)
+    ids[7777] = 9999
+    np.save(tmp_path / "t.npy", ids)
+    assert token_range(open_tokens(str(tmp_path / "t.npy")), chunk=1000) == (int(ids.min()), 9999)
+
+
+# ---- the sampler
+
+def test_sampler_over_a_memmap_draws_what_it_draws_over_a_tensor(tmp_path):
+    ids = _ids(5000, 300).astype(np.uint16)
+    np.save(tmp_path / "t.npy", ids)
+    mapped = BatchSampler(open_tokens(str(tmp_path / "t.npy")), 16, seed=3)
+    tensor = BatchSampler(torch.from_numpy(ids.astype(np.int64)), 16, seed=3)
+    again = BatchSampler(open_tokens(str(tmp_path / "t.npy")), 16, seed=3)  # another rank builds its own
+    for step in (0, 1, 7):
+        x, y = mapped.batch(step, 4)
+        assert x.dtype == torch.int64 and x.shape == (4, 16)
+        assert torch.equal(x, tensor.batch(step, 4)[0]) and torch.equal(y, tensor.batch(step, 4)[1])
+        assert torch.equal(x, again.batch(step, 4)[0])
+        assert torch.equal(x[:, 1:], y[:, :-1])  # labels: the next token
+
+
+
+# ---- checks before any rank starts: exit 2, one line naming the option
+
+def _error(argv, capsys, tmp_path) -> str:
+    code = train_main([*argv, "--out", str(tmp_path / "out"), "--pp", "1", "--steps", "1", *SMALL])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("twinpipe train: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_bad_data_files(tmp_path, capsys):
+    np.save(tmp_path / "ok.npy", _ids(100, 50).astype(np.uint16))
+    (tmp_path / "empty.bin").write_bytes(b"")
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    np.save(tmp_path / "float.npy", np.zeros(100, dtype=np.float32))
+    np.save(tmp_path / "matrix.npy", np.zeros((10, 10), dtype=np.uint16))
+    np.save(tmp_path / "short.npy", np.arange(8, dtype=np.uint16))
+    np.save(tmp_path / "negative.npy", np.array([3, -1] * 20, dtype=np.int32))
+    (tmp_path / "ids.csv").write_text("1,2,3")
+    _ids(100, 50).astype("<u2").tofile(tmp_path / "noheader.bin")
+    cases = {
+        ("--data", str(tmp_path / "missing.npy")): "--data=.*missing.npy': no such file",
+        ("--data", str(tmp_path / "empty.bin"), "--data-dtype", "uint16"): "--data=.*empty.bin': the file is empty",
+        ("--data", str(tmp_path / "odd.bin"), "--data-dtype", "uint16"): "3 bytes is not a whole number of uint16 ids",
+        ("--data", str(tmp_path / "noheader.bin")): "a .bin file has no header: give --data-dtype",
+        ("--data", str(tmp_path / "float.npy")): "--data=.*: must hold a 1-D array of integer token ids; .* float32",
+        ("--data", str(tmp_path / "matrix.npy")): "--data=.*: must hold a 1-D array .* 2-D",
+        ("--data", str(tmp_path / "short.npy")): r"--data=.*: holds 8 tokens; one sequence needs --seq-len \+ 1 = 9",
+        ("--data", str(tmp_path / "negative.npy")): r"--data=.*: holds a negative token id \(-1\)",
+        ("--data", str(tmp_path / "ids.csv")): "--data=.*: must be a .npy or .bin file",
+        ("--data", str(tmp_path / "ok.npy"), "--data-dtype", "uint16"): "--data-dtype='uint16': only for .bin files",
+        ("--data", str(tmp_path / "ok.npy"), "--vocab", "40"): r"--vocab=40: must be > 4\d, the largest token id",
+        ("--data-dtype", "uint16"): "--data-dtype=uint16: only with --data",
+        ("--vocab", "100",): "--vocab=100: the built-in corpus is bytes: must be >= 256",
+        ("--data", str(tmp_path / "notes.txt")): "--data=.*notes.txt': no such file|text needs a tokenizer",
+    }
+    (tmp_path / "notes.txt").write_text("some text")
+    for argv, pattern in cases.items():
+        err = _error(list(argv), capsys, tmp_path)
+        import re
+
+        assert re.search(pattern, err), (argv, err)
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+# ---- whole runs, through the installed console script
+
+def _run(args, cwd) -> subprocess.CompletedProcess:
+    exe = shutil.which("twinpipe")
+    assert exe, "the twinpipe console script is not installed"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    return subprocess.run([exe, "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def _losses(out: Path) -> list[float]:
+    return [s["loss"] for s in json.loads((out / "train-log.json").read_text())["steps"]]
+
+
+def test_builtin_gpt_on_a_token_file_then_resumed_on_another_mesh(tmp_path):
+    np.save(tmp_path / "t.npy", _ids(4000, 300).astype(np.uint16))
+    first = _run(["--data", "t.npy", "--pp", "2", "--steps", "2", "--schedule", "1f1b", *SMALL], tmp_path)
+    assert first.returncode == 0, first.stderr
+    log = json.loads((tmp_path / "twinpipe-train" / "train-log.json").read_text())
+    assert log["args"]["data"] == "t.npy" and len(log["steps"]) == 2
+    assert all(math.isfinite(v) for v in _losses(tmp_path / "twinpipe-train"))
+    # DP=2: both replicas sample the same global batch from the file (else PipelineMismatchError)
+    again = _run(["--data", "t.npy", "--pp", "1", "--dp", "2", "--steps", "3", "--schedule", "1f1b",
+                  "--resume", "twinpipe-train/checkpoint-final", *SMALL], tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert [s["step"] for s in json.loads((tmp_path / "twinpipe-train" / "train-log.json").read_text())["steps"]] == [2]
+
+
+def test_the_seed_changes_the_batches():
+    """torch's generator keeps 32 bits of a seed: a ``(seed << 32) + step`` seed drew seed 0's batches for every seed."""
+    from twinpipe.train.data import batch_seed
+
+    tokens = torch.arange(10_000)
+    zero, one = BatchSampler(tokens, 8, seed=0), BatchSampler(tokens, 8, seed=1)
+    assert not torch.equal(zero.batch(0, 4)[0], one.batch(0, 4)[0])
+    assert batch_seed(0, 5) == 5  # seed 0's batches are the ones every earlier version drew
+    # the docstring's claim: any two seeds of 0..1000 are at least 1.9 million steps apart
+    offsets = sorted(batch_seed(s, 0) for s in range(1001))
+    gaps = [b - a for a, b in zip(offsets, offsets[1:])] + [offsets[0] + 2**32 - offsets[-1]]
+    assert min(gaps) >= 1_900_000

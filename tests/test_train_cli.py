@@ -143,10 +143,16 @@ BAD = [
     (["--schedule", "interleaved-1f1b", "--pp", "4", "--batch-size", "6"],
      "--batch-size=6 / (--dp=1 x --microbatch-size=2) = 3 micro-batch(es) per pipeline: --schedule interleaved-1f1b needs "
      "a number of micro-batches that is an integer >= 4 and a multiple of 4"),
+    # --data, --model (tests/test_train_data.py has the rest)
+    (["--data", "{file}"], "--data='{file}': the file is empty"),
+    (["--vocab", "0"], "--vocab=0: must be >= 1"),
+    (["--model", "{file}"], "--model='{file}': must be a folder holding a transformers config.json"),
+    (["--layout", "E|t,L"], "--layout='E|t,L': only with --model"),
+    (["--ep", "0"], "--ep=0: must be >= 1"),
 ]
 # Refused by argparse (exit 2, its usage line and one error line).
 BAD_CHOICE = [["--dtype", "float16"], ["--device", "tpu"], ["--balance", "flops"], ["--dp-reduce", "sum"], ["--pp", "two"],
-              ["--on-nonfinite", "ignore"], ["--optimizer-hparams", "mine"]]
+              ["--on-nonfinite", "ignore"], ["--optimizer-hparams", "mine"], ["--data-dtype", "int8"]]
 NO_BAD_VALUE = {"overlap_dp"}
 
 

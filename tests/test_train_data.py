@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -126,9 +127,62 @@ def test_bad_data_files(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("some text")
     for argv, pattern in cases.items():
         err = _error(list(argv), capsys, tmp_path)
-        import re
-
         assert re.search(pattern, err), (argv, err)
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def _config(folder: Path, model_type: str, **fields) -> str:
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type, **fields).save_pretrained(folder)
+    return str(folder)
+
+
+def _needs_hf():
+    hf = pytest.importorskip("twinpipe.hf", reason="twinpipe.hf (branch h-hf) is not in this tree yet")
+    if not hasattr(hf, "build"):
+        pytest.skip("twinpipe.hf.build (branch h-hf) is not in this tree yet")
+
+
+def test_bad_models(tmp_path, capsys):
+    _needs_hf()
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=128, max_position_embeddings=64)
+    t5 = _config(tmp_path / "t5", "t5", d_model=32, d_ff=64, num_layers=2, num_heads=4, vocab_size=128)
+    gpt2 = _config(tmp_path / "gpt2", "gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=128, bos_token_id=1, eos_token_id=1,
+                   tie_word_embeddings=False)
+    tied = _config(tmp_path / "tied", "qwen3", **small, tie_word_embeddings=True)
+    bare = tmp_path / "bare"  # the tiny Llama without its tokenizer
+    bare.mkdir()
+    shutil.copy(TINY_LLAMA / "config.json", bare / "config.json")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("some text, long enough for one sequence of eight tokens")
+    np.save(tmp_path / "big.npy", np.array([5, 300] * 50, dtype=np.uint16))
+    np.save(tmp_path / "ok.npy", _ids(100, 100).astype(np.uint16))
+    llama, ok = str(TINY_LLAMA), str(tmp_path / "ok.npy")
+    no_gpt = [a for a in SMALL if a not in ("--layers", "2", "--dim", "16", "--heads")]  # the GPT's options left at their defaults
+    cases = {
+        ("--model", str(tmp_path / "nowhere")): "--model=.*nowhere': must be a folder holding a transformers config.json",
+        ("--model", str(tmp_path / "empty")): "--model=.*empty': has no config.json",
+        ("--model", t5): "--model=.*t5': transformers builds no causal LM from its config.json \\(model_type='t5'\\)",
+        ("--model", gpt2): "--model=.*gpt2': model=GPT2LMHeadModel: has no model; twinpipe.hf runs decoder-only causal LMs",
+        ("--model", tied): "--model=.*tied': ties its input and output embeddings",
+        ("--model", llama, "--layout", "E,t*2|t*2,L"): "--layout='E,t\\*2\\|t\\*2,L': must be 1 stage",
+        ("--layout", "E,t*2|t*2,L"): "--layout='E,t\\*2\\|t\\*2,L': only with --model",
+        ("--model", llama, "--ep", "2"): "--ep=2: must be 1: expert parallelism for --model's MoE layers is not wired",
+        ("--ep", "2"): "--ep=2: only with --model",
+        ("--model", llama, "--dim", "32"): "--dim=32: not with --model",
+        ("--model", llama, "--seq-len", "300"): "--seq-len=300: must be at most 256, --model's max_position_embeddings",
+        ("--model", str(bare), "--data", str(tmp_path / "notes.txt")): "--data=.*notes.txt': text needs a tokenizer: --model=.* has no tokenizer",
+        ("--model", str(bare)): "--model=.*bare': has no tokenizer, so the built-in corpus .* give --data",
+        ("--model", llama, "--data", str(tmp_path / "big.npy")): "--data=.*big.npy': holds token id 300, and --model's vocabulary has 128",
+    }
+    for argv, pattern in cases.items():
+        data = [] if "--data" in argv or argv == ("--model", str(bare)) else ["--data", ok]
+        code = train_main([*no_gpt, *argv, *data, "--out", str(tmp_path / "out"), "--steps", "1", "--schedule", "1f1b", "--pp", "1"])
+        err = capsys.readouterr().err
+        assert code == 2, (argv, err)
+        assert err.startswith("twinpipe train: error: ") and err.count("\n") == 1 and re.search(pattern, err), (argv, err)
     assert not (tmp_path / "out").exists()  # nothing written
 
 
@@ -137,26 +191,12 @@ def test_bad_data_files(tmp_path, capsys):
 def _run(args, cwd) -> subprocess.CompletedProcess:
     exe = shutil.which("twinpipe")
     assert exe, "the twinpipe console script is not installed"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), **os.environ}  # this tree, unless told
     return subprocess.run([exe, "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
 
 
 def _losses(out: Path) -> list[float]:
     return [s["loss"] for s in json.loads((out / "train-log.json").read_text())["steps"]]
-
-
-def test_builtin_gpt_on_a_token_file_then_resumed_on_another_mesh(tmp_path):
-    np.save(tmp_path / "t.npy", _ids(4000, 300).astype(np.uint16))
-    first = _run(["--data", "t.npy", "--pp", "2", "--steps", "2", "--schedule", "1f1b", *SMALL], tmp_path)
-    assert first.returncode == 0, first.stderr
-    log = json.loads((tmp_path / "twinpipe-train" / "train-log.json").read_text())
-    assert log["args"]["data"] == "t.npy" and len(log["steps"]) == 2
-    assert all(math.isfinite(v) for v in _losses(tmp_path / "twinpipe-train"))
-    # DP=2: both replicas sample the same global batch from the file (else PipelineMismatchError)
-    again = _run(["--data", "t.npy", "--pp", "1", "--dp", "2", "--steps", "3", "--schedule", "1f1b",
-                  "--resume", "twinpipe-train/checkpoint-final", *SMALL], tmp_path)
-    assert again.returncode == 0, again.stderr
-    assert [s["step"] for s in json.loads((tmp_path / "twinpipe-train" / "train-log.json").read_text())["steps"]] == [2]
 
 
 def test_the_seed_changes_the_batches():
@@ -171,3 +211,58 @@ def test_the_seed_changes_the_batches():
     offsets = sorted(batch_seed(s, 0) for s in range(1001))
     gaps = [b - a for a, b in zip(offsets, offsets[1:])] + [offsets[0] + 2**32 - offsets[-1]]
     assert min(gaps) >= 1_900_000
+
+
+def test_text_is_tokenized_with_the_model_folders_tokenizer(tmp_path):
+    from argparse import Namespace
+
+    from transformers import AutoTokenizer
+
+    from twinpipe.train.cli_data import load_tokenizer, tokens
+
+    (tmp_path / "b.txt").write_text("def f(x):\n    return x\n")
+    (tmp_path / "a.txt").write_text("hello")
+    tokenizer = load_tokenizer(str(TINY_LLAMA))
+    reference = AutoTokenizer.from_pretrained(str(TINY_LLAMA), local_files_only=True)
+    expected = [*reference("hello", add_special_tokens=False)["input_ids"], reference.eos_token_id,
+                *reference("def f(x):\n    return x\n", add_special_tokens=False)["input_ids"], reference.eos_token_id]
+    for data in (str(tmp_path), str(tmp_path / "*.txt")):  # a folder, a glob: files in sorted order
+        assert tokens(Namespace(data=data, data_dtype=None), tokenizer).tolist() == expected
+    assert load_tokenizer(str(tmp_path)) is None  # no tokenizer files there
+
+
+def test_a_transformers_model_trains_on_a_pipeline_and_resumes_on_another_mesh(tmp_path, capsys):
+    """``--model`` with the tiny Llama: the first step's loss is the unsplit model's on the same batch
+    (the same seed builds the same weights), and a resumed run continues from the checkpoint."""
+    _needs_hf()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ids = _ids(3000, 128).astype(np.uint16)
+    np.save(tmp_path / "t.npy", ids)
+    shape = ["--seq-len", "8", "--batch-size", "4", "--microbatch-size", "1"]
+    first = _run(["--model", str(TINY_LLAMA), "--data", "t.npy", "--pp", "2", "--steps", "2", "--schedule", "zb-h1",
+                  "--layout", "E,t*2|t*2,L", *shape], tmp_path)
+    assert first.returncode == 0, first.stderr
+    losses = _losses(tmp_path / "twinpipe-train")
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(TINY_LLAMA), local_files_only=True))
+    x, y = BatchSampler(ids, 8, seed=0).batch(0, 4)
+    with torch.no_grad():
+        logits = model(x).logits
+    expected = float(torch.stack([torch.nn.functional.cross_entropy(logits[i], y[i]) for i in range(4)]).mean())
+    assert losses[0] == pytest.approx(expected, rel=1e-5)
+    again = _run(["--model", str(TINY_LLAMA), "--data", "t.npy", "--pp", "1", "--dp", "2", "--steps", "3", "--schedule", "1f1b",
+                  "--resume", "twinpipe-train/checkpoint-final", *shape], tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert [s["step"] for s in json.loads((tmp_path / "twinpipe-train" / "train-log.json").read_text())["steps"]] == [2]
+    # a checkpoint of another model: refused before any rank starts
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((TINY_LLAMA / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    code = train_main(["--model", str(other), "--data", str(tmp_path / "t.npy"), "--pp", "1", "--steps", "4", *shape,
+                       "--resume", str(tmp_path / "twinpipe-train" / "checkpoint-final"), "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert code == 2 and not (tmp_path / "x").exists(), err
+    assert "--resume=" in err and "holds another model than --model=" in err and "model.layers.2." in err, err

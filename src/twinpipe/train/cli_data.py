@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import numpy as np
+
 import twinpipe.cli_options as cli_options
 from twinpipe.train.tokens import BIN_DTYPES, CHUNK, is_text, open_tokens, token_range, tokenize_text
 
@@ -43,19 +45,24 @@ def check_data(args, model_vocab: int | None = None, tokenizer=None) -> int | No
     if args.data is None:
         if args.data_dtype is not None:
             raise ValueError(f"--data-dtype={args.data_dtype}: only with --data (a .bin file)")
-        if args.vocab is not None and args.vocab < BYTE_VOCAB:
-            raise ValueError(f"--vocab={args.vocab}: the built-in corpus is bytes: must be >= {BYTE_VOCAB}")
-        return None
+        if model_vocab is None:
+            if args.vocab is not None and args.vocab < BYTE_VOCAB:
+                raise ValueError(f"--vocab={args.vocab}: the built-in corpus is bytes: must be >= {BYTE_VOCAB}")
+            return None
+        if tokenizer is None:
+            raise ValueError(f"--model={args.model!r}: has no tokenizer, so the built-in corpus (text) cannot be "
+                             "tokenized for it: give --data (token ids of its vocabulary, or text)")
     ids = tokens(args, tokenizer)
+    what = f"--data={args.data!r}" if args.data is not None else f"the built-in corpus (--corpus-bytes={args.corpus_bytes})"
     if ids.size < args.seq_len + 1:
-        raise ValueError(f"--data={args.data!r}: holds {ids.size} tokens; one sequence needs --seq-len + 1 = "
+        raise ValueError(f"{what}: holds {ids.size} tokens; one sequence needs --seq-len + 1 = "
                          f"{args.seq_len + 1} (lower --seq-len)")
     low, high = token_range(ids, CHUNK)
     if low < 0:
-        raise ValueError(f"--data={args.data!r}: holds a negative token id ({low})")
+        raise ValueError(f"{what}: holds a negative token id ({low})")
     if model_vocab is not None:
         if high >= model_vocab:
-            raise ValueError(f"--data={args.data!r}: holds token id {high}, and --model's vocabulary has {model_vocab} "
+            raise ValueError(f"{what}: holds token id {high}, and --model's vocabulary has {model_vocab} "
                              "(ids 0.." f"{model_vocab - 1}): tokenized for another model?")
         return model_vocab
     if args.vocab is not None:
@@ -67,7 +74,16 @@ def check_data(args, model_vocab: int | None = None, tokenizer=None) -> int | No
 
 def tokens(args, tokenizer=None):
     """This run's token ids: the ``--data`` file memory-mapped (numpy), or its text tokenized with
-    ``tokenizer`` (ValueError naming ``--data`` when text comes without one)."""
+    ``tokenizer`` (ValueError naming ``--data`` when text comes without one). Without ``--data``: the
+    built-in corpus, its bytes, or with ``tokenizer`` its text tokenized."""
+    if args.data is None:
+        from twinpipe.train.data import stdlib_corpus
+
+        corpus = stdlib_corpus(args.corpus_bytes)
+        if tokenizer is None:
+            return corpus
+        text = corpus.numpy().tobytes().decode("utf-8", errors="replace")  # a cut may split a character
+        return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
     if is_text(args.data):
         if args.data_dtype is not None:
             raise ValueError(f"--data-dtype={args.data_dtype}: only for a .bin file, not text (--data={args.data!r})")

@@ -59,6 +59,10 @@ def test_bin_width_from_a_megatron_idx(tmp_path):
     assert np.array_equal(open_tokens(str(tmp_path / "t.bin")), ids)
     with pytest.raises(ValueError, match=r"dtype='uint32': .*t.idx says the ids are uint16"):
         open_tokens(str(tmp_path / "t.bin"), "uint32")
+    wide = _ids(500, 100000).astype("<i4")
+    wide.tofile(tmp_path / "w.bin")
+    _megatron_idx(tmp_path / "w.idx", 4)  # Megatron's int32 (vocabularies of 65500 and more)
+    assert np.array_equal(open_tokens(str(tmp_path / "w.bin")), wide)
     _megatron_idx(tmp_path / "t.idx", 6)  # a float code
     with pytest.raises(ValueError, match="not an integer token dtype"):
         open_tokens(str(tmp_path / "t.bin"))
@@ -229,6 +233,12 @@ def test_text_is_tokenized_with_the_model_folders_tokenizer(tmp_path):
     for data in (str(tmp_path), str(tmp_path / "*.txt")):  # a folder, a glob: files in sorted order
         assert tokens(Namespace(data=data, data_dtype=None), tokenizer).tolist() == expected
     assert load_tokenizer(str(tmp_path)) is None  # no tokenizer files there
+    # without --data: the built-in corpus's text, tokenized
+    corpus = tokens(Namespace(data=None, data_dtype=None, corpus_bytes=300), tokenizer)
+    from twinpipe.train.data import stdlib_corpus
+
+    text = stdlib_corpus(300).numpy().tobytes().decode("utf-8", errors="replace")
+    assert corpus.tolist() == reference(text, add_special_tokens=False)["input_ids"]
 
 
 def test_a_transformers_model_trains_on_a_pipeline_and_resumes_on_another_mesh(tmp_path, capsys):
@@ -253,7 +263,7 @@ def test_a_transformers_model_trains_on_a_pipeline_and_resumes_on_another_mesh(t
     expected = float(torch.stack([torch.nn.functional.cross_entropy(logits[i], y[i]) for i in range(4)]).mean())
     assert losses[0] == pytest.approx(expected, rel=1e-5)
     again = _run(["--model", str(TINY_LLAMA), "--data", "t.npy", "--pp", "1", "--dp", "2", "--steps", "3", "--schedule", "1f1b",
-                  "--resume", "twinpipe-train/checkpoint-final", *shape], tmp_path)
+                  "--balance", "time", "--resume", "twinpipe-train/checkpoint-final", *shape], tmp_path)
     assert again.returncode == 0, again.stderr
     assert [s["step"] for s in json.loads((tmp_path / "twinpipe-train" / "train-log.json").read_text())["steps"]] == [2]
     # a checkpoint of another model: refused before any rank starts

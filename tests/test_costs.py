@@ -140,10 +140,10 @@ def test_planners_need_room_for_one_microbatch_at_its_peak():
     from twinpipe.schedule.zb_auto import zb_auto
     from twinpipe.schedule.zbv import zbv
 
-    with pytest.raises(ValueError, match=r"at least max\(1, mw\) = 1.5"):
+    with pytest.raises(ValueError, match=r"must be >= max\(1, mw\) = 1.5"):
         zb_auto(2, 4, mem_limit=1.4, mw=1.5)
     zb_auto(2, 4, mem_limit=1.5, mw=1.5)
-    with pytest.raises(ValueError, match=r"at least 1 \+ max\(1, mw\) = 2.5"):
+    with pytest.raises(ValueError, match=r"must be >= 1 \+ max\(1, mw\) = 2.5"):
         zbv(2, 4, mem_limit=2.4, mw=1.5)
 
 

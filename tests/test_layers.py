@@ -35,6 +35,7 @@ LAYERS = [
     ("eplb", "expert placement and the live balancer (uses moe)"),
     ("train", "the trainer and its model description (GPTConfig)"),
     ("plan", "the planner (pure Python; reads a GPTConfig without importing it)"),
+    ("hf", "Hugging Face transformers causal LMs: stages, expert parallelism, checkpoint weights (uses train)"),
     ("__init__", "the public face: import twinpipe"),
     ("demo", "the demos twinpipe demo runs"),
     ("cli", "the twinpipe command"),

@@ -167,13 +167,13 @@ def test_full_backwards_only_split_in_halves(tmp_path):
 
 
 def test_counts_are_checked_before_anything_runs():
-    with pytest.raises(ValueError, match=r"microbatches=0: must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"microbatches=0: must be >= 1"):
         plan(SMALL_DENSE, Cluster(gpus=8), 0)
-    with pytest.raises(ValueError, match=r"pp_sizes entry=2.5"):
+    with pytest.raises(ValueError, match=r"pp_sizes=\[2.5\]: must be a non-empty sequence of ints >= 1"):
         plan(SMALL_DENSE, Cluster(gpus=8), 8, pp_sizes=[2.5])
     with pytest.raises(ValueError, match=r"pp=True"):
         predict_one("1f1b", SMALL_DENSE, Cluster(gpus=8), True, 8)
-    with pytest.raises(ValueError, match=r"schedule='nope' is unknown"):
+    with pytest.raises(ValueError, match=r"schedule='nope': allowed are "):
         plan(SMALL_DENSE, Cluster(gpus=8), 8, schedules=["nope"])
 
 
@@ -216,9 +216,9 @@ def test_cli_from_trace(tmp_path, capsys):
     ([], "missing --gpus"),
     (["--gpus", "8"], "missing --microbatches"),
     (["--gpus", "8", "--microbatches", "8", "--pp", "two"], "--pp='two'"),
-    (["--gpus", "8", "--microbatches", "0"], "microbatches=0: must be an integer >= 1"),
+    (["--gpus", "8", "--microbatches", "0"], "microbatches=0: must be >= 1"),
     (["--gpus", "0", "--microbatches", "8"], "cluster.gpus=0: must be >= 1"),
-    (["--gpus", "8", "--microbatches", "8", "--schedules", "nope"], "schedule='nope' is unknown"),
+    (["--gpus", "8", "--microbatches", "8", "--schedules", "nope"], "schedule='nope': allowed are "),
     (["--gpus", "8", "--microbatches", "8", "--experts", "4", "--top-k", "5"], "model.top_k=5"),
 ])
 def test_cli_bad_input_names_the_option(extra, message, capsys):
@@ -264,7 +264,7 @@ def test_workers_give_the_same_plan_as_one_process():
 
 @pytest.mark.parametrize("workers", [0, -2, 1.5, True, "4"])
 def test_workers_must_be_a_positive_integer(workers):
-    with pytest.raises(ValueError, match=rf"workers={workers!r}: must be an integer >= 1"):
+    with pytest.raises(ValueError, match=rf"workers={workers!r}: must be (an int )?>= 1$"):
         plan(SMALL_DENSE, Cluster(gpus=8), 8, workers=workers)
 
 

@@ -281,7 +281,7 @@ def test_cost_model_rejects_bad_values(kwargs, message):
 
 
 def test_cost_model_per_stage_length_checked():
-    with pytest.raises(ValueError, match="t_f has 3 entries; the schedule has 4 stages"):
+    with pytest.raises(ValueError, match=r"t_f=\[1, 1, 1\]: must be one number or 4 \(one per stage of the schedule\)"):
         simulate(registry.build("1f1b", 4, 4), CostModel(t_f=[1, 1, 1]))
 
 
@@ -425,7 +425,7 @@ def test_cli_mem_limit_counts_1f1b_stages(capsys):
 
 def test_cli_compare_names_the_failing_schedule_once(capsys):
     code, _, err = cli(capsys, "--compare", "1f1b,dualpipe", "-p", "3", "-m", "4")
-    assert code == 2 and err == "twinpipe simulate: error: dualpipe: num_ranks=3 is not allowed; it must be an even integer >= 2\n"
+    assert code == 2 and err == "twinpipe simulate: error: dualpipe: num_ranks=3: must be >= 2 and even\n"
 
 
 def test_cli_table_says_what_was_held_equal(capsys):
@@ -441,12 +441,12 @@ def test_cli_table_says_what_was_held_equal(capsys):
     [
         (["1f1b", "-p", "4", "-m", "8", "--f", "inf"], "--f=inf: must be a finite number >= 0"),
         (["1f1b", "-p", "4", "-m", "8", "--fb", "nan"], "--fb=nan: must be a finite number >= 0"),
-        (["1f1b", "-p", "4", "-m", str(10**6)], "num_microbatches=1000000 is not allowed; it must be an integer >= 1 and <= 16384"),
-        (["nope", "-p", "4", "-m", "8"], "schedule='nope' is unknown; allowed:"),
-        (["1f1b", "-p", "0", "-m", "8"], "num_ranks=0 is not allowed"),
+        (["1f1b", "-p", "4", "-m", str(10**6)], "num_microbatches=1000000: must be >= 1 and <= 16384"),
+        (["nope", "-p", "4", "-m", "8"], "schedule='nope': allowed are "),
+        (["1f1b", "-p", "0", "-m", "8"], "num_ranks=0: must be >= 1"),
         (["1f1b", "-p", "4", "-m", "8", "--mem-limit", "4"], "--mem-limit=4 does not apply to schedule '1f1b'; it applies to: zb-auto, zbv"),
-        (["interleaved-1f1b", "-p", "4", "-m", "6"], "num_microbatches=6 is not allowed"),
-        (["zb-auto", "-p", "4", "-m", "8", "--mem-limit", "0.5"], "mem_limit=0.5 is not allowed"),
+        (["interleaved-1f1b", "-p", "4", "-m", "6"], "num_microbatches=6: must be >= 4 and a multiple of 4"),
+        (["zb-auto", "-p", "4", "-m", "8", "--mem-limit", "0.5"], "mem_limit=0.5: must be >= max(1, mw) = 1"),
         (["1f1b", "-p", "4", "-m", "8", "--comm", "-1"], "--comm=-1.0: must be a finite number >= 0"),
         (["-p", "4", "-m", "8"], "missing SCHEDULE"),
         (["1f1b", "--compare", "zb-h1", "-p", "4", "-m", "8"], "not both"),
@@ -514,5 +514,5 @@ def test_two_ranks_on_one_core_share_it_evenly():
 
 @pytest.mark.parametrize("cores", [0, -1, 1.5, True, "2"])
 def test_cores_must_be_a_positive_integer(cores):
-    with pytest.raises(ValueError, match=rf"cores={cores!r}: must be an integer >= 1"):
+    with pytest.raises(ValueError, match=rf"cores={cores!r}: must be (an int )?>= 1 \(or None"):
         CostModel(cores=cores)

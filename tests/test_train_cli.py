@@ -122,8 +122,8 @@ BAD = [
     (["--max-norm", "nan"], "--max-norm=nan: must be a finite number >= 0"),
     (["--max-norm", "-1"], "--max-norm=-1.0: must be a finite number >= 0"),
     (["--max-norm", "inf"], "--max-norm=inf: must be a finite number >= 0"),
-    (["--seed", "-1"], "--seed=-1: must be an int in 0..4294967295"),
-    (["--seed", str(2**32)], "--seed=4294967296: must be an int in 0..4294967295"),
+    (["--seed", "-1"], "--seed=-1: must be >= 0 and <= 4294967295"),
+    (["--seed", str(2**32)], "--seed=4294967296: must be >= 0 and <= 4294967295"),
     (["--corpus-bytes", "0"], "--corpus-bytes=0: must be >= 1"),
     (["--corpus-bytes", "1000"], "--corpus-bytes=1000: must be at least --batch-size x (--seq-len + 1) = 1040"),
     (["--out", "{file}"], "--out='{file}': must be a folder; it is a file"),
@@ -135,14 +135,14 @@ BAD = [
     (["--timeout", "nan"], "--timeout=nan: must be a finite number"),
     (["--device", "cuda"], "--device='cuda': must be cpu on this machine: torch sees no CUDA GPU"),
     (["--schedule", "zigzag"], "--schedule='zigzag': allowed are 1f1b, bitpipe, chimera, dualpipe, dualpipev"),
-    (["--schedule", "dualpipe", "--pp", "1"], "--pp=1: must be an even integer >= 2 for --schedule dualpipe"),
-    (["--schedule", "chimera", "--pp", "3"], "--pp=3: must be an even integer >= 2 for --schedule chimera"),
+    (["--schedule", "dualpipe", "--pp", "1"], "--pp=1: must be >= 2 and even for --schedule dualpipe"),
+    (["--schedule", "chimera", "--pp", "3"], "--pp=3: must be >= 2 and even for --schedule chimera"),
     (["--schedule", "dualpipe", "--pp", "2", "--dp", "2", "--batch-size", "4"],
      "--batch-size=4 / (--dp=2 x --microbatch-size=2) = 1 micro-batch(es) per pipeline: --schedule dualpipe needs a number "
-     "of micro-batches that is an even integer >= 2"),
+     "of micro-batches that is >= 2 and even"),
     (["--schedule", "interleaved-1f1b", "--pp", "4", "--batch-size", "6"],
      "--batch-size=6 / (--dp=1 x --microbatch-size=2) = 3 micro-batch(es) per pipeline: --schedule interleaved-1f1b needs "
-     "a number of micro-batches that is an integer >= 4 and a multiple of 4"),
+     "a number of micro-batches that is >= 4 and a multiple of 4"),
     # --data, --model (tests/test_train_data.py has the rest)
     (["--data", "{file}"], "--data='{file}': the file is empty"),
     (["--vocab", "0"], "--vocab=0: must be >= 1"),
@@ -208,7 +208,7 @@ TYPED = [
     ("--device cuda", "--device='cuda': must be cpu on this machine"),
     ("--timeout 1e300", "--timeout=1e+300: must be a finite number"),
     ("--out a-file", "--out='a-file': must be a folder; it is a file"),
-    ("--schedule dualpipe --pp 1", "--pp=1: must be an even integer >= 2 for --schedule dualpipe"),
+    ("--schedule dualpipe --pp 1", "--pp=1: must be >= 2 and even for --schedule dualpipe"),
     ("--corpus-bytes 0", "--corpus-bytes=0: must be >= 1"),
     ("--lr nan", "--lr=nan: must be a finite number > 0"),
 ]

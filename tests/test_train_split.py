@@ -73,10 +73,10 @@ def test_explicit_balance():
 
 
 @pytest.mark.parametrize("model, stages, kwargs, message", [
-    (_gpt(2), 5, {}, "num_stages=5: the model has only 4 layers (embed, blocks.0, blocks.1, head)"),
-    (_gpt(2), 0, {}, "num_stages=0: must be an int >= 1"),
+    (_gpt(2), 5, {}, "num_stages=5: must be <= 4: the model has only 4 layers (embed, blocks.0, blocks.1, head)"),
+    (_gpt(2), 0, {}, "num_stages=0: must be >= 1"),
     (_gpt(2), 2, {"balance": "flops"}, "balance='flops': allowed are 'params', 'time'"),
-    (_gpt(2), 2, {"balance": [1, 2]}, "balance=[1, 2]: a list must give 2 layer counts (ints >= 1) summing to the model's 4 layers"),
+    (_gpt(2), 2, {"balance": [1, 2]}, "balance=[1, 2]: must sum to the model's 4 layers (layer counts per stage)"),
     (_gpt(2), 2, {"balance": "time"}, "balance='time' measures each layer: pass sample="),
     (nn.Linear(3, 3), 1, {}, "model=Linear: has 0 nn.ModuleList children (none)"),
     (_gpt(2), 2, {"blocks": "layers"}, "blocks='layers': GPT has no nn.ModuleList child of that name"),

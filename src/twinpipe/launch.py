@@ -15,6 +15,8 @@ import socket
 import time
 import traceback
 
+from twinpipe.checks import check_int, checked_timeout
+
 __all__ = ["free_port", "run_local"]
 
 HOST = "127.0.0.1"
@@ -60,13 +62,10 @@ def run_local(world: int, fn, *args, timeout: float | None = None, threads: int 
     TimeoutError when not every rank returned within ``timeout`` seconds (None: no limit). With
     ``allow_deaths`` a rank that exits without a result gives ``("died", exit code)`` instead of
     an error, and the others go on (for runs that kill ranks on purpose)."""
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"world={world!r}: must be a positive int (processes)")
+    check_int(world, "world", low=1, why="processes")
     import torch.multiprocessing as mp
 
     if group_timeout is not None:
-        from twinpipe.runtime.collectives import checked_timeout
-
         group_timeout = checked_timeout(group_timeout, "group_timeout")
 
     ctx = mp.get_context("spawn")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import EplbArgumentError, check_layout, check_previous, check_weight
+from .checks import check_layout, check_previous, check_weight, refused
 from .limits import check_log2phy_size, check_size
 from .migrate import align_to_previous
 from .packing import greedy_pack, inverse_permutation, ranks_in_pack, replicate
@@ -63,12 +63,9 @@ def rebalance_experts(
     gpus_per_node = num_gpus // num_nodes
     if distinct_per_gpu and num_replicas > num_experts * gpus_per_node:
         where = "GPUs per node" if num_nodes > 1 else "num_gpus"
-        raise EplbArgumentError(
-            "distinct_per_gpu",
-            f"distinct_per_gpu=True is not allowed with num_replicas={num_replicas}: it needs "
-            f"num_replicas <= experts ({num_experts}) x {where} ({gpus_per_node}), "
-            "else some GPU must hold two replicas of one expert",
-        )
+        raise refused("distinct_per_gpu", True, f"must be False with num_replicas={num_replicas}: True needs "
+                      f"num_replicas <= experts ({num_experts}) x {where} ({gpus_per_node}), "
+                      "else some GPU must hold two replicas of one expert")
 
     layout = (weight, num_replicas, num_groups, num_nodes, num_gpus)
     options = dict(distinct=distinct_per_gpu, refine_gpus=refine)

@@ -1,8 +1,13 @@
-"""Input validation for the load balancer: every error names the argument, its value and what is allowed."""
+"""Input validation for the load balancer: every error names the argument, its value and what is allowed,
+in ``twinpipe.checks``' phrasing (``num_gpus=3: must be ...``), as an ``EplbArgumentError``."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+
+from twinpipe import checks
 
 
 class EplbArgumentError(ValueError):
@@ -13,13 +18,14 @@ class EplbArgumentError(ValueError):
         self.argument = argument
 
 
+def refused(argument: str, value: object, allowed: str, name: str | None = None) -> EplbArgumentError:
+    """``name=value: allowed`` (``name`` defaults to ``argument``) as an error about ``argument``."""
+    return checks.bad(name or argument, value, allowed, error=partial(EplbArgumentError, argument))
+
+
 def check_count(name: str, value: object) -> int:
     """A positive int (bools are refused)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise EplbArgumentError(name, f"{name}={value!r} is not allowed: it must be a positive int")
-    if value <= 0:
-        raise EplbArgumentError(name, f"{name}={value} is not allowed: it must be a positive int")
-    return value
+    return checks.check_int(value, name, low=1, error=partial(EplbArgumentError, name))
 
 
 def check_weight(weight: object) -> torch.Tensor:
@@ -44,28 +50,16 @@ def check_weight(weight: object) -> torch.Tensor:
     if weight.is_complex() or weight.dtype == torch.bool:
         raise EplbArgumentError("weight", f"weight has dtype {weight.dtype}; allowed: a real numeric dtype")
     weight = weight.detach().cpu()
-    if not bool(torch.isfinite(weight).all()):
-        bad = (~torch.isfinite(weight)).nonzero()[0].tolist()
-        raise EplbArgumentError(
-            "weight",
-            f"weight[{bad[0]}, {bad[1]}]={weight[bad[0], bad[1]].item()} is not allowed: loads must be finite",
-        )
-    too_big = weight.abs() > torch.finfo(torch.float32).max
-    if bool(too_big.any()):
-        bad = too_big.nonzero()[0].tolist()
-        raise EplbArgumentError(
-            "weight",
-            f"weight[{bad[0]}, {bad[1]}]={weight[bad[0], bad[1]].item()} is not allowed: loads are computed "
-            f"in float32 and must be at most {torch.finfo(torch.float32).max:.4g}",
-        )
-    weight = weight.float()
-    if bool((weight < 0).any()):
-        bad = (weight < 0).nonzero()[0].tolist()
-        raise EplbArgumentError(
-            "weight",
-            f"weight[{bad[0]}, {bad[1]}]={weight[bad[0], bad[1]].item()} is not allowed: loads must be >= 0",
-        )
-    return weight
+    for wrong, allowed in (
+        (~torch.isfinite(weight), "must be finite (a load)"),
+        (weight.abs() > torch.finfo(torch.float32).max,
+         f"must be <= {torch.finfo(torch.float32).max:.4g} (loads are computed in float32)"),
+        (weight < 0, "must be >= 0 (a load)"),
+    ):
+        if bool(wrong.any()):
+            i, j = wrong.nonzero()[0].tolist()
+            raise refused("weight", weight[i, j].item(), allowed, name=f"weight[{i}, {j}]")
+    return weight.float()
 
 
 def check_layout(
@@ -80,31 +74,19 @@ def check_layout(
     ):
         check_count(name, value)
     if num_replicas % num_gpus:
-        raise EplbArgumentError(
-            "num_replicas",
-            f"num_replicas={num_replicas} is not allowed: it must be a multiple of num_gpus={num_gpus} "
-            "(every GPU holds the same number of slots)",
-        )
+        raise refused("num_replicas", num_replicas,
+                      f"must be a multiple of num_gpus={num_gpus} (every GPU holds the same number of slots)")
     if num_replicas < num_experts:
-        raise EplbArgumentError(
-            "num_replicas",
-            f"num_replicas={num_replicas} is not allowed: it must be >= the number of experts "
-            f"({num_experts}) so that every expert has a replica",
-        )
+        raise refused("num_replicas", num_replicas,
+                      f"must be >= the number of experts ({num_experts}) so that every expert has a replica")
     hierarchical = num_groups % num_nodes == 0
     if hierarchical:
         if num_experts % num_groups:
-            raise EplbArgumentError(
-                "num_groups",
-                f"num_groups={num_groups} is not allowed: in hierarchical mode (num_nodes={num_nodes} "
-                f"divides num_groups) it must divide the number of experts ({num_experts})",
-            )
+            raise refused("num_groups", num_groups, f"must divide the number of experts ({num_experts}) in "
+                          f"hierarchical mode (num_nodes={num_nodes} divides num_groups)")
         if num_gpus % num_nodes:
-            raise EplbArgumentError(
-                "num_gpus",
-                f"num_gpus={num_gpus} is not allowed: in hierarchical mode (num_nodes={num_nodes} "
-                f"divides num_groups={num_groups}) it must be a multiple of num_nodes",
-            )
+            raise refused("num_gpus", num_gpus, f"must be a multiple of num_nodes={num_nodes} in hierarchical "
+                          f"mode (num_nodes divides num_groups={num_groups})")
     return hierarchical
 
 
@@ -125,9 +107,7 @@ def check_previous(previous: object, num_layers: int, num_experts: int, num_repl
     previous = previous.long().cpu()
     if bool(((previous < 0) | (previous >= num_experts)).any()):
         bad = ((previous < 0) | (previous >= num_experts)).nonzero()[0].tolist()
-        raise EplbArgumentError(
-            "previous_phy2log",
-            f"previous_phy2log[{bad[0]}, {bad[1]}]={previous[bad[0], bad[1]].item()} is not allowed: "
-            f"logical ids must be in [0, {num_experts})",
-        )
+        raise refused("previous_phy2log", previous[bad[0], bad[1]].item(),
+                      f"must be >= 0 and <= {num_experts - 1} (a logical expert id)",
+                      name=f"previous_phy2log[{bad[0]}, {bad[1]}]")
     return previous

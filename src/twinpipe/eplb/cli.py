@@ -37,9 +37,9 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int; allowed: a positive int") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an int >= 1") from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be a positive int")
+        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 1")
     return value
 
 

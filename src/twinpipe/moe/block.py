@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from twinpipe.checks import bad, check_int
 from twinpipe.moe.agree import agree, ep_timeout, frame_device
 from twinpipe.moe.local import LocalEPRank
 from twinpipe.moe.placement import check_placement, replica_table, slots_of_copies
@@ -115,8 +116,12 @@ class MoEBlock(nn.Module):
                  shared_hidden: int = 0, score: str = "softmax", groups: int = 1, top_groups: int | None = None,
                  normalize: bool | None = None, route_scale: float = 1.0, swiglu: bool = False, ep_group=None):
         super().__init__()
-        if not isinstance(heads, int) or heads < 1 or hidden % heads:
-            raise ValueError(f"heads={heads!r}: must be a positive int dividing hidden ({hidden})")
+        check_int(hidden, "hidden", low=1)
+        check_int(expert_hidden, "expert_hidden", low=1)
+        check_int(shared_hidden, "shared_hidden", low=0, why="0: no shared expert")
+        check_int(heads, "heads", low=1, why=f"dividing hidden ({hidden})")
+        if hidden % heads:
+            raise bad("heads", heads, f"must divide hidden ({hidden})")
         self.router = TopKRouter(hidden, num_experts, top_k, score, groups, top_groups, normalize, route_scale)
         ep, rank = self._check_group(ep_group, num_experts)
         self.hidden, self.heads, self.num_experts, self.top_k = hidden, heads, num_experts, top_k

@@ -8,6 +8,7 @@ from collections import deque
 import torch
 from torch import nn
 
+from twinpipe.checks import check_int
 from twinpipe.moe.agree import agree, all_reduce, ep_timeout, frame_device
 from twinpipe.moe.block import MoEBlock
 
@@ -36,8 +37,7 @@ class ExpertLoads:
     ``twinpipe.runtime.waits``, else ``twinpipe.checks.DEFAULT_TIMEOUT``)."""
 
     def __init__(self, model, window: int = 100, timeout: float | None = None):
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window={window!r}: must be a positive int (steps)")
+        check_int(window, "window", low=1, why="steps")
         self.timeout = ep_timeout(timeout)
         self.blocks = moe_blocks(model)
         self.window = window

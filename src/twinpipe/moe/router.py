@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from twinpipe.checks import bad, check_choice, check_float, check_int
 from twinpipe.runtime.weight_grad import DeferredLinear
 
 __all__ = ["TopKRouter"]
@@ -27,24 +28,20 @@ class TopKRouter(nn.Module):
                  groups: int = 1, top_groups: int | None = None, normalize: bool | None = None,
                  route_scale: float = 1.0):
         super().__init__()
-        if not isinstance(num_experts, int) or num_experts < 1:
-            raise ValueError(f"num_experts={num_experts!r}: must be a positive int")
-        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k={top_k!r}: must be an int in 1..num_experts ({num_experts})")
-        if score not in SCORES:
-            raise ValueError(f"score={score!r}: allowed are {SCORES}")
-        if not isinstance(groups, int) or groups < 1 or num_experts % groups:
-            raise ValueError(f"groups={groups!r}: must be a positive int dividing num_experts ({num_experts})")
+        check_int(num_experts, "num_experts", low=1)
+        check_int(top_k, "top_k", low=1, high=num_experts, why="at most num_experts")
+        check_choice(score, "score", SCORES)
+        check_int(groups, "groups", low=1, why=f"dividing num_experts ({num_experts})")
+        if num_experts % groups:
+            raise bad("groups", groups, f"must divide num_experts ({num_experts})")
         top_groups = groups if top_groups is None else top_groups
-        if not isinstance(top_groups, int) or not 1 <= top_groups <= groups:
-            raise ValueError(f"top_groups={top_groups!r}: must be an int in 1..groups ({groups})")
+        check_int(top_groups, "top_groups", low=1, high=groups, why="at most groups")
         if top_k > top_groups * (num_experts // groups):
-            raise ValueError(f"top_k={top_k}: more than the {top_groups * (num_experts // groups)} experts "
-                             f"in top_groups={top_groups} groups of {num_experts // groups}")
+            raise bad("top_k", top_k, f"must be <= {top_groups * (num_experts // groups)}, the experts "
+                      f"in top_groups={top_groups} groups of {num_experts // groups}")
         self.num_experts, self.top_k, self.score = num_experts, top_k, score
         self.groups, self.top_groups = groups, top_groups
-        if not isinstance(route_scale, (int, float)) or not route_scale > 0:
-            raise ValueError(f"route_scale={route_scale!r}: must be a number > 0")
+        check_float(route_scale, "route_scale", low=0, low_open=True)
         self.normalize = (score == "sigmoid") if normalize is None else normalize
         self.route_scale = float(route_scale)
         self.gate = DeferredLinear(hidden, num_experts, bias=False)

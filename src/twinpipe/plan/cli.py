@@ -16,6 +16,7 @@ import sys
 import time
 
 import twinpipe.cli_options as cli_options
+from twinpipe import checks
 from twinpipe.plan.measured import load_traced
 from twinpipe.plan.predict import PLANNED_CAP, default_pp_sizes, plan
 from twinpipe.plan.report import as_dicts, draw_plan, print_table
@@ -75,7 +76,7 @@ def _ints(text: str, flag: str) -> list[int]:
     except ValueError:
         values = []
     if not values or any(v < 1 for v in values):
-        raise ValueError(f"{flag}={text!r}: expected positive integers separated by commas")
+        raise checks.bad(flag, text, "must be ints >= 1 separated by commas")
     return values
 
 
@@ -93,8 +94,7 @@ def _model(args) -> Model | None:
 def _cluster(args, gpus: int) -> Cluster:
     for flag, value in (("--peak-tflops", args.peak_tflops), ("--memory-gib", args.memory_gib), ("--intra-gbps", args.intra_gbps),
                         ("--inter-gbps", args.inter_gbps), ("--latency-us", args.latency_us)):
-        if not value >= 0:  # nan too
-            raise ValueError(f"{flag}={value!r}: must be a number >= 0")
+        checks.check_float(value, flag, low=0)
     return Cluster(gpus=gpus, gpus_per_node=args.gpus_per_node, peak_flops=args.peak_tflops * 1e12, efficiency=args.efficiency,
                    memory=args.memory_gib * 2**30, intra_bw=args.intra_gbps * 1e9, inter_bw=args.inter_gbps * 1e9,
                    latency=args.latency_us * 1e-6)

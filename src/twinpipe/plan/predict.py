@@ -28,6 +28,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
+from twinpipe import checks
 from twinpipe.plan.costs import Layout, all_reduce_time, layout, stage_costs
 from twinpipe.plan.spec import Cluster, Model
 from twinpipe.schedule import registry
@@ -311,8 +312,7 @@ def plan(model: Model, cluster: Cluster, microbatches: int, pp_sizes=None, sched
     """
     schedules = [registry.get(name).name for name in (schedules or registry.names())]
     pp_sizes = list(pp_sizes or default_pp_sizes(cluster.gpus))
-    for p in pp_sizes:
-        _check_count("pp_sizes entry", p)
+    checks.check_ints(pp_sizes, "pp_sizes", low=1)
     _check_count("microbatches", microbatches)
     if workers is not None:
         _check_count("workers", workers)
@@ -363,8 +363,7 @@ def _predict_task(model, cluster, m: int, name: str, p: int, options: dict, cost
 
 
 def _check_count(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+    checks.check_int(value, name, low=1)
 
 
 def default_pp_sizes(gpus: int) -> list[int]:

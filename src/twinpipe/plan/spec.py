@@ -5,20 +5,19 @@ what is allowed.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from twinpipe import checks
 
 __all__ = ["Model", "Cluster"]
 
 
 def _check(owner: str, name: str, value, *, integer: bool = False, minimum: float = 0.0, strict: bool = True) -> None:
     """``value`` must be a finite number (an int if ``integer``), > ``minimum`` (>= if not ``strict``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{owner}.{name}={value!r}: must be a finite number")
-    if integer and not isinstance(value, int):
-        raise ValueError(f"{owner}.{name}={value!r}: must be an integer")
-    if value < minimum or (strict and value == minimum):
-        raise ValueError(f"{owner}.{name}={value!r}: must be {'>' if strict else '>='} {minimum:g}")
+    if integer:
+        checks.check_int(value, f"{owner}.{name}", low=int(minimum) + strict)
+    else:
+        checks.check_float(value, f"{owner}.{name}", low=minimum, low_open=strict)
 
 
 @dataclass(frozen=True)
@@ -62,9 +61,9 @@ class Model:
         if self.experts:
             _check("model", "top_k", self.top_k, integer=True, minimum=1, strict=False)
             if self.top_k > self.experts:
-                raise ValueError(f"model.top_k={self.top_k}: must be <= experts={self.experts}")
+                raise checks.bad("model.top_k", self.top_k, f"must be <= experts={self.experts}")
             if self.ep and self.experts % self.ep:
-                raise ValueError(f"model.ep={self.ep}: must divide experts={self.experts}")
+                raise checks.bad("model.ep", self.ep, f"must divide experts={self.experts}")
 
     @classmethod
     def from_config(cls, config, *, microbatch_size: int = 1, expert_ffn: int = 0, ep: int = 0, **sizes) -> "Model":
@@ -129,9 +128,7 @@ class Cluster:
         for name in ("peak_flops", "memory", "intra_bw", "inter_bw"):
             _check("cluster", name, getattr(self, name))
         _check("cluster", "latency", self.latency, strict=False)
-        _check("cluster", "efficiency", self.efficiency)
-        if self.efficiency > 1:
-            raise ValueError(f"cluster.efficiency={self.efficiency!r}: must be in (0, 1]")
+        checks.check_float(self.efficiency, "cluster.efficiency", low=0, low_open=True, high=1)
 
     def bandwidth(self, span_gpus: int) -> float:
         """Link bandwidth of a group whose members lie within ``span_gpus`` consecutive GPUs."""

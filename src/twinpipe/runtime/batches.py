@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from twinpipe.checks import bad, check_int
 from twinpipe.schedule.ops import Schedule
 from twinpipe.schedule.placement import Placement
 from twinpipe.schedule.spec import ScheduleSpec, resolve
@@ -27,8 +28,7 @@ __all__ = ["BatchLayout", "batch_layout", "microbatch_rows"]
 
 def microbatch_rows(batch_size: int, num_chunks: int, microbatches: range) -> slice:
     """The rows of a ``batch_size`` batch that contiguous ``microbatches`` cover (as ``tensor_split``)."""
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < num_chunks:
-        raise ValueError(f"batch_size={batch_size!r}: must be an int >= num_chunks={num_chunks} (one row per micro-batch at least)")
+    check_int(batch_size, "batch_size", low=num_chunks, why=f"num_chunks={num_chunks}: one row per micro-batch at least")
     if not microbatches:
         return slice(0, 0)
     base, extra = divmod(batch_size, num_chunks)  # the first `extra` micro-batches have one row more
@@ -100,15 +100,13 @@ def batch_layout(schedule: str | Schedule | ScheduleSpec, num_ranks: int, rank: 
     a ``Schedule``, or a ``ScheduleSpec`` (``twinpipe.schedule.resolve``); ``rank`` is the pipeline
     rank. For any pipeline: ``batch_layout(pipe.schedule_for(n), pipe.num_ranks, pipe.rank, n)``.
     """
-    for name, value, low in (("num_ranks", num_ranks, 1), ("num_chunks", num_chunks, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name}={value!r}: must be an int >= {low}")
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < num_ranks:
-        raise ValueError(f"rank={rank!r}: must be an int in 0..{num_ranks - 1}")
+    check_int(num_ranks, "num_ranks", low=1)
+    check_int(num_chunks, "num_chunks", low=1)
+    check_int(rank, "rank", low=0, high=num_ranks - 1)
     placement = _placement(schedule, num_ranks, num_chunks, options)
     chains = len(placement.chains)
     if num_chunks % chains:
-        raise ValueError(f"num_chunks={num_chunks}: must be a multiple of {chains}, one equal share per chain of this schedule")
+        raise bad("num_chunks", num_chunks, f"must be a multiple of {chains}, one equal share per chain of this schedule")
     empty = range(0)
     first = _chain_ends(placement, rank, 0, "first")
     last = _chain_ends(placement, rank, -1, "last")

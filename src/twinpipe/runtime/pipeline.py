@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinpipe.checks import DEFAULT_TIMEOUT, check_int
+from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_int
 from twinpipe.runtime import waits
 from twinpipe.runtime import mirrors
 from twinpipe.runtime.agreement import REASON_CHARS, AgreementRound, Claim, Venue, disagreements, out_of_step_error, short
@@ -81,7 +81,7 @@ def _overlapped_forward_backward(modules: nn.ModuleList):
 
 def _check_step_hooks(on_grads_ready, step_id) -> None:
     if on_grads_ready is not None and not callable(on_grads_ready):
-        raise ValueError(f"on_grads_ready={on_grads_ready!r}: must be a callable taking a stage number, or None")
+        raise bad("on_grads_ready", on_grads_ready, "must be a callable taking a stage number, or None")
     if step_id is not None:
         check_int(step_id, "step_id")
 
@@ -171,14 +171,12 @@ class Pipeline(nn.Module):
         if rank_mapping is None:
             rank_mapping = list(range(self.num_ranks))
         if sorted(rank_mapping) != list(range(self.num_ranks)):
-            raise ValueError(f"rank_mapping={list(rank_mapping)!r}: must be a permutation of 0..{self.num_ranks - 1}")
+            raise bad("rank_mapping", list(rank_mapping), f"must be a permutation of 0..{self.num_ranks - 1}")
         self.rank = rank_mapping[group_rank]
         self.global_rank_of = {pp: dist.get_global_rank(self.group, g) for g, pp in enumerate(rank_mapping)}
         self.group_rank_of = {pp: g for g, pp in enumerate(rank_mapping)}
-        if isinstance(batch_dim, bool) or not isinstance(batch_dim, int):
-            raise ValueError(f"batch_dim={batch_dim!r}: must be an int")
-        if transport not in ("auto", "process-group"):
-            raise ValueError(f"transport={transport!r}: allowed are 'auto' and 'process-group'")
+        check_int(batch_dim, "batch_dim")
+        check_choice(transport, "transport", ("auto", "process-group"))
         self.batch_dim, self.dynamic_shapes = batch_dim, bool(dynamic_shapes)
         # Resolved once: the placement, the agreement's fact and every step's schedule come from it.
         self._schedule_spec = resolve(schedule, self.num_ranks, **schedule_options)
@@ -457,8 +455,7 @@ class Pipeline(nn.Module):
 
     def _prepare(self, inputs, num_chunks, criterion, labels, return_outputs, training) -> tuple[LoweredSchedule, StepData]:
         """Check this rank's arguments and split its batch; raises before anything is sent."""
-        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-            raise ValueError(f"num_chunks={num_chunks!r}: must be a positive int (micro-batches per step, all chains together)")
+        check_int(num_chunks, "num_chunks", low=1, why="micro-batches per step, all chains together")
         lowered = self._lowered_for(num_chunks, training)
         placement = lowered.schedule.placement
         labels = tuple(labels) if isinstance(labels, (list, tuple)) else (labels,)

@@ -1,9 +1,11 @@
-"""Argument checks shared by the generators: errors name the argument, the value and what is allowed."""
+"""The generators' argument checks: ``twinpipe.checks`` with the schedule's name in front
+(``chimera: num_ranks=3: must be >= 2 and a multiple of 2``)."""
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
+
+from twinpipe import checks
 
 __all__ = ["check_int", "per_stage", "check_number"]
 
@@ -13,31 +15,19 @@ def check_int(schedule: str, name: str, value, minimum: int = 1, multiple_of: in
 
     A bool is not a count: ``True`` is refused.
     """
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-    if ok and multiple_of and value % multiple_of:
-        ok = False
-    if ok and maximum is not None and value > maximum:
-        ok = False
-    if not ok:
-        allowed = f"an integer >= {minimum}" + (f" and a multiple of {multiple_of}" if multiple_of else "")
-        allowed += f" and <= {maximum} (see docs/limits.md)" if maximum is not None else ""
-        raise ValueError(f"{schedule}: {name}={value!r} is not allowed; it must be {allowed}")
-    return value
+    why = "see docs/limits.md" if maximum is not None else None
+    return checks.check_int(value, f"{schedule}: {name}", low=minimum, high=maximum, multiple_of=multiple_of, why=why)
 
 
 def check_number(schedule: str, name: str, value, minimum: float = 0.0, strict: bool = False) -> float:
     """``value`` as a finite float >= ``minimum`` (> if ``strict``), else ValueError."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > minimum if strict else value >= minimum)
-    if not ok:
-        raise ValueError(f"{schedule}: {name}={value!r} is not allowed; it must be a finite number {'>' if strict else '>='} {minimum:g}")
-    return float(value)
+    return checks.check_float(value, f"{schedule}: {name}", low=minimum, low_open=strict)
 
 
 def per_stage(schedule: str, name: str, value, num_stages: int, strict: bool = False) -> list[float]:
     """A number or one number per stage, as a list of ``num_stages`` floats."""
     if isinstance(value, Sequence) and not isinstance(value, str):
         if len(value) != num_stages:
-            raise ValueError(f"{schedule}: {name} has {len(value)} entries; it must be one number or {num_stages} (one per stage)")
-        return [check_number(schedule, name, v, strict=strict) for v in value]
+            raise checks.bad(f"{schedule}: {name}", value, f"must be one number or {num_stages} (one per stage)")
+        return [check_number(schedule, f"{name}[{i}]", v, strict=strict) for i, v in enumerate(value)]
     return [check_number(schedule, name, value, strict=strict)] * num_stages

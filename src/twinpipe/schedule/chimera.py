@@ -33,6 +33,7 @@ Each rank runs its ops in slot order.
 
 from __future__ import annotations
 
+from twinpipe import checks
 from twinpipe.schedule.ops import BW, F, Op, Schedule
 from twinpipe.schedule.placement import Placement, dual, dual_pairs
 
@@ -43,9 +44,7 @@ _NAME = "chimera"
 
 def check_even(schedule: str, name: str, value) -> int:
     """``value`` as an even int >= 2, else ValueError (two directions need an even count)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2 or value % 2:
-        raise ValueError(f"{schedule}: {name}={value!r} is not allowed; it must be an even integer >= 2")
-    return value
+    return checks.check_int(value, f"{schedule}: {name}", low=2, multiple_of=2)
 
 
 def allowed_pairs(num_ranks: int) -> list[int]:
@@ -61,14 +60,20 @@ def variants(num_ranks: int) -> list[dict]:
 def _check_pairs(num_ranks: int, pairs) -> int:
     """``pairs`` as an int k >= 1 with 2k dividing ``num_ranks`` (any ``num_ranks`` for k = 1, the
     ``dual`` placement; the generator asks for an even one), else ValueError."""
-    ok = isinstance(pairs, int) and not isinstance(pairs, bool) and pairs >= 1
-    if ok and pairs > 1:
+    def refused() -> ValueError:
+        allowed = ", ".join(map(str, allowed_pairs(num_ranks))) or "none, num_ranks must be even"
+        return checks.bad(f"{_NAME}: pairs", pairs,
+                          f"must be an int >= 1 with 2*pairs dividing num_ranks={num_ranks} (here: {allowed})")
+
+    try:
+        pairs = checks.check_int(pairs, f"{_NAME}: pairs", low=1)
+    except ValueError:
+        raise refused() from None
+    if pairs > 1:
         check_even(_NAME, "num_ranks", num_ranks)
-    if ok and (pairs == 1 or num_ranks % (2 * pairs) == 0):
-        return pairs
-    allowed = ", ".join(map(str, allowed_pairs(num_ranks))) or "none, num_ranks must be even"
-    raise ValueError(f"{_NAME}: pairs={pairs!r} is not allowed with num_ranks={num_ranks}; it must be an integer >= 1 "
-                     f"with 2*pairs dividing num_ranks (here: {allowed})")
+        if num_ranks % (2 * pairs):
+            raise refused()
+    return pairs
 
 
 def placement(num_ranks: int, pairs: int = 1) -> Placement:
@@ -80,11 +85,8 @@ def placement(num_ranks: int, pairs: int = 1) -> Placement:
 def _check_microbatches(num_microbatches, pairs: int) -> int:
     if pairs == 1:
         return check_even(_NAME, "num_microbatches", num_microbatches)
-    m = num_microbatches
-    if isinstance(m, bool) or not isinstance(m, int) or m < 2 * pairs or m % (2 * pairs):
-        raise ValueError(f"{_NAME}: num_microbatches={m!r} is not allowed with pairs={pairs}; it must be a multiple "
-                         f"of 2*pairs = {2 * pairs} (an equal share for each of the {2 * pairs} pipelines)")
-    return m
+    return checks.check_int(num_microbatches, f"{_NAME}: num_microbatches", low=2 * pairs, multiple_of=2 * pairs,
+                            why=f"2*pairs for pairs={pairs}: an equal share for each of the {2 * pairs} pipelines")
 
 
 def slots(num_ranks: int, num_microbatches: int, pairs: int = 1) -> list[list[tuple[int, Op]]]:

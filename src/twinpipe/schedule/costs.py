@@ -35,10 +35,10 @@ to hold (receive buffers, kept losses) belongs in this module too, not in its us
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence, Union
 
+from twinpipe import checks
 from twinpipe.schedule.ops import Op, OpKind
 
 __all__ = [
@@ -55,9 +55,7 @@ _SIMPLE = (_F, _B, _W, _BW)
 
 def check_cost(name: str, value) -> float:
     """``value`` as a finite float >= 0, else ValueError naming ``name`` (a bool is not a number)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name}={value!r}: must be a finite number >= 0")
-    return float(value)
+    return checks.check_float(value, name, low=0)
 
 
 PER_STAGE = ("t_f", "t_b", "t_w", "t_fb", "m_b")  # the CostModel fields that grow with a stage's share of the model
@@ -90,15 +88,15 @@ class CostModel:
     cores: int | None = None
 
     def __post_init__(self) -> None:
-        if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 1):
-            raise ValueError(f"cores={self.cores!r}: must be an integer >= 1, or None (every rank its own processor)")
+        if self.cores is not None:
+            checks.check_int(self.cores, "cores", low=1, why="or None: every rank its own processor")
         for name in PER_STAGE:
             value = getattr(self, name)
             if value is None:
                 continue
             if isinstance(value, (list, tuple)):
                 if not value:
-                    raise ValueError(f"{name}={value!r}: must be a finite number >= 0 or a non-empty sequence of them")
+                    raise checks.bad(name, value, "must be a finite number >= 0 or a non-empty sequence of them")
                 for i, v in enumerate(value):
                     if not (v is None and name == "t_fb"):  # a stage without a given T_FB
                         check_cost(f"{name}[{i}]", v)
@@ -119,7 +117,7 @@ class CostModel:
     def _expand(name: str, value: PerStage, num_stages: int) -> list:
         if isinstance(value, (list, tuple)):
             if len(value) != num_stages:
-                raise ValueError(f"{name} has {len(value)} entries; the schedule has {num_stages} stages (give one per stage or a single number)")
+                raise checks.bad(name, value, f"must be one number or {num_stages} (one per stage of the schedule)")
             return [None if v is None else float(v) for v in value]
         return [float(value)] * num_stages
 

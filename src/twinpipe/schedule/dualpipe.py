@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from twinpipe import checks
+
 from twinpipe.schedule.ops import BW, FB, Op, Schedule, W, B, F
 from twinpipe.schedule.placement import dual, vshape
 
@@ -112,15 +114,10 @@ def _drop_missing(ops: list[Op], exists) -> list[Op]:
 
 
 def _check_counts(name: str, num_ranks, num_microbatches, even_ranks: bool, even_chunks: bool) -> None:
-    def is_count(value) -> bool:  # a bool is not a count
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-    if not is_count(num_ranks) or (even_ranks and num_ranks % 2):
-        allowed = "an even integer >= 2" if even_ranks else "an integer >= 1"
-        raise ValueError(f"{name}: num_ranks={num_ranks!r} is not allowed; it must be {allowed}")
-    if not is_count(num_microbatches) or (even_chunks and num_microbatches % 2):
-        allowed = "an even integer >= 2 (half per direction)" if even_chunks else "an integer >= 1"
-        raise ValueError(f"{name}: num_chunks={num_microbatches!r} is not allowed; it must be {allowed}")
+    even = {"low": 2, "multiple_of": 2}
+    checks.check_int(num_ranks, f"{name}: num_ranks", **(even if even_ranks else {"low": 1}))
+    checks.check_int(num_microbatches, f"{name}: num_chunks", **(even if even_chunks else {"low": 1}),
+                     why="half per direction" if even_chunks else None)
 
 
 def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:

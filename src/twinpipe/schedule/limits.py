@@ -5,6 +5,7 @@ error instead of allocating gigabytes or running for minutes. docs/limits.md exp
 
 from __future__ import annotations
 
+from twinpipe import checks
 from twinpipe.schedule._args import check_int
 
 __all__ = ["MAX_RANKS", "MAX_MICROBATCHES", "MAX_STAGE_MICROBATCHES", "MAX_PLANNED_STAGE_MICROBATCHES", "check_counts", "check_size"]
@@ -29,7 +30,8 @@ def check_size(schedule: str, num_stages: int, num_microbatches: int, maximum: i
     """Refuse a schedule of more than ``maximum`` (stage, micro-batch) pairs."""
     pairs = num_stages * num_microbatches
     if pairs > maximum:
-        raise ValueError(
-            f"{schedule}: {num_stages} stages x num_microbatches={num_microbatches} = {pairs} (stage, micro-batch) pairs "
-            f"is not allowed; at most {maximum} (see docs/limits.md)"
+        raise checks.bad(
+            f"{schedule}: num_microbatches", num_microbatches,
+            f"must be <= {maximum // num_stages} on {num_stages} stages ({num_stages} stages x num_microbatches={num_microbatches} "
+            f"= {pairs} (stage, micro-batch) pairs; at most {maximum}, see docs/limits.md)",
         )

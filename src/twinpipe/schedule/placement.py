@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from twinpipe import checks
+
 __all__ = ["Placement", "linear", "looped", "vshape", "dual", "dual_v", "dual_pairs"]
 
 
@@ -111,13 +113,8 @@ class Placement:
         return self.chains[self.chain_of_stage(stage)].index(stage)
 
 
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1  # a bool is not a count
-
-
 def _check_ranks(num_ranks: int) -> None:
-    if not _is_count(num_ranks):
-        raise ValueError(f"num_ranks={num_ranks!r}: must be an integer >= 1")
+    checks.check_int(num_ranks, "num_ranks", low=1)
 
 
 def linear(num_ranks: int) -> Placement:
@@ -127,8 +124,7 @@ def linear(num_ranks: int) -> Placement:
 
 def looped(num_ranks: int, stages_per_rank: int) -> Placement:
     _check_ranks(num_ranks)
-    if not _is_count(stages_per_rank):
-        raise ValueError(f"stages_per_rank={stages_per_rank!r}: must be an integer >= 1")
+    checks.check_int(stages_per_rank, "stages_per_rank", low=1)
     n = num_ranks * stages_per_rank
     return Placement("looped", num_ranks, tuple(s % num_ranks for s in range(n)), (tuple(range(n)),))
 
@@ -164,8 +160,9 @@ def dual_pairs(num_ranks: int, pairs: int) -> Placement:
     holds stages c*p .. c*p+p-1, so with k = 1 this is ``dual(p)``.
     """
     _check_ranks(num_ranks)
-    if not _is_count(pairs) or num_ranks % (2 * pairs):
-        raise ValueError(f"pairs={pairs!r}: must be an integer >= 1 with 2*pairs dividing num_ranks={num_ranks}")
+    checks.check_int(pairs, "pairs", low=1, why=f"2*pairs dividing num_ranks={num_ranks}")
+    if num_ranks % (2 * pairs):
+        raise checks.bad("pairs", pairs, f"must make 2*pairs divide num_ranks={num_ranks}")
     p, shift = num_ranks, num_ranks // pairs
     ranks: list[int] = []
     for i in range(pairs):

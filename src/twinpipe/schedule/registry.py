@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Callable
 
+from twinpipe import checks
 from twinpipe.schedule import bitpipe, chimera, dualpipe, gpipe, interleaved, one_f_one_b, vshape_memory, zb_auto, zbv, zero_bubble
 from twinpipe.schedule.limits import MAX_PLANNED_STAGE_MICROBATCHES as _PLANNED
 from twinpipe.schedule.limits import MAX_STAGE_MICROBATCHES, check_counts, check_size
@@ -105,8 +106,7 @@ def get(name: str) -> ScheduleInfo:
     """The schedule called ``name`` (or one of its aliases, any case); ValueError lists the allowed names."""
     key = _ALIASES.get(name.lower(), name.lower()) if isinstance(name, str) else name
     if key not in _REGISTRY:
-        allowed = ", ".join(sorted(_REGISTRY) + sorted(_ALIASES))
-        raise ValueError(f"schedule={name!r} is unknown; allowed: {allowed}")
+        raise checks.bad("schedule", name, f"allowed are {', '.join(sorted(_REGISTRY) + sorted(_ALIASES))}")
     return _REGISTRY[key]
 
 
@@ -114,8 +114,9 @@ def _check_options(info: ScheduleInfo, options: dict) -> None:
     allowed = info.options
     unknown = [key for key in options if allowed is not None and key not in allowed]
     if unknown:
-        given = ", ".join(f"{key}={options[key]!r}" for key in unknown)
-        raise ValueError(f"{info.name}: option {given} is not allowed; {info.name} takes {', '.join(allowed) if allowed else 'no options'}")
+        also = f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else ""
+        takes = f"{info.name} takes {', '.join(allowed) if allowed else 'no options'}"
+        raise checks.bad(f"{info.name}: option {unknown[0]}", options[unknown[0]], f"unknown{also}; {takes}")
 
 
 def _placement(info: ScheduleInfo, num_ranks: int, options: dict) -> Placement:
@@ -151,6 +152,5 @@ def placement_for(name: str, num_ranks: int, **options) -> Placement:
 def stages_of_rank(name: str, num_ranks: int, rank: int, **options) -> tuple[int, ...]:
     """Which global stages ``rank`` holds under schedule ``name`` (its modules, in order)."""
     placement = placement_for(name, num_ranks, **options)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
-        raise ValueError(f"rank={rank!r}: must be an integer in 0..{num_ranks - 1}")
+    checks.check_int(rank, "rank", low=0, high=num_ranks - 1)
     return placement.stages_of(rank)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
 
+from twinpipe import checks
 from twinpipe.schedule import limits, registry
 from twinpipe.schedule.ops import Schedule
 from twinpipe.schedule.placement import Placement
@@ -76,8 +77,7 @@ class ScheduleSpec:
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The global stages pipeline ``rank`` holds (its modules, in order)."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
-            raise ValueError(f"rank={rank!r}: must be an integer in 0..{self.num_ranks - 1}")
+        checks.check_int(rank, "rank", low=0, high=self.num_ranks - 1)
         return self.placement.stages_of(rank)
 
     def with_options(self, **options) -> ScheduleSpec:

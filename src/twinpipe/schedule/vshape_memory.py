@@ -31,6 +31,7 @@ from __future__ import annotations
 import heapq
 from functools import lru_cache
 
+from twinpipe import checks
 from twinpipe.schedule._args import check_int, check_number, per_stage
 from twinpipe.schedule.costs import memory_delta
 from twinpipe.schedule.deps import Work, dependency_table
@@ -54,7 +55,7 @@ def block_offsets(num_ranks: int, variant: str) -> list[tuple[int, int, int, int
     if variant == "half":
         d = 3 if p % 2 == 0 else 0
         return [(2 * i, 3 * p - 2 - i, 3 * p + d + 2 * i - 1, 6 * p + d - i - 2) for i in range(p)]
-    raise ValueError(f"variant={variant!r} is not allowed; it must be 'min' or 'half'")
+    raise checks.bad("variant", variant, "allowed are 'min', 'half'")
 
 
 def _ordered(plan: list[list[list[int]]]):

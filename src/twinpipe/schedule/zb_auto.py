@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from itertools import product
 
+from twinpipe import checks
 from twinpipe.schedule._args import check_int, check_number, per_stage
 from twinpipe.schedule.costs import memory_delta, microbatch_peak
 from twinpipe.schedule.deps import dependency_table
@@ -237,7 +238,7 @@ def zb_auto(
     limit = per_stage(_NAME, "mem_limit", p if mem_limit is None else mem_limit, p)
     need = microbatch_peak(ratio)  # one forward's activations; with mw > 1 a B grows them to mw
     if min(limit) < need:
-        raise ValueError(f"{_NAME}: mem_limit={mem_limit!r} is not allowed; every rank needs at least max(1, mw) = {need:g} (units of M_B)")
+        raise checks.bad(f"{_NAME}: mem_limit", mem_limit, f"must be >= max(1, mw) = {need:g} on every rank (in units of M_B)")
     order, cost, switches = _auto_order(p, m, times["t_f"], times["t_b"], times["t_w"], comm, ratio, limit)
     options = {"mem_limit": mem_limit if mem_limit is not None else p, "cost": cost, "heuristics": dict(zip(("allow_bubble_before_first_b", "prioritize_b", "no_bubble_greedy"), switches))}
     return Schedule(_NAME, linear(p), m, tuple(tuple(ops) for ops in order), options)

@@ -25,6 +25,7 @@ import heapq
 from collections import deque
 from itertools import product
 
+from twinpipe import checks
 from twinpipe.schedule._args import check_int, check_number, per_stage
 from twinpipe.schedule.costs import memory_delta, microbatch_peak
 from twinpipe.schedule.deps import dependency_table
@@ -189,7 +190,7 @@ def zbv(
     limit = check_number(_NAME, "mem_limit", 2 * p if mem_limit is None else mem_limit)
     need = memory_delta("F", 1.0, ratio) + microbatch_peak(ratio)  # one micro-batch through both stages, and its B
     if limit < need:
-        raise ValueError(f"{_NAME}: mem_limit={mem_limit!r} is not allowed; a rank needs at least 1 + max(1, mw) = {need:g} (units of M_B)")
+        raise checks.bad(f"{_NAME}: mem_limit", mem_limit, f"must be >= 1 + max(1, mw) = {need:g} (in units of M_B: one micro-batch through both stages of a rank)")
     best = None
     for alternate, balance in product((False, True), repeat=2):
         plan = _VListScheduler(p, m, *times, comm, ratio, limit, alternate, balance)

@@ -17,6 +17,7 @@ import sys
 from fractions import Fraction
 
 import twinpipe.cli_options as cli_options
+from twinpipe import checks
 from twinpipe.schedule import registry
 from twinpipe.schedule.spec import resolve
 from twinpipe.sim.costs import CostModel, check_cost, for_model, stage_sizes
@@ -153,11 +154,11 @@ def _schedule_names(args) -> list[str]:
     if args.compare:
         names = [n.strip() for n in args.compare.split(",") if n.strip()]
         if not names:
-            raise ValueError(f"--compare={args.compare!r}: expected schedule names separated by commas")
+            raise checks.bad("--compare", args.compare, "must be schedule names separated by commas")
     elif args.schedule:
         names = [args.schedule]
     else:
-        raise ValueError(f"missing SCHEDULE (or --compare); allowed: {', '.join(sorted(registry.names()))}")
+        raise ValueError(f"missing SCHEDULE (or --compare); allowed are {', '.join(sorted(registry.names()))}")
     for name in names:
         registry.get(name)  # unknown names fail here, listing the allowed ones
     return names

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from fractions import Fraction
 
+from twinpipe import checks
 from twinpipe.schedule.costs import PER_STAGE, CostModel, check_cost
 from twinpipe.schedule.placement import Placement
 
@@ -39,6 +40,6 @@ def for_model(costs: CostModel, placement: Placement) -> CostModel:
         if value is None:
             continue
         if isinstance(value, (list, tuple)):
-            raise ValueError(f"{name}={value!r}: scaling to a model needs one number per cost (the time of a 1F1B stage), not one per stage")
+            raise checks.bad(name, value, "must be one number (the time of a 1F1B stage), not one per stage, to scale to a model")
         scaled[name] = [float(value * size) for size in sizes] if len(set(sizes)) > 1 else float(value * sizes[0])
     return replace(costs, **scaled)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from twinpipe import checks
 from twinpipe.timeline import Slice, Timeline
 from twinpipe.trace.costs import PROCESSOR_KEYS
 
@@ -63,9 +64,7 @@ def write_trace(document: dict, path: str | Path) -> Path:
 
 def _us_per_unit(timeline: Timeline, us_per_unit: float | None) -> float:
     if us_per_unit is not None:
-        if not isinstance(us_per_unit, (int, float)) or us_per_unit <= 0:
-            raise ValueError(f"us_per_unit={us_per_unit!r}: must be a number > 0")
-        return float(us_per_unit)
+        return checks.check_float(us_per_unit, "us_per_unit", low=0, low_open=True)
     measured = timeline.source == "measured" or timeline.meta.get("time_unit") == "s"
     return 1e6 if measured else 1e3
 

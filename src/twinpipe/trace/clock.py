@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+from twinpipe import checks
+
 __all__ = ["estimate_offsets"]
 
 
@@ -31,8 +33,7 @@ def estimate_offsets(group, reference: int, peers: list[int], device=None, round
     from twinpipe.runtime.comm import wait_work
 
     timeout = waits.timeout_for(timeout)
-    if rounds < 1:
-        raise ValueError(f"rounds={rounds!r}: must be >= 1")
+    checks.check_int(rounds, "rounds", low=1)
     me = dist.get_rank()
     buf = torch.zeros(1, dtype=torch.float64, device=device)
 

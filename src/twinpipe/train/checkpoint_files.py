@@ -174,16 +174,23 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def prepare_folder(target) -> Path:
+def _is_checkpoint(target: Path) -> str | None:
+    if target.is_dir() and ((target / MARKER).exists() or (target / METADATA).exists()):
+        return None
+    return "exists and is not a checkpoint folder; refusing to replace it"
+
+
+def prepare_folder(target, refuse=_is_checkpoint) -> Path:
     """A fresh empty folder beside ``target`` to write a checkpoint into (one rank calls this).
 
-    Refuses a ``target`` that exists and is not a checkpoint (it would be replaced); removes the
-    temporary folders of earlier saves to ``target`` that did not finish."""
+    Refuses a ``target`` that exists and is not a checkpoint (it would be replaced), or, with
+    ``refuse``, one for which ``refuse(target)`` gives a reason; removes the temporary folders of
+    earlier saves to ``target`` that did not finish."""
     target = Path(target)
     if target.name in ("", ".", ".."):
         raise CheckpointError(target, "must name the checkpoint's own folder (it is written beside it and renamed into place)")
-    if target.exists() and not (target.is_dir() and ((target / MARKER).exists() or (target / METADATA).exists())):
-        raise CheckpointError(target, "exists and is not a checkpoint folder; refusing to replace it")
+    if target.exists() and (reason := refuse(target)):
+        raise CheckpointError(target, reason)
     target.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{target.name}.partial-"
     for stale in [p for p in target.parent.iterdir() if p.name.startswith(prefix)]:

@@ -100,11 +100,15 @@ def _check(args) -> None:
                       ("--seq-len", 1), ("--dim", 1), ("--heads", 1), ("--layers", 1), ("--experts", 0),
                       ("--save-every", 0), ("--corpus-bytes", 1)):
         check_int(_option(args, flag), flag, low=low)
+<<<<<<< HEAD
     if args.vocab is not None:
         check_int(args.vocab, "--vocab", low=1)
     check_int(args.ep, "--ep", low=1)
     if isinstance(args.seed, bool) or not isinstance(args.seed, int) or not 0 <= args.seed <= _MAX_SEED:
         raise bad("--seed", args.seed, f"must be an int in 0..{_MAX_SEED} (torch's generator keeps 32 bits of a seed)")
+=======
+    check_int(args.seed, "--seed", low=0, high=_MAX_SEED, why="the data sampler seeds a 64-bit generator with it")
+>>>>>>> main
     check_float(args.lr, "--lr", low=0, low_open=True)
     check_float(args.max_norm, "--max-norm", low=0)  # 0: no clipping
     checked_timeout(args.timeout, "--timeout")
@@ -114,7 +118,7 @@ def _check(args) -> None:
     try:
         registry.get(args.schedule)
     except ValueError as error:  # it lists the names and aliases
-        raise bad("--schedule", args.schedule, "allowed are " + str(error).split("allowed: ", 1)[-1]) from None
+        raise bad("--schedule", args.schedule, "allowed are " + str(error).split("allowed are ", 1)[-1]) from None
     _model_config(args)
     if args.experts % args.dp:
         raise bad("--experts", args.experts, f"must be a multiple of --dp={args.dp} (each data-parallel rank of a stage "
@@ -162,7 +166,7 @@ def _check_schedule(args, num_microbatches: int) -> int:
 
 def _schedule_problem(args, num_microbatches: int, message: str) -> str:
     """The schedule's own complaint said in the options' terms (``--pp``, the batch sizes)."""
-    rule = re.match(r"^[\w-]+: (num_ranks|num_microbatches|num_chunks)=\d+ is not allowed; it must be (.*)$", message)
+    rule = re.match(r"^[\w-]+: (num_ranks|num_microbatches|num_chunks)=\d+: must be (.*)$", message)
     if rule and rule[1] == "num_ranks":
         return f"--pp={args.pp}: must be {rule[2]} for --schedule {args.schedule}"
     split = (f"--batch-size={args.batch_size} / (--dp={args.dp} x --microbatch-size={args.microbatch_size}) "

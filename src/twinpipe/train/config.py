@@ -10,7 +10,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, is_dataclass
 
-from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_choice, check_float, check_int, checked_timeout
+from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_choice, check_float, check_int, check_ints, checked_timeout
 
 __all__ = ["TrainConfig", "DP_REDUCE", "ON_NONFINITE", "BALANCE", "model_record", "record_differences"]
 
@@ -80,12 +80,9 @@ def _checked_balance(balance):
             raise bad("balance", balance, allowed)
         return balance
     try:
-        counts = tuple(balance)
-    except TypeError:
+        return check_ints(balance, "balance", low=1)
+    except ValueError:
         raise bad("balance", balance, allowed) from None
-    if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
-        raise bad("balance", balance, allowed)
-    return counts
 
 
 def _checked_options(options, info) -> tuple:

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from twinpipe.checks import check_int
+
 __all__ = ["stdlib_corpus", "BatchSampler", "replica_rows", "batch_seed"]
 
 
@@ -59,8 +61,7 @@ class BatchSampler:
             tokens, size = tokens.long(), tokens.numel()
         else:
             raise ValueError("tokens: must be a 1-D tensor or numpy array of token ids")
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len < size:
-            raise ValueError(f"seq_len={seq_len!r}: must be an int in 1..{size - 1} (the corpus length - 1)")
+        check_int(seq_len, "seq_len", low=1, high=size - 1, why="the corpus length - 1 at most")
         self.tokens, self.seq_len, self.seed, self.size = tokens, seq_len, int(seed), size
 
     def batch(self, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

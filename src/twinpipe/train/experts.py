@@ -15,6 +15,7 @@ from typing import Sequence
 
 from torch import nn
 
+from twinpipe.checks import bad
 from twinpipe.moe.block import MoEBlock
 from twinpipe.moe.grads import expert_parameters
 
@@ -33,9 +34,9 @@ def check_experts(model: nn.Module, dp: int) -> int:
     counts = sorted({b.num_experts for _, b in blocks})
     for experts in counts:
         if experts % dp:
-            raise ValueError(f"dp={dp}: the model's MoE blocks have {experts} experts, and expert parallelism "
-                             f"spreads them evenly over the dp ranks of a stage; dp must divide {experts} "
-                             f"(allowed: {', '.join(str(d) for d in range(1, experts + 1) if experts % d == 0)})")
+            divisors = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
+            raise bad("dp", dp, f"must divide {experts} (allowed are {divisors}): the model's MoE blocks have {experts} "
+                      "experts, and expert parallelism spreads them evenly over the dp ranks of a stage")
     return counts[-1] if counts else 0
 
 

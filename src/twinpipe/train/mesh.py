@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from twinpipe.checks import check_int
+
 __all__ = ["TrainMesh", "build_mesh"]
 
 DIMS = ("dp", "pp")
@@ -51,8 +53,7 @@ def build_mesh(dp: int, pp: int, device_type: str = "cpu") -> TrainMesh:
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group() first (or use torchrun)")
     for name, value in (("dp", dp), ("pp", pp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: must be an int >= 1")
+        check_int(value, name, low=1)
     world = dist.get_world_size()
     if dp * pp != world:
         raise ValueError(f"dp={dp} x pp={pp} = {dp * pp} ranks, but the world has {world}: the mesh sizes must multiply to the world size")

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twinpipe.checks import bad, check_int
 from twinpipe.moe.block import MoEBlock
 from twinpipe.runtime.weight_grad import DeferredLinear
 
@@ -44,15 +45,12 @@ class GPTConfig:
 
     def __post_init__(self):
         for name in ("vocab", "seq_len", "dim", "heads", "layers", "top_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: must be an int >= 1")
+            check_int(getattr(self, name), name, low=1)
         if self.dim % self.heads:
-            raise ValueError(f"dim={self.dim}: must be a multiple of heads={self.heads}")
-        if isinstance(self.experts, bool) or not isinstance(self.experts, int) or self.experts < 0:
-            raise ValueError(f"experts={self.experts!r}: must be an int >= 0 (0: dense MLPs)")
+            raise bad("dim", self.dim, f"must be a multiple of heads={self.heads}")
+        check_int(self.experts, "experts", low=0, why="0: dense MLPs")
         if self.experts and self.top_k > self.experts:
-            raise ValueError(f"top_k={self.top_k}: must be at most experts={self.experts}")
+            raise bad("top_k", self.top_k, f"must be at most experts={self.experts}")
 
 
 class Embed(nn.Module):

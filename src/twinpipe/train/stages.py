@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from twinpipe.checks import bad, check_int, check_ints
 from twinpipe.moe.block import MoEBlock
 from twinpipe.overlap import stage as overlap_stage
 from twinpipe.schedule.placement import Placement
@@ -116,15 +117,12 @@ def split(model: nn.Module, num_stages: int, balance: str | Sequence[int] = "par
     (equal measured forward+backward time on ``sample``, the model's input) or a list of layer
     counts per stage.
     """
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages={num_stages!r}: must be an int >= 1")
+    check_int(num_stages, "num_stages", low=1)
     layers = model_layers(model, blocks)
     names = [n for n, _ in layers]
     if len(layers) < num_stages:
-        raise ValueError(
-            f"num_stages={num_stages}: the model has only {len(layers)} layers ({', '.join(names)}), and a stage "
-            "needs at least one; use fewer stages or a model with more blocks"
-        )
+        raise bad("num_stages", num_stages, f"must be <= {len(layers)}: the model has only {len(layers)} layers "
+                  f"({', '.join(names)}), and a stage needs at least one; use fewer stages or a model with more blocks")
     if isinstance(balance, str):
         if balance == "params":
             counts = partition(param_weights([m for _, m in layers]), num_stages)
@@ -133,15 +131,11 @@ def split(model: nn.Module, num_stages: int, balance: str | Sequence[int] = "par
                 raise ValueError("balance='time' measures each layer: pass sample= (one input batch of the model)")
             counts = partition(time_weights([m for _, m in layers], sample), num_stages)
         else:
-            raise ValueError(f"balance={balance!r}: allowed are {', '.join(map(repr, BALANCE))} or a list of layer counts per stage")
+            raise bad("balance", balance, f"allowed are {', '.join(map(repr, BALANCE))} or a list of layer counts per stage")
     else:
-        counts = list(balance)
-        if (len(counts) != num_stages or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts)
-                or sum(counts) != len(layers)):
-            raise ValueError(
-                f"balance={balance!r}: a list must give {num_stages} layer counts (ints >= 1) summing to the "
-                f"model's {len(layers)} layers"
-            )
+        counts = list(check_ints(balance, "balance", low=1, length=num_stages, why="layer counts per stage"))
+        if sum(counts) != len(layers):
+            raise bad("balance", balance, f"must sum to the model's {len(layers)} layers (layer counts per stage)")
     # One stage class for the whole model (the pipeline overlaps F&B ops only when a rank's stages agree).
     kind = PartedStage if any(hasattr(m, "parts") for _, m in layers) else Stage
     stages, start = [], 0
@@ -173,8 +167,7 @@ def stage_modules(stages: Sequence[nn.Module], schedule: str | ScheduleSpec, num
         raise ValueError(
             f"stages: {len(stages)} given, but {spec.name!r} on {num_ranks} ranks runs a model cut into {needed} stages"
         )
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
-        raise ValueError(f"rank={rank!r}: must be an int in 0..{num_ranks - 1}")
+    check_int(rank, "rank", low=0, high=num_ranks - 1)
     modules, used = [], set()
     for s in placement.stages_of(rank):
         k = placement.model_stage(s)

@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from twinpipe import checks
+
 __all__ = ["add_draw_parser", "run_draw"]
 
 
@@ -59,11 +61,10 @@ def run_draw(args: argparse.Namespace) -> int:
             raise ValueError("missing --out (the picture to write)")
         suffix = Path(args.out).suffix.lower().lstrip(".")
         if suffix not in FORMATS:
-            raise ValueError(f"--out={args.out!r}: the suffix must be one of {', '.join('.' + f for f in FORMATS)}")
-        if args.width is not None and not args.width > 2:
-            raise ValueError(f"--width={args.width:g}: must be more than 2 (inches)")
-        if not 0 < args.dpi <= MAX_DPI:
-            raise ValueError(f"--dpi={args.dpi}: must be an integer from 1 to {MAX_DPI}")
+            raise checks.bad("--out", args.out, f"must end in one of {', '.join('.' + f for f in FORMATS)}")
+        if args.width is not None:
+            checks.check_float(args.width, "--width", low=2, low_open=True, why="inches")
+        checks.check_int(args.dpi, "--dpi", low=1, high=MAX_DPI)
         timelines = simulate_from_args(args)
         draw_timelines(timelines, args.out, width=args.width, dpi=args.dpi, labels=not args.no_labels, caption=held_equal(args))
     except ValueError as error:

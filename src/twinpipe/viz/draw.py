@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 from typing import Sequence
 
+from twinpipe import checks
 from twinpipe.timeline import Timeline
 from twinpipe.viz.cells import Cells, time_axis, timeline_cells
 from twinpipe.viz.style import KIND_COLOURS, KIND_NAMES, WAIT_COLOUR, WAIT_EDGE, direction_names, text_colour
@@ -117,8 +118,7 @@ def draw_timelines(
 
 def _check_pixels(width_in: float, height_in: float, dpi) -> None:
     """Refuse a picture larger than MAX_PIXELS before any memory is allocated for it."""
-    if isinstance(dpi, bool) or not isinstance(dpi, (int, float)) or not 0 < dpi <= MAX_DPI:
-        raise ValueError(f"dpi={dpi!r} is not allowed; it must be a number > 0 and <= {MAX_DPI}")
+    checks.check_float(dpi, "dpi", low=0, low_open=True, high=MAX_DPI)
     w, h = round(width_in * dpi), round(height_in * dpi)
     if w * h > MAX_PIXELS or max(w, h) > MAX_SIDE:
         raise ValueError(
@@ -130,7 +130,7 @@ def _check_pixels(width_in: float, height_in: float, dpi) -> None:
 def _format_of(path) -> str:
     suffix = Path(path).suffix.lower().lstrip(".")
     if suffix not in FORMATS:
-        raise ValueError(f"path={str(path)!r}: the suffix must be one of {', '.join('.' + f for f in FORMATS)}")
+        raise checks.bad("path", str(path), f"must end in one of {', '.join('.' + f for f in FORMATS)}")
     return suffix
 
 

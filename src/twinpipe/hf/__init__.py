@@ -1,0 +1,1 @@
+"""Hugging Face ``transformers`` causal LMs under twinpipe's schedules."""

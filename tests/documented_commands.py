@@ -230,4 +230,9 @@ COMMANDS: list[Command] = [
     Command("torchrun --standalone --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda",
             f"torchrun --standalone --nproc-per-node 2 -m twinpipe.train --pp 2 --steps 2 {TINY}",
             NO_GPU + "; 2 processes, a tiny model, 2 steps", files=TRAIN_FILES),
+    # ---- docs/hf.md
+    Command("python examples/hf_llama.py", copy=("examples",), stdout=("step 2: loss",)),
+    Command("torchrun --standalone --nproc-per-node 2 examples/hf_llama.py", "python examples/hf_llama.py",
+            "the same run: `python examples/hf_llama.py` starts itself under torchrun with exactly these options",
+            copy=("examples",)),
 ]

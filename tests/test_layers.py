@@ -34,6 +34,7 @@ LAYERS = [
     ("moe", "MoE blocks with expert parallelism"),
     ("eplb", "expert placement and the live balancer (uses moe)"),
     ("train", "the trainer and its model description (GPTConfig)"),
+    ("hf", "Hugging Face transformers causal LMs cut into stages for any schedule (uses train's balance; transformers imported lazily)"),
     ("plan", "the planner (pure Python; reads a GPTConfig without importing it)"),
     ("hf", "Hugging Face transformers causal LMs: stages, expert parallelism, checkpoint weights (uses train)"),
     ("__init__", "the public face: import twinpipe"),

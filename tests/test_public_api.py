@@ -12,7 +12,7 @@ import pytest
 
 import twinpipe
 
-SUBPACKAGES = ["schedule", "sim", "runtime", "overlap", "moe", "eplb", "train", "plan", "trace", "viz"]
+SUBPACKAGES = ["schedule", "sim", "runtime", "overlap", "moe", "eplb", "train", "hf", "plan", "trace", "viz"]
 
 
 def test_the_top_level_holds_what_users_start_from():

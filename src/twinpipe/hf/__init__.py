@@ -1,1 +1,17 @@
-"""Hugging Face ``transformers`` causal LMs under twinpipe's schedules."""
+"""Hugging Face ``transformers`` causal LMs through every twinpipe schedule (``pip install twinpipe[hf]``).
+
+``build(model, schedule, num_ranks, rank, layout=...)`` gives one rank its stage modules, the
+criterion and the batch split (docs/hf.md). Importing ``twinpipe`` does not import
+``transformers``; the stages import it when they first run.
+"""
+
+from twinpipe.hf.layer import Context, DecoderLayer
+from twinpipe.hf.layout import balanced_layout, format_layout, parse_layout
+from twinpipe.hf.stages import CausalLMLoss, HFPartedStage, HFPipelineStages, HFStage, build, count_items
+from twinpipe.hf.support import TESTED, UnsupportedModelError, model_parts
+
+__all__ = [
+    "build", "HFPipelineStages", "HFStage", "HFPartedStage", "CausalLMLoss", "count_items",
+    "Context", "DecoderLayer", "parse_layout", "format_layout", "balanced_layout",
+    "TESTED", "UnsupportedModelError", "model_parts",
+]

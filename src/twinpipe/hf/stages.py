@@ -1,0 +1,435 @@
+"""A ``transformers`` causal LM cut into pipeline stages: the stage module, and the stages one rank holds.
+
+``HFStage`` runs a contiguous run of the model's items (``E`` embedding, ``t`` decoder layers, ``L``
+final norm + LM head) exactly as the unsplit model's forward does; the tuples that flow between
+stages are described in ``twinpipe.hf.layer``. ``build`` gives one rank its stage modules for any
+schedule, with the criterion, the batch split and the gradient sums that go with them
+(``HFPipelineStages``).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_choice, check_int
+from twinpipe.hf.layer import Context, DecoderLayer
+from twinpipe.hf.layout import BALANCE, balanced_layout, format_layout, parse_layout
+from twinpipe.hf.support import ModelParts, model_parts
+from twinpipe.overlap import stage as overlap_stage
+from twinpipe.overlap.parts import Compute
+from twinpipe.runtime.batches import batch_layout
+from twinpipe.runtime.comm import wait_work
+from twinpipe.runtime.weight_grad import defer_weight_grads
+from twinpipe.schedule.spec import ScheduleSpec, resolve
+
+__all__ = ["HFStage", "HFPartedStage", "CausalLMLoss", "HFPipelineStages", "build", "ROTARY", "IGNORE_INDEX"]
+
+ROTARY = ("recompute", "pass")
+IGNORE_INDEX = -100
+
+
+class HFStage(nn.Module):
+    """Items ``items`` (``"E"``, ``"t"``, ``"L"``) of ``parts``' model, its decoder layers numbered
+    from ``first_layer``. Parameter names are the stage's; ``named_model_parameters()`` gives the
+    names they have in the unsplit model (``model.layers.3.mlp...``, ``lm_head.weight``)."""
+
+    def __init__(self, parts: ModelParts, items: Sequence[str], first_layer: int, *, rotary: str = "recompute",
+                 head: nn.Module | None = None, layers: dict | None = None):
+        super().__init__()
+        self.items = tuple(items)
+        self.first, self.last = self.items[0] == "E", self.items[-1] == "L"
+        self.rotary = rotary
+        self.__dict__["config"] = parts.config  # shared with the model, not a submodule
+        self.aux = parts.aux
+        if self.first:
+            self.embed_tokens = parts.embed_tokens
+        count = self.items.count("t")
+        self.layer_ids = list(range(first_layer, first_layer + count))
+        if layers is None:
+            layers = decoder_layers(parts, self.layer_ids)
+        self.layers = nn.ModuleDict({str(i): layers[i] for i in self.layer_ids})
+        self.mask_kinds = sorted({parts.mask_kinds[i] for i in self.layer_ids})
+        if self.first or (count and rotary == "recompute"):
+            self.rotary_emb = parts.rotary_emb
+        if self.last:
+            self.norm = parts.norm
+            self.lm_head = head if head is not None else parts.lm_head
+
+    # ------------------------------------------------------------------ names in the unsplit model
+    def named_model_parameters(self):
+        """``(name in the unsplit model, parameter)`` pairs, in model order."""
+        if self.first:
+            for sub, p in self.embed_tokens.named_parameters():
+                yield f"model.embed_tokens.{sub}", p
+        for i, layer in self.layers.items():
+            for sub, p in layer.named_parameters():
+                yield f"model.layers.{i}.{sub}", p
+        if self.last:
+            for sub, p in self.norm.named_parameters():
+                yield f"model.norm.{sub}", p
+            for sub, p in self.lm_head.named_parameters():
+                yield f"lm_head.{sub}", p
+
+    # ------------------------------------------------------------------ the flow (see layer.py)
+    def enter(self, *flow) -> tuple:
+        """The stage's inputs -> ``(hidden, ctx)``."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        aux_sums = None
+        if self.first:
+            input_ids, attention_mask = flow[:2]
+            hidden = self.embed_tokens(input_ids)
+            cos_sin = None
+            if self.aux:
+                zeros = torch.zeros(self.aux[0], dtype=torch.float32, device=hidden.device)
+                aux_sums = (zeros, zeros.clone(), torch.zeros(1, dtype=torch.float32, device=hidden.device))
+        else:
+            hidden, attention_mask = flow[:2]
+            rest = flow[2:]
+            cos_sin = tuple(rest[:2]) if self.rotary == "pass" else None
+            if self.aux:
+                aux_sums = tuple(rest[-3:])
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        if cos_sin is None and hasattr(self, "rotary_emb"):
+            cos_sin = self.rotary_emb(hidden, position_ids)
+        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        masks = {kind: makers[kind](config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
+                                    position_ids=position_ids) for kind in self.mask_kinds}
+        ctx = Context(attention_mask, position_ids, cos_sin, masks, [] if self.aux else None)
+        ctx.aux_sums = aux_sums
+        return hidden, ctx
+
+    def exit(self, hidden, ctx) -> tuple:
+        """``(hidden, ctx)`` -> the stage's outputs: the next stage's flow, or the logits."""
+        aux = ()
+        if self.aux:
+            aux = _fold_router_logits(ctx.aux_sums, ctx.router_logits, ctx.attention_mask, self.aux[0], self.aux[1])
+        if self.last:
+            logits = self.lm_head(self.norm(hidden))
+            return (logits, *aux)
+        passed = tuple(ctx.position_embeddings) if self.rotary == "pass" else ()
+        return (hidden, ctx.attention_mask, *passed, *aux)
+
+    def forward(self, *flow):
+        hidden, ctx = self.enter(*flow)
+        for layer in self.layers.values():
+            hidden = layer(hidden, ctx)
+        out = self.exit(hidden, ctx)
+        return out[0] if len(out) == 1 else out
+
+    def extra_repr(self) -> str:
+        return format_layout([self.items]) + (f" (layers {self.layer_ids[0]}..{self.layer_ids[-1]})" if self.layer_ids else "")
+
+
+class HFPartedStage(HFStage, overlap_stage.PartedStage):
+    """An ``HFStage`` whose layers declare parts (MoE layers with expert parallelism): in F&B ops
+    (DualPipe, DualPipeV) one micro-batch's forward parts run interleaved with another's backward
+    parts. Results are those of ``HFStage``."""
+
+    overlap = True
+
+    def parts(self) -> list:
+        out = [Compute("enter", self.enter)]
+        for i, layer in self.layers.items():
+            if hasattr(layer, "parts"):
+                out += [Compute(f"{i}.{p.name}", p.fn) if isinstance(p, Compute) else _renamed(p, f"{i}.{p.name}")
+                        for p in layer.parts()]
+            else:
+                out.append(Compute(f"{i}.layer", _layer_part(layer)))
+        out.append(Compute("exit", self.exit))
+        return out
+
+    forward = overlap_stage.PartedStage.forward
+
+
+def decoder_layers(parts: ModelParts, ids, wrap_layer=None) -> dict:
+    """Layer number -> its ``DecoderLayer`` (or what ``wrap_layer`` makes of it)."""
+    layers = {i: DecoderLayer(parts.layers[i], i, parts.mask_kinds[i], parts.routers[i] if parts.aux else None) for i in ids}
+    return layers if wrap_layer is None else {i: _wrapped(wrap_layer, layer) for i, layer in layers.items()}
+
+
+def _wrapped(wrap_layer, layer: DecoderLayer) -> nn.Module:
+    new = wrap_layer(layer)
+    if not isinstance(new, DecoderLayer):
+        raise bad("wrap_layer", wrap_layer, f"must return a twinpipe.hf.DecoderLayer (or subclass); it returned a "
+                                            f"{type(new).__name__} for layer {layer.index}")
+    return new
+
+
+def _renamed(part, name):
+    import dataclasses
+
+    return dataclasses.replace(part, name=name)
+
+
+def _layer_part(layer):
+    def run(hidden, ctx):
+        return layer(hidden, ctx), ctx
+
+    return run
+
+
+def _fold_router_logits(sums, logits: list, attention_mask, num_experts: int, top_k: int) -> tuple:
+    """Add each layer's router logits to the load-balancing loss's running sums, in layer order,
+    with the arithmetic of ``transformers``' ``load_balancing_loss_func`` (masked branch)."""
+    tokens_per_expert, router_prob, rows = sums
+    if logits:
+        flat_mask = attention_mask.reshape(-1).to(dtype=torch.float32)
+        for layer_gate in logits:
+            routing_weights = torch.nn.functional.softmax(layer_gate, dim=-1)
+            _, selected = torch.topk(routing_weights, top_k, dim=-1)
+            tokens_per_expert = tokens_per_expert + torch.zeros(num_experts, dtype=torch.float32, device=layer_gate.device
+                                                                ).scatter_add_(0, selected.reshape(-1), flat_mask.repeat_interleave(top_k))
+            router_prob = router_prob + (routing_weights.float() * flat_mask.unsqueeze(-1)).sum(dim=0)
+            rows = rows + flat_mask.sum()
+    return tokens_per_expert, router_prob, rows
+
+
+class CausalLMLoss:
+    """The criterion for ``Pipeline.step``: the model's own causal LM loss of one micro-batch
+    (``model.loss_function``: labels shifted, -100 ignored), summed over its tokens and divided by
+    the number of counted tokens of the WHOLE batch (``num_items_in_batch``, what ``transformers``
+    does under gradient accumulation), so the micro-batches' losses add up to the whole batch's
+    mean. With the router auxiliary loss on, ``coef * aux`` of the micro-batch is added, as the
+    model's forward adds it: step() losses are then those of the model called on each micro-batch
+    with ``num_items_in_batch``.
+
+    Called as ``criterion(logits, [tokens_per_expert, router_prob, rows,] labels, num_items)``:
+    ``num_items`` holds the batch's count in every row (``HFPipelineStages.batch`` makes it)."""
+
+    def __init__(self, loss_function, vocab_size: int, aux: tuple | None = None):
+        self.loss_function, self.vocab_size, self.aux = loss_function, vocab_size, aux
+
+    def __call__(self, logits, *rest):
+        if self.aux:
+            (tokens_per_expert, router_prob, rows), (labels, num_items) = rest[:3], rest[3:]
+        else:
+            labels, num_items = rest
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.vocab_size,
+                                  num_items_in_batch=num_items[0])
+        if self.aux:
+            num_experts, _, coef = self.aux
+            overall = torch.sum((tokens_per_expert / rows) * (router_prob / rows).unsqueeze(0))
+            loss = loss + coef * (overall * num_experts)
+        return loss
+
+
+def count_items(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> int:
+    """The tokens the causal LM loss counts in ``labels`` ``[B, S]``: after the shift, those != -100."""
+    return int((labels[..., 1:] != ignore_index).sum())
+
+
+@dataclass
+class HFPipelineStages:
+    """One rank's share of a causal LM under a schedule: pass ``modules`` and ``spec`` to
+    ``Pipeline`` (or call ``pipeline()``), ``batch()`` to ``step()`` with ``criterion``, and call
+    ``sync_grads(pipe)`` after each training step (before clipping and the optimizer)."""
+
+    modules: list  # this rank's stage modules, in Pipeline order
+    spec: ScheduleSpec
+    rank: int
+    layout: str  # the layout string, resolved
+    criterion: CausalLMLoss
+    tie: str  # "none" (untied), "shared" (this placement holds both ends on one rank, one parameter), "split"
+    rotary: str
+    _ends: dict = field(default_factory=dict)  # "embed"/"head" -> [(stage, chain, parameter)] on this rank
+    _tied_like: tuple = ()  # (shape, dtype, device) of the tied weight
+
+    @property
+    def stages(self) -> tuple:
+        """The stage numbers of ``modules``."""
+        return tuple(self.spec.stages_of(self.rank))
+
+    def pipeline(self, process_group=None, *, dynamic_shapes: bool = True, **options):
+        """``twinpipe.Pipeline`` on these modules; ``dynamic_shapes`` lets the sequence length change
+        from one step to the next (headers on every message; pass False for a fixed length)."""
+        from twinpipe.runtime.pipeline import Pipeline
+
+        return Pipeline(self.modules, self.spec, process_group=process_group, dynamic_shapes=dynamic_shapes, **options)
+
+    def batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+              *, num_chunks: int, num_items: int | None = None) -> tuple[tuple, tuple]:
+        """This rank's ``(inputs, labels)`` for ``step(*inputs, num_chunks=..., criterion=..., labels=labels)``
+        from the WHOLE batch (every rank passes the same full tensors). ``attention_mask`` defaults
+        to all ones. ``labels`` (``[B, S]``, -100 where nothing is predicted, as for ``transformers``)
+        are not made from ``input_ids``: pass them, or None for a forward-only step without a loss.
+        The loss is divided by ``num_items`` (default: the tokens ``labels`` counts over the whole batch)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise bad("input_ids", _shape(input_ids), "must be a [batch, sequence] tensor of token ids")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        elif not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            raise bad("attention_mask", _shape(attention_mask), f"must be a tensor of input_ids' shape {tuple(input_ids.shape)}")
+        layout = batch_layout(self.spec, self.spec.num_ranks, self.rank, num_chunks)
+        inputs = layout.inputs(input_ids, attention_mask.to(torch.long))
+        if labels is None:
+            return inputs, ()
+        if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+            raise bad("labels", _shape(labels), f"must be a tensor of input_ids' shape {tuple(input_ids.shape)}")
+        n = count_items(labels) if num_items is None else check_int(num_items, "num_items", low=1)
+        if n == 0:
+            raise bad("labels", "...", "must count at least one token (all are -100 after the shift)")
+        counts = torch.full((labels.shape[0],), n, dtype=torch.long, device=labels.device)
+        return inputs, layout.labels(labels, counts)
+
+    def sync_grads(self, pipe, timeout: float | None = None) -> None:
+        """After a training step: the mirrored copies' sums (``pipe.sync_mirrored_grads()``, DualPipe),
+        then the tied embedding's (``sync_tied_grads``). Every rank calls it."""
+        pipe.sync_mirrored_grads()
+        self.sync_tied_grads(pipe, timeout)
+
+    def sync_tied_grads(self, pipe, timeout: float | None = None) -> None:
+        """With tied input/output embeddings held by different stages (``tie == "split"``): give
+        the embedding and every copy of the head the sum of the embedding's and the head's
+        gradients, bitwise equal everywhere (one all-reduce over the pipeline's group, to which
+        only the first copy of each end adds). A no-op otherwise, on every rank. Call it after
+        ``sync_mirrored_grads`` (``sync_grads`` does both)."""
+        if self.tie != "split":
+            return
+        mine = [(p, chain) for key in ("embed", "head") for _, chain, p in self._ends.get(key, [])]
+        shape, dtype, device = self._tied_like
+        total = torch.zeros(shape, dtype=dtype, device=device)
+        for p, chain in mine:
+            if chain == 0 and p.grad is not None:
+                total += p.grad
+        work = dist.all_reduce(total, group=pipe.group, async_op=True)
+        wait_work(work, pipe.timeout if timeout is None else timeout,
+                  f"rank {self.rank}: all-reduce of the tied embedding's gradients", group=pipe.group)
+        for p, _ in mine:
+            p.grad = total.clone()
+
+
+def _shape(value):
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | None = None, rank: int | None = None, *,
+          layout: str | None = None, balance: str = "params", sample: torch.Tensor | None = None,
+          rotary: str = "recompute", defer: bool = True, untested: bool = False, process_group=None,
+          wrap_layer=None, **schedule_options) -> HFPipelineStages:
+    """Rank ``rank``'s stages of ``model`` (a ``transformers`` causal LM) under ``schedule`` on
+    ``num_ranks`` ranks (both default to the process group's, when torch.distributed is up).
+
+    ``layout``: a layout string (``twinpipe.hf.layout``); without one the stages are balanced by
+    ``balance``: ``"params"`` (parameter counts, the embedding and the head included) or ``"time"``
+    (forward+backward time of each item measured on ``sample``, a ``[batch, sequence]`` tensor of
+    token ids; the ranks' measurements are summed over ``process_group`` so that all cut alike).
+    ``rotary``: ``"recompute"`` (each stage computes the rotary tables from the position ids: a
+    little compute per stage, nothing sent) or ``"pass"`` (the first stage computes them once and
+    they travel with the hidden states: two ``[1, S, rotary dim]`` tensors per message, and their
+    zero gradients back). ``defer``: weight gradients of linear layers deferred to W ops (zero
+    bubble schedules). The stages share the model's modules (build on a model of your own; the
+    head gets its own copy of a tied weight where the two ends are on different stages' copies).
+    ``wrap_layer``: called with each ``DecoderLayer`` this rank builds, returns the layer to use (a
+    ``DecoderLayer`` subclass, e.g. a MoE layer declaring ``parts()`` for the F&B overlap; when one
+    of this rank's layers declares parts, all its stages are ``HFPartedStage``).
+    """
+    parts = model_parts(model, untested=untested)
+    if dist.is_initialized():
+        num_ranks = dist.get_world_size(process_group) if num_ranks is None else num_ranks
+        rank = dist.get_rank(process_group) if rank is None else rank
+    if num_ranks is None or rank is None:
+        raise ValueError("num_ranks and rank: give both, or initialise torch.distributed first")
+    check_int(num_ranks, "num_ranks", low=1)
+    check_int(rank, "rank", low=0, high=num_ranks - 1)
+    check_choice(rotary, "rotary", ROTARY)
+    check_bool(defer, "defer")
+    spec = resolve(schedule, num_ranks, **schedule_options)
+    placement = spec.placement
+    n_stages = placement.num_model_stages
+    n_layers = len(parts.layers)
+    if layout is not None:
+        items = parse_layout(layout, n_stages, n_layers)
+    else:
+        check_choice(balance, "balance", BALANCE)
+        weights = _param_weights(parts) if balance == "params" else _time_weights(parts, sample, process_group)
+        items = balanced_layout(weights, n_stages)
+    mine = list(spec.stages_of(rank))
+    model_stages = [placement.model_stage(s) for s in mine]
+    tie = "none"
+    if parts.tied:  # decided from the placement alone, so that every rank decides alike
+        one_copy = placement.num_stages == n_stages
+        tie = "shared" if one_copy and placement.rank_of(0) == placement.rank_of(n_stages - 1) else "split"
+    starts = [sum(stage.count("t") for stage in items[:k]) for k in range(n_stages)]
+    layers = {k: decoder_layers(parts, range(starts[k], starts[k] + items[k].count("t")), wrap_layer)
+              for k in sorted(set(model_stages))}
+    # One stage class for all of this rank's stages (the pipeline overlaps F&B ops only when they agree).
+    kind = HFPartedStage if any(hasattr(layer, "parts") for ls in layers.values() for layer in ls.values()) else HFStage
+    if kind is HFPartedStage and parts.aux:
+        # The router logits travel inside the Context, past the parts' boundaries, where the
+        # overlap engine cuts the graph: their gradients would be run twice.
+        raise bad("wrap_layer", wrap_layer, "gives layers that declare parts, and the router auxiliary loss is on: the "
+                                            "two do not go together yet; set config.output_router_logits=False")
+    modules, ends, built = [], {}, set()
+    for s, k in zip(mine, model_stages):
+        head = None
+        if items[k][-1] == "L" and tie == "split":
+            head = copy.deepcopy(parts.lm_head)  # its own parameter, equal to the embedding
+        module = kind(parts, items[k], starts[k], rotary=rotary, head=head, layers=layers[k])
+        if k in built:  # a second copy of one model stage on this rank
+            module = copy.deepcopy(module)
+        built.add(k)
+        if defer:
+            defer_weight_grads(module)
+        chain = placement.chain_of_stage(s)
+        if module.first:
+            ends.setdefault("embed", []).append((s, chain, module.embed_tokens.weight))
+        if module.last:
+            ends.setdefault("head", []).append((s, chain, module.lm_head.weight))
+        modules.append(module)
+    criterion = CausalLMLoss(model.loss_function, parts.config.vocab_size, parts.aux)
+    weight = parts.embed_tokens.weight
+    return HFPipelineStages(modules=modules, spec=spec, rank=rank, layout=format_layout(items), criterion=criterion,
+                            tie=tie, rotary=rotary, _ends=ends, _tied_like=(tuple(weight.shape), weight.dtype, weight.device))
+
+
+def _param_weights(parts: ModelParts) -> list[float]:
+    def count(*modules):
+        return float(sum(p.numel() for m in modules for p in m.parameters()))
+
+    return [count(parts.embed_tokens)] + [count(layer) for layer in parts.layers] + [count(parts.norm, parts.lm_head)]
+
+
+def _time_weights(parts: ModelParts, sample, process_group, repeats: int = 3) -> list[float]:
+    """Median forward+backward seconds of the embedding, each layer and the head on ``sample``,
+    summed over the ranks of ``process_group`` (so that every rank cuts alike)."""
+    if not isinstance(sample, torch.Tensor) or sample.dim() != 2 or sample.is_floating_point():
+        raise bad("sample", _shape(sample), "balance='time' measures each item: pass sample=, a [batch, sequence] tensor of token ids")
+    stage = HFStage(parts, ["E"] + ["t"] * len(parts.layers) + ["L"], 0)
+    saved = {p: p.grad for p in stage.parameters()}
+
+    def timed(fn, *args) -> float:
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = fn(*args)
+            out.float().sum().backward()
+            runs.append(time.perf_counter() - start)
+        return sorted(runs)[len(runs) // 2]
+
+    try:
+        weights = [timed(stage.embed_tokens, sample)]
+        hidden, ctx = stage.enter(sample, torch.ones_like(sample))
+        hidden = hidden.detach()
+        for layer in stage.layers.values():
+            x = hidden.requires_grad_()
+            weights.append(timed(layer, x, ctx))
+            hidden = layer(x, ctx).detach()
+        weights.append(timed(lambda h: stage.lm_head(stage.norm(h)), hidden.requires_grad_()))
+    finally:
+        for p, g in saved.items():
+            p.grad = g
+    if dist.is_initialized():
+        t = torch.tensor(weights, dtype=torch.float64)
+        work = dist.all_reduce(t, group=process_group, async_op=True)
+        wait_work(work, DEFAULT_TIMEOUT, f"rank {dist.get_rank()}: all-reduce of the measured layer times (balance='time')",
+                  group=process_group)
+        weights = t.tolist()
+    return weights

@@ -1,0 +1,323 @@
+"""twinpipe.hf: transformers causal LMs cut into stages, exact against the unsplit model.
+
+Every case builds a tiny float64 model (tests/hf_models.py) on each rank from the same seed, runs
+training steps through ``Pipeline`` and compares with the unsplit model called on each micro-batch
+with ``num_items_in_batch`` (the whole batch's token count): losses bitwise, gradients within 1e-13
+(the official metric, tests/models.py). One 4-rank world runs every case.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+
+import pytest
+
+pytest.importorskip("transformers", reason="twinpipe.hf needs transformers (pip install twinpipe[hf])")
+
+import torch  # noqa: E402
+
+import hf_models  # noqa: E402
+from distributed import run_world  # noqa: E402
+from models import grad_error  # noqa: E402
+from twinpipe import batch_layout, hf  # noqa: E402
+from twinpipe.hf.layout import format_layout, parse_layout  # noqa: E402
+
+TOL = 1e-13
+ARCHS = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
+SCHEDULES = ("dualpipev", "dualpipe", "1f1b", "zb-h1", "interleaved-1f1b")
+
+
+def _case(arch, schedule, ranks, *, tied=False, aux=None, rotary="recompute", layout=None, seqs=(8,), chunks=4,
+          padded=True, parts=False):
+    aux = arch in ("mixtral", "qwen3_moe") if aux is None else aux
+    layers = 6 if ranks == 4 and schedule in ("dualpipev", "interleaved-1f1b") else 2  # >= 1 item per stage
+    return dict(arch=arch, schedule=schedule, ranks=ranks, tied=tied, aux=aux, rotary=rotary, layout=layout, seqs=seqs,
+                chunks=chunks, padded=padded, layers=layers, parts=parts)
+
+
+CASES = {}
+for i, (arch, schedule, ranks) in enumerate(itertools.product(ARCHS, SCHEDULES, (2, 4))):
+    # Every other case passes the rotary tables instead of recomputing them; some change the sequence length.
+    CASES[f"{arch}-{schedule}-p{ranks}"] = _case(arch, schedule, ranks, rotary=("recompute", "pass")[i % 2],
+                                                 seqs=(8, 5) if i % 5 == 0 else (8,))
+# Tied embeddings: one parameter on the rank holding both ends (V), else two copies summed by sync_tied_grads.
+for schedule, ranks in (("dualpipev", 4), ("dualpipev", 2), ("dualpipe", 2), ("dualpipe", 4), ("1f1b", 4), ("zb-h1", 2),
+                        ("interleaved-1f1b", 2)):
+    CASES[f"llama-tied-{schedule}-p{ranks}"] = _case("llama", schedule, ranks, tied=True, seqs=(8, 6) if ranks == 4 else (8,))
+CASES["mixtral-noaux-1f1b-p2"] = _case("mixtral", "1f1b", 2, aux=False)
+CASES["qwen3_moe-noaux-dualpipev-p2"] = _case("qwen3_moe", "dualpipev", 2, aux=False)
+CASES["llama-layout-1f1b-p2"] = _case("llama", "1f1b", 2, layout="E|t*2,L")
+CASES["llama-unpadded-1f1b-p2"] = _case("llama", "1f1b", 2, padded=False)
+# Layers declaring parts (the convention MoE layers with expert parallelism follow): F&B ops overlap them.
+CASES["llama-parts-dualpipev-p2"] = _case("llama", "dualpipev", 2, parts=True)
+CASES["mixtral-parts-dualpipe-p4"] = _case("mixtral", "dualpipe", 4, parts=True, rotary="pass", aux=False)
+CASES["deepseek_v3-layout-dualpipe-p2"] = _case("deepseek_v3", "dualpipe", 2, layout="E,t*2|L", chunks=2)
+
+
+_MODELS: dict = {}
+
+
+def _model(case: dict):
+    """A fresh copy of the case's model (built once per process: copying is cheaper than initialising)."""
+    key = (case["arch"], case["tied"], case["aux"], case["layers"])
+    if key not in _MODELS:
+        _MODELS[key] = hf_models.model(case["arch"], tied=case["tied"], aux=case["aux"], layers=case["layers"])
+    return copy.deepcopy(_MODELS[key])
+
+
+def _ref_key(case: dict) -> tuple:
+    return tuple(case[k] for k in ("arch", "tied", "aux", "layers", "seqs", "chunks", "padded"))
+
+
+def _reference(case: dict) -> list:
+    """Per step: the unsplit model on each micro-batch (the loss over the whole batch's tokens), its
+    gradients by name, and the whole batch's loss in one call."""
+    ref, n, steps = _model(case), case["chunks"], []
+    for step, seq in enumerate(case["seqs"]):
+        ids, mask, labels = hf_models.batch(n, seq, seed=step + 1, padded=case["padded"])
+        count = torch.tensor(hf.count_items(labels))
+        losses = []
+        for rows in torch.tensor_split(torch.arange(n), n):
+            out = ref(input_ids=ids[rows], attention_mask=mask[rows] if case["padded"] else None, labels=labels[rows],
+                      num_items_in_batch=count)
+            out.loss.backward()
+            losses.append(out.loss.detach())
+        grads = {name: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                 for name, p in ref.named_parameters(remove_duplicate=False)}
+        with torch.no_grad():
+            whole = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+        steps.append((losses, grads, whole))
+        ref.zero_grad(set_to_none=True)
+    return steps
+
+
+def _run(case: dict, reference: list, group) -> str:
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    stages = hf.build(_model(case), case["schedule"], case["ranks"], rank, layout=case["layout"], rotary=case["rotary"],
+                      wrap_layer=hf_models.parted if case["parts"] else None)
+    problems = []
+    holds_layers = any(m.layer_ids for m in stages.modules)
+    if case["parts"] and holds_layers and not all(isinstance(m, hf.HFPartedStage) for m in stages.modules):
+        problems.append(f"stages {[type(m).__name__ for m in stages.modules]} are not HFPartedStage")
+    if case["tied"]:
+        expected_tie = "shared" if case["schedule"] == "dualpipev" else "split"
+        if stages.tie != expected_tie:
+            problems.append(f"tie {stages.tie!r} != {expected_tie!r}")
+    n = case["chunks"]
+    with stages.pipeline(group, timeout=60) as pipe:
+        for step, seq in enumerate(case["seqs"]):
+            ids, mask, labels = hf_models.batch(n, seq, seed=step + 1, padded=case["padded"])
+            inputs, labs = stages.batch(ids, mask if case["padded"] else None, labels, num_chunks=n)
+            loss, _ = pipe.step(*inputs, num_chunks=n, criterion=stages.criterion, labels=labs)
+            stages.sync_grads(pipe)
+            ref_losses, ref_grads, whole = reference[step]
+            layout = batch_layout(stages.spec, case["ranks"], rank, n)
+            if loss is not None:
+                expected = torch.stack([ref_losses[j] for j in layout.label_microbatches])
+                if not torch.equal(loss, expected):
+                    problems.append(f"step {step}: losses {loss.tolist()} != reference {expected.tolist()}")
+                if len(layout.label_microbatches) == n and not case["aux"]:  # the sum is the whole batch's mean loss
+                    if not torch.allclose(loss.sum(), whole, rtol=1e-6, atol=0):
+                        problems.append(f"step {step}: summed loss {loss.sum().item()} != whole-batch loss {whole.item()}")
+            for module in stages.modules:
+                for name, p in module.named_model_parameters():
+                    err = grad_error(p.grad if p.grad is not None else torch.zeros_like(p), ref_grads[name])
+                    if not err <= TOL:
+                        problems.append(f"step {step} {name}: gradient error {err:.3g}")
+            if case["tied"]:
+                problems += _tied_copies_differ(stages, group)
+            for m in stages.modules:
+                m.zero_grad(set_to_none=True)
+        if len(case["seqs"]) > 1:  # forward only (evaluation) on the last batch: the same losses
+            with torch.no_grad():
+                loss, _ = pipe.step(*inputs, num_chunks=n, criterion=stages.criterion, labels=labs)
+            if loss is not None and not torch.equal(loss, expected):
+                problems.append(f"forward-only losses {loss.tolist()} != reference {expected.tolist()}")
+    has_fb = any(op.kind.value == "FB" for op in stages.spec.build(n).ops[rank])
+    if case["parts"] and holds_layers and has_fb and not any(m.fb_events for m in stages.modules):
+        problems.append("no F&B op overlapped the parts")
+    return "; ".join(problems[:6]) or "ok"
+
+
+def _tied_copies_differ(stages, group) -> list[str]:
+    """Every copy of the tied weight, on every rank, holds the same gradient bits."""
+    import torch.distributed as dist
+
+    digests = {hashlib.sha256(p.grad.numpy().tobytes()).hexdigest() for key in ("embed", "head")
+               for _, _, p in stages._ends.get(key, [])}
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, digests, group=group)
+    merged = set().union(*everyone)
+    return [] if len(merged) == 1 else [f"tied weight copies differ: {len(merged)} different gradients"]
+
+
+def _world(rank, world, names, references):
+    """Like distributed.run_cases, with one group per size for all cases (fewer groups to build)."""
+    import torch.distributed as dist
+
+    groups = {size: dist.new_group(list(range(size))) for size in (2, 4)}
+    results = {}
+    for name in names:
+        case = CASES[name]
+        if rank < case["ranks"]:
+            torch.manual_seed(0)
+            try:
+                results[name] = _run(case, references[_ref_key(case)], groups[case["ranks"]])
+            except Exception as exc:
+                results[name] = f"{type(exc).__name__}: {exc}"
+        dist.barrier()
+    return results
+
+
+def run_all(names) -> list:
+    """Each case's outcome per rank; the references are computed once here, for all ranks."""
+    references = {}
+    for name in names:
+        key = _ref_key(CASES[name])
+        if key not in references:
+            references[key] = _reference(CASES[name])
+    return run_world(4, _world, list(names), references, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_all(list(CASES))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_exact_against_unsplit_model(outcomes, name):
+    ranks = CASES[name]["ranks"]
+    results = {r: outcomes[r][name] for r in range(ranks)}
+    assert all(v == "ok" for v in results.values()), results
+
+
+# ---------------------------------------------------------------------------------------- layouts
+def test_layout_parses_megatron_style():
+    assert parse_layout("E,t*3|t*4|t*4|t*3,L", 4, 14) == [["E", "t", "t", "t"], ["t"] * 4, ["t"] * 4, ["t", "t", "t", "L"]]
+    assert parse_layout(" E | t*2 | L ", 3, 2) == [["E"], ["t", "t"], ["L"]]
+    assert format_layout(parse_layout("E,t*3|t*4|t*4|t*3,L", 4, 14)) == "E,t*3|t*4|t*4|t*3,L"
+
+
+@pytest.mark.parametrize("layout, why", [
+    ("E,t*3|t*3,L", "it has 2 stage(s)"),
+    ("E,t*3|t*4|t*4|t*2,L", "it has 13 t"),
+    ("t,E,t*2|t*4|t*4|t*3,L", "E must appear once, as the first item"),
+    ("E,t*3|t*4|t*4|L,t*3", "L must appear once, as the last item"),
+    ("E,t*3||t*8|t*3,L", "stage 1 is empty"),
+    ("E,x*3|t*4|t*4|t*3,L", "stage 0 has 'x*3'"),
+    ("E,t*0|t*7|t*4|t*3,L", "stage 0 repeats t 0 times"),
+    (14, "it is not a str"),
+])
+def test_layout_errors_say_what_it_must_be(layout, why):
+    with pytest.raises(ValueError) as info:
+        parse_layout(layout, 4, 14)
+    message = str(info.value)
+    assert message.startswith(f"layout={layout!r}: must be 4 stage(s) separated by '|'"), message
+    assert why in message, message
+
+
+def test_build_checks_the_layout_against_the_schedule():
+    model = hf_models.model("llama", layers=2)
+    with pytest.raises(ValueError, match=r"layout='E,t\|t,L': must be 4 stage\(s\).*it has 2 stage\(s\)"):
+        hf.build(model, "dualpipev", 2, 0, layout="E,t|t,L")
+
+
+def test_balance_counts_the_embedding_and_the_head():
+    model = hf_models.model("llama", layers=6)
+    # The embedding and the head (64 x 16 each) weigh about as much as a layer: each gets a stage of its own.
+    stages = hf.build(model, "dualpipev", 4, 0)
+    assert stages.layout == "E|t|t|t|t|t|t|L"
+    assert hf.build(hf_models.model("llama", layers=6), "1f1b", 2, 0).layout == "E,t*3|t*3,L"
+    with pytest.raises(ValueError, match="balance='memory': allowed are 'params', 'time'"):
+        hf.build(hf_models.model("llama", layers=2), "1f1b", 2, 0, balance="memory")
+    with pytest.raises(ValueError, match="num_stages=8: must be at most 4"):
+        hf.build(hf_models.model("llama", layers=2), "dualpipev", 4, 0)
+
+
+def test_balance_by_time_measures_each_item():
+    model = hf_models.model("llama", layers=4)
+    stages = hf.build(model, "1f1b", 2, 1, balance="time", sample=torch.randint(0, 64, (2, 8)))
+    assert stages.layout.count("|") == 1 and stages.layout.count("t") >= 1
+    assert all(p.grad is None for p in model.parameters())  # the measurement leaves no gradients
+    with pytest.raises(ValueError, match=r"sample='NoneType': balance='time' measures each item"):
+        hf.build(model, "1f1b", 2, 1, balance="time")
+
+
+# ------------------------------------------------------------------------------ what is refused
+def test_unsupported_models_get_a_clear_error():
+    import transformers as tf
+
+    t5 = tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2))
+    with pytest.raises(hf.UnsupportedModelError, match="is an encoder-decoder"):
+        hf.build(t5, "1f1b", 2, 0)
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=32, n_embd=8, n_layer=2, n_head=2))
+    with pytest.raises(hf.UnsupportedModelError, match=r"model=GPT2LMHeadModel: has no model, lm_head|has no model\b"):
+        hf.build(gpt2, "1f1b", 2, 0)
+    with pytest.raises(hf.UnsupportedModelError, match="must be a transformers causal LM"):
+        hf.build(torch.nn.Linear(2, 2), "1f1b", 2, 0)
+    import twinpipe
+
+    assert issubclass(hf.UnsupportedModelError, twinpipe.PipelineError)
+
+
+def test_untested_architectures_are_refused_unless_asked():
+    import transformers as tf
+
+    cfg = tf.MistralConfig(**{k: v for k, v in hf_models.COMMON.items() if k != "experts_implementation"},
+                           intermediate_size=32, num_key_value_heads=2)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(hf.UnsupportedModelError, match="model_type='mistral' is not one twinpipe.hf is tested on"):
+        hf.build(model, "1f1b", 2, 0)
+    assert hf.build(model, "1f1b", 2, 0, untested=True).layout == "E,t*3|t*3,L"
+
+
+def test_batch_counts_tokens_of_the_whole_batch():
+    stages = hf.build(hf_models.model("llama", layers=2), "dualpipe", 2, 0)
+    ids, mask, labels = hf_models.batch(4, 8)
+    inputs, labs = stages.batch(ids, mask, labels, num_chunks=2)
+    # DualPipe: rank 0 passes the inputs of the first half and the labels of the second half.
+    assert torch.equal(inputs[0], ids[:2]) and torch.equal(labs[0], labels[2:])
+    assert labs[1].tolist() == [hf.count_items(labels)] * 2 == [int((labels[:, 1:] != -100).sum())] * 2
+    assert stages.batch(ids, mask, labels, num_chunks=2, num_items=7)[1][1].tolist() == [7, 7]
+    with pytest.raises(ValueError, match=r"attention_mask=\(4, 7\): must be a tensor of input_ids' shape \(4, 8\)"):
+        stages.batch(ids, mask[:, :7], labels, num_chunks=2)
+    with pytest.raises(ValueError, match="labels=.*must count at least one token"):
+        stages.batch(ids, mask, torch.full_like(labels, -100), num_chunks=2)
+
+
+def test_importing_twinpipe_or_twinpipe_hf_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, twinpipe, twinpipe.hf; print('transformers' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
+
+
+def test_eager_attention_gives_nan_on_left_padded_rows_in_float64():
+    """Why the tests (and docs/hf.md) use sdpa: the unsplit model itself, with eager attention."""
+    import transformers as tf
+
+    cfg = hf_models.config("llama", layers=1)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float64)
+    ids, mask, _ = hf_models.batch(2, 8)
+    assert mask[1, 0] == 0  # row 1 is left-padded
+    eager = model(input_ids=ids, attention_mask=mask).logits
+    assert eager[1].isnan().any() and not eager[0].isnan().any()
+    model.config._attn_implementation = "sdpa"
+    assert not model(input_ids=ids, attention_mask=mask).logits.isnan().any()
+
+
+def test_wrap_layer_must_give_a_decoder_layer_and_parts_refuse_the_aux_loss():
+    with pytest.raises(ValueError, match=r"wrap_layer=.*must return a twinpipe.hf.DecoderLayer .*it returned a Linear for layer 0"):
+        hf.build(hf_models.model("llama", layers=2), "1f1b", 2, 0, wrap_layer=lambda layer: torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"wrap_layer=.*the router auxiliary loss is on.*output_router_logits=False"):
+        hf.build(hf_models.model("mixtral", layers=2, aux=True), "1f1b", 2, 0, wrap_layer=hf_models.parted)
+    stages = hf.build(hf_models.model("mixtral", layers=2), "1f1b", 2, 0, wrap_layer=hf_models.parted)
+    assert [type(m).__name__ for m in stages.modules] == ["HFPartedStage"]

@@ -100,15 +100,10 @@ def _check(args) -> None:
                       ("--seq-len", 1), ("--dim", 1), ("--heads", 1), ("--layers", 1), ("--experts", 0),
                       ("--save-every", 0), ("--corpus-bytes", 1)):
         check_int(_option(args, flag), flag, low=low)
-<<<<<<< HEAD
     if args.vocab is not None:
         check_int(args.vocab, "--vocab", low=1)
     check_int(args.ep, "--ep", low=1)
-    if isinstance(args.seed, bool) or not isinstance(args.seed, int) or not 0 <= args.seed <= _MAX_SEED:
-        raise bad("--seed", args.seed, f"must be an int in 0..{_MAX_SEED} (torch's generator keeps 32 bits of a seed)")
-=======
-    check_int(args.seed, "--seed", low=0, high=_MAX_SEED, why="the data sampler seeds a 64-bit generator with it")
->>>>>>> main
+    check_int(args.seed, "--seed", low=0, high=_MAX_SEED, why="torch's generator keeps 32 bits of a seed")
     check_float(args.lr, "--lr", low=0, low_open=True)
     check_float(args.max_norm, "--max-norm", low=0)  # 0: no clipping
     checked_timeout(args.timeout, "--timeout")

@@ -276,3 +276,30 @@ def test_a_transformers_model_trains_on_a_pipeline_and_resumes_on_another_mesh(t
     err = capsys.readouterr().err
     assert code == 2 and not (tmp_path / "x").exists(), err
     assert "--resume=" in err and "holds another model than --model=" in err and "model.layers.2." in err, err
+
+
+def test_a_model_folder_with_weights_gives_each_rank_its_stages_tensors(tmp_path):
+    """``HFStages(weights=True)``: the stages hold the folder's tensors, not the seeded random ones."""
+    _needs_hf()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from twinpipe.schedule import resolve
+    from twinpipe.train.cli_model import HFStages
+
+    config = AutoConfig.from_pretrained(str(TINY_LLAMA), local_files_only=True)
+    torch.manual_seed(1)
+    saved = AutoModelForCausalLM.from_config(config)
+    saved.save_pretrained(tmp_path / "model")
+    state = saved.state_dict()
+    spec = resolve("dualpipe", 2)  # each rank holds two stages of two copies
+    seen = set()
+    for rank in range(2):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        modules = HFStages(str(tmp_path / "model"), "E,t*2|t*2,L", weights=True).build(model, spec, rank)
+        assert len(modules) == 2
+        for module in modules:
+            for name, p in module.named_model_parameters():
+                assert torch.equal(p, state[name]), name
+                seen.add(name)
+    assert seen == set(state)

@@ -81,6 +81,10 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
                          "twinpipe train yet (their experts are replicated on every data-parallel rank)")
     import torch
 
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ValueError(f"--model={args.model!r}: needs the transformers package (pip install 'twinpipe[hf]')") from None
     config = _config(args.model)
     try:
         from transformers import AutoModelForCausalLM

@@ -159,6 +159,7 @@ class Trainer:
             modules = [defer_weight_grads(m) for m in stage_modules(cut, self.schedule, mesh.pp, mesh.pp_rank)]
         else:
             modules = list(stages.build(model, self.schedule, mesh.pp_rank))
+            self.stage_names = None  # the custom cut names its stages its own way
         if mesh.dp > 1:
             shard_experts(modules, mesh.dp_group)  # expert parallelism over the stage's data-parallel group
         experts = expert_ids(modules)

@@ -13,7 +13,7 @@ Formats (``open_tokens``):
   end-of-sequence token when it has one. Text is held in memory; large corpora belong in ``.npy``.
 
 ``token_range`` scans a memory-mapped array in chunks of ``CHUNK`` ids, so a file of gigabytes is read
-once, never held whole in memory. Numpy only (no torch at import): the command line checks a file
+once, never copied whole into the process's memory (the mapped pages are the system's file cache). Numpy only (no torch at import): the command line checks a file
 before any rank starts.
 """
 

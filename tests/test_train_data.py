@@ -303,3 +303,6 @@ def test_a_model_folder_with_weights_gives_each_rank_its_stages_tensors(tmp_path
                 assert torch.equal(p, state[name]), name
                 seen.add(name)
     assert seen == set(state)
+    tied = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(TINY_LLAMA), tie_word_embeddings=True))
+    with pytest.raises(ValueError, match="ties its input and output embeddings"):
+        HFStages(str(tmp_path / "model")).parameter_names(tied)

@@ -203,6 +203,9 @@ class HFStages:
         self.built = None
 
     def parameter_names(self, model) -> list:
+        if _hf().model_parts(model).tied:  # the trainer would count and store the tied weight twice
+            raise ValueError(f"model={type(model).__name__}: ties its input and output embeddings; HFStages (the trainer) "
+                             "does not train tied embeddings yet (twinpipe.hf.build does, in a script of your own)")
         return parameter_names(model)
 
     def build(self, model, schedule, pp_rank: int) -> list:

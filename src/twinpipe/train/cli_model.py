@@ -24,7 +24,6 @@ __all__ = ["add_arguments", "check_model", "ModelInfo", "HFStages", "TokenLoss",
 # The built-in GPT's options: with --model the folder's config.json says all of it.
 GPT_OPTIONS = ("--dim", "--heads", "--layers", "--experts", "--top-k", "--vocab")
 _HF = "twinpipe.hf"
-_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 
 def _hf(module: str = ""):
@@ -116,7 +115,7 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
     if isinstance(limit, int) and args.seq_len > limit:
         raise ValueError(f"--seq-len={args.seq_len}: must be at most {limit}, --model's max_position_embeddings")
     names = parameter_names(model)
-    weights = any((folder / name).is_file() for name in _WEIGHTS)
+    weights = _hf("weights").has_weights(folder)
     if not weights and any(folder.glob("*.bin")) and not any(folder.glob("*.safetensors")):
         raise ValueError(f"--model={args.model!r}: holds .bin weights (pickled torch files); twinpipe reads safetensors "
                          "only: convert them (save_pretrained writes safetensors)")
@@ -134,7 +133,7 @@ def load(args, *, need_tokenizer: bool = False) -> ModelInfo:
         model = AutoModelForCausalLM.from_config(config)
     names = parameter_names(model)
     info = ModelInfo(args.model, config, names, sum(_numel(s) for _, s in names),
-                     any((Path(args.model) / n).is_file() for n in _WEIGHTS), _tokenizer(args.model) if need_tokenizer else None)
+                     _hf("weights").has_weights(args.model), _tokenizer(args.model) if need_tokenizer else None)
     info.aux = _hf().model_parts(model).aux
     return info
 

@@ -24,7 +24,6 @@ TOLERANCE = 0.10
 
 
 def _mlp_stage():
-    import torch
     from torch import nn
 
     import twinpipe

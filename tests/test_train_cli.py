@@ -160,11 +160,17 @@ BAD = [
     (["--balance-alpha", "-1", "--experts", "4"], "--balance-alpha=-1.0: must be a finite number >= 0"),
     (["--mtp-depth", "16", "--seq-len", "16"], "--mtp-depth=16: must be >= 0 and <= 15"),
     (["--mtp-weight", "nan", "--mtp-depth", "1"], "--mtp-weight=nan: must be a finite number >= 0"),
+    # --data, --model (tests/test_train_data.py has the rest)
+    (["--data", "{file}"], "--data='{file}': the file is empty"),
+    (["--vocab", "0"], "--vocab=0: must be >= 1"),
+    (["--model", "{file}"], "--model='{file}': must be a folder holding a transformers config.json"),
+    (["--layout", "E|t,L"], "--layout='E|t,L': only with --model"),
+    (["--ep", "0"], "--ep=0: must be >= 1"),
 ]
 # Refused by argparse (exit 2, its usage line and one error line).
 BAD_CHOICE = [["--dtype", "float16"], ["--device", "tpu"], ["--balance", "flops"], ["--dp-reduce", "sum"], ["--pp", "two"],
               ["--on-nonfinite", "ignore"], ["--optimizer-hparams", "mine"], ["--score", "cosine"], ["--precision", "fp16"],
-              ["--zero", "2"]]
+              ["--zero", "2"], ["--data-dtype", "int8"]]
 NO_BAD_VALUE = {"overlap_dp"}
 
 

@@ -113,7 +113,6 @@ def _checkpoints(rank: int, root: str) -> list[str]:
     master and optimizer state bitwise the saved one, stored in FP32), trains a step and saves;
     ZeRO-1 DP=2 x PP=2 loads that; a pure float64 run loads the first (the masters and state widened
     exactly). The same layout resumes bitwise."""
-    import torch
     import torch.distributed as dist
 
     from twinpipe.train.checkpoint import load_checkpoint, read_checkpoint_info, save_checkpoint

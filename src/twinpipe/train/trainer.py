@@ -151,10 +151,20 @@ class Trainer:
 
     ``optimizer_fn(params)`` builds any ``torch.optim`` optimizer over this rank's parameters;
     ``criterion(output, labels)`` is one micro-batch's mean loss.
+
+    ``stages``: how to cut a model that is not a sequence of one-tensor layers (a ``transformers``
+    causal LM: ``twinpipe train --model``); None cuts by ``split`` with ``config.balance``. An object with
+    ``parameter_names(model)`` (``(name, shape)`` of the unsplit model's parameters, in order),
+    ``build(model, schedule, pp_rank)`` (this rank's stage modules in ``Pipeline`` order, each with
+    ``named_model_parameters()``, weight gradients deferred), ``batch(layout, x, y)`` (the
+    ``(inputs, labels)`` of ``Pipeline.step`` from this replica's rows and the rank's ``batch_layout``)
+    and ``sync_grads(pipe)`` (after the pipeline step: every copy of a parameter gets the same sum,
+    mirrored copies and tied weights alike).
     """
 
     def __init__(self, model_fn: Callable[[], nn.Module], sampler: BatchSampler, criterion, optimizer_fn,
-                 mesh: TrainMesh, config: TrainConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+                 mesh: TrainMesh, config: TrainConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                 stages=None):
         if not isinstance(config, TrainConfig):
             raise ValueError(f"config={config!r}: must be a TrainConfig")
         self.config, self.mesh, self.sampler, self.criterion = config, mesh, sampler, criterion
@@ -168,7 +178,8 @@ class Trainer:
         self.mixed = config.precision == "bf16-mixed"
         torch.manual_seed(config.seed)
         model = model_fn().to(device=device, dtype=precision.MASTER_DTYPE if self.mixed else dtype)  # mixed: cast after the masters
-        self.parameter_names = model_parameter_names(model)
+        self.stages = stages
+        self.parameter_names = model_parameter_names(model) if stages is None else list(stages.parameter_names(model))
         self.model_record = model_record(model)  # the model's configuration, as checkpoints store it
         self._agree_settings(model, device)  # before any collective whose sizes depend on the settings
         options = planned_options(config, model, sampler, criterion, mesh.pp, device)  # ZB-V, zb-auto: the measured M_W
@@ -178,10 +189,14 @@ class Trainer:
         self.layout = batch_layout(self.schedule, mesh.pp, mesh.pp_rank, self.num_chunks)
         self.experts = check_experts(model, mesh.dp)
         index = {name: i for i, (name, _) in enumerate(self.parameter_names)}
-        stages = split(model, self.placement.num_model_stages, self._layer_counts(model, device))
-        self.stage_names = [s.names for s in stages]
         pipeline_stages = self.placement.stages_of(mesh.pp_rank)
-        modules = [defer_weight_grads(m) for m in stage_modules(stages, self.schedule, mesh.pp, mesh.pp_rank)]
+        if stages is None:
+            cut = split(model, self.placement.num_model_stages, self._layer_counts(model, device))
+            self.stage_names = [s.names for s in cut]
+            modules = [defer_weight_grads(m) for m in stage_modules(cut, self.schedule, mesh.pp, mesh.pp_rank)]
+        else:
+            modules = list(stages.build(model, self.schedule, mesh.pp_rank))
+            self.stage_names = None  # the custom cut names its stages its own way
         if mesh.dp > 1:
             shard_experts(modules, mesh.dp_group)  # expert parallelism over the stage's data-parallel group
         experts = expert_ids(modules)
@@ -370,14 +385,18 @@ class Trainer:
         precision.zero_main_grads(self.params)  # .grad dropped, FP32 main_grad (mixed precision) zeroed
         overlap = self.overlap_dp and self.reducer.active
         try:
-            loss, _ = self.pipe.step(*self.layout.inputs(x), num_chunks=m, criterion=self._criterion, labels=self.layout.labels(y),
+            inputs, labels = ((self.layout.inputs(x), self.layout.labels(y)) if self.stages is None
+                              else self.stages.batch(self.layout, x, y))
+            loss, _ = self.pipe.step(*inputs, num_chunks=m, criterion=self._criterion, labels=labels,
                                      on_grads_ready=self._start_reduction if overlap else None)
         except BaseException:
             self.reducer.abandon()  # its peers' waits time out, naming the step
             raise
         times["pipeline"] = time.perf_counter() - start
         mark = time.perf_counter()
-        if self.is_dual:
+        if self.stages is not None:
+            self.stages.sync_grads(self.pipe)
+        elif self.is_dual:
             self.pipe.sync_mirrored_grads()
         times["mirror"] = time.perf_counter() - mark
         mark = time.perf_counter()

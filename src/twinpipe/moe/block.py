@@ -72,7 +72,7 @@ class MoEBlock(ExpertExchange):
 
     ``num_experts`` routed experts of width ``expert_hidden`` (``swiglu`` for DeepSeek's gated
     experts), ``top_k`` per token, chosen by ``TopKRouter`` (``score``, ``groups``/``top_groups``,
-    ``normalize``, ``route_scale``); a shared expert of width ``shared_hidden`` if > 0; the routed
+    ``normalize``, ``route_scale``, ``balance_alpha``); a shared expert of width ``shared_hidden`` if > 0; the routed
     experts sharded over ``ep_group`` (None: all local, no communication), one slot per expert;
     ``shard_experts_(group, phy2log)`` or ``twinpipe.moe.apply_placement_`` place replicas.
     ``ep_group`` may also be a rank of a ``twinpipe.moe.local.LocalEPGroup`` (EP ranks simulated in
@@ -81,7 +81,8 @@ class MoEBlock(ExpertExchange):
 
     def __init__(self, hidden: int, heads: int, num_experts: int, top_k: int, expert_hidden: int, *,
                  shared_hidden: int = 0, score: str = "softmax", groups: int = 1, top_groups: int | None = None,
-                 normalize: bool | None = None, route_scale: float = 1.0, swiglu: bool = False, ep_group=None):
+                 normalize: bool | None = None, route_scale: float = 1.0, swiglu: bool = False, ep_group=None,
+                 balance_alpha: float = 0.0):
         super().__init__()
         check_int(hidden, "hidden", low=1)
         check_int(expert_hidden, "expert_hidden", low=1)
@@ -89,7 +90,7 @@ class MoEBlock(ExpertExchange):
         check_int(heads, "heads", low=1, why=f"dividing hidden ({hidden})")
         if hidden % heads:
             raise bad("heads", heads, f"must divide hidden ({hidden})")
-        self.router = TopKRouter(hidden, num_experts, top_k, score, groups, top_groups, normalize, route_scale)
+        self.router = TopKRouter(hidden, num_experts, top_k, score, groups, top_groups, normalize, route_scale, balance_alpha)
         ep, rank = self._check_group(ep_group, num_experts)
         self.hidden, self.heads, self.num_experts, self.top_k = hidden, heads, num_experts, top_k
         self.norm1, self.norm2 = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
@@ -173,7 +174,7 @@ class MoEBlock(ExpertExchange):
     def _attn(self, x):
         h = self.attention(x)
         tokens = self.norm2(h).reshape(-1, self.hidden)
-        experts, weights = self.router(tokens)
+        experts, weights = self.router(tokens, seq_len=x.shape[1])
         sent, route = self._route_copies(tokens, experts, x.shape)
         return h, tokens, sent, weights, route
 

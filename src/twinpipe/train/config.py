@@ -12,11 +12,13 @@ from dataclasses import asdict, dataclass, is_dataclass
 
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_choice, check_float, check_int, check_ints, checked_timeout
 
-__all__ = ["TrainConfig", "DP_REDUCE", "ON_NONFINITE", "BALANCE", "model_record", "record_differences"]
+__all__ = ["TrainConfig", "DP_REDUCE", "ON_NONFINITE", "BALANCE", "PRECISIONS", "ZERO", "model_record", "record_differences"]
 
 DP_REDUCE = ("all-reduce", "ordered")  # the same names as grads.DataParallelReducer takes
 ON_NONFINITE = ("skip", "raise")
 BALANCE = ("params", "time")  # or a sequence of layer counts per stage (stages.split)
+PRECISIONS = ("pure", "bf16-mixed")  # precision.py: what each means, and how it relates to the model's dtype
+ZERO = (0, 1)  # 0: every data-parallel rank holds all optimizer state; 1: each a shard (zero.py)
 MAX_SEED = 2**63 - 1
 
 
@@ -28,6 +30,14 @@ class TrainConfig:
     what is allowed). ``max_norm``: None (no clipping) or a finite number > 0. ``on_nonfinite``: what
     a step whose loss or gradient norm is not finite does: ``"skip"`` (no update on any rank, the step
     is counted in ``Trainer.skipped_steps``) or ``"raise"`` (``NonFiniteStepError`` on every rank).
+    ``bias_update_speed`` (gamma >= 0): after each step every MoE router's bias moves by gamma
+    against its expert's load (``twinpipe.moe.bias``; 0: the biases stay). ``mtp_depth`` (D >= 0),
+    ``mtp_weight`` (lambda >= 0): the loss is ``L_main + lambda / D * sum_k L_MTP^k``, the model
+    holding D multi-token-prediction modules (docs/deepseek-v3.md).
+    ``precision``: ``"pure"`` (everything in the model's dtype, ``Trainer(dtype=...)``) or
+    ``"bf16-mixed"`` (bf16 compute, FP32 masters, gradients and optimizer state; ``precision.py``).
+    ``zero``: 0 (every data-parallel rank updates every parameter) or 1 (ZeRO-1: each updates and
+    keeps optimizer state for its shard; ``zero.py``).
     """
 
     schedule: str = "dualpipev"
@@ -41,6 +51,11 @@ class TrainConfig:
     overlap_dp: bool = True  # start a stage's data-parallel reduction inside the pipeline step (one chain only)
     schedule_options: tuple = ()  # (name, value) pairs
     on_nonfinite: str = "skip"
+    bias_update_speed: float = 0.0  # DeepSeek-V3's gamma: routing biases moved after each step (twinpipe.moe.bias)
+    mtp_depth: int = 0  # multi-token prediction modules the model holds (GPTConfig.mtp_depth)
+    mtp_weight: float = 0.0  # lambda: the MTP losses' weight, lambda / depth each
+    precision: str = "pure"
+    zero: int = 0
 
     def __post_init__(self):
         from twinpipe.schedule import registry
@@ -62,6 +77,18 @@ class TrainConfig:
         check_choice(self.dp_reduce, "dp_reduce", DP_REDUCE)
         check_bool(self.overlap_dp, "overlap_dp")
         check_choice(self.on_nonfinite, "on_nonfinite", ON_NONFINITE)
+        check_float(self.bias_update_speed, "bias_update_speed", low=0.0)
+        check_int(self.mtp_depth, "mtp_depth", low=0)
+        check_float(self.mtp_weight, "mtp_weight", low=0.0)
+        if self.mtp_weight and not self.mtp_depth:
+            raise bad("mtp_weight", self.mtp_weight, "must be 0 without multi-token prediction (mtp_depth=0)")
+        check_choice(self.precision, "precision", PRECISIONS)
+        check_int(self.zero, "zero", low=0, high=1)  # ZERO
+        if self.mtp_depth and (self.precision != "pure" or self.zero):
+            # The MTP embedding copy's gradient is summed with the embedding's on .grad, after the full
+            # data-parallel sum: neither FP32 gradient buffers nor ZeRO-1 shards are handled there yet.
+            raise bad("mtp_depth", self.mtp_depth, f"must be 0 with precision={self.precision!r} and zero={self.zero} "
+                      "(multi-token prediction runs with precision='pure' and zero=0)")
         object.__setattr__(self, "schedule_options", _checked_options(self.schedule_options, info))
 
     def num_microbatches(self, dp: int) -> int:
@@ -101,10 +128,12 @@ def _checked_options(options, info) -> tuple:
 
 
 def model_record(model) -> dict:
-    """The model's configuration as JSON data: ``{"config": {...}}`` from its ``config`` attribute (a
-    dataclass, or anything with ``to_dict()``), else ``{"repr_sha256": ...}`` of ``repr(model)``."""
+    """The model's configuration as JSON data: ``{"config": {...}}`` from its ``config`` attribute (its
+    ``record()``, a dataclass, or anything with ``to_dict()``), else ``{"repr_sha256": ...}`` of ``repr(model)``."""
     config = getattr(model, "config", None)
-    if config is not None and is_dataclass(config) and not isinstance(config, type):
+    if callable(getattr(config, "record", None)):  # a config that says what of it a record keeps
+        value = config.record()
+    elif config is not None and is_dataclass(config) and not isinstance(config, type):
         value = asdict(config)
     elif config is not None and callable(getattr(config, "to_dict", None)):
         value = config.to_dict()

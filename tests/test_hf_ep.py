@@ -227,6 +227,41 @@ def deepcopy_case(group) -> list[str]:
     return problems
 
 
+def deepseek_features_case(group) -> list[str]:
+    """DeepSeek-V3's sequence-wise balance loss and auxiliary-loss-free bias updates
+    (``twinpipe.moe``) on a model sharded over EP=2, each rank its own batch: the biases move as
+    the unsplit model's on both batches (loads summed over the EP group: integers, exact), losses
+    within BOUND32 of the unsplit model's on the rank's batch."""
+    from twinpipe.hf.experts import shard_experts_
+    from twinpipe.moe.balance_loss import install_balance_loss
+    from twinpipe.moe.bias import BiasBalancer
+
+    rank = dist.get_rank(group)
+    base = model("deepseek_v3", layers=2).train()
+    torch.manual_seed(4)
+    all_ids = [torch.randint(0, 32, (BATCH, SEQ)) for _ in range(2)]
+    ref = copy.deepcopy(base)
+    install_balance_loss(ref, 0.01)
+    ref_bal = BiasBalancer(ref, 0.001)
+    ref_losses = [ref(input_ids=i, labels=i).loss for i in all_ids]
+    ref_bal.step()
+    ep = shard_experts_(copy.deepcopy(base), group)
+    install_balance_loss(ep, 0.01)
+    bal = BiasBalancer(ep, 0.001, group=group)
+    loss = ep(input_ids=all_ids[rank], labels=all_ids[rank]).loss
+    loss.backward()
+    bal.step()
+    problems = []
+    if not rel(loss.detach(), ref_losses[rank].detach()) <= BOUND32:
+        problems.append(f"loss off by {rel(loss.detach(), ref_losses[rank].detach()):.3g}")
+    for i, (a, b) in enumerate(zip(ep.model.layers, ref.model.layers)):
+        if not torch.equal(a.mlp.gate.e_score_correction_bias, b.mlp.gate.e_score_correction_bias):
+            problems.append(f"layer {i}: the bias moved otherwise")
+    bal.close()
+    ref_bal.close()
+    return problems
+
+
 # ---------------------------------------------------------------- docs/hf-ep.md's example
 def docs_example() -> str:
     import re
@@ -392,6 +427,7 @@ def _world(rank, world):
     results["hf-1f1b"] = _guard(lambda: hf_pipeline_case("qwen3_moe", None, mesh, True, "1f1b"))
     results["docs"] = _guard(lambda: docs_case(group))
     results["deepcopy"] = _guard(lambda: deepcopy_case(group))
+    results["deepseek-features"] = _guard(lambda: deepseek_features_case(group))
     results["starved"] = _guard(lambda: block_case("deepseek_v3", None, 2, group, starved=True))
     results["grouped_mm"] = _guard(lambda: block_case("qwen3_moe", None, 2, group, "grouped_mm", torch.float32))
     results["grouped_mm-ep1"] = _guard(lambda: block_case("mixtral", None, 1, None, "grouped_mm", torch.float32))
@@ -565,3 +601,31 @@ def test_an_eplb_placement_table_places_each_block():
     m = shard_experts_(model("qwen3_moe", layers=2), LocalEPGroup(2).rank(1), phy2log)
     for layer, row in zip(m.model.layers, phy2log):
         assert layer.mlp.rows == tuple(row[6:].tolist()) and torch.equal(layer.mlp.phy2log, row)
+
+
+def test_deepseek_v3_balance_loss_and_bias_updates_with_ep2(outcomes):
+    assert [o["deepseek-features"] for o in outcomes] == [[], []]
+
+
+def test_deepseek_v3_training_features_at_ep1_are_the_hf_models_bitwise():
+    """The balance loss and the bias update on a model sharded with EP=1: loss, every gradient,
+    the loads and the moved biases are the unsplit model's bit for bit (the router is called as
+    the HF block calls it, with the [B, S, H] hidden states the balance loss needs)."""
+    from twinpipe.hf.experts import shard_experts_
+    from twinpipe.moe.balance_loss import install_balance_loss
+    from twinpipe.moe.bias import BiasBalancer
+
+    base = model("deepseek_v3", layers=2).train()
+    ids = torch.randint(0, 32, (BATCH, SEQ))
+    runs = []
+    for m in (base, shard_experts_(copy.deepcopy(base), None)):
+        install_balance_loss(m, 0.01)
+        balancer = BiasBalancer(m, 0.001)
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        loads = balancer.step()
+        runs.append((loss, {n: p.grad for n, p in m.named_parameters()}, loads,
+                     [layer.mlp.gate.e_score_correction_bias.clone() for layer in m.model.layers]))
+    (loss, grads, loads, bias), (loss1, grads1, loads1, bias1) = runs
+    assert torch.equal(loss, loss1) and all(torch.equal(grads[n], grads1[n]) for n in grads)
+    assert all(torch.equal(a, b) for a, b in zip(loads, loads1)) and all(torch.equal(a, b) for a, b in zip(bias, bias1))

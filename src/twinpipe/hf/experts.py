@@ -95,6 +95,10 @@ class EPMoE(ExpertExchange):
         self.local = len(placement) // ep
         self.first_expert = self.first_slot = rank * self.local
         self.gate = block.gate
+        # The router gets what the HF block gives it (hooks on it see the same): DeepSeek-V3's the
+        # [B, S, H] hidden states (its sequence-wise balance loss needs the sequences), the others
+        # the [T, H] tokens.
+        self.gate_takes_sequences = self.kind == "DeepseekV3MoE"
         self.shared_experts = getattr(block, "shared_experts", None)
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)  # Mixtral's router jitter
         self.rows = tuple(placement[rank * self.local : (rank + 1) * self.local].tolist())  # logical expert of each local slot
@@ -154,7 +158,7 @@ class EPMoE(ExpertExchange):
         ``twinpipe.hf.layer.DecoderLayer`` collects for the auxiliary loss, is ordinary autograd),
         then the parts in order."""
         hidden_states = self._jitter(hidden_states)
-        _, weights, experts = self.gate(hidden_states.reshape(-1, self.hidden))
+        _, weights, experts = self._route(hidden_states)
         parts = [Compute("route", self._sort_part), *self.exchange_parts()]
         return run_parts(parts, (hidden_states, weights, experts), type(self).__name__)
 
@@ -168,11 +172,15 @@ class EPMoE(ExpertExchange):
         # The router, the routed copies and the shared experts each take their own view of the
         # tokens, made in that order: autograd then adds a token's gradient terms as the HF block's
         # graph does, newest first: (shared + routed) + router.
-        logits, weights, experts = self.gate(hidden_states.reshape(-1, self.hidden))
+        logits, weights, experts = self._route(hidden_states)
         state = self._sort(residual, hidden_states, weights, experts)
         if ctx is None:
             return state
         return (*state, ctx, logits if isinstance(ctx.router_logits, list) else None)
+
+    def _route(self, hidden_states):
+        """The model's router on ``hidden_states`` [B, S, H], called as the HF block calls it."""
+        return self.gate(hidden_states if self.gate_takes_sequences else hidden_states.reshape(-1, self.hidden))
 
     def _jitter(self, hidden_states):
         if self.training and self.jitter_noise > 0:  # as MixtralSparseMoeBlock (out of place)

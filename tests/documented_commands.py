@@ -56,6 +56,8 @@ MOE_SMALL = "PP=2 x EP=2 is 4 processes on CI's 2 cores: PP=1 x EP=2, one step o
 EPLB_TINY = ("--pp 1 --ep 2 --steps 2 --microbatches 2 --microbatch-size 1 --blocks-per-stage 1 --dim 16 --experts 4 "
              "--expert-ffn 16 --interval 1")
 TINY = "--layers 2 --dim 16 --heads 2 --seq-len 16 --batch-size 4 --corpus-bytes 65536"
+DATA_TINY = "--layers 2 --dim 16 --heads 2 --seq-len 16 --batch-size 4"
+DATA_SMALL = "the documented run takes minutes: 2 steps of a small model (the same processes and schedule)"
 TRAIN_FILES = ("twinpipe-train/train-loss.png", "twinpipe-train/train-log.json", "twinpipe-train/checkpoint-final/")
 LOADS_CSV = "90,132,40,61,104,165,39,4,73,56,183,86", "20,107,104,64,19,197,187,157,172,86,16,27"
 TRACE_FILES = ("out/trace.json", "out/measured.png", "out/predicted.png", "out/compare.png")
@@ -117,6 +119,10 @@ COMMANDS: list[Command] = [
     _bench("python bench/bench_vs_torch.py --steps 20"),
     _bench("python bench/bench_floor.py --schedule NAME"),
     _bench("python bench/bench_sim.py"),
+    _bench("python bench/bench_memory.py --pp 2"),
+    _bench("python bench/bench_memory.py --pp 2 --no-release losses"),
+    _bench('python bench/bench_memory.py --pp 2 --no-release "last message"'),
+    _bench("python bench/bench_memory.py --pp 4 --transport process-group --no-release sends"),
     _bench("python bench/bench_draw.py"),
     _bench("python bench/bench_trace.py"),
     _bench("python bench/bench_eplb.py"),
@@ -222,6 +228,23 @@ COMMANDS: list[Command] = [
     _help("twinpipe train --resume"),
     _help("twinpipe train --on-nonfinite skip|raise"),
     _help("twinpipe train --resume DIR --optimizer-hparams checkpoint|current"),
+    # ---- docs/precision-zero.md
+    Command("twinpipe train --precision bf16-mixed --zero 1 --schedule dualpipe --pp 2 --dp 2 --steps 100",
+            f"twinpipe train --precision bf16-mixed --zero 1 --schedule 1f1b --pp 1 --dp 2 --steps 2 {TINY}",
+            TRAIN_SMALL + "; PP=1 x DP=2 (ZeRO-1 shards over the 2 replicas)", files=TRAIN_FILES),
+    _bench("python bench/bench_precision.py --steps 600 --lr 3e-4 --out docs/img/precision-loss.png"),
+    _bench("python bench/bench_zero.py --dps 2,4 --precision bf16-mixed"),
+    # ---- docs/train.md: --data and --model
+    Command("python -c \"import numpy as np; np.save('tokens.npy', np.random.default_rng(0).integers(0, 128, 100_000)"
+            ".astype(np.uint16))\"", folder="train-data", files=("tokens.npy",)),
+    Command("twinpipe train --data tokens.npy --pp 2 --steps 50", f"twinpipe train --data tokens.npy --pp 2 --steps 2 {DATA_TINY}",
+            DATA_SMALL, folder="train-data", files=TRAIN_FILES, stdout=("bits per token, first step",)),
+    Command("twinpipe train --model tests/data/tiny-llama --data tokens.npy --pp 2 --schedule zb-h1 --layout \"E,t*2|t*2,L\" --steps 50",
+            "twinpipe train --model tests/data/tiny-llama --data tokens.npy --pp 2 --schedule zb-h1 --layout \"E,t*2|t*2,L\" "
+            "--steps 2 --seq-len 16 --batch-size 4", DATA_SMALL, folder="train-data", copy=("tests/data/tiny-llama",),
+            files=TRAIN_FILES, stdout=("llama (tests/data/tiny-llama)",)),
+    _help("twinpipe train --data train.bin --data-dtype uint16"),
+    _help('twinpipe train --model DIR --data "notes/*.txt"'),
     Command("torchrun --standalone --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda",
             f"torchrun --standalone --nproc-per-node 2 -m twinpipe.train --pp 2 --steps 2 {TINY}",
             NO_GPU + "; 2 processes, a tiny model, 2 steps", files=TRAIN_FILES),

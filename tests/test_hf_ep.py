@@ -101,13 +101,8 @@ def block_case(arch: str, kind, ep: int, group=None, implementation: str = "eage
                starved: bool = False) -> list[str]:
     """The MoE block of layer 0, EP=``ep`` (``group``: gloo; None: a LocalEPGroup in this process),
     against the unsplit HF block on the batch of every EP rank."""
-    from twinpipe.hf.experts import (
-        EPMoE,
-        expert_places,
-        reduce_replica_grads,
-        shard_experts_,
-    )
-    from twinpipe.moe import local, reduce_dense_grads
+    from twinpipe.hf.experts import EPMoE, expert_places, shard_experts_
+    from twinpipe.moe import local, reduce_dense_grads, reduce_replica_grads
 
     m = model(arch, implementation=implementation, dtype=dtype, starved=starved)
     block = m.model.layers[0].mlp
@@ -141,6 +136,7 @@ def block_case(arch: str, kind, ep: int, group=None, implementation: str = "eage
         def reduce(t):
             dist.all_reduce(t, group=group)
     else:
+        assert phy2log is None, "simulated ranks: placements without replicas only"
         lg = local.LocalEPGroup(ep)
         ranks = list(range(ep))
         blocks = {r: EPMoE(copy.deepcopy(block), lg.rank(r), phy2log) for r in ranks}
@@ -155,7 +151,6 @@ def block_case(arch: str, kind, ep: int, group=None, implementation: str = "eage
                 total = sum(dict(blocks[r].named_parameters())[name].grad for r in ranks)
                 for r in ranks:
                     dict(blocks[r].named_parameters())[name].grad = total.clone()
-        _local_replica_sums(blocks, ranks)
         holder = {}
 
         def reduce(t):  # sum over the simulated ranks: collect, add once all are in
@@ -217,23 +212,6 @@ def block_case(arch: str, kind, ep: int, group=None, implementation: str = "eage
     return problems
 
 
-def _local_replica_sums(blocks, ranks) -> None:
-    """What reduce_replica_grads does over a process group, for simulated ranks."""
-    b0 = blocks[ranks[0]]
-    counts = torch.bincount(b0.phy2log, minlength=b0.num_experts)
-    for name in ("gate_up_proj", "down_proj"):
-        totals = {}
-        for r in ranks:
-            for i, e in enumerate(blocks[r].rows):
-                if counts[e] > 1:
-                    g = getattr(blocks[r].experts, name).grad[i]
-                    totals[e] = totals[e] + g if e in totals else g.clone()
-        for r in ranks:
-            for i, e in enumerate(blocks[r].rows):
-                if e in totals:
-                    getattr(blocks[r].experts, name).grad[i].copy_(totals[e])
-
-
 def deepcopy_case(group) -> list[str]:
     """A copy of a sharded model shares the EP group (a process group cannot be copied) and computes
     what the original computes."""
@@ -246,6 +224,41 @@ def deepcopy_case(group) -> list[str]:
     problems = [] if b1.ep_group is group else ["the copy has another EP group"]
     if b1.experts.gate_up_proj is b0.experts.gate_up_proj or not torch.equal(b0(x), b1(x)):
         problems.append("the copy shares the experts' storage or computes otherwise")
+    return problems
+
+
+def deepseek_features_case(group) -> list[str]:
+    """DeepSeek-V3's sequence-wise balance loss and auxiliary-loss-free bias updates
+    (``twinpipe.moe``) on a model sharded over EP=2, each rank its own batch: the biases move as
+    the unsplit model's on both batches (loads summed over the EP group: integers, exact), losses
+    within BOUND32 of the unsplit model's on the rank's batch."""
+    from twinpipe.hf.experts import shard_experts_
+    from twinpipe.moe.balance_loss import install_balance_loss
+    from twinpipe.moe.bias import BiasBalancer
+
+    rank = dist.get_rank(group)
+    base = model("deepseek_v3", layers=2).train()
+    torch.manual_seed(4)
+    all_ids = [torch.randint(0, 32, (BATCH, SEQ)) for _ in range(2)]
+    ref = copy.deepcopy(base)
+    install_balance_loss(ref, 0.01)
+    ref_bal = BiasBalancer(ref, 0.001)
+    ref_losses = [ref(input_ids=i, labels=i).loss for i in all_ids]
+    ref_bal.step()
+    ep = shard_experts_(copy.deepcopy(base), group)
+    install_balance_loss(ep, 0.01)
+    bal = BiasBalancer(ep, 0.001, group=group)
+    loss = ep(input_ids=all_ids[rank], labels=all_ids[rank]).loss
+    loss.backward()
+    bal.step()
+    problems = []
+    if not rel(loss.detach(), ref_losses[rank].detach()) <= BOUND32:
+        problems.append(f"loss off by {rel(loss.detach(), ref_losses[rank].detach()):.3g}")
+    for i, (a, b) in enumerate(zip(ep.model.layers, ref.model.layers)):
+        if not torch.equal(a.mlp.gate.e_score_correction_bias, b.mlp.gate.e_score_correction_bias):
+            problems.append(f"layer {i}: the bias moved otherwise")
+    bal.close()
+    ref_bal.close()
     return problems
 
 
@@ -302,19 +315,20 @@ def _hidden(events) -> set:
 
 
 # ---------------------------------------------------------------- twinpipe.hf stages with EP
-def hf_pipeline_case(arch: str, kind, mesh, aux: bool, chunks: int = 4) -> list[str]:
-    """``twinpipe.hf.build`` on a model whose MoE blocks are sharded (EP=2, placement ``kind``),
-    PP=1 DualPipeV (both stages on one rank): built with ``wrap_layer``, or with the router
-    auxiliary loss (``aux``) built plain and converted by ``part_layers_`` (``build`` refuses
-    parted layers with the auxiliary loss); each EP rank trains on its own batch. Overlap on and off: bitwise equal, all-to-alls hidden
-    only when on; losses within BOUND of the unsplit model on the rank's batch, gradients of the
-    sum over the EP ranks."""
+def hf_pipeline_case(arch: str, kind, mesh, aux: bool, schedule: str = "dualpipev", chunks: int = 4) -> list[str]:
+    """``twinpipe.hf.build`` on a model whose MoE blocks are sharded (EP=2, placement ``kind``), on
+    one pipeline rank. DualPipeV (both stages on that rank): built with ``wrap_layer``, or with the
+    router auxiliary loss (``aux``) built plain and converted by ``part_layers_`` (``build`` refuses
+    parted layers with the auxiliary loss); overlap on and off bitwise equal, all-to-alls hidden
+    only when on. Another schedule: plain stages, the MoE blocks' parts run inside each layer.
+    Each EP rank trains on its own batch: losses within BOUND of the unsplit model on the rank's
+    batch, gradients of the sum over the EP ranks."""
     import hf_models
 
     from twinpipe import hf
-    from twinpipe.hf.experts import reduce_replica_grads, shard_experts_
+    from twinpipe.hf.experts import shard_experts_
     from twinpipe.hf.moe_layer import MoEDecoderLayer, part_layers_, wrap_layer
-    from twinpipe.moe import reduce_dense_grads
+    from twinpipe.moe import reduce_dense_grads, reduce_replica_grads
 
     pp_group, group = mesh["pp"].get_group(), mesh["ep"].get_group()
     rank = dist.get_rank(group)
@@ -334,19 +348,24 @@ def hf_pipeline_case(arch: str, kind, mesh, aux: bool, chunks: int = 4) -> list[
         dist.all_reduce(g, group=group)  # the EP ranks' batches together
         ref_grads[name] = g
     problems, runs = [], {}
-    for overlap in (True, False):
+    parted = schedule == "dualpipev"
+    for overlap in (True, False) if parted else (False,):
         m = shard_experts_(copy.deepcopy(base), group, placement(kind, experts, 2))
-        stages = hf.build(m, "dualpipev", 1, 0, wrap_layer=None if aux else wrap_layer)
+        stages = hf.build(m, schedule, 1, 0, wrap_layer=None if aux or not parted else wrap_layer)
         for module in stages.modules:
-            if aux:
+            if aux and parted:
                 part_layers_(module)
             module.overlap = overlap
-        if not any(isinstance(layer, MoEDecoderLayer) for module in stages.modules for layer in module.modules()):
-            problems.append("no MoE layer with parts in the stages")
+        if parted != any(isinstance(layer, MoEDecoderLayer) for module in stages.modules for layer in module.modules()):
+            problems.append(f"MoE layers with parts: {not parted}")
         inputs, labs = stages.batch(ids, mask, labels, num_chunks=chunks)
         with stages.pipeline(pp_group, timeout=60) as pipe:
             loss, _ = pipe.step(*inputs, num_chunks=chunks, criterion=stages.criterion, labels=labs)
             stages.sync_grads(pipe)
+            with torch.no_grad():  # forward only: the same losses
+                again, _ = pipe.step(*inputs, num_chunks=chunks, criterion=stages.criterion, labels=labs)
+            if not torch.equal(again, loss):
+                problems.append(f"overlap={overlap}: forward-only losses {again.tolist()} != {loss.tolist()}")
         for module in stages.modules:
             reduce_dense_grads(module, group)
             reduce_replica_grads(module)
@@ -358,6 +377,9 @@ def hf_pipeline_case(arch: str, kind, mesh, aux: bool, chunks: int = 4) -> list[
                     grads[name] = _full_expert_grads(block, name.rsplit(".", 1)[1], lambda t: dist.all_reduce(t, group=group))
                 else:
                     grads[name] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        runs[overlap] = (loss, grads)
+        if not parted:
+            break
         events = [e for module in stages.modules for e in module.fb_events]
         both = [e for e in events if {s for a, s, *_ in e if a == "start"} == {"F", "B"}]
         if not events or (arch == "mixtral" and not both):  # Mixtral: both layers MoE
@@ -373,8 +395,8 @@ def hf_pipeline_case(arch: str, kind, mesh, aux: bool, chunks: int = 4) -> list[
                 problems.append(f"overlap={overlap}: the comm of {sorted(_hidden(e))} ran under the other stream's "
                                 f"compute; comm parts in {sorted(communicating)}")
                 break
-        runs[overlap] = (loss, grads)
-    (loss, grads), (loss_off, grads_off) = runs[True], runs[False]
+    loss, grads = runs[parted]
+    loss_off, grads_off = runs[False]
     if not torch.equal(loss, loss_off) or any(not torch.equal(grads[n], grads_off[n]) for n in grads):
         problems.append("overlap on and off differ")
     bound = BOUND32 if arch == "deepseek_v3" else BOUND
@@ -402,8 +424,10 @@ def _world(rank, world):
             if (arch, label) in HF_CASES:
                 results[("hf", arch, label)] = _guard(lambda: hf_pipeline_case(arch, kind, mesh, HF_CASES[arch, label]))
                 dist.barrier()
+    results["hf-1f1b"] = _guard(lambda: hf_pipeline_case("qwen3_moe", None, mesh, True, "1f1b"))
     results["docs"] = _guard(lambda: docs_case(group))
     results["deepcopy"] = _guard(lambda: deepcopy_case(group))
+    results["deepseek-features"] = _guard(lambda: deepseek_features_case(group))
     results["starved"] = _guard(lambda: block_case("deepseek_v3", None, 2, group, starved=True))
     results["grouped_mm"] = _guard(lambda: block_case("qwen3_moe", None, 2, group, "grouped_mm", torch.float32))
     results["grouped_mm-ep1"] = _guard(lambda: block_case("mixtral", None, 1, None, "grouped_mm", torch.float32))
@@ -560,3 +584,48 @@ def test_live_replacement_and_loads_are_for_moe_blocks_only():
     from twinpipe.moe import ExpertLoads
 
     _raises(lambda: ExpertLoads(shard_experts_(model("qwen3_moe"), None)), "has no MoEBlock")
+
+
+def test_hf_stages_with_ep2_under_1f1b_plain_stages_and_aux_loss(outcomes):
+    assert [o["hf-1f1b"] for o in outcomes] == [[], []]
+
+
+def test_an_eplb_placement_table_places_each_block():
+    """twinpipe.eplb.rebalance_experts' [layers, R] output, one row per MoE block, on 2 EP ranks."""
+    from twinpipe.eplb import rebalance_experts
+    from twinpipe.hf.experts import shard_experts_
+    from twinpipe.moe.local import LocalEPGroup
+
+    loads = torch.tensor([[90, 10, 5, 5, 40, 20, 10, 20], [5, 5, 5, 100, 10, 10, 60, 5]], dtype=torch.float)
+    phy2log, _, _ = rebalance_experts(loads, 12, 4, 1, 2)
+    m = shard_experts_(model("qwen3_moe", layers=2), LocalEPGroup(2).rank(1), phy2log)
+    for layer, row in zip(m.model.layers, phy2log):
+        assert layer.mlp.rows == tuple(row[6:].tolist()) and torch.equal(layer.mlp.phy2log, row)
+
+
+def test_deepseek_v3_balance_loss_and_bias_updates_with_ep2(outcomes):
+    assert [o["deepseek-features"] for o in outcomes] == [[], []]
+
+
+def test_deepseek_v3_training_features_at_ep1_are_the_hf_models_bitwise():
+    """The balance loss and the bias update on a model sharded with EP=1: loss, every gradient,
+    the loads and the moved biases are the unsplit model's bit for bit (the router is called as
+    the HF block calls it, with the [B, S, H] hidden states the balance loss needs)."""
+    from twinpipe.hf.experts import shard_experts_
+    from twinpipe.moe.balance_loss import install_balance_loss
+    from twinpipe.moe.bias import BiasBalancer
+
+    base = model("deepseek_v3", layers=2).train()
+    ids = torch.randint(0, 32, (BATCH, SEQ))
+    runs = []
+    for m in (base, shard_experts_(copy.deepcopy(base), None)):
+        install_balance_loss(m, 0.01)
+        balancer = BiasBalancer(m, 0.001)
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        loads = balancer.step()
+        runs.append((loss, {n: p.grad for n, p in m.named_parameters()}, loads,
+                     [layer.mlp.gate.e_score_correction_bias.clone() for layer in m.model.layers]))
+    (loss, grads, loads, bias), (loss1, grads1, loads1, bias1) = runs
+    assert torch.equal(loss, loss1) and all(torch.equal(grads[n], grads1[n]) for n in grads)
+    assert all(torch.equal(a, b) for a, b in zip(loads, loads1)) and all(torch.equal(a, b) for a, b in zip(bias, bias1))

@@ -36,6 +36,14 @@ def test_the_command_saves_every_2_steps_and_resumes_from_the_command_line(tmp_p
     log = json.loads((out / "train-log.json").read_text())
     assert set(log["args"]) == set(vars(_args())) and log["args"]["save_every"] == 2  # the options, nothing else
     assert [e["step"] for e in log["steps"]] == [0, 1, 2, 3]
+    # The last step measured, per rank: parts and total, measured and predicted (docs/memory.md).
+    assert [e["rank"] for e in log["memory"]] == [0, 1] and "memory, rank 1 (pp 1, dp 0)" in first.stdout
+    for entry in log["memory"]:
+        for side in ("measured", "predicted"):
+            parts = {k: entry[side][k] for k in ("params", "grads", "master", "optimizer", "activations_peak")}
+            assert entry[side]["total"] == sum(parts.values()) and parts["params"] > 0, entry
+        measured, predicted = entry["measured"]["activations_peak"], entry["predicted"]["activations_peak"]
+        assert abs(measured - predicted) <= 0.1 * predicted, entry
     resumed = run_typed(f"twinpipe train --pp 2 --resume twinpipe-train/checkpoint-step2 --steps 4 {tiny} --out resumed",
                         tmp_path, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -134,6 +142,8 @@ BAD = [
     (["--timeout", "1e300"], "--timeout=1e+300: must be a finite number >= 0.001 and <= 2.592e+06"),
     (["--timeout", "nan"], "--timeout=nan: must be a finite number"),
     (["--device", "cuda"], "--device='cuda': must be cpu on this machine: torch sees no CUDA GPU"),
+    (["--precision", "bf16-mixed", "--dtype", "bfloat16"], "--dtype='bfloat16': must be float32 with --precision bf16-mixed"),
+    (["--precision", "bf16-mixed", "--dtype", "float64"], "--dtype='float64': must be float32 with --precision bf16-mixed"),
     (["--schedule", "zigzag"], "--schedule='zigzag': allowed are 1f1b, bitpipe, chimera, dualpipe, dualpipev"),
     (["--schedule", "dualpipe", "--pp", "1"], "--pp=1: must be >= 2 and even for --schedule dualpipe"),
     (["--schedule", "chimera", "--pp", "3"], "--pp=3: must be >= 2 and even for --schedule chimera"),
@@ -150,10 +160,17 @@ BAD = [
     (["--balance-alpha", "-1", "--experts", "4"], "--balance-alpha=-1.0: must be a finite number >= 0"),
     (["--mtp-depth", "16", "--seq-len", "16"], "--mtp-depth=16: must be >= 0 and <= 15"),
     (["--mtp-weight", "nan", "--mtp-depth", "1"], "--mtp-weight=nan: must be a finite number >= 0"),
+    # --data, --model (tests/test_train_data.py has the rest)
+    (["--data", "{file}"], "--data='{file}': the file is empty"),
+    (["--vocab", "0"], "--vocab=0: must be >= 1"),
+    (["--model", "{file}"], "--model='{file}': must be a folder holding a transformers config.json"),
+    (["--layout", "E|t,L"], "--layout='E|t,L': only with --model"),
+    (["--ep", "0"], "--ep=0: must be >= 1"),
 ]
 # Refused by argparse (exit 2, its usage line and one error line).
 BAD_CHOICE = [["--dtype", "float16"], ["--device", "tpu"], ["--balance", "flops"], ["--dp-reduce", "sum"], ["--pp", "two"],
-              ["--on-nonfinite", "ignore"], ["--optimizer-hparams", "mine"], ["--score", "cosine"]]
+              ["--on-nonfinite", "ignore"], ["--optimizer-hparams", "mine"], ["--score", "cosine"], ["--precision", "fp16"],
+              ["--zero", "2"], ["--data-dtype", "int8"]]
 NO_BAD_VALUE = {"overlap_dp"}
 
 

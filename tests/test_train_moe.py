@@ -101,6 +101,12 @@ def _run_case(rank: int, case: Case) -> list[str]:
     ref = _reference(rank, case.schedule, case.dp, case.pp, **options)
     trainer = Trainer(model_fn, sampler, criterion, make_opt, build_mesh(case.dp, case.pp), config, dtype=torch.float64)
     problems = _follow(rank, trainer, ref, range(STEPS), case.id)
+    from twinpipe.train.memory import measured_step
+
+    _, memory = measured_step(trainer, STEPS)  # one more step, its memory measured and predicted (docs/memory.md)
+    measured, predicted = memory.measured.activations_peak, memory.predicted.activations_peak
+    if not abs(measured - predicted) <= 0.1 * predicted:
+        problems.append(f"activations: measured {measured} B, predicted {predicted} B, more than 10% apart")
     if "dualpipe" in case.schedule and not any(m.fb_events for m in trainer.pipe.module):
         problems.append("no F&B op ran through the overlap engine")
     held: dict[str, set] = {}  # MoE block -> the experts this rank holds of it

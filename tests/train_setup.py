@@ -27,7 +27,7 @@ class Case:
 
 
 def tiny_setup(schedule: str, seed: int = 0, max_norm=None, optimizer: str = "sgd", dp_reduce: str = "all-reduce", experts: int = 0,
-               overlap_dp: bool = True):
+               overlap_dp: bool = True, precision: str = "pure", zero: int = 0):
     """Model factory, sampler, criterion, optimizer factory and config of the training tests: a
     6-block dense GPT in micro-batches of 2, or (``experts`` > 0) a 2-block MoE GPT, top-2, in micro-batches of 1."""
     import torch
@@ -47,7 +47,7 @@ def tiny_setup(schedule: str, seed: int = 0, max_norm=None, optimizer: str = "sg
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
     config = TrainConfig(schedule=schedule, batch_size=8, microbatch_size=1 if experts else 2, max_norm=max_norm, seed=seed,
-                         dp_reduce=dp_reduce, overlap_dp=overlap_dp)
+                         dp_reduce=dp_reduce, overlap_dp=overlap_dp, precision=precision, zero=zero)
     return (lambda: GPT(cfg)), sampler, lm_loss, make_optimizer, config
 
 
@@ -59,8 +59,9 @@ def gather_state(trainer) -> tuple[dict, dict] | None:
     def clone(v):
         return v.detach().clone() if hasattr(v, "detach") else v
 
-    mine = {name: (clone(p), {k: clone(v) for k, v in trainer.optimizer.state.get(p, {}).items()})
-            for name, p, owned in trainer.held if owned}
+    # What the owner's optimizer updates (the FP32 master under mixed precision) and its state.
+    mine = {name: (clone(t), {k: clone(v) for k, v in trainer.optimizer.state.get(t, {}).items()})
+            for name, t in ((name, trainer.optimized_tensor(p)) for name, p, owned in trainer.held if owned)}
     everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     if everyone is None:
@@ -94,8 +95,9 @@ def state_differences(got: tuple[dict, dict], want: tuple[dict, dict]) -> list[s
 
 
 def reference_state(ref) -> tuple[dict, dict]:
-    """A ``ReferenceTrainer``'s parameters and optimizer state by name, as ``gather_state`` gives them."""
-    named = ref.named_parameters()
+    """A ``ReferenceTrainer``'s parameters (its masters under mixed precision) and optimizer state by
+    name, as ``gather_state`` gives them."""
+    named = ref.named_masters()
     return ({n: p.detach().clone() for n, p in named.items()},
             {n: {k: v.detach().clone() if hasattr(v, "detach") else v for k, v in ref.optimizer.state.get(p, {}).items()}
              for n, p in named.items()})

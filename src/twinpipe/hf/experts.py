@@ -33,26 +33,13 @@ import torch
 from torch import nn
 
 from twinpipe.checks import bad
-from twinpipe.moe.agree import ep_timeout
+from twinpipe.hf.weights import Place
 from twinpipe.moe.exchange import ExpertExchange, _permute
 from twinpipe.moe.placement import check_placement
 from twinpipe.overlap.graph import run_parts
 from twinpipe.overlap.parts import Comm, Compute
 
-try:  # the weights helper's definition, once it exists
-    from twinpipe.hf.weights import Place
-except ImportError:  # pragma: no cover - until twinpipe.hf.weights lands
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class Place:
-        """A local fused-expert tensor equals ``full[name][list(rows)]`` (rows: expert indices, dim 0)."""
-
-        name: str
-        rows: tuple | None = None
-
-
-__all__ = ["EPMoE", "Place", "shard_experts_", "expert_places", "is_moe_block", "reduce_replica_grads", "FUSED"]
+__all__ = ["EPMoE", "Place", "shard_experts_", "expert_places", "is_moe_block", "FUSED"]
 
 FUSED = ("gate_up_proj", "down_proj")  # the fused expert parameters, [E, ...] each
 
@@ -108,6 +95,10 @@ class EPMoE(ExpertExchange):
         self.local = len(placement) // ep
         self.first_expert = self.first_slot = rank * self.local
         self.gate = block.gate
+        # The router gets what the HF block gives it (hooks on it see the same): DeepSeek-V3's the
+        # [B, S, H] hidden states (its sequence-wise balance loss needs the sequences), the others
+        # the [T, H] tokens.
+        self.gate_takes_sequences = self.kind == "DeepseekV3MoE"
         self.shared_experts = getattr(block, "shared_experts", None)
         self.jitter_noise = float(getattr(block, "jitter_noise", 0.0) or 0.0)  # Mixtral's router jitter
         self.rows = tuple(placement[rank * self.local : (rank + 1) * self.local].tolist())  # logical expert of each local slot
@@ -136,6 +127,17 @@ class EPMoE(ExpertExchange):
         self.routed_tokens.zero_()
         self.expert_rows.zero_()
 
+    def _slot_numel(self) -> int:
+        return sum(getattr(self.experts, n)[0].numel() for n in FUSED)
+
+    def _slot_grads(self, i: int) -> list:
+        """Local slot ``i``'s rows of the fused gradients (zeros where missing), views written in place."""
+        for n in FUSED:
+            p = getattr(self.experts, n)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [getattr(self.experts, n).grad[i] for n in FUSED]
+
     # ------------------------------------------------------------ parts
     def parts(self) -> list:
         return [Compute("route", self._route_part), *self.exchange_parts()]
@@ -151,8 +153,14 @@ class EPMoE(ExpertExchange):
         ]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The block's output ``[B, S, H]`` (no residual), as the HF block's forward; parts in order."""
-        return run_parts(self.parts(), (hidden_states,), type(self).__name__)
+        """The block's output ``[B, S, H]`` (no residual), as the HF block's forward. The router runs
+        first, outside the parts (so that what hooks on it keep, such as the logits a
+        ``twinpipe.hf.layer.DecoderLayer`` collects for the auxiliary loss, is ordinary autograd),
+        then the parts in order."""
+        hidden_states = self._jitter(hidden_states)
+        _, weights, experts = self._route(hidden_states)
+        parts = [Compute("route", self._sort_part), *self.exchange_parts()]
+        return run_parts(parts, (hidden_states, weights, experts), type(self).__name__)
 
     def route(self, residual, hidden_states: torch.Tensor, ctx=None) -> tuple:
         """The state after routing ``hidden_states`` [B, S, H]: ``(residual, hidden_states, sent,
@@ -160,23 +168,38 @@ class EPMoE(ExpertExchange):
         entries: ``ctx`` and the router logits when ``ctx.router_logits`` is a list (else None).
         The logits travel in the state, not in ``ctx``, so that each part's autograd graph stays
         its own; ``mix`` appends them to ``ctx.router_logits``."""
-        shape = hidden_states.shape
-        if self.training and self.jitter_noise > 0:  # as MixtralSparseMoeBlock (out of place)
-            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        hidden_states = self._jitter(hidden_states)
         # The router, the routed copies and the shared experts each take their own view of the
         # tokens, made in that order: autograd then adds a token's gradient terms as the HF block's
         # graph does, newest first: (shared + routed) + router.
-        logits, weights, experts = self.gate(hidden_states.reshape(-1, self.hidden))
-        sent, route = self._route_copies(hidden_states.reshape(-1, self.hidden), experts, shape, by_choice=self._eager())
-        if self._eager():
-            route = replace(route, experts=experts)
-        state = (residual, hidden_states.view_as(hidden_states), sent, weights, route)
+        logits, weights, experts = self._route(hidden_states)
+        state = self._sort(residual, hidden_states, weights, experts)
         if ctx is None:
             return state
         return (*state, ctx, logits if isinstance(ctx.router_logits, list) else None)
 
+    def _route(self, hidden_states):
+        """The model's router on ``hidden_states`` [B, S, H], called as the HF block calls it."""
+        return self.gate(hidden_states if self.gate_takes_sequences else hidden_states.reshape(-1, self.hidden))
+
+    def _jitter(self, hidden_states):
+        if self.training and self.jitter_noise > 0:  # as MixtralSparseMoeBlock (out of place)
+            return hidden_states * torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        return hidden_states
+
+    def _sort(self, residual, hidden_states, weights, experts) -> tuple:
+        """The token copies sorted by slot, given the router's ``weights`` and ``experts`` [T, k]."""
+        sent, route = self._route_copies(hidden_states.reshape(-1, self.hidden), experts, hidden_states.shape,
+                                         by_choice=self._eager())
+        if self._eager():
+            route = replace(route, experts=experts)
+        return residual, hidden_states.view_as(hidden_states), sent, weights, route
+
     def _route_part(self, hidden_states):
         return self.route(None, hidden_states)
+
+    def _sort_part(self, hidden_states, weights, experts):
+        return self._sort(None, hidden_states, weights, experts)
 
     def _experts_part(self, residual, hidden_states, rows, weights, route, *extra):
         # Received rows: from each rank in turn, within each by slot (and by choice j). Each slot's
@@ -302,38 +325,3 @@ def expert_places(module: nn.Module, name_of=None) -> dict[str, Place]:
         for local, place in block.places(f"{name}." if name else "").items():
             out[local] = Place(name_of(local), place.rows) if name_of is not None else place
     return out
-
-
-def reduce_replica_grads(module: nn.Module, timeout: float | None = None) -> None:
-    """Give every replica of a routed expert the sum of its replicas' gradients (over the local
-    slots in slot order, then an all-reduce over the EP group), as ``twinpipe.moe.reduce_replica_grads``
-    does for ``MoEBlock``: call on every EP rank after the step, before the optimizer step."""
-    from twinpipe.moe.agree import all_reduce
-    from twinpipe.moe.grads import _agree_blocks
-
-    timeout = ep_timeout(timeout)
-    blocks = [b for _, b in ep_blocks(module)]
-    _agree_blocks(blocks, timeout)
-    for block in blocks:
-        counts = torch.bincount(block._phy2log, minlength=block.num_experts)
-        shared = torch.nonzero(counts > 1).reshape(-1).tolist()
-        if not shared:
-            continue
-        params = [getattr(block.experts, n) for n in FUSED]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        row_of = {e: i for i, e in enumerate(shared)}
-        size = sum(p[0].numel() for p in params)
-        table = torch.zeros(len(shared), size, dtype=params[0].dtype, device=params[0].device)
-        for i, e in enumerate(block.rows):
-            if e in row_of:
-                table[row_of[e]] += torch.cat([p.grad[i].reshape(-1) for p in params])
-        if block.ep > 1:
-            all_reduce(table, block.ep_group, timeout, "reduce_replica_grads")
-        for i, e in enumerate(block.rows):
-            if e in row_of:
-                offset = 0
-                for p in params:
-                    p.grad[i].copy_(table[row_of[e], offset : offset + p[0].numel()].view_as(p.grad[i]))
-                    offset += p[0].numel()

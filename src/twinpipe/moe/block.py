@@ -135,6 +135,16 @@ class MoEBlock(ExpertExchange):
         self._set_placement(placement)
         return self
 
+    def _slot_numel(self) -> int:
+        return sum(p.numel() for p in self.experts[0].parameters())
+
+    def _slot_grads(self, i: int) -> list:
+        """Local slot ``i``'s parameter gradients (zeros where missing), to be written in place."""
+        for p in self.experts[i].parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.experts[i].parameters()]
+
     def reset_counts(self) -> None:
         self.routed_tokens.zero_()
         self.expert_rows.zero_()

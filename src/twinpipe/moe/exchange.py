@@ -7,8 +7,10 @@ of a block: ``counts`` (how many copies each rank sends to each slot), ``dispatc
 ``combine`` (the all-to-alls of the token rows, there and back). Their state is
 ``(a, b, rows, weights, route, *extra)``: ``rows`` move, the rest passes through. A host class sets
 ``ep_group``, ``ep``, ``ep_rank``, ``local``, ``num_experts``, ``top_k``, ``hidden``, a
-``routed_tokens`` buffer [E], and defines ``_layout()`` (what every EP rank must agree on) and
-``_zeros(rows)`` (a zero row block in the rows' dtype and device).
+``routed_tokens`` buffer [E], ``experts`` (a module holding the local slots' parameters), and
+defines ``_layout()`` (what every EP rank must agree on), ``_zeros(rows)`` (a zero row block in the
+rows' dtype and device), ``_slot_numel()`` and ``_slot_grads(i)`` (one slot's parameter count and
+gradient tensors, for ``twinpipe.moe.reduce_replica_grads``) and ``reset_counts()``.
 """
 
 from __future__ import annotations

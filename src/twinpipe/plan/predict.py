@@ -263,11 +263,15 @@ def _collectives_and_memory(pred: Prediction, model: Model, cluster: Cluster, la
 def _memory(pred: Prediction, model: Model, params: list, activations: list) -> None:
     """The fullest rank's memory parts and every rank's total, from its parameters and activation bytes."""
     totals = []
+    # The parts of the trainer's memory report (twinpipe.sim.memory.MemoryParts): FP32 masters apart
+    # from the optimizer's moments where the weights are narrower (mixed precision).
+    master = 4.0 if model.param_bytes < 4 and model.optimizer_bytes >= 4 else 0.0
     for (d, e), act in zip(params, activations):
         n = d + e
-        parts = {"params": n * model.param_bytes, "grads": n * model.grad_bytes, "optimizer": n * model.optimizer_bytes,
-                 "activations": act}
+        parts = {"params": n * model.param_bytes, "grads": n * model.grad_bytes, "master": n * master,
+                 "optimizer": n * (model.optimizer_bytes - master), "activations_peak": act}
         parts["total"] = sum(parts.values())
+        parts["activations"] = act  # the name it had before the report's
         totals.append(parts)
     pred.memory = max(totals, key=lambda t: t["total"])
     pred.memory_per_rank = [t["total"] for t in totals]

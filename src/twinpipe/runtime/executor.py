@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
+from twinpipe.runtime.memory import ActivationMeter, early_release, note
 from twinpipe.runtime.recorder import Recorder
 from twinpipe.runtime.transport import Transport
 from twinpipe.runtime.weight_grad import GradStore
@@ -97,6 +98,7 @@ class Executor:
         self.saved: dict[tuple[int, int], tuple] = {}  # (inputs, outputs, loss) kept for backward
         self.live = 0
         self.op_index = -1
+        self.meter: ActivationMeter | None = None  # set to measure the step's activation memory
 
     def _where(self) -> str:
         ops = self.program.ops
@@ -130,7 +132,11 @@ class Executor:
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise ValueError(f"criterion must return a one-element tensor, got {type(loss).__name__} "
                                      f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-                self.result.losses.setdefault(stage, []).append(loss.detach())
+                # A copy: a loss can be a view of an output-sized buffer (F.mse_loss's is), which a
+                # detached view would keep alive for the whole step.
+                kept = loss.detach().clone() if early_release("losses") else loss.detach()
+                note((kept,))  # held to the step's end: counted when measured
+                self.result.losses.setdefault(stage, []).append(kept)
             if data.return_outputs:
                 self.result.outputs.setdefault(stage, []).append(tuple(o.detach() for o in outputs))
         else:
@@ -190,6 +196,9 @@ class Executor:
                 self.grads[(prev, mb)] = in_grads
             else:
                 self.transport.send(Message("grad", stage, prev, mb, self.rank, self.placement.rank_of(prev)), in_grads)
+            if early_release("input grad"):
+                for t in inputs:  # handed on: W, which may keep the input itself, does not need its gradient
+                    t.grad = None
         if send_first and run_graph:
             self.store.pop((stage, mb))
         if not defer_w:
@@ -218,6 +227,8 @@ class Executor:
         module0, module1 = self.modules[f_stage], self.modules[b_stage]
         if self.overlap_fn is None:
             self._forward(f_stage, f_mb, data)
+            if self.meter is not None:  # the forward's activations are live before the backward frees the other's
+                self.meter.sample()
             self._backward(b_stage, b_mb, False, data)
             return
         inputs0 = self._inputs_for(f_stage, f_mb, data)
@@ -240,7 +251,14 @@ class Executor:
 
     # ---------------------------------------------------------------- the loop
     def run(self, data: StepData, num_microbatches: int) -> StepResult:
+        if self.meter is None:
+            return self._run(data, num_microbatches)
+        with self.meter.measuring():
+            return self._run(data, num_microbatches)
+
+    def _run(self, data: StepData, num_microbatches: int) -> StepResult:
         self._num_mb = num_microbatches
+        meter = self.meter
         self.result = StepResult()
         program, rec = self.program, self.recorder
         hook = self.on_grads_ready if data.training else None  # forward-only steps write no gradients
@@ -258,8 +276,12 @@ class Executor:
                         )
                     else:
                         self.grads[(msg.dst_stage, msg.microbatch)] = tuple(tensors)
+                if early_release("last message"):
+                    del tensors  # the loop must not keep the last message alive past its op
                 if rec:
                     rec.add("wait", f"recv for {op}", t0, rec.mark())
+                if meter is not None:
+                    meter.sample()
             t0 = rec.mark() if rec else 0.0
             if _profiling():
                 with torch.profiler.record_function(str(op)):
@@ -271,6 +293,8 @@ class Executor:
             self.transport.open_if_agreed()
             if self.transport.in_flight:
                 self.transport.retire(wait=False)
+            if meter is not None:
+                meter.sample()
             if ready and index in ready:  # after the op's sends went out: peers wait on them, not on the hook
                 for stage in ready[index]:
                     hook(stage)

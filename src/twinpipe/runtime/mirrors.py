@@ -17,6 +17,7 @@ from torch import nn
 
 from twinpipe.runtime.comm import PointToPoint, wait_work
 from twinpipe.runtime.errors import PipelineMismatchError
+from twinpipe.runtime.main_grad import grad_of, zeros_if_missing
 from twinpipe.schedule.placement import Placement
 
 __all__ = ["HEADER_TAG", "Mirrors", "copies_of"]
@@ -44,7 +45,7 @@ def copies_of(placement: Placement, rank: int, stages) -> dict[int, list[tuple[i
 
 def _flat(module: nn.Module, grads: bool, device: torch.device) -> torch.Tensor:
     """A new flat tensor of the gradients (or weights) of ``module``."""
-    parts = [(p.grad if grads else p.detach()).reshape(-1) for p in module.parameters()]
+    parts = [(grad_of(p) if grads else p.detach()).reshape(-1) for p in module.parameters()]
     return torch.cat(parts) if parts else torch.zeros(0, device=device)
 
 
@@ -54,7 +55,7 @@ def _unflat(module: nn.Module, flat: torch.Tensor, grads: bool) -> None:
     with torch.no_grad():
         for p in module.parameters():
             n = p.numel()
-            (p.grad if grads else p).copy_(flat[offset : offset + n].view_as(p))
+            (grad_of(p) if grads else p).copy_(flat[offset : offset + n].view_as(p))
             offset += n
 
 
@@ -85,8 +86,7 @@ class Mirrors:
         chain order (bitwise equal on every rank); a missing ``.grad`` counts as zeros."""
         for items in self.copies.values():
             for p in (p for r, s in items if r == self.rank for p in self.modules[s].parameters()):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                zeros_if_missing(p)  # main_grad (mixed precision) or .grad
         flats = self.exchange("sync_mirrored_grads()", grads=True)
         for items in self.copies.values():
             total = flats[items[0][1]]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_int
+from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_choice, check_int
 from twinpipe.runtime import waits
 from twinpipe.runtime import mirrors
 from twinpipe.runtime.agreement import REASON_CHARS, AgreementRound, Claim, Venue, disagreements, out_of_step_error, short
@@ -27,6 +27,7 @@ from twinpipe.runtime.collectives import checked_timeout, cpu_group, gather_obje
 from twinpipe.runtime.comm import PointToPoint, declared_layout
 from twinpipe.runtime.errors import PipelineAbortedError, PipelineBrokenError, PipelineCommError, PipelineMismatchError
 from twinpipe.runtime.executor import Executor, StepData, StepResult
+from twinpipe.runtime.memory import ActivationMeter, grad_bytes, storage_bytes
 from twinpipe.runtime.recorder import Recorder
 from twinpipe.runtime.shm import shm_pipes
 from twinpipe.runtime.weight_grad import GradStore
@@ -34,6 +35,7 @@ from twinpipe.runtime.wiring import StepWiring
 from twinpipe.schedule.lower import LoweredSchedule, forward_only, lower
 from twinpipe.schedule.ops import Schedule
 from twinpipe.schedule.spec import ScheduleSpec, describe, name_of, resolve
+from twinpipe.sim.memory import MemoryParts, activation_peak
 
 __all__ = ["Pipeline", "DualPipe", "DualPipeV"]
 
@@ -79,11 +81,12 @@ def _overlapped_forward_backward(modules: nn.ModuleList):
     return None
 
 
-def _check_step_hooks(on_grads_ready, step_id) -> None:
+def _check_step_hooks(on_grads_ready, step_id, measure_memory=False) -> None:
     if on_grads_ready is not None and not callable(on_grads_ready):
         raise bad("on_grads_ready", on_grads_ready, "must be a callable taking a stage number, or None")
     if step_id is not None:
         check_int(step_id, "step_id")
+    check_bool(measure_memory, "measure_memory")
 
 
 def _describe_schedule(spec, options: dict) -> str:
@@ -109,6 +112,7 @@ class Pipeline(nn.Module):
     """
 
     _out_of_step: str | None = None  # why the ranks are known to run different steps (until resync())
+    measure_memory = False  # every step measures its memory while True (``step(measure_memory=...)``)
 
     def __init__(
         self,
@@ -188,6 +192,7 @@ class Pipeline(nn.Module):
         self._lowered: dict[tuple[int, bool], LoweredSchedule] = {}
         self.last_trace: list | None = None
         self.last_peak_live = 0
+        self.last_memory: MemoryParts | None = None
         placement = self._placement()
         self.stages = placement.stages_of(self.rank)
         self.module = nn.ModuleList(_stage_modules(modules, len(self.stages)))
@@ -287,7 +292,7 @@ class Pipeline(nn.Module):
 
     # ------------------------------------------------------------------ step
     def step(self, *inputs, num_chunks: int = 0, criterion=None, labels=(), return_outputs: bool = False, trace: bool = False,
-             on_grads_ready: Callable[[int], None] | None = None, step_id: int | None = None):
+             on_grads_ready: Callable[[int], None] | None = None, step_id: int | None = None, measure_memory: bool | None = None):
         """Run one pipelined step over ``num_chunks`` micro-batches. Returns ``(loss, outputs)``.
 
         ``on_grads_ready(stage)``, in training, is called once for each of this rank's stages, right
@@ -303,9 +308,15 @@ class Pipeline(nn.Module):
         different ids raise ``PipelineMismatchError`` naming them. Ranks found running different
         steps (other ids, or one rank's extra step) stay out of step: every later ``step()``
         raises ``PipelineOutOfStepError`` until every rank calls ``resync()``.
+
+        ``measure_memory=True`` (default: the pipeline's ``measure_memory`` attribute, False):
+        ``last_memory`` then holds this rank's bytes (``twinpipe.sim.memory.MemoryParts``: its stages'
+        parameters and gradients, and the peak its activations reached, counted as
+        ``twinpipe.runtime.memory`` says); otherwise it is None.
         """
         self._check_open()
         training = torch.is_grad_enabled()
+        measure_memory = self.measure_memory if measure_memory is None else measure_memory
         round_index = self._rounds
         self._rounds += 1
         where = f"rank {self.rank}, step {round_index}"
@@ -313,7 +324,7 @@ class Pipeline(nn.Module):
             raise out_of_step_error(where, self._out_of_step)
         error = None
         try:
-            _check_step_hooks(on_grads_ready, step_id)
+            _check_step_hooks(on_grads_ready, step_id, measure_memory)
             lowered, data = self._prepare(inputs, num_chunks, criterion, labels, return_outputs, training)
         except Exception as exc:  # reported to every rank before raising
             error = exc
@@ -333,10 +344,33 @@ class Pipeline(nn.Module):
         wiring = self._wiring(lowered, declared, agreement, num_chunks if discovering else None)
         recorder = Recorder(self.device) if trace else None
         executor = Executor(wiring, self._by_stage, self.store, recorder, self._overlap, on_grads_ready)
+        executor.meter = ActivationMeter(self._not_activations(data), self.device) if measure_memory else None
         result = self._run(executor, data, num_chunks, agreement, round_index)
+        self.last_memory = self._memory(executor.meter) if measure_memory else None
         self.last_peak_live = result.peak_live
         self.last_trace = recorder.events if recorder else None
         return self._collect(result)
+
+    def predict_activation_peak(self, num_chunks: int, stages: dict) -> int:
+        """The peak bytes this rank's activations reach in a training step of ``num_chunks``
+        micro-batches (after the first, once message layouts are known), from its stages'
+        ``StageMemory`` (``stages``: stage -> ``twinpipe.runtime.memory.measure_stage``'s result):
+        ``twinpipe.sim.memory.activation_peak`` on this rank's program."""
+        lowered = self._lowered_for(num_chunks, True)
+        return activation_peak(lowered.programs[self.rank], lowered.schedule.placement, stages, self._p2p.flattens,
+                               fb_middle=self._overlap is None)
+
+    def _not_activations(self, data: StepData) -> list[torch.Tensor]:
+        """Storages a memory measurement leaves out: parameters, buffers, the user's inputs and labels."""
+        held = [*self.module.parameters(), *self.module.buffers()]
+        for chunks in (*data.inputs.values(), *data.labels.values()):
+            held += [t for chunk in chunks for t in chunk if isinstance(t, torch.Tensor)]
+        return held
+
+    def _memory(self, meter: ActivationMeter) -> MemoryParts:
+        params = list(self.module.parameters())
+        return MemoryParts(params=storage_bytes(params), grads=grad_bytes(params), activations_peak=meter.peak,
+                           device_peak=meter.device_peak)
 
     def _start_round(self, facts: dict, error, where: str, round_index: int) -> AgreementRound | None:
         """Post this rank's claim for the step (collected before its first message). A rank that

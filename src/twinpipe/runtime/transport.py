@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from twinpipe.runtime import comm
+from twinpipe.runtime import comm, memory
 from twinpipe.runtime.comm import HEADER_LEN, Layout, pack, receive_buffers, unpack
 from twinpipe.runtime.wiring import StepWiring
 from twinpipe.schedule.lower import Message, Packet
@@ -41,6 +41,7 @@ class Transport:
         self.layouts, self.declared, self.timeout, self.where = wiring.layouts, wiring.declared, wiring.timeout, where
         self.channels = {peer: _Channel(peer, packets) for peer, packets in program.channels.items()}
         self.packet_of = {m: pk for ch in self.channels.values() for pk in ch.packets for m in pk.messages}
+        self.position = {pk: i for ch in self.channels.values() for i, pk in enumerate(ch.packets)}  # in its channel
         self.posted: dict[Packet, tuple[list, list[torch.Tensor], list[Layout]]] = {}
         self.arrived: dict[Message, list[torch.Tensor]] = {}  # unpacked, waiting for their op
         self.outbox: dict[Message, tuple[torch.Tensor, ...]] = {}
@@ -106,6 +107,7 @@ class Transport:
                 shapes = [shape for layout in layouts for shape in layout.shapes]
                 dtypes = [dtype for layout in layouts for dtype in layout.dtypes]
                 buffers = receive_buffers(shapes, dtypes, self.device, self.p2p.flattens(peer))
+                memory.note(buffers)  # counted from the moment they are posted
                 self.posted[packet] = ([self.p2p.irecv(b, peer) for b in buffers], buffers, layouts)
             channel.cursor += 1
 
@@ -131,6 +133,7 @@ class Transport:
             works.append(self.p2p.isend(header, peer))
             keep.append(header)
         buffers = pack([t for tensors in payloads for t in tensors], self.p2p.flattens(peer))
+        memory.note(buffers)  # held until the send is retired
         works += [self.p2p.isend(b, peer) for b in buffers]
         self.in_flight.append((works, keep + buffers, packet))
 
@@ -151,6 +154,7 @@ class Transport:
         works, buffers, layouts = self.posted.pop(packet)
         for work in works:
             comm.wait_work(work, self.timeout, self._what(str(packet), packet.src_rank))
+        self._complete_sends_before(packet)
         tensors = unpack(buffers, [shape for layout in layouts for shape in layout.shapes])
         for m, layout in zip(packet.messages, layouts):
             self.arrived[m], tensors = tensors[: len(layout.shapes)], tensors[len(layout.shapes) :]
@@ -162,6 +166,22 @@ class Transport:
             return  # posted, in order, once the agreement is in
         self._open()
         self.pump(self.channels[msg.dst_rank])
+
+    def _complete_sends_before(self, packet: Packet) -> None:
+        """Wait for the sends to ``packet``'s sender that precede it in the channel: that peer posted
+        their receives before it sent ``packet``, so they complete at once. A process-group send (gloo)
+        reports done only once waited, so without this its tensors would live until the step ends."""
+        if not memory.early_release("sends"):
+            return
+        peer, before = packet.src_rank, self.position[packet]
+        keep = []
+        for works, tensors, sent in self.in_flight:
+            if sent.dst_rank == peer and self.position[sent] < before:
+                for work in works:
+                    comm.wait_work(work, self.timeout, self._what(f"delivery of {sent}", peer))
+            else:
+                keep.append((works, tensors, sent))
+        self.in_flight = keep
 
     def retire(self, wait: bool) -> None:
         keep = []

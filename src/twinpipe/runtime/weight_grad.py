@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twinpipe.runtime import memory
+from twinpipe.runtime.main_grad import accumulate, accumulate_product
+
 __all__ = ["GradStore", "WeightGradStore", "DeferredLinear", "defer_weight_grads", "current_store"]
 
 
@@ -42,6 +45,7 @@ class GradStore:
 
     def flush(self, key: Hashable | None = None) -> None:
         """File the closures gathered since the last flush: under ``key``, or FIFO if None."""
+        memory.note_closures(self.cache)  # what they keep until W counts in a measured step
         if key is None:
             self.funcs_queue.put(self.cache)
         else:
@@ -154,26 +158,11 @@ class WeightGradStore(metaclass=_CurrentStoreAttributes):
         return current_store().pending()
 
 
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
-
-
-def _accumulate_product(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``param.grad += a @ b``, accumulated inside the matrix product (no temporary, one pass)."""
-    if param.grad is None:
-        param.grad = a.mm(b)
-    else:
-        param.grad.addmm_(a, b)
-
-
 class _DeferredLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x)
-        # Parameters are kept as objects: W accumulates into their .grad later.
+        # Parameters are kept as objects: W accumulates into their .grad (or main_grad, main_grad.py) later.
         ctx.weight, ctx.bias = weight, bias
         # The same kernel as nn.Linear (2-D addmm/mm), so outputs are bitwise equal to it. Like
         # aten::linear, reshape back with _unsafe_view so the output is not a view (views cannot
@@ -194,9 +183,9 @@ class _DeferredLinearFunction(torch.autograd.Function):
             g = grad_out.reshape(-1, grad_out.shape[-1])
             with torch.no_grad():
                 if weight_needs:
-                    _accumulate_product(weight, g.t(), x.reshape(-1, x.shape[-1]))
+                    accumulate_product(weight, g.t(), x.reshape(-1, x.shape[-1]))  # into main_grad where there is one
                 if bias_needs:
-                    _accumulate(bias, g.sum(0))
+                    accumulate(bias, g.sum(0))
 
         if weight_needs or bias_needs:
             _defer_or_run(weight_grad)

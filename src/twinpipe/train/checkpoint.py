@@ -1,10 +1,13 @@
 """Checkpoints with ``torch.distributed.checkpoint``, stored by the unsplit model's parameter names.
 
-Tensor keys: ``model.<name>`` for each parameter, ``optim.<name>.<state>`` for its optimizer
-state and ``buffer.<name>`` for each MoE router's routing bias (``twinpipe.moe.bias``). Each model parameter is written once: by data-parallel replica 0 (a MoE expert by the
-data-parallel rank that holds it, under the expert's own name), from the copy that is not DualPipe's
-mirror. Because keys name model parameters, not ranks or stages, a checkpoint loads under any
-schedule, pipeline size or data-parallel size (each rank reads the experts it holds).
+Tensor keys: ``model.<name>`` for each parameter (the value the optimizer updates: the FP32 master
+under mixed precision), ``optim.<name>.<state>`` for its optimizer state and ``buffer.<name>`` for
+each MoE router's routing bias (``twinpipe.moe.bias``). Each model parameter is written once: by
+data-parallel replica 0 (a MoE expert by the data-parallel rank that holds it, under the expert's own
+name; with ZeRO-1 by the rank that owns its shard), from the copy that is not DualPipe's mirror.
+Because keys name model parameters, not ranks or stages, a checkpoint loads under any schedule,
+pipeline size, data-parallel size, ZeRO stage or precision (each rank reads the experts it holds, and
+the optimizer state of the parameters it updates).
 
 A checkpoint is complete or absent (``checkpoint_files.py``): written into a temporary folder,
 then a completion marker (JSON: the step, the model's parameters and configuration, the
@@ -80,10 +83,11 @@ def _rank_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     tensors: dict[str, torch.Tensor] = {}
     plain: dict[str, dict] = {}
     for name, p, owned in trainer.held:
-        if not owned:  # dp replica 0's first copy writes; a MoE expert the one rank holding it
+        if not owned:  # dp replica 0's (ZeRO-1: the owning rank's) first copy writes; a MoE expert the one rank holding it
             continue
-        tensors[f"model.{name}"] = p.detach()
-        for key, value in trainer.optimizer.state.get(p, {}).items():
+        t = trainer.optimized_tensor(p)  # the owner updates it: the FP32 master under mixed precision
+        tensors[f"model.{name}"] = t.detach()
+        for key, value in trainer.optimizer.state.get(t, {}).items():
             if isinstance(value, torch.Tensor):
                 tensors[f"optim.{name}.{key}"] = value
             elif isinstance(value, _PLAIN):
@@ -183,7 +187,8 @@ def _marker_record(trainer, step: int, files: dict) -> dict:
         "model": {"parameters": [[n, list(s)] for n, s in trainer.parameter_names], "record": trainer.model_record},
         "optimizer": {"class": type(trainer.optimizer).__name__, "param_groups": _param_groups(trainer.optimizer)},
         "optimizer_state_files": sorted(n for n in files if n.startswith("optimizer-state-")),
-        "written_by": {"schedule": trainer.config.schedule, "dp": trainer.mesh.dp, "pp": trainer.mesh.pp},
+        "written_by": {"schedule": trainer.config.schedule, "dp": trainer.mesh.dp, "pp": trainer.mesh.pp,
+                       "precision": trainer.config.precision, "zero": trainer.config.zero},
         "files": files,
     }
 
@@ -264,13 +269,23 @@ def load_checkpoint(trainer, path: str, *, optimizer_hparams: str = "checkpoint"
                     allow_model_config_change=allow_model_config_change)
     state: dict[str, torch.Tensor] = {}
     optim_keys: dict[int, list[tuple[str, str]]] = {}
+    casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read, into): a model value stored in another dtype
     for name, p, _ in trainer.held:
-        state[f"model.{name}"] = p.detach()
+        t = trainer.optimized_tensor(p)  # the master (mixed precision), p, or None (ZeRO-1: another rank updates it)
+        target = (p if t is None else t).detach()
+        stored = info.metadata.state_dict_metadata[f"model.{name}"].properties.dtype
+        if stored != target.dtype:  # e.g. FP32 masters into a parameter another rank updates
+            read = torch.empty(target.shape, dtype=stored, device=target.device)
+            casts.append((read, target))
+            target = read
+        state[f"model.{name}"] = target
+        if t is None:
+            continue  # no optimizer state here
         prefix = f"optim.{name}."
         for key, meta in info.metadata.state_dict_metadata.items():
             if key.startswith(prefix):
                 state[key] = torch.empty(meta.size, dtype=meta.properties.dtype, device=p.device if meta.size else "cpu")
-                optim_keys.setdefault(id(p), []).append((key, key[len(prefix):]))
+                optim_keys.setdefault(id(t), []).append((key, key[len(prefix):]))
     saved_keys = info.metadata.state_dict_metadata
     for name, buffer, _ in getattr(trainer, "held_buffers", ()):
         if f"buffer.{name}" in saved_keys:
@@ -284,11 +299,25 @@ def load_checkpoint(trainer, path: str, *, optimizer_hparams: str = "checkpoint"
     plain: dict[str, dict] = {}
     for name in info.optimizer_state_files:
         plain.update(json.loads((Path(path) / name).read_text()))
+    with torch.no_grad():
+        for read, into in casts:
+            into.copy_(read)
     for name, p, _ in trainer.held:
-        if id(p) in optim_keys or name in plain:
-            trainer.optimizer.state[p] = {**{short: state[key] for key, short in optim_keys.get(id(p), [])}, **plain.get(name, {})}
+        t = trainer.optimized_tensor(p)
+        if t is not None and (id(t) in optim_keys or name in plain):
+            tensors = {short: _state_dtype(state[key], short, t) for key, short in optim_keys.get(id(t), [])}
+            trainer.optimizer.state[t] = {**tensors, **plain.get(name, {})}
+    trainer.loaded_weights()  # the bf16 compute copy from the masters (mixed precision)
     _apply_hparams(trainer.optimizer, info.optimizer.get("param_groups") or [], optimizer_hparams, where)
     return info.step
+
+
+def _state_dtype(value: torch.Tensor, key: str, param: torch.Tensor) -> torch.Tensor:
+    """Floating optimizer state in its parameter's dtype, as ``Optimizer.load_state_dict`` casts it
+    (a checkpoint of FP32 masters loaded by a float64 run), but a ``step`` count as it was saved."""
+    if key != "step" and value.is_floating_point() and param.is_floating_point() and value.dtype != param.dtype:
+        return value.to(param.dtype)
+    return value
 
 
 def _same(a, b) -> bool:

@@ -22,8 +22,11 @@ import time
 from pathlib import Path
 
 import twinpipe.cli_options as cli_options
+import twinpipe.train.cli_data as cli_data
+import twinpipe.train.cli_model as cli_model
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_float, check_int, checked_timeout
 from twinpipe.folders import writable_folder
+from twinpipe.train.fits import check_fits
 
 __all__ = ["add_train_parser", "run_train", "main"]
 
@@ -32,6 +35,8 @@ _DTYPES = ("float32", "float64", "bfloat16")
 _BALANCES = ("params", "time")
 _DP_REDUCES = ("all-reduce", "ordered")
 _ON_NONFINITE = ("skip", "raise")
+_PRECISIONS = ("pure", "bf16-mixed")  # train.config.PRECISIONS
+_ZERO = (0, 1)
 _OPTIMIZER_HPARAMS = ("checkpoint", "current")
 _MAX_SEED = 2**32 - 1
 _DEFAULT_TOP_K = 2
@@ -87,6 +92,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--balance", default="params", choices=_BALANCES, help="how layers are cut into stages (default: params)")
     add("device", default="cpu", choices=_DEVICES)
     add("dtype", default="float32", choices=_DTYPES)
+    parser.add_argument("--precision", default="pure", choices=_PRECISIONS,
+                        help="pure (default): weights, gradients and optimizer state in --dtype; bf16-mixed: bf16 weights and "
+                             "activations, FP32 master weights, gradients and optimizer state (needs --dtype float32)")
+    parser.add_argument("--zero", type=int, default=0, choices=_ZERO,
+                        help="0 (default): every data-parallel rank holds the whole optimizer state; 1: each holds 1/dp of it "
+                             "(ZeRO-1: gradients reduce-scattered, weights all-gathered)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default: 0)")
     parser.add_argument("--corpus-bytes", type=int, default=4 << 20, help="bytes of the standard library to read (default: 4 MiB)")
     add("out", default="twinpipe-train", more="the folder for the picture, the log and checkpoints")
@@ -97,6 +108,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default) or from the current options (--lr)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                         help=f"seconds any wait for a peer may take (default: {DEFAULT_TIMEOUT:g})")
+    cli_data.add_arguments(parser)
+    cli_model.add_arguments(parser)
 
 
 def _check(args) -> None:
@@ -108,13 +121,20 @@ def _check(args) -> None:
                       ("--seq-len", 1), ("--dim", 1), ("--heads", 1), ("--layers", 1), ("--experts", 0),
                       ("--save-every", 0), ("--corpus-bytes", 1)):
         check_int(_option(args, flag), flag, low=low)
-    check_int(args.seed, "--seed", low=0, high=_MAX_SEED, why="the data sampler seeds a 64-bit generator with it")
+    if args.vocab is not None:
+        check_int(args.vocab, "--vocab", low=1)
+    check_int(args.ep, "--ep", low=1)
+    check_int(args.seed, "--seed", low=0, high=_MAX_SEED, why="torch's generator keeps 32 bits of a seed")
     check_float(args.lr, "--lr", low=0, low_open=True)
     check_float(args.max_norm, "--max-norm", low=0)  # 0: no clipping
     checked_timeout(args.timeout, "--timeout")
     for flag, allowed in (("--device", _DEVICES), ("--dtype", _DTYPES), ("--balance", _BALANCES), ("--dp-reduce", _DP_REDUCES),
-                          ("--on-nonfinite", _ON_NONFINITE), ("--optimizer-hparams", _OPTIMIZER_HPARAMS)):
+                          ("--on-nonfinite", _ON_NONFINITE), ("--optimizer-hparams", _OPTIMIZER_HPARAMS),
+                          ("--precision", _PRECISIONS), ("--zero", _ZERO)):
         check_choice(_option(args, flag), flag, allowed)
+    if args.precision == "bf16-mixed" and args.dtype != "float32":
+        raise bad("--dtype", args.dtype, "must be float32 with --precision bf16-mixed (the master weights' dtype; the compute "
+                  "copy is bf16)")
     try:
         registry.get(args.schedule)
     except ValueError as error:  # it lists the names and aliases
@@ -127,20 +147,26 @@ def _check(args) -> None:
         raise bad("--batch-size", args.batch_size, f"must be a multiple of --dp={args.dp} x --microbatch-size={args.microbatch_size} "
                   "(every replica runs whole micro-batches)")
     stages = _check_schedule(args, args.batch_size // (args.dp * args.microbatch_size))
-    if args.layers + 2 < stages:
+    from twinpipe.train.tokens import is_text
+
+    info = cli_model.check_model(args, stages, _defaults(), need_tokenizer=args.data is None or is_text(args.data))
+    # the built-in GPT's vocabulary: --vocab, or the data's largest id + 1 (with --model: the model's)
+    args.data_vocab = cli_data.check_data(args, info and info.vocab, info and info.tokenizer)
+    if info is None and args.layers + 2 < stages:
         raise ValueError(f"--layers={args.layers}: {args.schedule} on --pp={args.pp} cuts the model into {stages} stages, "
                          f"and the model has {args.layers + 2} layers (blocks, embedding, head); use --layers {stages - 2} or more")
     need = args.batch_size * (args.seq_len + 1)
-    if args.corpus_bytes < need:
+    if args.data is None and args.corpus_bytes < need:
         raise bad("--corpus-bytes", args.corpus_bytes, f"must be at least --batch-size x (--seq-len + 1) = {need} "
                   "(one batch of windows, each a sequence and its next byte)")
     _check_device(args)
+    check_fits(args, _model_config(args))  # what the fullest rank needs, against what this machine has
     world = args.pp * args.dp
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) != world:  # started by torchrun
         raise ValueError(f"--pp={args.pp} x --dp={args.dp} = {world} processes, but torchrun started "
                          f"{os.environ.get('WORLD_SIZE')}: the mesh sizes must multiply to the world size")
     if args.resume is not None:
-        _check_resume(args)
+        _check_resume(args, info)
     writable_folder(args.out, "--out")  # last: it makes the folder, so only when nothing else is wrong
 
 
@@ -185,7 +211,7 @@ def _check_device(args) -> None:
         raise bad("--device", "cuda", f"needs one GPU per process: {here} processes on this host, {count} GPU(s)")
 
 
-def _check_resume(args) -> None:
+def _check_resume(args, info=None) -> None:
     """The checkpoint, complete and safe to read (``read_checkpoint_info``: its marker, files and
     metadata, nothing unpickled but through an allow-list), and its model against the options that
     shape it (blocks, width, sequence length, experts, heads, top-k), before any process starts: inside the
@@ -193,13 +219,16 @@ def _check_resume(args) -> None:
     from twinpipe.train.checkpoint import CheckpointError, read_checkpoint_info
 
     try:
-        info = read_checkpoint_info(args.resume)
+        model, info = info, read_checkpoint_info(args.resume)
     except CheckpointError as error:
         raise ValueError(f"--resume={args.resume}: {error.problem}") from None
     shapes = info.parameters
+    if model is not None:  # --model: its parameters by name
+        return cli_model.check_resume(args, model, shapes)
     saved = {
         "--layers": len({n.split(".")[1] for n in shapes if n.startswith("blocks.")}),
         "--dim": shapes.get("embed.tokens.weight", [0, args.dim])[1],
+        "--vocab": shapes.get("embed.tokens.weight", [cli_data.vocab(args)])[0],
         "--seq-len": shapes.get("embed.positions.weight", [args.seq_len])[0],
         "--experts": len({n.split(".experts.")[1].split(".")[0] for n in shapes if n.startswith("blocks.0.experts.")}),
     }
@@ -208,8 +237,8 @@ def _check_resume(args) -> None:
         saved["--heads"] = config["heads"]
     if config.get("experts"):
         saved["--top-k"] = config.get("top_k")
-    wrong = [f"{flag}={_option(args, flag)} (the checkpoint's model has {value})" for flag, value in saved.items()
-             if value != _option(args, flag)]
+    mine = {**{flag: _option(args, flag) for flag in saved}, "--vocab": cli_data.vocab(args)}
+    wrong = [f"{flag}={mine[flag]} (the checkpoint's model has {value})" for flag, value in saved.items() if value != mine[flag]]
     if wrong:
         raise ValueError(f"--resume={args.resume}: holds another model than the options describe: {'; '.join(wrong)}")
 
@@ -220,6 +249,13 @@ def _options_record(args) -> dict:
     parser = argparse.ArgumentParser(add_help=False)
     _add_arguments(parser)
     return {action.dest: getattr(args, action.dest) for action in parser._actions}
+
+
+def _defaults() -> dict:
+    """Every option's default, by ``dest``."""
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_arguments(parser)
+    return {action.dest: parser.get_default(action.dest) for action in parser._actions}  # not an old spelling's
 
 
 def _option(args, flag: str):
@@ -290,21 +326,35 @@ def _train(args, device) -> None:
     import torch
 
     from twinpipe.train.checkpoint import load_checkpoint, save_checkpoint
-    from twinpipe.train.data import BatchSampler, stdlib_corpus
+    from twinpipe.train.data import BatchSampler
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.model import GPT, lm_loss
-    from twinpipe.train.report import bits_per_byte, plot_losses, print_summary, summary_rows
+    from twinpipe.train.memory import gather_report, measured_step
+    from twinpipe.train.report import bits_per_byte, memory_rows, plot_losses, print_summary, summary_rows
     from twinpipe.train.trainer import TrainConfig, Trainer
 
     dtype = getattr(torch, args.dtype)
     cfg = _model_config(args)
-    sampler = BatchSampler(stdlib_corpus(args.corpus_bytes), args.seq_len, seed=args.seed)
+    hf = None
+    if args.model is not None:
+        from twinpipe.train.tokens import is_text
+
+        hf = cli_model.load(args, need_tokenizer=args.data is None or is_text(args.data))
+    corpus = cli_data.tokens(args, hf and hf.tokenizer)  # the built-in corpus by default
+    sampler = BatchSampler(corpus, args.seq_len, seed=args.seed)
     config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                          max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout,
-                         dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp, on_nonfinite=args.on_nonfinite, **_ds3_config(args))
+                         dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp, on_nonfinite=args.on_nonfinite,
+                         precision=args.precision, zero=args.zero, **_ds3_config(args))
     mesh = build_mesh(args.dp, args.pp, device.type)
-    trainer = Trainer(lambda: GPT(cfg), sampler, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01),
-                      mesh, config, device=device, dtype=dtype)
+    optimizer_fn = lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01)  # noqa: E731
+    if hf is None:
+        trainer = Trainer(lambda: GPT(cfg), sampler, lm_loss, optimizer_fn, mesh, config, device=device, dtype=dtype)
+    else:
+        stages = cli_model.HFStages(args.model, args.layout, balance=args.balance, weights=hf.weights,
+                                    sample=sampler.batch(0, args.microbatch_size)[0].to(device))
+        trainer = Trainer(lambda: cli_model.build_model(hf), sampler, cli_model.TokenLoss(hf.aux), optimizer_fn, mesh, config,
+                          device=device, dtype=dtype, stages=stages)
     start = load_checkpoint(trainer, args.resume, optimizer_hparams=args.optimizer_hparams) if args.resume else 0
     out = Path(args.out)
     first = mesh.is_first
@@ -319,12 +369,18 @@ def _train(args, device) -> None:
     times: dict[str, list[float]] = {}
     moe = f", {cfg.experts} experts (top-{cfg.top_k})" if cfg.experts else ""
     title = f"{args.schedule}, PP={args.pp} x DP={args.dp}, {sum(p.numel() for p in GPT(cfg).parameters()):,} parameters{moe}"
-    progress = _progress(first, title, start, args.steps)
+    if hf is not None:
+        title = f"{args.schedule}, PP={args.pp} x DP={args.dp}, {hf.config.model_type} ({args.model}), {hf.count:,} parameters"
+    unit = "byte" if args.data is None and args.model is None else "token"  # what the loss is counted per (the built-in corpus: bytes)
+    progress = _progress(first, title, start, args.steps, unit)
     began = time.perf_counter()
     with progress:
         task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0, skipped=0) if first else None
         for step in range(start, args.steps):
-            result = trainer.step(step)
+            if step == args.steps - 1:  # the last step is measured (after the first, message layouts are known)
+                result, memory_entry = measured_step(trainer, step)
+            else:
+                result = trainer.step(step)
             log.append({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped, **result.times})
             for key, value in result.times.items():
                 times.setdefault(key, []).append(value)
@@ -334,16 +390,20 @@ def _train(args, device) -> None:
                 progress.update(task, advance=1, loss=bits_per_byte(result.loss), tps=tokens / result.times["total"],
                                 skipped=trainer.skipped_steps)
     elapsed = time.perf_counter() - began
+    memory = gather_report(trainer, memory_entry)  # collective
     if args.steps > start:
         save_checkpoint(trainer, str(out / "checkpoint-final"), args.steps)
     if not first or not log:
         return
-    plot_losses([e["step"] for e in log], [e["loss"] for e in log], str(out / "train-loss.png"), title)
+    plot_losses([e["step"] for e in log], [e["loss"] for e in log], str(out / "train-loss.png"), title, unit=unit,
+                vocab=hf.vocab if hf is not None else cfg.vocab)
     (out / "train-log.json").write_text(json.dumps({"args": _options_record(args), "elapsed_s": elapsed,
-                                                    "skipped_steps": trainer.skipped_steps, "steps": log}, indent=1))
-    rows = summary_rows([e["loss"] for e in log], times, tokens, mirrored=trainer.is_dual, replicas=args.dp)
+                                                    "skipped_steps": trainer.skipped_steps, "steps": log,
+                                                    "memory": [e.to_dict() for e in memory]}, indent=1))
+    rows = summary_rows([e["loss"] for e in log], times, tokens, mirrored=trainer.is_dual, replicas=args.dp, unit=unit)
     rows.append(("steps skipped (not finite)", str(trainer.skipped_steps)))
     rows.append(("wall time", f"{elapsed:.1f} s"))
+    rows += memory_rows(memory)
     rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / 'checkpoint-final'}"))
     print_summary(title, rows)
 
@@ -362,7 +422,7 @@ def _model_config(args):
     if not args.experts and args.top_k is not None:
         raise bad("--top-k", args.top_k, "needs --experts: a dense model (--experts 0) routes no tokens")
     _check_ds3(args)
-    return GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers,
+    return GPTConfig(vocab=cli_data.vocab(args), seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers,
                      experts=args.experts, top_k=top_k if args.experts else _DEFAULT_TOP_K, score=args.score,
                      balance_alpha=args.balance_alpha, mtp_depth=args.mtp_depth)
 
@@ -387,13 +447,13 @@ def _ds3_config(args) -> dict:
             "mtp_weight": args.mtp_weight if args.mtp_depth else 0.0}
 
 
-def _progress(show: bool, title: str, start: int, total: int):
+def _progress(show: bool, title: str, start: int, total: int, unit: str = "byte"):
     if not show:
         return _Silent()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("loss {task.fields[loss]:.3f} bits/byte"), TextColumn("{task.fields[tps]:,.0f} tokens/s"),
+                    TextColumn(f"loss {{task.fields[loss]:.3f}} bits/{unit}"), TextColumn("{task.fields[tps]:,.0f} tokens/s"),
                     TextColumn("skipped {task.fields[skipped]}"),
                     TimeElapsedColumn())
 

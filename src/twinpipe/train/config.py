@@ -12,11 +12,13 @@ from dataclasses import asdict, dataclass, is_dataclass
 
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_choice, check_float, check_int, check_ints, checked_timeout
 
-__all__ = ["TrainConfig", "DP_REDUCE", "ON_NONFINITE", "BALANCE", "model_record", "record_differences"]
+__all__ = ["TrainConfig", "DP_REDUCE", "ON_NONFINITE", "BALANCE", "PRECISIONS", "ZERO", "model_record", "record_differences"]
 
 DP_REDUCE = ("all-reduce", "ordered")  # the same names as grads.DataParallelReducer takes
 ON_NONFINITE = ("skip", "raise")
 BALANCE = ("params", "time")  # or a sequence of layer counts per stage (stages.split)
+PRECISIONS = ("pure", "bf16-mixed")  # precision.py: what each means, and how it relates to the model's dtype
+ZERO = (0, 1)  # 0: every data-parallel rank holds all optimizer state; 1: each a shard (zero.py)
 MAX_SEED = 2**63 - 1
 
 
@@ -32,6 +34,10 @@ class TrainConfig:
     against its expert's load (``twinpipe.moe.bias``; 0: the biases stay). ``mtp_depth`` (D >= 0),
     ``mtp_weight`` (lambda >= 0): the loss is ``L_main + lambda / D * sum_k L_MTP^k``, the model
     holding D multi-token-prediction modules (docs/deepseek-v3.md).
+    ``precision``: ``"pure"`` (everything in the model's dtype, ``Trainer(dtype=...)``) or
+    ``"bf16-mixed"`` (bf16 compute, FP32 masters, gradients and optimizer state; ``precision.py``).
+    ``zero``: 0 (every data-parallel rank updates every parameter) or 1 (ZeRO-1: each updates and
+    keeps optimizer state for its shard; ``zero.py``).
     """
 
     schedule: str = "dualpipev"
@@ -48,6 +54,8 @@ class TrainConfig:
     bias_update_speed: float = 0.0  # DeepSeek-V3's gamma: routing biases moved after each step (twinpipe.moe.bias)
     mtp_depth: int = 0  # multi-token prediction modules the model holds (GPTConfig.mtp_depth)
     mtp_weight: float = 0.0  # lambda: the MTP losses' weight, lambda / depth each
+    precision: str = "pure"
+    zero: int = 0
 
     def __post_init__(self):
         from twinpipe.schedule import registry
@@ -74,6 +82,13 @@ class TrainConfig:
         check_float(self.mtp_weight, "mtp_weight", low=0.0)
         if self.mtp_weight and not self.mtp_depth:
             raise bad("mtp_weight", self.mtp_weight, "must be 0 without multi-token prediction (mtp_depth=0)")
+        check_choice(self.precision, "precision", PRECISIONS)
+        check_int(self.zero, "zero", low=0, high=1)  # ZERO
+        if self.mtp_depth and (self.precision != "pure" or self.zero):
+            # The MTP embedding copy's gradient is summed with the embedding's on .grad, after the full
+            # data-parallel sum: neither FP32 gradient buffers nor ZeRO-1 shards are handled there yet.
+            raise bad("mtp_depth", self.mtp_depth, f"must be 0 with precision={self.precision!r} and zero={self.zero} "
+                      "(multi-token prediction runs with precision='pure' and zero=0)")
         object.__setattr__(self, "schedule_options", _checked_options(self.schedule_options, info))
 
     def num_microbatches(self, dp: int) -> int:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from twinpipe.checks import check_int
 
-__all__ = ["stdlib_corpus", "BatchSampler", "replica_rows"]
+__all__ = ["stdlib_corpus", "BatchSampler", "replica_rows", "batch_seed"]
 
 
 def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
@@ -44,19 +45,47 @@ def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
 
 
 class BatchSampler:
-    """Random windows of ``seq_len + 1`` bytes; ``batch(step, rows)`` -> (inputs, next-byte labels)."""
+    """Random windows of ``seq_len + 1`` tokens; ``batch(step, rows)`` -> (inputs, next-token labels).
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0):
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
-            raise ValueError("tokens: must be a 1-D tensor of token ids")
-        check_int(seq_len, "seq_len", low=1, high=tokens.numel() - 1, why="the corpus length - 1 at most")
-        self.tokens, self.seq_len, self.seed = tokens.long(), seq_len, int(seed)
+    ``tokens``: a 1-D tensor, or a 1-D numpy array of integer ids such as a memory map of a token file
+    (``twinpipe.train.tokens.open_tokens``): only the windows a batch draws are read. The windows'
+    starts come from a torch generator seeded with (seed, step), so a tensor and an array of the same
+    ids give the same batches."""
+
+    def __init__(self, tokens, seq_len: int, seed: int = 0):
+        if isinstance(tokens, np.ndarray):
+            if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+                raise ValueError("tokens: must be a 1-D array of integer token ids")
+            size = tokens.size
+        elif isinstance(tokens, torch.Tensor) and tokens.dim() == 1:
+            tokens, size = tokens.long(), tokens.numel()
+        else:
+            raise ValueError("tokens: must be a 1-D tensor or numpy array of token ids")
+        check_int(seq_len, "seq_len", low=1, high=size - 1, why="the corpus length - 1 at most")
+        self.tokens, self.seq_len, self.seed, self.size = tokens, seq_len, int(seed), size
 
     def batch(self, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed((self.seed << 32) + step)
-        starts = torch.randint(0, self.tokens.numel() - self.seq_len, (rows,), generator=gen)
-        window = self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)]
+        gen = torch.Generator().manual_seed(batch_seed(self.seed, step))
+        starts = torch.randint(0, self.size - self.seq_len, (rows,), generator=gen)
+        if isinstance(self.tokens, torch.Tensor):
+            window = self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)]
+        else:  # read only the windows (a memory map stays on disk)
+            window = torch.from_numpy(np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1], dtype=np.int64)
+                                                for s in starts.tolist()]))
         return window[:, :-1], window[:, 1:]
+
+
+_GOLDEN = 0x9E3779B9  # odd: seed -> seed * _GOLDEN is one-to-one modulo 2**32, and spreads neighbouring seeds apart
+
+
+def batch_seed(seed: int, step: int) -> int:
+    """The generator seed of batch ``step``: ``(seed * 0x9E3779B9 + step) mod 2**32``.
+
+    torch's CPU generator keeps only the low 32 bits of a seed, so ``seed`` must act inside them (a
+    ``(seed << 32) + step`` would be lost, and every seed would draw seed 0's batches). Seed 0 draws
+    batch ``step`` from seed ``step``; another seed's batches are seed 0's shifted by ``seed * 0x9E3779B9``
+    modulo 2**32 steps (any two seeds of 0..1000: at least 1.9 million steps apart)."""
+    return (int(seed) * _GOLDEN + int(step)) & 0xFFFFFFFF
 
 
 def replica_rows(batch_size: int, dp: int, dp_rank: int) -> slice:

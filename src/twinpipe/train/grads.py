@@ -1,5 +1,7 @@
 """Gradient arithmetic shared by the trainer and the single-process reference (one rule, one place).
 
+A parameter's gradient is ``grad_of(p)``: its FP32 ``main_grad`` under mixed precision, else ``.grad``.
+
 The step's gradient is the mean over every micro-batch of the global batch, summed in this order:
 within a pipeline direction over its micro-batches (as the schedule's W ops add them), then the two
 directions (DualPipe's mirrored copies), then the data-parallel replicas; then scaled once.
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from twinpipe.runtime.comm import wait_work
+from twinpipe.runtime.main_grad import grad_of, zeros_if_missing
 
 __all__ = ["scale_grads", "squared_norms", "clip_coefficient", "clip_grads", "sum_across", "DataParallelReducer"]
 
@@ -20,14 +23,16 @@ __all__ = ["scale_grads", "squared_norms", "clip_coefficient", "clip_grads", "su
 def scale_grads(params: Iterable[torch.Tensor], count: int) -> None:
     """Divide every gradient by ``count`` (the number of micro-batches it sums)."""
     for p in params:
-        if p.grad is not None:
-            p.grad.div_(count)
+        g = grad_of(p)
+        if g is not None:
+            g.div_(count)
 
 
 def squared_norms(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """Each gradient's squared 2-norm, in float64 (zero where there is none)."""
     return torch.stack([
-        p.grad.double().pow(2).sum() if p.grad is not None else torch.zeros((), dtype=torch.float64, device=p.device) for p in params
+        g.double().pow(2).sum() if g is not None else torch.zeros((), dtype=torch.float64, device=p.device)
+        for p, g in ((p, grad_of(p)) for p in params)
     ]) if params else torch.zeros(0, dtype=torch.float64)
 
 
@@ -84,10 +89,7 @@ class DataParallelReducer:
         if not self.active:
             return
         for bucket in self.parts[part]:
-            for p in bucket:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            flat = torch.cat([zeros_if_missing(p).reshape(-1) for p in bucket])
             if self.mode == "ordered":
                 parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(self.group))]
                 work = dist.all_gather(parts, flat, group=self.group, async_op=True)
@@ -106,7 +108,7 @@ class DataParallelReducer:
                 flat.add_(part)  # replica 0 + replica 1 + ..., left to right
             offset = 0
             for p in bucket:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                grad_of(p).copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
 
     def abandon(self) -> None:
@@ -124,8 +126,9 @@ def clip_grads(params: Iterable[torch.Tensor], factor: float) -> None:
     """Multiply every gradient by ``factor`` when it is below 1 (clipping is active)."""
     if factor < 1.0:
         for p in params:
-            if p.grad is not None:
-                p.grad.mul_(factor)
+            g = grad_of(p)
+            if g is not None:
+                g.mul_(factor)
 
 
 def sum_across(tensor: torch.Tensor, group, timeout: float, what: str) -> None:

@@ -192,5 +192,8 @@ def _init(module: nn.Module) -> None:
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross entropy (nats) of one micro-batch."""
+    """Mean next-byte cross entropy (nats) of one micro-batch; from bf16 (or fp16) logits computed
+    in FP32, as mixed-precision training does (a bf16 loss has 3 significant digits)."""
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -2,7 +2,8 @@
 
 It runs the whole model on each micro-batch and adds gradients in the order the trainer defines
 (``twinpipe.train.grads``): per direction, then directions, then replicas, then scaled; norms,
-clipping and the optimizer are the trainer's own functions.
+clipping and the optimizer are the trainer's own functions; mixed precision (FP32 masters, bf16
+compute, FP32 gradient buffers) is ``precision.py``'s, as in the trainer.
 
 The data-parallel replicas are copies of the model in this process, run side by side on their own
 rows. With MoE blocks and ``dp > 1`` each copy holds its replica's share of the experts, as the
@@ -29,7 +30,9 @@ from twinpipe.moe.grads import expert_parameters
 from twinpipe.overlap.stage import PartedSequential
 from twinpipe.runtime.batches import microbatch_rows
 from twinpipe.runtime.weight_grad import defer_weight_grads
+from twinpipe.runtime.main_grad import grad_of
 from twinpipe.schedule.spec import resolve
+from twinpipe.train import precision
 from twinpipe.train.data import BatchSampler, replica_rows
 from twinpipe.train.grads import clip_coefficient, clip_grads, scale_grads, squared_norms
 from twinpipe.train.mtp import MTPLoss, mtp_heads
@@ -48,8 +51,10 @@ class ReferenceTrainer:
         placement = resolve(config.schedule, pp, **dict(config.schedule_options)).placement
         self.directions = len(placement.chains)
         self.num_chunks = config.num_microbatches(dp)
+        precision.check_dtype(config.precision, dtype)
+        self.mixed = config.precision == "bf16-mixed"
         torch.manual_seed(config.seed)
-        self.model = defer_weight_grads(model_fn()).to(dtype=dtype)
+        self.model = defer_weight_grads(model_fn()).to(dtype=precision.MASTER_DTYPE if self.mixed else dtype)
         self.params = [p for _, layer in model_layers(self.model) for p in layer.parameters()]
         experts = expert_parameters(self.model)
         self._experts = [p for p in self.params if id(p) in experts]
@@ -61,7 +66,11 @@ class ReferenceTrainer:
         named = self.named_parameters()
         self.tied = [(named[main], named[copy]) for main, copy in getattr(self.model, "tied_copies", ())]
         self._norm_skip = [i for i, p in enumerate(self.params) if any(p is c for _, c in self.tied)]
-        self.optimizer = optimizer_fn(self.params)
+        # What the optimizer updates: FP32 masters (mixed precision: the replicas compute in bf16) or the parameters.
+        self.masters = precision.make_masters(self.params) if self.mixed else self.params
+        if self.mixed:
+            precision.to_compute([self.model, *self.replicas])
+        self.optimizer = optimizer_fn(self.masters)
 
     def _replicas(self, experts: set[int]) -> list[nn.Module]:
         """The data-parallel replicas: the model itself for one; else copies whose dense parameters
@@ -117,8 +126,7 @@ class ReferenceTrainer:
         replica_grads: list | None = None
         expert_grads = None
         for c in range(self.directions):
-            for p in [p for params in dense for p in params] + self._experts:
-                p.grad = None
+            _fresh_grads([p for params in dense for p in params] + self._experts)
             for j in range(c * per, (c + 1) * per):
                 mb = [microbatch_rows(len(xr), m, range(j, j + 1)) for xr in xs]
                 outs = local.forward(stages, [xr[s] for xr, s in zip(xs, mb)])
@@ -137,21 +145,22 @@ class ReferenceTrainer:
         total = replica_grads[0]
         for more in replica_grads[1:]:  # then the replicas, left to right
             total = [a.add_(b) for a, b in zip(total, more)]
-        for p, g in zip(self._dense, total):
-            p.grad = g
-        for p, g in zip(self._experts, expert_grads):
-            p.grad = g
-        for main, twin in self.tied:  # then a tied copy's gradient and its main parameter's, added
+        grad_of_param = dict(zip(map(id, self._dense + self._experts), total + expert_grads))
+        for p, t in zip(self.params, self.masters):
+            t.grad = grad_of_param[id(p)]
+        for main, twin in self.tied:  # then a tied copy's gradient and its main parameter's, added (precision "pure" only)
             main.grad = main.grad + twin.grad
             twin.grad = main.grad.clone()
-        scale_grads(self.params, m * dp)
+        scale_grads(self.masters, m * dp)
         norm = None
         if self.config.max_norm is not None:
-            norms = squared_norms(self.params)
+            norms = squared_norms(self.masters)
             norms[self._norm_skip] = 0.0  # a tied copy counts as its main parameter, once
             norm, factor = clip_coefficient(norms, self.config.max_norm)
-            clip_grads(self.params, factor)
+            clip_grads(self.masters, factor)
         self.optimizer.step()
+        if self.mixed:
+            precision.refresh(self.params, self.masters)
         if self.config.bias_update_speed:  # each router's loads summed over the replicas, then its bias moved
             for j, router in enumerate(self.routers):
                 update_bias_(router.bias, sum(mine[j].loads for mine in routers), self.config.bias_update_speed)
@@ -164,11 +173,16 @@ class ReferenceTrainer:
     def named_parameters(self) -> dict[str, torch.Tensor]:
         return {f"{name}.{sub}": p for name, layer in model_layers(self.model) for sub, p in layer.named_parameters()}
 
+    def named_masters(self) -> dict[str, torch.Tensor]:
+        """What the optimizer updates, by parameter name: the FP32 masters (mixed precision), else the parameters."""
+        master = dict(zip(map(id, self.params), self.masters))
+        return {name: master[id(p)] for name, p in self.named_parameters().items()}
+
     def load_state(self, parameters: dict[str, torch.Tensor], optimizer_state: dict[str, dict] | None = None,
                    buffers: dict[str, torch.Tensor] | None = None) -> None:
         """Continue from another run's weights (and, by parameter name, its optimizer state), e.g. a
         pipelined run's before each step, so a comparison measures one step's difference."""
-        named = self.named_parameters()
+        named = self.named_masters()
         missing = sorted(set(named) - set(parameters))
         if missing:
             raise ValueError(f"parameters: lacks {missing}")
@@ -179,6 +193,8 @@ class ReferenceTrainer:
             with torch.no_grad():
                 for name, b in self.named_buffers().items():
                     b.copy_(buffers[name])
+        if self.mixed:
+            precision.refresh(self.params, self.masters)
         if optimizer_state is not None:
             for name, p in named.items():
                 state = optimizer_state.get(name, {})
@@ -186,4 +202,14 @@ class ReferenceTrainer:
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
-    return p.grad if p.grad is not None else torch.zeros_like(p)
+    g = grad_of(p)
+    return g if g is not None else torch.zeros_like(p)
+
+
+def _fresh_grads(params) -> None:
+    """No gradient yet: ``.grad`` dropped, a new zero ``main_grad`` (mixed precision; the old one is
+    kept by the sums of the directions)."""
+    for p in params:
+        p.grad = None
+        if getattr(p, "main_grad", None) is not None:
+            p.main_grad = torch.zeros_like(p.main_grad)

@@ -6,15 +6,17 @@ import math
 import statistics
 from typing import Sequence
 
-__all__ = ["bits_per_byte", "plot_losses", "summary_rows", "print_summary"]
+__all__ = ["bits_per_byte", "plot_losses", "summary_rows", "memory_rows", "print_summary"]
 
 
 def bits_per_byte(loss_nats: float) -> float:
     return loss_nats / math.log(2)
 
 
-def plot_losses(steps: Sequence[int], losses: Sequence[float], path: str, title: str) -> None:
-    """Training loss (bits per byte) per step, with a 10-step running mean, saved to ``path``."""
+def plot_losses(steps: Sequence[int], losses: Sequence[float], path: str, title: str, *, unit: str = "byte",
+                vocab: int = 256) -> None:
+    """Training loss (bits per ``unit``: a byte, or a token of a ``vocab``-word vocabulary) per step,
+    with a 10-step running mean, saved to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,9 +28,10 @@ def plot_losses(steps: Sequence[int], losses: Sequence[float], path: str, title:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot(steps, bpb, color="#9ecae1", linewidth=1, label="loss per step")
     ax.plot(steps, smooth, color="#08519c", linewidth=2, label=f"mean of the last {window} steps")
-    ax.axhline(8.0, color="#999999", linestyle=":", linewidth=1, label="uniform over 256 bytes (8 bits)")
+    ax.axhline(math.log2(vocab), color="#999999", linestyle=":", linewidth=1,
+               label=f"uniform over {vocab} {unit}s ({math.log2(vocab):.3g} bits)")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (bits per byte)")
+    ax.set_ylabel(f"training loss (bits per {unit})")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
@@ -38,17 +41,17 @@ def plot_losses(steps: Sequence[int], losses: Sequence[float], path: str, title:
 
 
 def summary_rows(losses: Sequence[float], step_times: dict[str, list[float]], tokens_per_step: int, *,
-                 mirrored: bool = True, replicas: int = 2) -> list[tuple[str, str]]:
-    """(label, value) rows: bits per byte at the start and end, throughput and where time went
+                 mirrored: bool = True, replicas: int = 2, unit: str = "byte") -> list[tuple[str, str]]:
+    """(label, value) rows: bits per ``unit`` (byte or token) at the start and end, throughput and where time went
     (the mirrored exchange only with two model copies, the all-reduce only with replicas)."""
     head = losses[: min(10, len(losses))]
     tail = losses[-min(10, len(losses)) :]
     total = step_times["total"]
     median = statistics.median(total)
     rows = [
-        ("bits per byte, first step", f"{bits_per_byte(losses[0]):.3f}"),
-        (f"bits per byte, mean of first {len(head)} steps", f"{bits_per_byte(statistics.fmean(head)):.3f}"),
-        (f"bits per byte, mean of last {len(tail)} steps", f"{bits_per_byte(statistics.fmean(tail)):.3f}"),
+        (f"bits per {unit}, first step", f"{bits_per_byte(losses[0]):.3f}"),
+        (f"bits per {unit}, mean of first {len(head)} steps", f"{bits_per_byte(statistics.fmean(head)):.3f}"),
+        (f"bits per {unit}, mean of last {len(tail)} steps", f"{bits_per_byte(statistics.fmean(tail)):.3f}"),
         ("tokens per step", f"{tokens_per_step}"),
         ("tokens/s (median step)", f"{tokens_per_step / median:,.0f}"),
         ("step time, median", f"{median * 1e3:.1f} ms"),
@@ -58,6 +61,20 @@ def summary_rows(losses: Sequence[float], step_times: dict[str, list[float]], to
         if (part == "mirror" and not mirrored) or (part == "dp" and replicas < 2):
             continue
         rows.append((f"  {label}", f"{statistics.median(step_times[part]) * 1e3:.2f} ms"))
+    return rows
+
+
+def memory_rows(entries) -> list[tuple[str, str]]:
+    """(label, value) rows: per rank, the activation peak and the total, measured / predicted
+    (``twinpipe.sim.memory.RankMemory`` entries)."""
+    from twinpipe.sim.memory import format_bytes
+
+    rows = []
+    for e in entries:
+        m, p = e.measured, e.predicted
+        rows.append((f"memory, rank {e.rank} (pp {e.pp_rank}, dp {e.dp_rank})",
+                     f"activations {format_bytes(m.activations_peak)} / {format_bytes(p.activations_peak)} predicted, "
+                     f"total {format_bytes(m.total)} / {format_bytes(p.total)}"))
     return rows
 
 

@@ -15,6 +15,11 @@ Per step, in this order (the order the single-process reference follows, so resu
 5. a non-finite loss, gradient norm or gradient (every rank sees the same sums, so all decide
    alike): the update is skipped, or ``NonFiniteStepError`` raised (``TrainConfig.on_nonfinite``);
 6. clipping (if ``max_norm``), then the optimizer.
+With ``precision="bf16-mixed"`` the gradients above are the FP32 ``main_grad`` buffers and the
+optimizer updates FP32 masters, copied to the bf16 weights after the update (``precision.py``).
+With ``zero=1`` step 3 is a reduce-scatter: each data-parallel rank gets the summed gradients of the
+parameters it owns, updates only those (their optimizer state lives there alone) and all-gathers the
+new weights (``zero.py``); norms and checkpoints count each parameter at its owner.
 With ``overlap_dp`` and one chain (no mirrored copies), step 3's dense collectives start inside
 step 1: each stage's buckets as soon as its last gradient-writing op has run (the pipeline's
 ``on_grads_ready``), and the trainer awaits them after ``step()`` returns. With mirrored copies the
@@ -46,6 +51,7 @@ from twinpipe.runtime.batches import batch_layout
 from twinpipe.runtime.collectives import cpu_group, gather_objects
 from twinpipe.runtime.comm import wait_work
 from twinpipe.runtime import waits
+from twinpipe.runtime.main_grad import grad_of
 from twinpipe.runtime.errors import (
     PipelineAbortedError, PipelineBrokenError, PipelineMismatchError, PipelineOutOfStepError, PipelinePeerFailedError,
 )
@@ -61,8 +67,11 @@ from twinpipe.train.experts import check_experts, expert_ids, shard_experts
 from twinpipe.train.grads import (
     DataParallelReducer, clip_coefficient, clip_grads, scale_grads, squared_norms, sum_across,
 )
+from twinpipe.train.memory import planned_options
 from twinpipe.train.mesh import TrainMesh
 from twinpipe.train.mtp import MTPLoss, mtp_heads
+from twinpipe.train import precision
+from twinpipe.train.zero import ShardedReducer
 from twinpipe.train.stages import is_mirror_copy, model_layers, split, stage_modules
 
 __all__ = ["TrainConfig", "StepResult", "Trainer", "NonFiniteStepError", "model_parameter_names"]
@@ -105,7 +114,7 @@ def _any_nonfinite(params: Sequence[torch.Tensor]) -> torch.Tensor:
 
     A float64 sum of finite float32 (or narrower) values cannot overflow, so it is finite exactly
     when every value is (float64 gradients: unless their sum passes 1.8e308)."""
-    sums = [p.grad.sum(dtype=torch.float64) for p in params if p.grad is not None]
+    sums = [g.sum(dtype=torch.float64) for g in map(grad_of, params) if g is not None]
     if not sums:
         return torch.zeros((), dtype=torch.float64)
     return (~torch.isfinite(torch.stack(sums))).any().to(torch.float64)
@@ -142,10 +151,20 @@ class Trainer:
 
     ``optimizer_fn(params)`` builds any ``torch.optim`` optimizer over this rank's parameters;
     ``criterion(output, labels)`` is one micro-batch's mean loss.
+
+    ``stages``: how to cut a model that is not a sequence of one-tensor layers (a ``transformers``
+    causal LM: ``twinpipe train --model``); None cuts by ``split`` with ``config.balance``. An object with
+    ``parameter_names(model)`` (``(name, shape)`` of the unsplit model's parameters, in order),
+    ``build(model, schedule, pp_rank)`` (this rank's stage modules in ``Pipeline`` order, each with
+    ``named_model_parameters()``, weight gradients deferred), ``batch(layout, x, y)`` (the
+    ``(inputs, labels)`` of ``Pipeline.step`` from this replica's rows and the rank's ``batch_layout``)
+    and ``sync_grads(pipe)`` (after the pipeline step: every copy of a parameter gets the same sum,
+    mirrored copies and tied weights alike).
     """
 
     def __init__(self, model_fn: Callable[[], nn.Module], sampler: BatchSampler, criterion, optimizer_fn,
-                 mesh: TrainMesh, config: TrainConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+                 mesh: TrainMesh, config: TrainConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                 stages=None):
         if not isinstance(config, TrainConfig):
             raise ValueError(f"config={config!r}: must be a TrainConfig")
         self.config, self.mesh, self.sampler, self.criterion = config, mesh, sampler, criterion
@@ -155,36 +174,38 @@ class Trainer:
         # The start-up agreement and checkpoints (torch.distributed.checkpoint's own collectives) run on
         # a gloo group over the world, whose timeout bounds them.
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+        precision.check_dtype(config.precision, dtype)
+        self.mixed = config.precision == "bf16-mixed"
         torch.manual_seed(config.seed)
-        model = model_fn().to(device=device, dtype=dtype)
-        self.parameter_names = model_parameter_names(model)
+        model = model_fn().to(device=device, dtype=precision.MASTER_DTYPE if self.mixed else dtype)  # mixed: cast after the masters
+        self.stages = stages
+        self.parameter_names = model_parameter_names(model) if stages is None else list(stages.parameter_names(model))
         self.model_record = model_record(model)  # the model's configuration, as checkpoints store it
         self._agree_settings(model, device)  # before any collective whose sizes depend on the settings
+        options = planned_options(config, model, sampler, criterion, mesh.pp, device)  # ZB-V, zb-auto: the measured M_W
         self.schedule = resolve(config.schedule, mesh.pp, **options)  # once: the layout, stages and pipeline share it
         self.placement = self.schedule.placement
         self.num_chunks = config.num_microbatches(mesh.dp)
         self.layout = batch_layout(self.schedule, mesh.pp, mesh.pp_rank, self.num_chunks)
         self.experts = check_experts(model, mesh.dp)
         index = {name: i for i, (name, _) in enumerate(self.parameter_names)}
-        stages = split(model, self.placement.num_model_stages, self._layer_counts(model, device))
-        self.stage_names = [s.names for s in stages]
         pipeline_stages = self.placement.stages_of(mesh.pp_rank)
-        modules = [defer_weight_grads(m) for m in stage_modules(stages, self.schedule, mesh.pp, mesh.pp_rank)]
+        if stages is None:
+            cut = split(model, self.placement.num_model_stages, self._layer_counts(model, device))
+            self.stage_names = [s.names for s in cut]
+            modules = [defer_weight_grads(m) for m in stage_modules(cut, self.schedule, mesh.pp, mesh.pp_rank)]
+        else:
+            modules = list(stages.build(model, self.schedule, mesh.pp_rank))
+            self.stage_names = None  # the custom cut names its stages its own way
         if mesh.dp > 1:
             shard_experts(modules, mesh.dp_group)  # expert parallelism over the stage's data-parallel group
         experts = expert_ids(modules)
-        # (model parameter name, parameter, owned): owned parameters count in norms and checkpoints. One
-        # rank owns each model parameter: data-parallel rank 0 (an expert: its only holder), first copy.
-        self.held = [(name, p, not is_mirror_copy(self.placement, s) and (mesh.dp_rank == 0 or id(p) in experts))
-                     for s, m in zip(pipeline_stages, modules) for name, p in m.named_model_parameters()]
+        named = [(s, name, p) for s, m in zip(pipeline_stages, modules) for name, p in m.named_model_parameters()]
+        self.params = [p for _, _, p in named]
         # Tied copies (an MTP head's embedding copy): kept equal to their main parameter, not in the norm.
         self.tied = tuple(getattr(model, "tied_copies", ()))
         self._tied_dtypes = {main: p.dtype for main, p in model.named_parameters() if main in dict(self.tied)}
         copies = {copy for _, copy in self.tied}
-        self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned and n not in copies], dtype=torch.long,
-                                         device=device)
-        self.params = [p for _, p, _ in self.held]
-        self._owned = [p for n, p, owned in self.held if owned and n not in copies]
         self._criterion = self._mtp_criterion(model, modules)
         self._dense = [p for p in self.params if id(p) not in experts]  # the same on every data-parallel replica
         # Routing biases (buffers, DeepSeek-V3's balancing), owned as dense parameters are; loads by model router.
@@ -202,14 +223,34 @@ class Trainer:
             self._part_of = {s: i for i, s in enumerate(pipeline_stages)}
         else:
             parts = [self._dense]
-        self.reducer = DataParallelReducer(parts, mesh.dp_group, self.timeout, mode=config.dp_reduce)
+        sharded = config.zero == 1 and mesh.dp > 1
+        self.reducer = (ShardedReducer if sharded else DataParallelReducer)(parts, mesh.dp_group, self.timeout, mode=config.dp_reduce)
+        # The data-parallel rank that updates a dense parameter: its shard's (ZeRO-1), else every one.
+        updates = (lambda p: self.reducer.owns(p)) if sharded else (lambda p: True)
+        # (model parameter name, parameter, owned): owned parameters count in norms and checkpoints. One
+        # rank owns each model parameter: the first copy at data-parallel rank 0, or (ZeRO-1) at the rank
+        # that updates it; an expert at its only holder.
+        first = mesh.dp_rank == 0 or sharded
+        self.held = [(name, p, not is_mirror_copy(self.placement, s) and (id(p) in experts or (first and updates(p))))
+                     for s, name, p in named]
+        self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned and n not in copies], dtype=torch.long,
+                                         device=device)
+        self._owned = [p for n, p, owned in self.held if owned and n not in copies]
+        self._updated = [p for p in self.params if id(p) in experts or updates(p)]  # what this rank's optimizer updates
+        masters = precision.make_masters(self._updated) if self.mixed else self._updated
+        self._optimized = {id(p): t for p, t in zip(self._updated, masters)}  # parameter -> the tensor the optimizer updates
         self.pipe = Pipeline(modules, self.schedule, process_group=mesh.pp_group, timeout=self.timeout)
-        self.optimizer = optimizer_fn(self.params)
+        self.optimizer = optimizer_fn(masters)
         self._agree_optimizer()  # before the initial weights' broadcast
         self._agree_group = cpu_group(mesh.pp_group, self.timeout)  # small CPU exchanges (mirrors_equal)
         self._sync_start()
         for router in self._routers:  # a step counts its own tokens only (balance="time" ran the layers)
             router.loads.zero_()
+        if self.mixed:  # the masters from the agreed weights, then the bf16 compute copy and FP32 gradient buffers
+            precision.refresh(masters, self._updated)
+            precision.to_compute(modules)
+            for p, m in zip(self._updated, masters):
+                m.grad = p.main_grad  # one tensor: what the trainer reduces is what the optimizer reads
 
     def _agree_settings(self, model: nn.Module, device) -> None:
         """Every rank's configuration, model and precision, compared (``agreement.agree``)."""
@@ -220,7 +261,7 @@ class Trainer:
             "batch_size": c.batch_size, "microbatch_size": c.microbatch_size, "max_norm": canonical(c.max_norm),
             "balance": c.balance, "seed": c.seed, "timeout": canonical(c.timeout), "dp_reduce": c.dp_reduce, "overlap_dp": c.overlap_dp,
             "on_nonfinite": c.on_nonfinite, "bias_update_speed": canonical(c.bias_update_speed),
-            "mtp_depth": c.mtp_depth, "mtp_weight": canonical(c.mtp_weight),
+            "mtp_depth": c.mtp_depth, "mtp_weight": canonical(c.mtp_weight), "precision": c.precision, "zero": c.zero,
             "dtype": ",".join(sorted({str(p.dtype) for p in model.parameters()})), "device": torch.device(device).type,
             "criterion": _qualname(self.criterion),
             "model parameters": f"{len(self.parameter_names)} named, sha256 {hashlib.sha256(names).hexdigest()[:16]}",
@@ -341,18 +382,21 @@ class Trainer:
         rows = replica_rows(self.config.batch_size, dp, self.mesh.dp_rank)
         device = self.pipe.device
         x, y = x[rows].to(device), y[rows].to(device)
-        for p in self.params:
-            p.grad = None
+        precision.zero_main_grads(self.params)  # .grad dropped, FP32 main_grad (mixed precision) zeroed
         overlap = self.overlap_dp and self.reducer.active
         try:
-            loss, _ = self.pipe.step(*self.layout.inputs(x), num_chunks=m, criterion=self._criterion, labels=self.layout.labels(y),
+            inputs, labels = ((self.layout.inputs(x), self.layout.labels(y)) if self.stages is None
+                              else self.stages.batch(self.layout, x, y))
+            loss, _ = self.pipe.step(*inputs, num_chunks=m, criterion=self._criterion, labels=labels,
                                      on_grads_ready=self._start_reduction if overlap else None)
         except BaseException:
             self.reducer.abandon()  # its peers' waits time out, naming the step
             raise
         times["pipeline"] = time.perf_counter() - start
         mark = time.perf_counter()
-        if self.is_dual:
+        if self.stages is not None:
+            self.stages.sync_grads(self.pipe)
+        elif self.is_dual:
             self.pipe.sync_mirrored_grads()
         times["mirror"] = time.perf_counter() - mark
         mark = time.perf_counter()
@@ -366,7 +410,7 @@ class Trainer:
             self._sum_tied_grads(step)
         times["dp"] = time.perf_counter() - mark
         mark = time.perf_counter()
-        scale_grads(self.params, m * dp)
+        scale_grads(self._updated, m * dp)
         clip = self.config.max_norm is not None
         n_norms = len(self.parameter_names) if clip else 0
         vec = self._sum_vector(step, loss, digest, n_norms)
@@ -377,8 +421,9 @@ class Trainer:
         if problem is not None:
             self._refuse_update(step, problem)  # raises, or counts the step as skipped
         else:
-            clip_grads(self.params, factor)
+            clip_grads(self._updated, factor)
             self.optimizer.step()
+            self._publish_update(step)
             self._move_biases(loads)
         for router in self._routers:
             router.loads.zero_()
@@ -448,6 +493,47 @@ class Trainer:
         if self.config.on_nonfinite == "raise":
             raise NonFiniteStepError(f"{what}. Nothing was updated on any rank (on_nonfinite='raise'; 'skip' skips such steps)")
         self.skipped_steps += 1
+
+    def _publish_update(self, step: int) -> None:
+        """The updated weights where the forward reads them: bf16 from the masters (mixed precision),
+        every shard's to every data-parallel rank (ZeRO-1)."""
+        if self.mixed:
+            precision.refresh(self._updated, [self._optimized[id(p)] for p in self._updated])
+        if isinstance(self.reducer, ShardedReducer):
+            self.reducer.gather(self._where(f"step {step}"))
+
+    def state_bytes(self) -> dict[str, int]:
+        """This rank's bytes of model state, by part (``twinpipe.sim.memory.MemoryParts`` names):
+        ``params`` (every parameter held, mirrored copies included, in its own dtype), ``grads`` (the
+        buffers gradients accumulate in: FP32 ``main_grad`` under mixed precision, else one
+        ``.grad`` per parameter), ``master`` (FP32 masters of the parameters this rank updates:
+        mixed precision only) and ``optimizer`` (every tensor of the optimizer's state as it is now:
+        AdamW builds its state at the first step)."""
+        def size(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        params = sum(size(p) for p in self.params)
+        grads = sum(size(p.main_grad) if getattr(p, "main_grad", None) is not None else size(p) for p in self.params)
+        master = sum(size(t) for t in self._optimized.values()) if self.mixed else 0
+        optimizer = sum(size(v) for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+        return {"params": params, "grads": grads, "master": master, "optimizer": optimizer}
+
+    def loaded_weights(self) -> None:
+        """New values were written into the optimizer's tensors (a checkpoint): refresh the bf16
+        weights from the masters (mixed precision)."""
+        if self.mixed:
+            precision.refresh(self._updated, [self._optimized[id(p)] for p in self._updated])
+
+    @property
+    def updated_parameters(self) -> list[torch.Tensor]:
+        """The parameters this rank's optimizer updates (through their masters under mixed
+        precision): all it holds, or with ZeRO-1 its shard of the dense ones and its experts."""
+        return list(self._updated)
+
+    def optimized_tensor(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The tensor this rank's optimizer updates for parameter ``p``: its FP32 master (mixed
+        precision) or ``p`` itself; None when another data-parallel rank updates it (ZeRO-1)."""
+        return self._optimized.get(id(p))
 
     def _start_reduction(self, stage: int) -> None:
         """The pipeline's ``on_grads_ready``: ``stage``'s gradients are final, start its buckets."""

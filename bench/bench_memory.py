@@ -1,0 +1,117 @@
+"""Activation memory per rank, per schedule: predicted against measured, with and without early release.
+
+Every registered schedule on ``--pp`` CPU ranks (gloo), ``--microbatches`` micro-batches of a
+Linear-Tanh-Linear-Tanh float64 stage with deferred weight gradients (``--model mlp``) or the
+training GPT's stages (``--model gpt``). Per rank: the peak the step's activations reach
+(``Pipeline.step(measure_memory=True)``, the second step: message layouts known), the prediction
+(``Pipeline.predict_activation_peak`` from each stage measured alone) and their ratio; then the
+same step with the runtime's early releases off (``--no-release``: all, or some of
+``twinpipe.runtime.memory.RELEASES``) and what they save. Sizes are in units of one activation message (``rows x hidden`` values).
+
+    python bench/bench_memory.py --pp 2 --microbatches 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import twinpipe.cli_options as cli_options
+
+
+def _world(rank: int, world: int, names: list[str], args) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import twinpipe
+    from twinpipe.runtime import memory
+    from twinpipe.runtime.batches import batch_layout
+    from twinpipe.runtime.memory import measure_stage
+    from twinpipe.train.model import GPT, GPTConfig, lm_loss
+    from twinpipe.train.stages import split, stage_modules
+
+    out = {}
+    m, rows, hidden = args.microbatches, args.rows, args.hidden
+    off = set(memory.RELEASES) if args.no_release == "all" else set(args.no_release.split(","))
+    for name in names:
+        spec = twinpipe.schedule.resolve(name, world, **({"stages_per_rank": 2} if name == "interleaved-1f1b" else {}))
+        placement = spec.placement
+        torch.manual_seed(0)
+        if args.model == "mlp":
+            modules = [twinpipe.defer_weight_grads(nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, hidden),
+                                                                 nn.Tanh())).double() for _ in placement.stages_of(rank)]
+            x = torch.randn(rows * m, hidden, dtype=torch.float64)
+            y = torch.randn_like(x)
+            samples = {s: (x[:rows],) for s in placement.stages_of(rank)}
+            criterion, shapes = F.mse_loss, dict(tensor_shapes=[(rows, hidden)], tensor_dtype=torch.float64)
+        else:
+            cfg = GPTConfig(vocab=64, seq_len=16, dim=hidden, heads=2, layers=max(2, placement.num_model_stages))
+            cut = split(GPT(cfg), placement.num_model_stages)
+            x = torch.randint(0, cfg.vocab, (rows * m, cfg.seq_len))
+            y = torch.randint(0, cfg.vocab, (rows * m, cfg.seq_len))
+            samples, h = {}, x[:rows]
+            with torch.no_grad():
+                for k, module in enumerate(cut):
+                    samples.update({s: (h,) for s in placement.stages_of(rank) if placement.model_stage(s) == k})
+                    h = module(h)
+            modules = [twinpipe.defer_weight_grads(mod) for mod in stage_modules(cut, spec, world, rank)]
+            criterion, shapes = lm_loss, dict(tensor_shapes=[(rows, cfg.seq_len, hidden)], tensor_dtype=torch.float32)
+        layout = batch_layout(spec, world, rank, m)
+        peaks = []
+        with twinpipe.Pipeline(modules, spec, transport=args.transport, **shapes) as pipe:
+            for releases in (set(memory.RELEASES), set(memory.RELEASES) - off):
+                memory.EARLY_RELEASE = releases
+                pipe.step(*layout.inputs(x), num_chunks=m, criterion=criterion, labels=layout.labels(y), measure_memory=True)
+                peaks.append(pipe.last_memory.activations_peak)
+            memory.EARLY_RELEASE = set(memory.RELEASES)
+            stages = {s: measure_stage(mod, samples[s], first=placement.is_first(s), criterion=criterion if placement.is_last(s) else None,
+                                       labels=(y[:rows],) if placement.is_last(s) else ()) for s, mod in zip(pipe.stages, pipe.module)}
+            out[name] = (pipe.predict_activation_peak(m, stages), *peaks)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    cli_options.add(parser, "pp", default=2)
+    cli_options.add(parser, "microbatches", default=8)
+    parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp", help="the stage (default: mlp)")
+    parser.add_argument("--transport", choices=("auto", "process-group"), default="auto",
+                        help="auto: shared memory between ranks on this host; process-group: gloo (default: auto)")
+    parser.add_argument("--rows", type=int, default=32, help="rows of one micro-batch (default: 32)")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size (default: 64)")
+    parser.add_argument("--schedules", default=None, help="comma-separated names (default: every registered schedule)")
+    parser.add_argument("--no-release", default="all", metavar="NAMES",
+                        help="the early releases the comparison step turns off: all (default) or comma-separated names "
+                             "from: losses, input grad, last message, sends")
+    args = parser.parse_args(argv)
+    from twinpipe.runtime.memory import RELEASES
+
+    if args.no_release != "all" and not set(args.no_release.split(",")) <= set(RELEASES):
+        parser.error(f"--no-release={args.no_release}: must be all or comma-separated names from: {', '.join(RELEASES)}")
+
+    from twinpipe.launch import run_local
+    from twinpipe.schedule.registry import names
+
+    chosen = args.schedules.split(",") if args.schedules else sorted(
+        n for n in names() if not (args.pp % 2 and n in ("dualpipe", "chimera", "bitpipe")))
+    results = run_local(args.pp, _world, chosen, args, threads=1)
+    unit = args.rows * args.hidden * (8 if args.model == "mlp" else 4 * 16)
+    print(f"activation peak per rank, units of one message ({unit} B); {args.model} stage, pp={args.pp}, "
+          f"{args.microbatches} micro-batches, transport {args.transport}")
+    print(f"without: the same step with these early releases off: {args.no_release}")
+    print("schedule           rank  predicted  measured  ratio     without  saved")
+    worst = 0.0
+    for name in chosen:
+        for rank in range(args.pp):
+            predicted, measured, before = results[rank][name]
+            ratio = measured / predicted if predicted else float("nan")
+            worst = max(worst, abs(ratio - 1))
+            print(f"{name:18s} {rank:4d}  {predicted / unit:9.2f}  {measured / unit:8.2f}  {ratio:5.3f}   "
+                  f"{before / unit:9.2f}  {1 - measured / before:5.1%}")
+    print(f"largest |measured / predicted - 1|: {worst:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

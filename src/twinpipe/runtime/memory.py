@@ -1,0 +1,238 @@
+"""Measuring one rank's activation memory during a step, and the bytes of its other state.
+
+``ActivationMeter`` counts the storages a step keeps for backward: every tensor autograd saves
+(``torch.autograd.graph.saved_tensors_hooks``), every tensor a deferred weight-gradient closure
+captures until its W, and every receive buffer the transport posts. Each storage counts once, by
+its bytes, from when it is first seen until it is freed (a weak reference to the storage tells).
+Parameters, buffers and the user's inputs and labels are not activations and are left out. The
+meter samples the live total after every op (and every receive) and keeps the peak: an op-level
+peak, the granularity of the memory model (``twinpipe.sim.memory``).
+
+On CUDA, ``torch.cuda.max_memory_allocated`` over the step is read as well (``device_peak``).
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from twinpipe.sim.memory import StageMemory
+
+__all__ = ["ActivationMeter", "measure_stage", "note", "note_closures", "storage_bytes", "grad_bytes", "optimizer_bytes"]
+
+_local = threading.local()
+
+# The runtime's early releases, each on by default. Turned off (removed from this set) only to
+# measure what each saves (``bench/bench_memory.py --no-release``): "losses" (the kept losses are
+# copies, not views of an output-sized buffer), "input grad" (a received input drops its gradient
+# once it is handed upstream; W may keep the input itself), "last message" (the executor's loop
+# drops the last message it received) and "sends" (process-group sends are waited once the peer's
+# next packet arrived, not only polled).
+RELEASES = ("losses", "input grad", "last message", "sends")
+EARLY_RELEASE = set(RELEASES)
+
+
+def early_release(name: str) -> bool:
+    return name in EARLY_RELEASE
+
+
+def _key(t: torch.Tensor) -> tuple:
+    s = t.untyped_storage()
+    return (s.device.type, s.device.index, s.data_ptr())
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (each storage once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            continue
+        key = _key(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def grad_bytes(params) -> int:
+    """Bytes of the parameters' ``.grad`` storages."""
+    return storage_bytes(p.grad for p in params if p.grad is not None)
+
+
+def optimizer_bytes(optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state`` (moments, steps), each storage once."""
+    return storage_bytes(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class ActivationMeter:
+    """Live bytes of the activations a step holds, and their peak (see the module doc).
+
+    ``exclude``: tensors whose storages are not activations (parameters, buffers, user data)."""
+
+    def __init__(self, exclude=(), device: torch.device | None = None):
+        self.excluded = {_key(t) for t in exclude if isinstance(t, torch.Tensor) and not t.is_meta}
+        self.tracked: dict[tuple, tuple[StorageWeakRef, int]] = {}
+        self.live = 0
+        self.peak = 0
+        self.device_peak: int | None = None
+        self.device = device
+
+    def track(self, t) -> None:
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            return
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        key = _key(t)
+        if key in self.excluded:
+            return
+        seen = self.tracked.get(key)
+        if seen is not None:
+            if not seen[0].expired():
+                return
+            self.live -= seen[1]  # a freed storage whose address was reused
+        self.tracked[key] = (StorageWeakRef(storage), nbytes)
+        self.live += nbytes  # the peak is taken at ``sample``, once freed storages are swept
+
+    def sample(self) -> int:
+        """Forget freed storages; the live total now (and update the peak)."""
+        dead = [k for k, (ref, _) in self.tracked.items() if ref.expired()]
+        for k in dead:
+            self.live -= self.tracked.pop(k)[1]
+        self.peak = max(self.peak, self.live)
+        return self.live
+
+    def _pack(self, t: torch.Tensor):
+        self.track(t)
+        # A new tensor on the same storage: returning ``t`` itself would tie an output to its own
+        # graph node (a reference cycle) and share its data with the executor's freeing of sent outputs.
+        return t.detach()
+
+    @staticmethod
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @contextmanager
+    def measuring(self):
+        """Count while inside: saved tensors, and what ``note``/``note_closures`` are given."""
+        previous = getattr(_local, "meter", None)
+        _local.meter = self
+        cuda = self.device is not None and self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+        finally:
+            _local.meter = previous
+            self.sample()
+            if cuda:
+                self.device_peak = int(torch.cuda.max_memory_allocated(self.device))
+
+
+def _current() -> ActivationMeter | None:
+    return getattr(_local, "meter", None)
+
+
+def note(tensors) -> None:
+    """Count ``tensors`` (receive buffers) in the step being measured, if any."""
+    meter = _current()
+    if meter is not None:
+        for t in tensors:
+            meter.track(t)
+
+
+def note_closures(funcs) -> None:
+    """Count the tensors deferred weight-gradient closures captured (kept until their W)."""
+    meter = _current()
+    if meter is None:
+        return
+    for func in funcs:
+        for cell in getattr(func, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, torch.Tensor):
+                meter.track(value)
+
+
+def _message_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measure_stage(module, inputs, *, first: bool = False, criterion=None, labels=()) -> StageMemory:
+    """What one micro-batch of ``module`` holds (``twinpipe.sim.memory.StageMemory``), measured on
+    the stage itself as the executor runs it: F on ``inputs`` (copies, as if received, unless
+    ``first``; with ``criterion`` and ``labels`` for a last stage), then B with its weight
+    gradients deferred, then W. Parameters' gradients are left as they were."""
+    from twinpipe.runtime.weight_grad import GradStore
+
+    grads_before = [(p, p.grad) for p in module.parameters()]
+    ins = list(inputs) if first else [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    labels = tuple(labels)
+    meter = ActivationMeter([*module.parameters(), *module.buffers(), *labels, *(ins if first else ())])
+    store = GradStore()
+    try:
+        with store.active(), meter.measuring():
+            found = _measure_forward(meter, module, ins, first, criterion, labels)
+            roots, grads = found.pop("roots"), found.pop("grads")
+            found.update(_measure_backward(meter, store, roots, grads, ins if not first else [], criterion is None, found))
+            del roots, grads, ins
+            store.pop("measured")
+    finally:
+        store.clear()
+        for p, g in grads_before:
+            p.grad = g
+    return StageMemory(**found)
+
+
+def _measure_forward(meter: ActivationMeter, module, ins: list, first: bool, criterion, labels: tuple) -> dict:
+    """F: what autograd saved, besides the input and output storages."""
+    from twinpipe.runtime.executor import _as_tuple
+
+    outputs = _as_tuple(module(*ins))
+    loss = criterion(*outputs, *labels) if criterion is not None else None
+    meter.sample()
+    in_keys = set() if first else {_key(t) for t in ins}
+    in_bytes = 0 if first else _message_bytes(ins)
+    out_bytes = _message_bytes(outputs)
+    floats = [o for o in outputs if o.is_floating_point() and o.requires_grad]
+    saves_in = bool(in_keys & set(meter.tracked))
+    saves_out = bool({_key(t) for t in outputs} & set(meter.tracked))
+    found = dict(in_bytes=in_bytes, out_bytes=out_bytes, out_grad_bytes=_message_bytes(floats), in_tensors=len(ins),
+                 out_tensors=len(outputs), saves_in=saves_in, saves_out=saves_out,
+                 f_other=max(0, meter.live - in_bytes * saves_in - out_bytes * saves_out))
+    if loss is not None:
+        found.update(roots=[loss], grads=[torch.ones_like(loss)])
+    else:
+        found.update(roots=floats, grads=[torch.ones_like(o) for o in floats])  # values do not matter; no RNG drawn
+    return found
+
+
+def _measure_backward(meter: ActivationMeter, store, roots: list, grads: list, ins: list, received_grad: bool, found: dict) -> dict:
+    """B with deferred weight gradients: what W keeps, besides the input and the received gradient."""
+    from twinpipe.runtime.executor import run_backward
+
+    grad_refs = [(StorageWeakRef(g.untyped_storage()), _key(g)) for g in grads]
+    store.enabled = True
+    with store.running_backward():
+        run_backward(roots, grads)
+    store.enabled = False
+    store.flush("measured")
+    in_grads = [t.grad for t in ins if t.is_floating_point() and t.grad is not None]
+    in_grad_bytes = _message_bytes(in_grads)
+    for t in ins:
+        t.grad = None
+    in_refs = [(StorageWeakRef(t.untyped_storage()), _key(t)) for t in ins]
+    roots.clear(), grads.clear(), ins.clear()
+    del in_grads
+    meter.sample()
+    alive = lambda refs: any(not ref.expired() and key in meter.tracked for ref, key in refs)  # noqa: E731
+    w_keeps_in, w_keeps_grad = alive(in_refs), received_grad and alive(grad_refs)
+    w_other = meter.live - found["in_bytes"] * w_keeps_in - found["out_grad_bytes"] * w_keeps_grad
+    return dict(in_grad_bytes=in_grad_bytes, w_other=max(0, w_other), w_keeps_in=w_keeps_in, w_keeps_grad=w_keeps_grad)

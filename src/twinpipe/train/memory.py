@@ -1,0 +1,134 @@
+"""The trainer's per-rank memory report: one step measured, and the same quantities predicted.
+
+``measured_step(trainer, step)`` trains ``step`` with the pipeline's activation meter on
+(``twinpipe.runtime.memory``), then measures each of this rank's stages alone on the inputs it
+saw (``measure_stage``) and replays the rank's program on them (``Pipeline.predict_activation_peak``).
+Parameters, gradients, master weights and optimizer state are counted on the rank
+(``Trainer.state_bytes`` where the trainer has it) and predicted from the parameter counts
+(``twinpipe.sim.memory.state_prediction``). ``gather_report`` collects every rank's
+``RankMemory`` (collective), as ``train-log.json`` stores them under ``"memory"``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from twinpipe.runtime.collectives import gather_objects
+from twinpipe.runtime.memory import grad_bytes, measure_stage, optimizer_bytes, storage_bytes
+from twinpipe.sim.memory import MemoryParts, RankMemory, state_prediction
+
+__all__ = ["measured_step", "gather_report"]
+
+
+def _state_measured(trainer) -> dict:
+    if hasattr(trainer, "state_bytes"):
+        return dict(trainer.state_bytes())
+    return {"params": storage_bytes(trainer.params), "grads": grad_bytes(trainer.params), "master": 0,
+            "optimizer": optimizer_bytes(trainer.optimizer)}
+
+
+def _state_predicted(trainer) -> MemoryParts:
+    params = trainer.params
+    updated = getattr(trainer, "updated_parameters", params)  # ZeRO-1: this rank's shard (Trainer.updated_parameters)
+    kind = "adamw" if isinstance(trainer.optimizer, (torch.optim.Adam, torch.optim.AdamW)) else \
+        "sgd" if isinstance(trainer.optimizer, torch.optim.SGD) else "none"
+    elsize = params[0].element_size() if params else 4
+    return state_prediction([p.numel() for p in params], elsize, mixed=getattr(trainer, "mixed", False),
+                            updated=[p.numel() for p in updated], optimizer=kind)
+
+
+def measured_step(trainer, step: int):
+    """Train ``step`` with memory measured; returns (the step's result, this rank's ``RankMemory``)."""
+    pipe = trainer.pipe
+    inputs: dict[int, tuple] = {}
+    labels: list = []
+
+    def keep_input(stage, module, args):
+        if stage not in inputs:
+            inputs[stage] = tuple(a.detach().clone() for a in args)
+
+    criterion = trainer._criterion  # what the last stage runs (with MTP: MTPLoss over the model's criterion)
+
+    def keeping_labels(*args):
+        if not labels:
+            labels.append(tuple(a.detach().clone() for a in args[1:]))
+        return criterion(*args)
+
+    handles = [m.register_forward_pre_hook(functools.partial(keep_input, s)) for s, m in zip(pipe.stages, pipe.module)]
+    trainer._criterion, pipe.measure_memory = keeping_labels, True
+    try:
+        result = trainer.step(step)
+    finally:
+        trainer._criterion, pipe.measure_memory = criterion, False
+        for h in handles:
+            h.remove()
+    measured = MemoryParts(**_state_measured(trainer), activations_peak=pipe.last_memory.activations_peak,
+                           device_peak=pipe.last_memory.device_peak)
+    predicted = _state_predicted(trainer)
+    predicted.activations_peak = predict_activations(trainer, inputs, labels[0] if labels else ())
+    mesh = trainer.mesh
+    return result, RankMemory(torch.distributed.get_rank(), mesh.dp_rank, mesh.pp_rank, measured, predicted)
+
+
+def predict_activations(trainer, inputs: dict, labels: tuple) -> int:
+    """This rank's predicted activation peak from its stages measured alone on the inputs they saw.
+    Collective over the data-parallel ranks of a stage: MoE experts exchange tokens in their forward
+    and backward, and every rank measures its stages in the same order at the same point."""
+    pipe, placement = trainer.pipe, trainer.placement
+    grads = [(p, p.grad) for p in trainer.params]
+    stages = {}
+    for s, module in zip(pipe.stages, pipe.module):
+        last = placement.is_last(s)
+        stages[s] = measure_stage(module, inputs[s], first=placement.is_first(s),
+                                  criterion=trainer._criterion if last else None, labels=labels if last else ())
+    for p, g in grads:  # measuring ran the stages' W: leave the step's gradients as they were
+        p.grad = g
+    return pipe.predict_activation_peak(trainer.num_chunks, stages)
+
+
+def gather_report(trainer, entry: RankMemory) -> list[RankMemory]:
+    """Every rank's entry, in global rank order (collective over the world)."""
+    entries = gather_objects(trainer.checkpoint_group, entry.to_dict(), trainer.timeout,
+                             f"rank {torch.distributed.get_rank()}: gathering the memory report")
+    return sorted((RankMemory.from_dict(e) for e in entries), key=lambda e: e.rank)
+
+
+PLANNED_WITH_MW = ("zbv", "zb-auto")  # generators that order their ops by the memory W keeps
+
+
+def measured_mw(model, num_stages: int, sample: tuple, criterion) -> float:
+    """M_W / M_B of ``model`` cut into ``num_stages`` (``"params"`` balance), the largest over its
+    stages, each measured alone on ``sample`` = (inputs, labels) of one micro-batch: what W really
+    keeps, for the generators that plan with it (``PLANNED_WITH_MW``). The same on every rank (the
+    same model, the same sample), so every rank builds the same schedule."""
+    from twinpipe.runtime.weight_grad import defer_weight_grads
+    from twinpipe.train.stages import split
+
+    x, y = sample
+    ratios, h = [], x
+    stages = split(model, num_stages, "params")
+    for k, stage in enumerate(stages):
+        defer_weight_grads(stage)  # in place, as the trainer's stages are
+        last = k == len(stages) - 1
+        ratios.append(measure_stage(stage, (h,), first=k == 0, criterion=criterion if last else None,
+                                    labels=(y,) if last else ()).mw)
+        with torch.no_grad():
+            h = stage(h)
+    return max(ratios)
+
+
+def planned_options(config, model, sampler, criterion, pp: int, device) -> dict:
+    """``config.schedule_options`` with ``mw`` measured (``measured_mw`` on the sampler's first
+    micro-batch, to 3 digits) for a schedule that plans with it, unless given; MoE models (experts
+    talk across ranks) keep the generator's default."""
+    from twinpipe.schedule import registry, resolve
+
+    options = dict(config.schedule_options)
+    if "mw" in options or registry.get(config.schedule).name not in PLANNED_WITH_MW or \
+            any(hasattr(m, "parts") for m in model.modules()):
+        return options
+    num_stages = resolve(config.schedule, pp, **options).placement.num_model_stages
+    x, y = sampler.batch(0, config.microbatch_size)
+    return {**options, "mw": round(measured_mw(model, num_stages, (x.to(device), y.to(device)), criterion), 3)}

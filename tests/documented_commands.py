@@ -139,6 +139,7 @@ COMMANDS: list[Command] = [
     _bench("python bench/bench_compose.py"),
     _bench("python bench/bench_hf.py"),
     _bench("python bench/bench_hf.py --parts ep --arch deepseek_v3"),
+    _bench("python bench/bench_hf.py --hidden 256 --seq 128 --blocks 9"),
     # ---- docs/adding-a-schedule.md, docs/schedules.md
     Command("twinpipe simulate <name> ...", "twinpipe simulate dualpipev --pp 4 --microbatches 8", PLACEHOLDERS,
             stdout=("bubble rate",)),

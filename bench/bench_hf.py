@@ -2,7 +2,8 @@
 
 ``ep``: a small Qwen3-MoE (``--arch deepseek_v3``: DeepSeek-V3; random weights, float32) under DualPipeV on PP=2 x EP=2 (4 gloo
 processes): its experts sharded by ``twinpipe.hf.experts.shard_experts_``, its layers in parts
-(``twinpipe.hf.moe_layer.wrap_layer``). Timed blocks of BLOCK steps with the F&B overlap on and off
+(``twinpipe.hf.moe_layer.wrap_layer``); a step is ``Pipeline.step`` (no gradient reduction over the EP
+group, no optimizer). Timed blocks of BLOCK steps with the F&B overlap on and off
 alternate (the baseline is overlap off, measured in the same run); we print the median step time of
 each, the median of the paired ratios on/off, and, from the F&B ops' recorded events
 (``PartedStage.fb_events``, ``twinpipe.overlap.report.comm_hidden``), the share of the all-to-alls'
@@ -62,9 +63,9 @@ def _moe_model(arch: str, hidden: int, experts: int):
     2 expert groups of which the router picks 1)."""
     from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen3MoeConfig
 
-    common = dict(vocab_size=256, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=2 * hidden, moe_intermediate_size=2 * hidden, num_experts_per_tok=2,
-                  norm_topk_prob=True, attn_implementation="sdpa")
+    common = {"vocab_size": 256, "hidden_size": hidden, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 2 * hidden, "moe_intermediate_size": 2 * hidden,
+              "num_experts_per_tok": 2, "norm_topk_prob": True, "attn_implementation": "sdpa"}
     if arch == "deepseek_v3":
         config = DeepseekV3Config(**common, n_routed_experts=experts, n_shared_experts=1, n_group=2, topk_group=1,
                                   first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=hidden // 4,
@@ -153,7 +154,7 @@ def _llama(hidden: int, layers: int):
 def _vs_torch_case(name, rank, blocks, hidden, seq, rows, layers):
     """One schedule: paired block times, the layout, and the largest difference between the two
     libraries' micro-batch losses of the first step (on the rank with the last stage; else None)."""
-    import torch.distributed.pipelining as pipelining
+    from torch.distributed import pipelining
 
     from twinpipe import hf
 
@@ -222,7 +223,7 @@ def run_vs_torch(names: list[str], blocks: int, hidden: int, seq: int, rows: int
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
-    ap.add_argument("--blocks", type=int, default=7, help="timed blocks per variant (each of %d steps)" % BLOCK)
+    ap.add_argument("--blocks", type=int, default=7, help=f"timed blocks per variant (each of {BLOCK} steps)")
     ap.add_argument("--hidden", type=int, default=64, help="hidden size of both models")
     ap.add_argument("--seq", type=int, default=32, help="sequence length")
     ap.add_argument("--rows", type=int, default=2, help="sequences per micro-batch")

@@ -138,7 +138,7 @@ def _ep_step(pipe, seed):
 
 def _on_all_to_all(n, action):
     """Make this rank's ``n``-th expert all-to-all run ``action`` before it starts; undo with the result."""
-    from twinpipe.moe import block
+    from twinpipe.moe import exchange as block  # the module whose parts call all_to_all
 
     original, calls = block.all_to_all, [0]
 

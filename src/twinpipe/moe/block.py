@@ -9,7 +9,8 @@
 
 The routed experts run as R physical slots sharded over ``ep_group`` (rank r holds slots
 ``r*R/ep .. (r+1)*R/ep - 1``), slot s running logical expert ``phy2log[s]`` (placement.py: the
-placement and the rule that spreads an expert's token copies over its replicas). By default
+placement and the rule that spreads an expert's token copies over its replicas; exchange.py: the
+placement tables and the comm parts, shared with other MoE blocks). By default
 R = E and slot s runs expert s. With no group (or one rank) nothing is communicated. Dropless:
 every token copy reaches a replica of its expert.
 """
@@ -17,19 +18,15 @@ every token copy reaches a replica of its expert.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from twinpipe.checks import bad, check_int
-from twinpipe.moe.agree import agree, ep_timeout, frame_device
-from twinpipe.moe.local import LocalEPRank
-from twinpipe.moe.placement import check_placement, replica_table, slots_of_copies
+from twinpipe.moe.exchange import ExpertExchange, _permute, _Route  # noqa: F401  (_Route: its old home)
+from twinpipe.moe.placement import check_placement
 from twinpipe.moe.router import TopKRouter
-from twinpipe.overlap.comm import Then, all_to_all
 from twinpipe.overlap.graph import run_parts
 from twinpipe.overlap.parts import Comm, Compute
 from twinpipe.runtime.weight_grad import DeferredLinear
@@ -70,37 +67,7 @@ def run_expert(expert: nn.Module, rows: torch.Tensor) -> torch.Tensor:
     return expert(rows.clone())  # a fresh tensor: BLAS results may depend on a slice's alignment
 
 
-@dataclass(frozen=True)
-class _Route:
-    """Where one micro-batch's token copies go (set by attn) and what came back (set by dispatch)."""
-
-    shape: tuple  # (batch, seq, hidden) of the block input
-    order: torch.Tensor  # token copies (token*k + j) sorted by physical slot, stable
-    counts: torch.Tensor  # [R] copies this rank sends to each slot
-    send: list | None = None  # rows to each rank
-    recv: list | None = None  # rows from each rank
-    recv_counts: torch.Tensor | None = None  # [ep, local slots] rows from each rank for each local slot
-
-
-class _Permute(torch.autograd.Function):
-    """Rows reordered by a permutation; the backward gathers with the inverse (no zero fill, no
-    scatter-add as ``index_select``'s backward would do)."""
-
-    @staticmethod
-    def forward(ctx, x, perm, inverse):
-        ctx.inverse = inverse
-        return x.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.index_select(0, ctx.inverse), None, None
-
-
-def _permute(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    return _Permute.apply(x, perm, inverse)
-
-
-class MoEBlock(nn.Module):
+class MoEBlock(ExpertExchange):
     """Pre-norm transformer block: causal self-attention, then a routed mixture of experts.
 
     ``num_experts`` routed experts of width ``expert_hidden`` (``swiglu`` for DeepSeek's gated
@@ -140,47 +107,6 @@ class MoEBlock(nn.Module):
         self.register_buffer("expert_rows", torch.zeros(self.local, dtype=torch.long), persistent=False)
         self._set_placement(torch.arange(num_experts))
 
-    @staticmethod
-    def _check_group(ep_group, num_slots: int) -> tuple[int, int]:
-        if ep_group is None:
-            return 1, 0
-        if isinstance(ep_group, LocalEPRank):
-            ep, rank = ep_group.size, ep_group.rank
-        else:
-            ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-        if num_slots % ep:
-            raise ValueError(f"ep_group has {ep} ranks, which does not divide the {num_slots} expert slots")
-        return ep, rank
-
-    @staticmethod
-    def _group_size(ep_group) -> int:
-        if ep_group is None:
-            return 1
-        return ep_group.size if isinstance(ep_group, LocalEPRank) else dist.get_world_size(ep_group)
-
-    def _all_to_all(self, rows: torch.Tensor, out_splits: list, in_splits: list):
-        """``twinpipe.overlap.comm.all_to_all`` over ``ep_group`` (in-process for a local EP rank)."""
-        if isinstance(self.ep_group, LocalEPRank):
-            return self.ep_group.all_to_all(rows, out_splits, in_splits)
-        return all_to_all(rows, out_splits, in_splits, self.ep_group)
-
-    @property
-    def phy2log(self) -> torch.Tensor:
-        """[R] the logical expert of each physical slot (a copy)."""
-        return self._phy2log.clone()
-
-    @property
-    def num_slots(self) -> int:
-        return len(self._phy2log)
-
-    def _set_placement(self, phy2log: torch.Tensor) -> None:
-        """Adopt ``phy2log`` (checked by the caller); the slot modules must already match it."""
-        device = self.routed_tokens.device
-        self._phy2log = phy2log.clone()
-        log2phy, logcnt = replica_table(phy2log, self.num_experts)
-        self._log2phy, self._logcnt = log2phy.to(device), logcnt.to(device)
-        self._layout_agreed = False  # the next forward compares the layout over the EP group
-
     def _layout(self) -> dict:
         """What this block's EP collectives follow from (their sizes, and which expert each slot
         runs): every EP rank must hold the same."""
@@ -188,22 +114,6 @@ class MoEBlock(nn.Module):
         return {"num_experts": self.num_experts, "num_slots": self.num_slots, "hidden": self.hidden,
                 "dtype": str(w.dtype).removeprefix("torch."), "phy2log": self._phy2log.tolist(),
                 "expert parameters": sum(p.numel() for p in self.experts[0].parameters())}
-
-    def _agree_layout(self) -> None:
-        """Compare ``_layout()`` over the EP group before the first all-to-all with a placement.
-
-        Every EP rank comes here at the same point (the first forward after the block was built
-        or re-placed: placements change only through calls every rank makes), so this fixed-size
-        check pairs with itself; once agreed, the all-to-alls' sizes follow from agreed facts."""
-        if self.ep > 1 and not self._layout_agreed and not isinstance(self.ep_group, LocalEPRank):
-            agree(self.ep_group, self._layout(), "MoEBlock", ep_timeout(None), frame_device(self.routed_tokens))
-            self._layout_agreed = True
-
-    def _apply(self, fn, *args, **kwargs):  # keep the replica tables on the module's device
-        out = super()._apply(fn, *args, **kwargs)
-        device = self.routed_tokens.device
-        self._log2phy, self._logcnt = self._log2phy.to(device), self._logcnt.to(device)
-        return out
 
     def shard_experts_(self, ep_group, phy2log=None) -> "MoEBlock":
         """Keep only this rank's slots of a block built with all experts, one slot each (e.g. to
@@ -224,6 +134,16 @@ class MoEBlock(nn.Module):
         self.expert_rows = self.expert_rows.new_zeros(local)
         self._set_placement(placement)
         return self
+
+    def _slot_numel(self) -> int:
+        return sum(p.numel() for p in self.experts[0].parameters())
+
+    def _slot_grads(self, i: int) -> list:
+        """Local slot ``i``'s parameter gradients (zeros where missing), to be written in place."""
+        for p in self.experts[i].parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.experts[i].parameters()]
 
     def reset_counts(self) -> None:
         self.routed_tokens.zero_()
@@ -255,67 +175,12 @@ class MoEBlock(nn.Module):
         h = self.attention(x)
         tokens = self.norm2(h).reshape(-1, self.hidden)
         experts, weights = self.router(tokens, seq_len=x.shape[1])
-        flat = experts.reshape(-1)
-        slots = slots_of_copies(flat, self._log2phy, self._logcnt, self.ep_rank)
-        order = torch.argsort(slots, stable=True)
-        sent = tokens.index_select(0, order // self.top_k)
-        counts = torch.bincount(slots, minlength=self.num_slots)
-        self.routed_tokens += torch.bincount(flat, minlength=self.num_experts)
-        return h, tokens, sent, weights, _Route(tuple(x.shape), order, counts)
-
-    def _counts(self, h, tokens, sent, weights, route):
-        def arrived(received):
-            received = received.view(self.ep, self.local)
-            full = replace(route, send=route.counts.view(self.ep, self.local).sum(1).tolist(),
-                           recv=received.sum(1).tolist(), recv_counts=received)
-            return (h, tokens, sent, weights, full), None
-
-        self._agree_layout()
-        each = [self.local] * self.ep
-        return Then(self._all_to_all(route.counts, each, each), arrived)
-
-    def _dispatch(self, h, tokens, sent, weights, route):
-        return self._move((h, tokens, sent, weights, route), route.recv, route.send)
-
-    def _dispatch_backward(self, route, grads):
-        return self._move_back(grads, route.recv, route.send)
-
-    def _combine(self, h, shared, outs, weights, route):
-        return self._move((h, shared, outs, weights, route), route.send, route.recv)
-
-    def _combine_backward(self, route, grads):
-        return self._move_back(grads, route.send, route.recv)
-
-    def _move(self, state: tuple, out_splits: list, in_splits: list):
-        """Start sending the rows in ``state[2]`` (``in_splits`` to each rank, ``out_splits`` from
-        each); ``wait()`` gives the state with the rows that arrived, and the route as ctx."""
-        rows, route = state[2], state[4]
-
-        def arrived(got):
-            if got is not rows:  # with one rank the rows stay where they are
-                got.requires_grad_(rows.requires_grad)
-            return (*state[:2], got, *state[3:]), route
-
-        return Then(self._all_to_all(rows.detach() if self.ep > 1 else rows, out_splits, in_splits), arrived)
-
-    def _move_back(self, grads: tuple, out_splits: list, in_splits: list):
-        """The backward of ``_move(state, out_splits, in_splits)``: the row gradients go back."""
-        g_rows = grads[2] if grads[2] is not None else self._zeros(sum(out_splits))
-        return Then(self._all_to_all(g_rows, in_splits, out_splits), lambda g: (*grads[:2], g, grads[3], None))
+        sent, route = self._route_copies(tokens, experts, x.shape)
+        return h, tokens, sent, weights, route
 
     def _zeros(self, rows: int) -> torch.Tensor:
         w = self.proj.weight
         return torch.zeros(rows, self.hidden, dtype=w.dtype, device=w.device)
-
-    def _grouping(self, route) -> tuple[torch.Tensor, list[int]]:
-        """The received rows (source-major) in expert-major order, and each local expert's count."""
-        counts = route.recv_counts  # [ep, local]: rows from each rank for each local expert
-        flat = counts.reshape(-1)
-        starts = (torch.cumsum(flat, 0) - flat).view(self.ep, self.local)
-        seg_start, seg_len = starts.t().reshape(-1), counts.t().reshape(-1)  # segments, expert-major
-        ends = torch.cumsum(seg_len, 0)
-        within = torch.arange(int(ends[-1]), device=counts.device) - torch.repeat_interleave(ends - seg_len, seg_len)
-        return torch.repeat_interleave(seg_start, seg_len) + within, counts.sum(0).tolist()
 
     def _mlp(self, h, tokens, rows, weights, route):
         order, sizes = self._grouping(route)

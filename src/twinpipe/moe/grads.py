@@ -7,15 +7,16 @@ import torch.distributed as dist
 from torch import nn
 
 from twinpipe.moe.agree import agree, all_reduce, ep_timeout, frame_device
-from twinpipe.moe.block import MoEBlock
+from twinpipe.moe.exchange import ExpertExchange
 
 __all__ = ["reduce_dense_grads", "reduce_replica_grads", "expert_parameters"]
 
 
 def expert_parameters(module: nn.Module) -> set[int]:
-    """``id()`` of every routed-expert parameter of ``module``'s MoE blocks: the parameters each
+    """``id()`` of every routed-expert parameter of ``module``'s MoE blocks (``MoEBlock``, and any
+    other ``ExpertExchange`` such as ``twinpipe.hf.experts.EPMoE``): the parameters each
     EP rank holds its own share of (everything else is replicated over the EP group)."""
-    return {id(p) for block in module.modules() if isinstance(block, MoEBlock) for p in block.experts.parameters()}
+    return {id(p) for block in module.modules() if isinstance(block, ExpertExchange) for p in block.experts.parameters()}
 
 
 def reduce_dense_grads(module: nn.Module, ep_group, timeout: float | None = None) -> None:
@@ -55,14 +56,16 @@ def reduce_replica_grads(module: nn.Module, timeout: float | None = None) -> Non
     every replica the sum: replicas then stay identical through any optimizer step.
 
     A replica's gradient covers only the token copies sent to it; the expert's gradient is the sum
-    over its replicas. Only replicated experts are exchanged (one all-reduce per block over its EP
+    over its replicas, added on each rank in slot order, then over the EP ranks. For every MoE
+    block with expert parallelism (``MoEBlock``, ``twinpipe.hf.experts.EPMoE``). Only replicated
+    experts are exchanged (one all-reduce per block over its EP
     group); a missing gradient counts as zero. Call on every rank of the group after ``step()``
     (deferred weight gradients included), before the optimizer step. The ranks first compare
     their blocks (ValueError on every rank if they differ); each wait lasts at most ``timeout`` s
     (default: the limit in force, else ``twinpipe.checks.DEFAULT_TIMEOUT``).
     """
     timeout = ep_timeout(timeout)
-    blocks = [b for b in module.modules() if isinstance(b, MoEBlock)]
+    blocks = [b for b in module.modules() if isinstance(b, ExpertExchange)]
     _agree_blocks(blocks, timeout)
     for block in blocks:
         phy2log = block.phy2log
@@ -71,30 +74,26 @@ def reduce_replica_grads(module: nn.Module, timeout: float | None = None) -> Non
         if len(shared) == 0:
             continue
         row_of = {int(e): i for i, e in enumerate(shared)}
-        params = [list(expert.parameters()) for expert in block.experts]
-        size = sum(p.numel() for p in params[0])
-        ref = params[0][0]
-        table = torch.zeros(len(shared), size, dtype=ref.dtype, device=ref.device)
         mine = phy2log[block.first_slot : block.first_slot + block.local].tolist()
-        for slot_params, e in zip(params, mine):
-            if e in row_of:
-                grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                         for p in slot_params]
-                table[row_of[e]] += torch.cat(grads)
+        # Each replicated slot's gradient tensors (made zero where missing), written in place below.
+        grads = {i: block._slot_grads(i) for i, e in enumerate(mine) if e in row_of}
+        ref = next(block.experts.parameters())
+        table = torch.zeros(len(shared), block._slot_numel(), dtype=ref.dtype, device=ref.device)
+        for i, slot_grads in grads.items():
+            table[row_of[mine[i]]] += torch.cat([g.reshape(-1) for g in slot_grads])
         if block.ep > 1:
             all_reduce(table, block.ep_group, timeout, "reduce_replica_grads")
-        for slot_params, e in zip(params, mine):
-            if e in row_of:
-                offset = 0
-                for p in slot_params:
-                    p.grad = table[row_of[e], offset : offset + p.numel()].view_as(p).clone()
-                    offset += p.numel()
+        for i, slot_grads in grads.items():
+            offset = 0
+            for g in slot_grads:
+                g.copy_(table[row_of[mine[i]], offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
 
-def _agree_blocks(blocks: list[MoEBlock], timeout: float) -> None:
+def _agree_blocks(blocks: list[ExpertExchange], timeout: float) -> None:
     """One check per EP group, on every call: which experts are replicated (hence the all-reduces
     that follow and their sizes) comes from each rank's placements, which change between calls."""
-    by_group: dict[int, list[MoEBlock]] = {}
+    by_group: dict[int, list[ExpertExchange]] = {}
     for block in blocks:
         if block.ep > 1:
             by_group.setdefault(id(block.ep_group), []).append(block)

@@ -72,7 +72,7 @@ from twinpipe.train.mesh import TrainMesh
 from twinpipe.train.mtp import MTPLoss, mtp_heads
 from twinpipe.train import precision
 from twinpipe.train.zero import ShardedReducer
-from twinpipe.train.stages import is_mirror_copy, model_layers, split, stage_modules
+from twinpipe.train.stages import Stage, is_mirror_copy, model_layers, split, stage_modules
 
 __all__ = ["TrainConfig", "StepResult", "Trainer", "NonFiniteStepError", "model_parameter_names"]
 
@@ -127,7 +127,10 @@ def model_routers(model: nn.Module) -> list[tuple[str, TopKRouter]]:
 
 
 def _stage_routers(stage) -> list[tuple[str, TopKRouter]]:
-    """``(name in the unsplit model, router)`` of every ``TopKRouter`` of a stage, in run order."""
+    """``(name in the unsplit model, router)`` of every ``TopKRouter`` of a stage, in run order (none
+    in a stage that is not ``stages.Stage``, e.g. a transformers model's)."""
+    if not isinstance(stage, Stage):
+        return []
     return [(f"{name}.{sub}" if sub else name, m) for name, layer in zip(stage.names, stage.layers)
             for sub, m in layer.named_modules() if isinstance(m, TopKRouter)]
 
@@ -212,7 +215,9 @@ class Trainer:
         self.held_buffers = [(f"{name}.bias", router.bias, not is_mirror_copy(self.placement, s) and mesh.dp_rank == 0)
                              for s, m in zip(pipeline_stages, modules) for name, router in _stage_routers(m)]
         self._routers = [router for s, m in zip(pipeline_stages, modules) for _, router in _stage_routers(m)]
-        self._router_slices = _router_slices(model, [name for s, m in zip(pipeline_stages, modules) for name, _ in _stage_routers(m)])
+        # Stages built by ``stages`` (a transformers model) hold no twinpipe.moe router: nothing to move.
+        self._router_slices = (_router_slices(model, [name for m in modules for name, _ in _stage_routers(m)])
+                               if stages is None else ([], 0))
         if config.bias_update_speed and not self._router_slices[1]:
             raise bad("bias_update_speed", config.bias_update_speed, "must be 0 for a model without MoE routers (nothing to balance)")
         # Overlapped: one part per stage, started by the pipeline's on_grads_ready; else one part of all.

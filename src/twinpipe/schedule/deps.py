@@ -22,7 +22,7 @@ from functools import lru_cache
 from twinpipe.schedule.ops import Op, OpKind
 from twinpipe.schedule.placement import Placement
 
-__all__ = ["Work", "WORK_DONE", "Need", "DependencyTable", "dependency_table", "needs", "work_done", "required_work"]
+__all__ = ["Work", "WORK_DONE", "Need", "DependencyTable", "dependency_table", "needs", "neighbour", "work_done", "required_work"]
 
 
 class Work(IntEnum):
@@ -95,6 +95,18 @@ def dependency_table(placement: Placement) -> DependencyTable:
             for need in stage_needs:
                 consumers.setdefault((need.work, need.stage), []).append((kind, s))
     return DependencyTable(placement, table, {key: tuple(v) for key, v in consumers.items()})
+
+
+def neighbour(placement: Placement, stage: int, kind: str) -> Need | None:
+    """Where ``stage`` gets what it consumes from: ``"act"``, the stage whose F output its F reads;
+    ``"grad"``, the stage whose B output (the gradient) its B reads. None at the pipeline's ends."""
+    if kind == "act":
+        found = [n for n in dependency_table(placement).needs[OpKind.F][stage] if n.work is Work.F]
+    elif kind == "grad":
+        found = [n for n in dependency_table(placement).needs[OpKind.B][stage] if n.work is Work.B]
+    else:
+        raise ValueError(f"kind={kind!r}: allowed are 'act', 'grad'")
+    return found[0] if found else None
 
 
 def needs(placement: Placement, op: Op) -> list[tuple[Work, int, int]]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from twinpipe.schedule.deps import neighbour
+
 __all__ = ["PARTS", "MemoryParts", "RankMemory", "format_bytes", "memory_lines"]
 
 PARTS = ("params", "grads", "master", "optimizer", "activations_peak")
@@ -272,9 +274,9 @@ class _Replay:
         placement = self.placement
         if placement.is_first(s):
             return None
-        prev = placement.prev_stage(s)
-        if placement.rank_of(prev) == self.rank:
-            return ("out", prev, j)
+        prev = neighbour(placement, s, "act")
+        if prev.local:
+            return ("out", prev.stage, j)
         m = next(m for m in self.program.recvs_of[(s, j, "act")])
         return self.recv_storage[m]
 
@@ -294,17 +296,17 @@ class _Replay:
         if placement.is_last(s):
             mem.hold(out, ("exec", s, j), st.out_bytes, seen=False)
             return
-        nxt = placement.next_stage(s)
-        if placement.rank_of(nxt) == self.rank:
+        nxt = neighbour(placement, s, "grad")  # the stage after s: its F reads this output
+        if nxt.local:
             mem.hold(out, ("exec", s, j), st.out_bytes, seen=False)
-            mem.hold(out, ("local", nxt, j), st.out_bytes, seen=False)
+            mem.hold(out, ("local", nxt.stage, j), st.out_bytes, seen=False)
         else:
             for m in self.program.sends_of.get((s, j, "act"), ()):
                 self.send(m)
 
     def _consume(self, key, s: int, j: int, kind: str) -> None:
-        prev = self.placement.prev_stage(s) if kind == "act" else self.placement.next_stage(s)
-        if prev is not None and self.placement.rank_of(prev) == self.rank:
+        prev = neighbour(self.placement, s, kind)
+        if prev is not None and prev.local:
             self.mem.drop(key, ("local", s, j) if kind == "act" else ("grads", s, j))
         else:
             for m in self.program.recvs_of.get((s, j, kind), ()):
@@ -315,9 +317,9 @@ class _Replay:
         inp, out = self._input_key(s, j), ("out", s, j)
         grad = None
         if not placement.is_last(s):
-            nxt = placement.next_stage(s)
-            if placement.rank_of(nxt) == self.rank:
-                grad = ("ingrad", nxt, j)
+            nxt = neighbour(placement, s, "grad")
+            if nxt.local:
+                grad = ("ingrad", nxt.stage, j)
             else:
                 m = next(iter(self.program.recvs_of[(s, j, "grad")]))
                 grad = self.recv_storage[m]
@@ -334,10 +336,10 @@ class _Replay:
             self._consume(grad, s, j, "grad")
         if placement.is_first(s):
             return
-        prev = placement.prev_stage(s)
+        prev = neighbour(placement, s, "act")  # the stage before s: its B reads this gradient
         ingrad = ("ingrad", s, j)
-        if placement.rank_of(prev) == self.rank:
-            mem.hold(ingrad, ("grads", prev, j), st.in_grad_bytes, seen=False)
+        if prev.local:
+            mem.hold(ingrad, ("grads", prev.stage, j), st.in_grad_bytes, seen=False)
         else:
             for m in self.program.sends_of.get((s, j, "grad"), ()):
                 self.send(m)
@@ -350,9 +352,9 @@ class _Replay:
         placement = self.placement
         if placement.is_last(s):
             return None
-        nxt = placement.next_stage(s)
-        if placement.rank_of(nxt) == self.rank:
-            return ("ingrad", nxt, j)
+        nxt = neighbour(placement, s, "grad")
+        if nxt.local:
+            return ("ingrad", nxt.stage, j)
         m = next(iter(self.program.recvs_of[(s, j, "grad")]))
         return self.recv_storage.get(m)
 

@@ -46,7 +46,7 @@ def need_per_rank(args, cfg) -> tuple[int, dict]:
     from twinpipe.train.stages import split
 
     with torch.device("meta"):  # MoE routing tables cannot be built there: the dense model, experts added below
-        model = GPT(dataclasses.replace(cfg, experts=0))
+        model = GPT(dataclasses.replace(cfg, experts=0, balance_alpha=0.0, score="softmax"))
     spec = resolve(args.schedule, args.pp)
     placement = spec.placement
     stages = split(model, placement.num_model_stages, "params")  # "time" needs a run: the params cut stands in

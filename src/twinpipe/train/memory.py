@@ -45,18 +45,25 @@ def measured_step(trainer, step: int):
     inputs: dict[int, tuple] = {}
     labels: list = []
 
+    outputs: list[int] = []  # how many tensors the last stage returns: the criterion's arguments after them are labels
+
     def keep_input(stage, module, args):
         if stage not in inputs:
             inputs[stage] = tuple(a.detach().clone() for a in args)
+
+    def count_outputs(module, args, out):
+        if not outputs:
+            outputs.append(len(out) if isinstance(out, (tuple, list)) else 1)
 
     criterion = trainer._criterion  # what the last stage runs (with MTP: MTPLoss over the model's criterion)
 
     def keeping_labels(*args):
         if not labels:
-            labels.append(tuple(a.detach().clone() for a in args[1:]))
+            labels.append(tuple(a.detach().clone() for a in args[outputs[0] if outputs else 1:]))
         return criterion(*args)
 
     handles = [m.register_forward_pre_hook(functools.partial(keep_input, s)) for s, m in zip(pipe.stages, pipe.module)]
+    handles += [m.register_forward_hook(count_outputs) for s, m in zip(pipe.stages, pipe.module) if trainer.placement.is_last(s)]
     trainer._criterion, pipe.measure_memory = keeping_labels, True
     try:
         result = trainer.step(step)

@@ -169,7 +169,7 @@ def test_bad_models(tmp_path, capsys):
         ("--model", str(tmp_path / "empty")): "--model=.*empty': has no config.json",
         ("--model", t5): "--model=.*t5': transformers builds no causal LM from its config.json \\(model_type='t5'\\)",
         ("--model", gpt2): "--model=.*gpt2': model=GPT2LMHeadModel: has no model; twinpipe.hf runs decoder-only causal LMs",
-        ("--model", tied): "--model=.*tied': ties its input and output embeddings",
+        ("--model", tied, "--zero", "1", "--dp", "2"): "--zero=1: not with --model=.*tied', which ties its input and output embeddings",
         ("--model", llama, "--layout", "E,t*2|t*2,L"): "--layout='E,t\\*2\\|t\\*2,L': must be 1 stage",
         ("--layout", "E,t*2|t*2,L"): "--layout='E,t\\*2\\|t\\*2,L': only with --model",
         ("--model", llama, "--ep", "2"): "--ep=2: must be 1: expert parallelism for --model's MoE layers is not wired",
@@ -303,5 +303,43 @@ def test_a_model_folder_with_weights_gives_each_rank_its_stages_tensors(tmp_path
                 seen.add(name)
     assert seen == set(state)
     tied = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(TINY_LLAMA), tie_word_embeddings=True))
-    with pytest.raises(ValueError, match="ties its input and output embeddings"):
-        HFStages(str(tmp_path / "model")).parameter_names(tied)
+    assert HFStages(str(tmp_path / "model")).tied_copies(tied) == (("model.embed_tokens.weight", "lm_head.weight"),)
+    assert HFStages(str(tmp_path / "model")).tied_copies(model) == ()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is unavailable:UserWarning")  # reading the checkpoint here
+def test_a_model_with_tied_embeddings_trains_and_resumes(tmp_path):
+    """``tie_word_embeddings``: the first step's loss is the unsplit model's, the embedding and the head
+    are one weight after the steps (in the checkpoint: each name holds it), and the run resumes."""
+    _needs_hf()
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path / "tied"
+    folder.mkdir()
+    config = json.loads((TINY_LLAMA / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    ids = _ids(3000, 128).astype(np.uint16)
+    np.save(tmp_path / "t.npy", ids)
+    shape = ["--seq-len", "8", "--batch-size", "4", "--microbatch-size", "1"]
+    first = _run(["--model", str(folder), "--data", "t.npy", "--pp", "2", "--steps", "2", "--schedule", "1f1b",
+                  "--layout", "E,t*2|t*2,L", *shape], tmp_path)
+    assert first.returncode == 0, first.stderr
+    losses = _losses(tmp_path / "twinpipe-train")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    x, y = BatchSampler(ids, 8, seed=0).batch(0, 4)
+    with torch.no_grad():
+        logits = model(x).logits
+    expected = float(torch.stack([torch.nn.functional.cross_entropy(logits[i], y[i]) for i in range(4)]).mean())
+    assert losses[0] == pytest.approx(expected, rel=1e-5)
+    saved = _load_state_dict_from_keys({"model.model.embed_tokens.weight", "model.lm_head.weight"},
+                                       checkpoint_id=str(tmp_path / "twinpipe-train" / "checkpoint-final"))
+    embed, head = saved["model.model.embed_tokens.weight"], saved["model.lm_head.weight"]
+    assert torch.equal(embed, head) and not torch.equal(embed, model.model.embed_tokens.weight.detach())  # trained, one weight
+    again = _run(["--model", str(folder), "--data", "t.npy", "--pp", "2", "--steps", "3", "--schedule", "dualpipev",
+                  "--layout", "E,t|t|t|t,L", "--resume", "twinpipe-train/checkpoint-final", *shape], tmp_path)
+    assert again.returncode == 0, again.stderr
+    steps = json.loads((tmp_path / "twinpipe-train" / "train-log.json").read_text())["steps"]
+    assert [s["step"] for s in steps] == [2] and math.isfinite(steps[0]["loss"])

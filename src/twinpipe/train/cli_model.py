@@ -99,9 +99,10 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
     except ValueError as error:  # UnsupportedModelError: names what is missing
         why = _first_line(error).split("; pass untested=True")[0]  # the Python API's way out, not the command line's
         raise ValueError(f"--model={args.model!r}: {why}") from None
-    if parts.tied:
-        raise ValueError(f"--model={args.model!r}: ties its input and output embeddings (tie_word_embeddings): "
-                         "twinpipe train does not train tied embeddings yet (twinpipe.hf.build does, in a script of your own)")
+    if parts.tied and (args.precision != "pure" or args.zero):
+        flag = f"--precision={args.precision}" if args.precision != "pure" else f"--zero={args.zero}"
+        raise ValueError(f"{flag}: not with --model={args.model!r}, which ties its input and output embeddings "
+                         "(tie_word_embeddings): tied weights train with --precision pure and --zero 0 only")
     layers = len(parts.layers)
     if args.layout is not None:
         try:
@@ -202,10 +203,14 @@ class HFStages:
         self.built = None
 
     def parameter_names(self, model) -> list:
-        if _hf().model_parts(model).tied:  # the trainer would count and store the tied weight twice
-            raise ValueError(f"model={type(model).__name__}: ties its input and output embeddings; HFStages (the trainer) "
-                             "does not train tied embeddings yet (twinpipe.hf.build does, in a script of your own)")
         return parameter_names(model)
+
+    def tied_copies(self, model) -> tuple:
+        """Tied input/output embeddings: ``(("model.embed_tokens.weight", "lm_head.weight"),)``, the
+        trainer's tied pair (``Trainer.tied``: gradients summed once, the head left out of the norm),
+        else ``()``. The head is the embedding's tensor itself where one rank holds both ends
+        (``twinpipe.hf``'s ``tie="shared"``), its own copy otherwise (``"split"``)."""
+        return (("model.embed_tokens.weight", "lm_head.weight"),) if _hf().model_parts(model).tied else ()
 
     def build(self, model, schedule, pp_rank: int) -> list:
         self.built = _hf().build(model, schedule, schedule.num_ranks, pp_rank, layout=self.layout, balance=self.balance,
@@ -230,7 +235,9 @@ class HFStages:
         return layout.inputs(x, torch.ones_like(x)), layout.labels(y)
 
     def sync_grads(self, pipe) -> None:
-        self.built.sync_grads(pipe)
+        # The mirrored copies only: the tied embedding's sum is the trainer's (tied_copies), not
+        # twinpipe.hf's sync_tied_grads as well (that would add the two gradients twice).
+        pipe.sync_mirrored_grads()
 
 
 class TokenLoss:

@@ -205,6 +205,10 @@ class Trainer:
         if mesh.dp > 1:
             shard_experts(modules, mesh.dp_group)  # expert parallelism over the stage's data-parallel group
         experts = expert_ids(modules)
+        # Parameters holding this data-parallel rank's rows of a model tensor (a transformers model's
+        # fused experts): stored in checkpoints as one tensor sharded over ``row_mesh``.
+        self.row_shards = set(stages.row_shards(modules)) if hasattr(stages, "row_shards") else set()
+        self.row_mesh = mesh.mesh["dp"] if self.row_shards else None
         named = [(s, name, p) for s, m in zip(pipeline_stages, modules) for name, p in m.named_model_parameters()]
         # One tensor may be held under two names (tied embeddings whose ends are on one rank): updated once.
         self.params = list({id(p): p for _, _, p in named}.values())

@@ -218,7 +218,8 @@ class HFStages:
     """``Trainer(stages=...)`` for a ``transformers`` causal LM: ``twinpipe.hf.build`` cuts it (``layout``,
     else ``balance``: ``"params"``, or ``"time"`` measured on ``sample``, a batch of token ids); with
     ``weights`` the folder's tensors of this rank's stages are read into them
-    (``twinpipe.hf.weights.load``: only those tensors)."""
+    (``twinpipe.hf.weights.load``: only those tensors). ``ep_group``: the trainer's data-parallel
+    group (``mesh.dp_group``) to shard the MoE experts over, or None (every expert on every rank)."""
 
     def __init__(self, folder: str, layout: str | None = None, *, balance: str = "params", sample=None, weights: bool = False,
                  ep_group=None):

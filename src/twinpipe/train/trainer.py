@@ -209,6 +209,11 @@ class Trainer:
         # fused experts): stored in checkpoints as one tensor sharded over ``row_mesh``.
         self.row_shards = set(stages.row_shards(modules)) if hasattr(stages, "row_shards") else set()
         self.row_mesh = mesh.mesh["dp"] if self.row_shards else None
+        ep_group = getattr(stages, "ep_group", None)
+        if self.row_shards and ep_group is not None and dist.get_process_group_ranks(ep_group) != dist.get_process_group_ranks(mesh.dp_group):
+            raise bad("stages.ep_group", dist.get_process_group_ranks(ep_group),
+                      f"must be the mesh's data-parallel group {dist.get_process_group_ranks(mesh.dp_group)} (the rows "
+                      "of each expert tensor are stored sharded over it)")
         named = [(s, name, p) for s, m in zip(pipeline_stages, modules) for name, p in m.named_model_parameters()]
         # One tensor may be held under two names (tied embeddings whose ends are on one rank): updated once.
         self.params = list({id(p): p for _, _, p in named}.values())

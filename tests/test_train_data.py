@@ -20,6 +20,7 @@ from twinpipe.train.data import BatchSampler
 from twinpipe.train.tokens import MEGATRON_MAGIC, open_tokens, token_range
 
 TINY_LLAMA = Path(__file__).parent / "data" / "tiny-llama"
+TINY_MOE = Path(__file__).parent / "data" / "tiny-qwen3-moe"  # 2 layers, 4 experts, top-2, no auxiliary loss
 SMALL = ["--layers", "2", "--dim", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "4"]
 
 
@@ -155,6 +156,11 @@ def test_bad_models(tmp_path, capsys):
     gpt2 = _config(tmp_path / "gpt2", "gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=128, bos_token_id=1, eos_token_id=1,
                    tie_word_embeddings=False)
     tied = _config(tmp_path / "tied", "qwen3", **small, tie_word_embeddings=True)
+    moe = json.loads((TINY_MOE / "config.json").read_text())
+    moe3, moe_aux = tmp_path / "moe3", tmp_path / "moe_aux"
+    for folder, change in ((moe3, {"num_local_experts": 3}), (moe_aux, {"output_router_logits": True})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**moe, **change}))
     bare = tmp_path / "bare"  # the tiny Llama without its tokenizer
     bare.mkdir()
     shutil.copy(TINY_LLAMA / "config.json", bare / "config.json")
@@ -169,10 +175,14 @@ def test_bad_models(tmp_path, capsys):
         ("--model", str(tmp_path / "empty")): "--model=.*empty': has no config.json",
         ("--model", t5): "--model=.*t5': transformers builds no causal LM from its config.json \\(model_type='t5'\\)",
         ("--model", gpt2): "--model=.*gpt2': model=GPT2LMHeadModel: has no model; twinpipe.hf runs decoder-only causal LMs",
-        ("--model", tied): "--model=.*tied': ties its input and output embeddings",
+        ("--model", tied, "--zero", "1", "--dp", "2"): "--zero=1: not with --model=.*tied', which ties its input and output embeddings",
         ("--model", llama, "--layout", "E,t*2|t*2,L"): "--layout='E,t\\*2\\|t\\*2,L': must be 1 stage",
         ("--layout", "E,t*2|t*2,L"): "--layout='E,t\\*2\\|t\\*2,L': only with --model",
-        ("--model", llama, "--ep", "2"): "--ep=2: must be 1: expert parallelism for --model's MoE layers is not wired",
+        ("--model", llama, "--ep", "2"): "--ep=2: must be 1 or --dp=1: the experts of each stage spread over its data-parallel",
+        ("--model", llama, "--ep", "2", "--dp", "2"): "--ep=2: --model=.*tiny-llama' has no MoE layers to spread",
+        ("--model", str(TINY_MOE), "--ep", "2", "--dp", "2", "--zero", "1"): "--zero=1: not with --ep=2",
+        ("--model", str(moe3), "--ep", "2", "--dp", "2"): "--ep=2: must divide the 3 experts of --model=",
+        ("--model", str(moe_aux), "--ep", "2", "--dp", "2"): "--ep=2: not with --model=.*router auxiliary loss",
         ("--ep", "2"): "--ep=2: only with --model",
         ("--model", llama, "--dim", "32"): "--dim=32: not with --model",
         ("--model", llama, "--seq-len", "300"): "--seq-len=300: must be at most 256, --model's max_position_embeddings",
@@ -303,5 +313,87 @@ def test_a_model_folder_with_weights_gives_each_rank_its_stages_tensors(tmp_path
                 seen.add(name)
     assert seen == set(state)
     tied = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(TINY_LLAMA), tie_word_embeddings=True))
-    with pytest.raises(ValueError, match="ties its input and output embeddings"):
-        HFStages(str(tmp_path / "model")).parameter_names(tied)
+    assert HFStages(str(tmp_path / "model")).tied_copies(tied) == (("model.embed_tokens.weight", "lm_head.weight"),)
+    assert HFStages(str(tmp_path / "model")).tied_copies(model) == ()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is unavailable:UserWarning")  # reading the checkpoint here
+def test_a_model_with_tied_embeddings_trains_and_resumes(tmp_path):
+    """``tie_word_embeddings``: the first step's loss is the unsplit model's, the embedding and the head
+    are one weight after the steps (in the checkpoint: each name holds it), and the run resumes."""
+    _needs_hf()
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path / "tied"
+    folder.mkdir()
+    config = json.loads((TINY_LLAMA / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    ids = _ids(3000, 128).astype(np.uint16)
+    np.save(tmp_path / "t.npy", ids)
+    shape = ["--seq-len", "8", "--batch-size", "4", "--microbatch-size", "1"]
+    first = _run(["--model", str(folder), "--data", "t.npy", "--pp", "2", "--steps", "2", "--schedule", "1f1b",
+                  "--layout", "E,t*2|t*2,L", *shape], tmp_path)
+    assert first.returncode == 0, first.stderr
+    losses = _losses(tmp_path / "twinpipe-train")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    x, y = BatchSampler(ids, 8, seed=0).batch(0, 4)
+    with torch.no_grad():
+        logits = model(x).logits
+    expected = float(torch.stack([torch.nn.functional.cross_entropy(logits[i], y[i]) for i in range(4)]).mean())
+    assert losses[0] == pytest.approx(expected, rel=1e-5)
+    saved = _load_state_dict_from_keys({"model.model.embed_tokens.weight", "model.lm_head.weight"},
+                                       checkpoint_id=str(tmp_path / "twinpipe-train" / "checkpoint-final"))
+    embed, head = saved["model.model.embed_tokens.weight"], saved["model.lm_head.weight"]
+    assert torch.equal(embed, head) and not torch.equal(embed, model.model.embed_tokens.weight.detach())  # trained, one weight
+    again = _run(["--model", str(folder), "--data", "t.npy", "--pp", "2", "--steps", "3", "--schedule", "dualpipev",
+                  "--layout", "E,t|t|t|t,L", "--resume", "twinpipe-train/checkpoint-final", *shape], tmp_path)
+    assert again.returncode == 0, again.stderr
+    steps = json.loads((tmp_path / "twinpipe-train" / "train-log.json").read_text())["steps"]
+    assert [s["step"] for s in steps] == [2] and math.isfinite(steps[0]["loss"])
+
+
+
+def test_a_moe_model_trains_with_expert_parallelism_and_resumes_at_another_ep(tmp_path):
+    """``--ep 2 --dp 2``: each data-parallel rank holds 2 of the 4 experts of every MoE layer; the first
+    step's loss is the unsplit model's (1e-5 relative: the float32 loss); the checkpoint holds each
+    expert's rows once (one tensor of all rows per layer, a chunk per rank), and a run without expert
+    parallelism on another mesh resumes from it: its steps' losses are the uninterrupted run's."""
+    _needs_hf()
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ids = _ids(3000, 128).astype(np.uint16)
+    np.save(tmp_path / "t.npy", ids)
+    shape = ["--seq-len", "8", "--batch-size", "4", "--microbatch-size", "1"]
+    first = _run(["--model", str(TINY_MOE), "--data", "t.npy", "--dp", "2", "--ep", "2", "--pp", "1", "--steps", "4",
+                  "--save-every", "2", "--schedule", "1f1b", *shape], tmp_path)
+    assert first.returncode == 0, first.stderr
+    losses = _losses(tmp_path / "twinpipe-train")
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(TINY_MOE), local_files_only=True))
+    x, y = BatchSampler(ids, 8, seed=0).batch(0, 4)
+    loss = torch.stack([torch.nn.functional.cross_entropy(row, label) for row, label in zip(model(x).logits, y)]).mean()
+    loss.backward()
+    assert losses[0] == pytest.approx(float(loss.detach()), rel=1e-5)
+    # the gradient norm counts every expert once (each rank's rows: their squares summed over the ranks)
+    norm = float(torch.stack([p.grad.norm() for p in model.parameters()]).norm())
+    log = json.loads((tmp_path / "twinpipe-train" / "train-log.json").read_text())["steps"]
+    assert log[0]["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    saved = tmp_path / "twinpipe-train" / "checkpoint-step2"
+    metadata = FileSystemReader(str(saved)).read_metadata().state_dict_metadata
+    shapes = {name: list(p.shape) for name, p in model.named_parameters()}
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        for key in (f"model.{name}", f"optim.{name}.exp_avg"):
+            chunks = metadata[key].chunks  # each rank its 2 experts, once
+            assert list(metadata[key].size) == shapes[name] and len(chunks) == 2, key
+            assert sorted(c.offsets[0] for c in chunks) == [0, 2] and all(c.sizes[0] == 2 for c in chunks), key
+    again = _run(["--model", str(TINY_MOE), "--data", "t.npy", "--pp", "2", "--steps", "4", "--schedule", "1f1b",
+                  "--resume", "twinpipe-train/checkpoint-step2", "--out", "again", *shape], tmp_path)
+    assert again.returncode == 0, again.stderr
+    steps = json.loads((tmp_path / "again" / "train-log.json").read_text())["steps"]
+    assert [s["step"] for s in steps] == [2, 3]
+    assert [s["loss"] for s in steps] == pytest.approx(losses[2:], rel=1e-5)

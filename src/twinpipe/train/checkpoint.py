@@ -78,6 +78,18 @@ def _param_groups(optimizer) -> list[dict]:
     return [{k: _json_value(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
+def _rows(trainer, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (``p``, its master or a state tensor of its shape) as DCP should store it: where ``p`` holds
+    this data-parallel rank's rows of a model tensor (``Trainer.row_shards``: a transformers model's
+    experts), a DTensor sharded by rows over the data-parallel ranks (one tensor of all rows in the
+    checkpoint, each row written once, readable at any expert-parallel size); else ``t``."""
+    if id(p) not in getattr(trainer, "row_shards", ()) or t.dim() == 0 or t.shape != p.shape:
+        return t
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(t, trainer.row_mesh, [Shard(0)], run_check=False)
+
+
 def _rank_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """The tensors this rank writes, and its optimizer state that is not a tensor (JSON-able values)."""
     tensors: dict[str, torch.Tensor] = {}
@@ -86,10 +98,10 @@ def _rank_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
         if not owned:  # dp replica 0's (ZeRO-1: the owning rank's) first copy writes; a MoE expert the one rank holding it
             continue
         t = trainer.optimized_tensor(p)  # the owner updates it: the FP32 master under mixed precision
-        tensors[f"model.{name}"] = t.detach()
+        tensors[f"model.{name}"] = _rows(trainer, p, t.detach())
         for key, value in trainer.optimizer.state.get(t, {}).items():
             if isinstance(value, torch.Tensor):
-                tensors[f"optim.{name}.{key}"] = value
+                tensors[f"optim.{name}.{key}"] = _rows(trainer, p, value)
             elif isinstance(value, _PLAIN):
                 plain.setdefault(name, {})[str(key)] = value
             else:
@@ -278,13 +290,14 @@ def load_checkpoint(trainer, path: str, *, optimizer_hparams: str = "checkpoint"
             read = torch.empty(target.shape, dtype=stored, device=target.device)
             casts.append((read, target))
             target = read
-        state[f"model.{name}"] = target
+        state[f"model.{name}"] = _rows(trainer, p, target)
         if t is None:
             continue  # no optimizer state here
         prefix = f"optim.{name}."
         for key, meta in info.metadata.state_dict_metadata.items():
             if key.startswith(prefix):
-                state[key] = torch.empty(meta.size, dtype=meta.properties.dtype, device=p.device if meta.size else "cpu")
+                size = p.shape if id(p) in getattr(trainer, "row_shards", ()) and len(meta.size) else meta.size  # rows: this rank's
+                state[key] = _rows(trainer, p, torch.empty(size, dtype=meta.properties.dtype, device=p.device if meta.size else "cpu"))
                 optim_keys.setdefault(id(t), []).append((key, key[len(prefix):]))
     saved_keys = info.metadata.state_dict_metadata
     for name, buffer, _ in getattr(trainer, "held_buffers", ()):
@@ -305,11 +318,16 @@ def load_checkpoint(trainer, path: str, *, optimizer_hparams: str = "checkpoint"
     for name, p, _ in trainer.held:
         t = trainer.optimized_tensor(p)
         if t is not None and (id(t) in optim_keys or name in plain):
-            tensors = {short: _state_dtype(state[key], short, t) for key, short in optim_keys.get(id(t), [])}
+            tensors = {short: _state_dtype(_local(state[key]), short, t) for key, short in optim_keys.get(id(t), [])}
             trainer.optimizer.state[t] = {**tensors, **plain.get(name, {})}
     trainer.loaded_weights()  # the bf16 compute copy from the masters (mixed precision)
     _apply_hparams(trainer.optimizer, info.optimizer.get("param_groups") or [], optimizer_hparams, where)
     return info.step
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a DTensor (``_rows``), else the tensor."""
+    return value.to_local() if hasattr(value, "to_local") else value
 
 
 def _state_dtype(value: torch.Tensor, key: str, param: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group.add_argument("--layout", default=None, metavar="STR",
                        help="with --model: the stages, e.g. 'E,t*3|t*4|t*4|t*3,L' (E embedding, t decoder layer, L norm "
                             "+ head + loss; '|' between stages; default: balanced by parameters)")
-    cli_options.add(parser, "ep", group=group, default=1, more="with --model: not yet supported (only 1)")
+    cli_options.add(parser, "ep", group=group, default=1,
+                    more="with --model (a MoE model): 1, or --dp: each stage's MoE experts spread over its data-parallel ranks")
     return group
 
 
@@ -75,9 +76,12 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
     if given:
         raise ValueError(f"{given[0]}={getattr(args, given[0][2:].replace('-', '_'))}: not with --model (the model's "
                          "config.json sets it; --layout cuts it)")
-    if args.ep != 1:
-        raise ValueError(f"--ep={args.ep}: must be 1: expert parallelism for --model's MoE layers is not wired into "
-                         "twinpipe train yet (their experts are replicated on every data-parallel rank)")
+    if args.ep not in (1, args.dp):
+        raise ValueError(f"--ep={args.ep}: must be 1 or --dp={args.dp}: the experts of each stage spread over its "
+                         "data-parallel ranks (as --experts does for the built-in GPT)")
+    if args.ep > 1 and (args.precision != "pure" or args.zero):
+        flag = f"--precision={args.precision}" if args.precision != "pure" else f"--zero={args.zero}"
+        raise ValueError(f"{flag}: not with --ep={args.ep} (expert parallelism trains with --precision pure and --zero 0)")
     import torch
 
     try:
@@ -99,9 +103,12 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
     except ValueError as error:  # UnsupportedModelError: names what is missing
         why = _first_line(error).split("; pass untested=True")[0]  # the Python API's way out, not the command line's
         raise ValueError(f"--model={args.model!r}: {why}") from None
-    if parts.tied:
-        raise ValueError(f"--model={args.model!r}: ties its input and output embeddings (tie_word_embeddings): "
-                         "twinpipe train does not train tied embeddings yet (twinpipe.hf.build does, in a script of your own)")
+    if parts.tied and (args.precision != "pure" or args.zero):
+        flag = f"--precision={args.precision}" if args.precision != "pure" else f"--zero={args.zero}"
+        raise ValueError(f"{flag}: not with --model={args.model!r}, which ties its input and output embeddings "
+                         "(tie_word_embeddings): tied weights train with --precision pure and --zero 0 only")
+    if args.ep > 1:
+        _check_ep(args, model, parts)
     layers = len(parts.layers)
     if args.layout is not None:
         try:
@@ -121,6 +128,22 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
                          "only: convert them (save_pretrained writes safetensors)")
     tokenizer = _tokenizer(args.model) if need_tokenizer else None
     return ModelInfo(args.model, config, names, sum(_numel(shape) for _, shape in names), weights, tokenizer)
+
+
+def _check_ep(args, model, parts) -> None:
+    """``--ep`` above 1: the model has MoE blocks ``twinpipe.hf.experts`` shards, each with a multiple of
+    ``--ep`` experts, and no router auxiliary loss (its logits cannot cross the layers' parts yet)."""
+    experts = _hf("experts")
+    blocks = [m for m in model.modules() if experts.is_moe_block(m)]
+    if not blocks:
+        raise ValueError(f"--ep={args.ep}: --model={args.model!r} has no MoE layers to spread (only 1 with a dense model)")
+    for block in blocks:
+        count = int(block.experts.gate_up_proj.shape[0])
+        if count % args.ep:
+            raise ValueError(f"--ep={args.ep}: must divide the {count} experts of --model={args.model!r}'s MoE layers")
+    if parts.aux:
+        raise ValueError(f"--ep={args.ep}: not with --model={args.model!r}'s router auxiliary loss (output_router_logits): "
+                         "expert-parallel layers do not carry it through the pipeline yet; set it to false in config.json")
 
 
 def load(args, *, need_tokenizer: bool = False) -> ModelInfo:
@@ -195,21 +218,40 @@ class HFStages:
     """``Trainer(stages=...)`` for a ``transformers`` causal LM: ``twinpipe.hf.build`` cuts it (``layout``,
     else ``balance``: ``"params"``, or ``"time"`` measured on ``sample``, a batch of token ids); with
     ``weights`` the folder's tensors of this rank's stages are read into them
-    (``twinpipe.hf.weights.load``: only those tensors)."""
+    (``twinpipe.hf.weights.load``: only those tensors). ``ep_group``: the trainer's data-parallel
+    group (``mesh.dp_group``) to shard the MoE experts over, or None (every expert on every rank)."""
 
-    def __init__(self, folder: str, layout: str | None = None, *, balance: str = "params", sample=None, weights: bool = False):
+    def __init__(self, folder: str, layout: str | None = None, *, balance: str = "params", sample=None, weights: bool = False,
+                 ep_group=None):
         self.folder, self.layout, self.balance, self.sample, self.weights = folder, layout, balance, sample, weights
+        self.ep_group = ep_group  # with it, MoE experts sharded over it (twinpipe.hf.experts; the trainer's dp group)
         self.built = None
 
     def parameter_names(self, model) -> list:
-        if _hf().model_parts(model).tied:  # the trainer would count and store the tied weight twice
-            raise ValueError(f"model={type(model).__name__}: ties its input and output embeddings; HFStages (the trainer) "
-                             "does not train tied embeddings yet (twinpipe.hf.build does, in a script of your own)")
         return parameter_names(model)
 
+    def row_shards(self, modules) -> set:
+        """``id()`` of the parameters sharded by rows over ``ep_group`` (the experts' fused tensors, rows
+        ``rank * E/ep ..``): checkpoints store each as one tensor of all rows, each row written once."""
+        if self.ep_group is None:
+            return set()
+        return {id(block.experts.get_parameter(n)) for m in modules for block in m.modules()
+                if isinstance(block, _hf("experts").EPMoE) for n in _hf("experts").FUSED}
+
+    def tied_copies(self, model) -> tuple:
+        """Tied input/output embeddings: ``(("model.embed_tokens.weight", "lm_head.weight"),)``, the
+        trainer's tied pair (``Trainer.tied``: gradients summed once, the head left out of the norm),
+        else ``()``. The head is the embedding's tensor itself where one rank holds both ends
+        (``twinpipe.hf``'s ``tie="shared"``), its own copy otherwise (``"split"``)."""
+        return (("model.embed_tokens.weight", "lm_head.weight"),) if _hf().model_parts(model).tied else ()
+
     def build(self, model, schedule, pp_rank: int) -> list:
+        wrap = None
+        if self.ep_group is not None:  # each rank keeps its rows of the fused experts; layers declare parts
+            _hf("experts").shard_experts_(model, self.ep_group)
+            wrap = _hf("moe_layer").wrap_layer
         self.built = _hf().build(model, schedule, schedule.num_ranks, pp_rank, layout=self.layout, balance=self.balance,
-                                 sample=self.sample if self.balance == "time" else None)
+                                 sample=self.sample if self.balance == "time" else None, wrap_layer=wrap)
         if self.weights:
             self._load(self.built.modules)
         return self.built.modules
@@ -221,8 +263,9 @@ class HFStages:
         tensors = _hf("weights").load(self.folder, names)
         with torch.no_grad():
             for m in modules:  # a second copy of a stage on this rank (DualPipe) gets the same tensors
-                for name, p in m.named_model_parameters():
-                    p.copy_(tensors[name])
+                rows = {id(m.get_parameter(local)): place.rows for local, place in _hf("experts").expert_places(m).items()}
+                for name, p in m.named_model_parameters():  # sharded experts: this rank's rows
+                    p.copy_(tensors[name][list(rows[id(p)])] if id(p) in rows else tensors[name])
 
     def batch(self, layout, x, y) -> tuple:
         import torch
@@ -230,7 +273,9 @@ class HFStages:
         return layout.inputs(x, torch.ones_like(x)), layout.labels(y)
 
     def sync_grads(self, pipe) -> None:
-        self.built.sync_grads(pipe)
+        # The mirrored copies only: the tied embedding's sum is the trainer's (tied_copies), not
+        # twinpipe.hf's sync_tied_grads as well (that would add the two gradients twice).
+        pipe.sync_mirrored_grads()
 
 
 class TokenLoss:

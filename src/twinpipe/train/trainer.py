@@ -162,7 +162,9 @@ class Trainer:
     ``named_model_parameters()``, weight gradients deferred), ``batch(layout, x, y)`` (the
     ``(inputs, labels)`` of ``Pipeline.step`` from this replica's rows and the rank's ``batch_layout``)
     and ``sync_grads(pipe)`` (after the pipeline step: every copy of a parameter gets the same sum,
-    mirrored copies and tied weights alike).
+    mirrored copies alike), and optionally ``tied_copies(model)``: ``(main name, copy name)`` pairs of
+    tied weights (instead of the model's ``tied_copies``), summed by the trainer after the
+    data-parallel reduction and counted once in the norm; a rank may hold both names as one tensor.
     """
 
     def __init__(self, model_fn: Callable[[], nn.Module], sampler: BatchSampler, criterion, optimizer_fn,
@@ -203,10 +205,25 @@ class Trainer:
         if mesh.dp > 1:
             shard_experts(modules, mesh.dp_group)  # expert parallelism over the stage's data-parallel group
         experts = expert_ids(modules)
+        # Parameters holding this data-parallel rank's rows of a model tensor (a transformers model's
+        # fused experts): stored in checkpoints as one tensor sharded over ``row_mesh``.
+        self.row_shards = set(stages.row_shards(modules)) if hasattr(stages, "row_shards") else set()
+        self.row_mesh = mesh.mesh["dp"] if self.row_shards else None
+        ep_group = getattr(stages, "ep_group", None)
+        if self.row_shards and ep_group is not None and dist.get_process_group_ranks(ep_group) != dist.get_process_group_ranks(mesh.dp_group):
+            raise bad("stages.ep_group", dist.get_process_group_ranks(ep_group),
+                      f"must be the mesh's data-parallel group {dist.get_process_group_ranks(mesh.dp_group)} (the rows "
+                      "of each expert tensor are stored sharded over it)")
         named = [(s, name, p) for s, m in zip(pipeline_stages, modules) for name, p in m.named_model_parameters()]
-        self.params = [p for _, _, p in named]
-        # Tied copies (an MTP head's embedding copy): kept equal to their main parameter, not in the norm.
-        self.tied = tuple(getattr(model, "tied_copies", ()))
+        # One tensor may be held under two names (tied embeddings whose ends are on one rank): updated once.
+        self.params = list({id(p): p for _, _, p in named}.values())
+        shared = len(self.params) < len(named)
+        # Tied copies (an MTP head's embedding copy, a transformers model's tied head): kept equal to
+        # their main parameter, not in the norm.
+        self.tied = tuple(stages.tied_copies(model) if hasattr(stages, "tied_copies") else getattr(model, "tied_copies", ()))
+        if self.tied and (self.mixed or config.zero):
+            flag, value, allowed = ("precision", config.precision, "'pure'") if self.mixed else ("zero", config.zero, "0")
+            raise bad(flag, value, f"must be {allowed} for a model with tied weights ({self.tied[0][0]} and {self.tied[0][1]})")
         self._tied_dtypes = {main: p.dtype for main, p in model.named_parameters() if main in dict(self.tied)}
         copies = {copy for _, copy in self.tied}
         self._criterion = self._mtp_criterion(model, modules)
@@ -221,7 +238,8 @@ class Trainer:
         if config.bias_update_speed and not self._router_slices[1]:
             raise bad("bias_update_speed", config.bias_update_speed, "must be 0 for a model without MoE routers (nothing to balance)")
         # Overlapped: one part per stage, started by the pipeline's on_grads_ready; else one part of all.
-        self.overlap_dp = config.overlap_dp and not self.is_dual
+        # A tensor held by two stages (shared tied weight) is final only when both are: not per stage.
+        self.overlap_dp = config.overlap_dp and not self.is_dual and not shared
         if self.overlap_dp:
             dense = set(map(id, self._dense))
             parts = [[p for _, p in m.named_model_parameters() if id(p) in dense] for m in modules]
@@ -318,10 +336,12 @@ class Trainer:
         for main, copy in self.tied:
             shape = next(s for n, s in self.parameter_names if n == main)
             both = torch.zeros(2, *shape, dtype=self._tied_dtypes[main], device=device)
+            added = set()  # one tensor held under both names (shared) already holds both gradients: added once
             for slot, name in enumerate((main, copy)):
                 for p, first in held.get(name, ()):
-                    if first and p.grad is not None:
+                    if first and p.grad is not None and id(p) not in added:
                         both[slot] += p.grad
+                        added.add(id(p))
             sum_across(both, self.mesh.pp_group, self.timeout, self._where(f"step {step}: summing {main} and its copy {copy}"))
             total = both[0] + both[1]
             for name in (main, copy):

@@ -1,0 +1,117 @@
+"""``Trainer(stages=HFStages(...))`` on 2 ranks: a ``transformers`` causal LM with tied input/output
+embeddings trains as the unsplit model does, under a V schedule (one rank holds both ends: one
+tensor, ``tie="shared"``) and 1F1B (the ends on two ranks: the head has its own copy, ``"split"``).
+One world for the module; each case's outcome comes back as data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.distributed import run_world  # noqa: E402
+
+TINY_LLAMA = Path(__file__).parent / "data" / "tiny-llama"
+TIED_SCHEDULES = ("dualpipev", "1f1b")
+LAYOUTS = {"dualpipev": "E,t|t|t|t,L", "1f1b": "E,t*2|t*2,L"}
+STEPS, BATCH, MICRO, SEQ = 3, 4, 1, 8
+
+
+def _tied_model():
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(TINY_LLAMA), local_files_only=True, tie_word_embeddings=True)
+    return AutoModelForCausalLM.from_config(config).to(torch.float64)
+
+
+def _sampler():
+    import torch
+
+    from twinpipe.train.data import BatchSampler
+
+    corpus = torch.randint(0, 128, (3000,), generator=torch.Generator().manual_seed(3))
+    return BatchSampler(corpus, SEQ, seed=0)
+
+
+def _reference() -> tuple[list[float], list[float], dict]:
+    """The unsplit model, SGD on the whole batch's mean cross entropy (the micro-batches are equal):
+    losses, gradient norms (the tied weight once) and the final weights."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = _tied_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    sampler, losses, norms = _sampler(), [], []
+    for step in range(STEPS):
+        x, y = sampler.batch(step, BATCH)
+        logits = model(x).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        norms.append(float(torch.stack([p.grad.norm() for p in model.parameters()]).norm()))
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _trained(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from twinpipe.train.cli_model import HFStages, TokenLoss
+    from twinpipe.train.mesh import build_mesh
+    from twinpipe.train.trainer import TrainConfig, Trainer
+
+    out = {}
+    for schedule in TIED_SCHEDULES:
+        mesh = build_mesh(1, 2)
+        config = TrainConfig(schedule=schedule, batch_size=BATCH, microbatch_size=MICRO, seed=0, max_norm=1e9)
+        trainer = Trainer(_tied_model, _sampler(), TokenLoss(), lambda ps: torch.optim.SGD(ps, lr=0.5), mesh, config,
+                          dtype=torch.float64, stages=HFStages(str(TINY_LLAMA), LAYOUTS[schedule]))
+        results = [trainer.step(step) for step in range(STEPS)]
+        held = {}
+        for name, p, _ in trainer.held:
+            held.setdefault(name, p.detach().clone())
+        mine = [held, trainer.stages.built.tie, len(trainer.params), len(trainer.held)]
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine)
+        trainer.pipe.close()
+        if rank == 0:
+            out[schedule] = {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+                             "ranks": everyone}
+    return out
+
+
+@pytest.fixture(scope="module")
+def tied_world():
+    return run_world(2, _trained, timeout=300)[0], _reference()
+
+
+@pytest.mark.parametrize("schedule", TIED_SCHEDULES)
+def test_tied_embeddings_train_as_the_unsplit_model(tied_world, schedule):
+    import torch
+
+    got, (losses, norms, weights) = tied_world
+    run = got[schedule]
+    # TokenLoss's cross entropy is float32 (the model float64): agreement to float32's precision
+    assert run["losses"] == pytest.approx(losses, rel=1e-6, abs=0)
+    assert run["norms"] == pytest.approx(norms, rel=1e-6, abs=0)  # the tied weight counted once
+    ranks = run["ranks"]
+    tie = {r[1] for r in ranks}
+    assert tie == {"shared" if schedule == "dualpipev" else "split"}
+    merged = {}
+    for held, *_ in ranks:
+        for name, value in held.items():
+            merged.setdefault(name, []).append(value)
+    embed, head = merged["model.embed_tokens.weight"], merged["lm_head.weight"]
+    assert all(torch.equal(embed[0], t) for t in embed + head)  # the two ends are one weight, bitwise
+    for name, values in merged.items():
+        want = weights["model.embed_tokens.weight" if name == "lm_head.weight" else name]
+        assert torch.allclose(values[0], want, rtol=0, atol=1e-6), name
+    if schedule == "dualpipev":  # rank 0 holds one tensor under two names, updated once
+        params, held = ranks[0][2], ranks[0][3]
+        assert params == held - 1

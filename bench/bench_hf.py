@@ -24,10 +24,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
+
+# the one block timer (bench/ is on sys.path when a bench script runs)
+from bench_vs_torch import alternating_blocks
 
 from twinpipe.launch import run_local
 
@@ -103,20 +105,13 @@ def _ep_worker(rank, world, arch, blocks, hidden, seq, rows, experts):
 
     for overlap in (False, True):  # warm-up
         step(overlap)
-    times, shares = {"on": [], "off": []}, {"on": [0.0, 0.0], "off": [0.0, 0.0]}
-    for i in range(blocks):
-        for label in (("on", "off") if i % 2 else ("off", "on")):
-            dist.barrier()
-            start = time.perf_counter()
-            ops = []
-            for _ in range(BLOCK):
-                ops += step(label == "on")
-            dist.barrier()
-            times[label].append((time.perf_counter() - start) / BLOCK)
-            for events in ops:
-                in_flight, hid = comm_hidden(events)
-                shares[label][0] += in_flight
-                shares[label][1] += hid
+    times, outputs = alternating_blocks({"off": lambda: step(False), "on": lambda: step(True)}, blocks, BLOCK)
+    shares = {"on": [0.0, 0.0], "off": [0.0, 0.0]}
+    for label, steps in outputs.items():
+        for events in (e for ops in steps for e in ops):
+            in_flight, hid = comm_hidden(events)
+            shares[label][0] += in_flight
+            shares[label][1] += hid
     pipe.close()
     return times, shares
 
@@ -188,16 +183,7 @@ def _vs_torch_case(name, rank, blocks, hidden, seq, rows, layers):
     mine, torchs = step_ours(), step_theirs()  # warm-up, and the check that both compute the same
     diff = float((mine.detach().reshape(-1) - torch.stack(torchs).detach().reshape(-1)).abs().max()) if last else None
     step_ours(), step_theirs()
-    times = {"twinpipe": [], "torch": []}
-    for i in range(blocks):
-        order = (("torch", step_theirs), ("twinpipe", step_ours)) if i % 2 else (("twinpipe", step_ours), ("torch", step_theirs))
-        for label, fn in order:
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(BLOCK):
-                fn()
-            dist.barrier()
-            times[label].append((time.perf_counter() - start) / BLOCK)
+    times, _ = alternating_blocks({"twinpipe": step_ours, "torch": step_theirs}, blocks, BLOCK)
     ours.close()
     return times, ours_stages.layout, diff
 

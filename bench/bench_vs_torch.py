@@ -28,6 +28,23 @@ from twinpipe.launch import run_local
 RANKS = 2
 MICROBATCHES = 8
 BLOCK = 3  # steps per timed block
+
+
+def alternating_blocks(runs: dict, blocks: int, block: int) -> tuple[dict, dict]:
+    """Time ``blocks`` blocks of ``block`` back-to-back calls of each of the two ``runs`` ({label: fn}),
+    the two alternating which goes first block by block, all ranks starting each block together.
+    Returns ({label: seconds per call, one per block}, {label: every call's return value})."""
+    (a, fa), (b, fb) = runs.items()
+    times, outputs = {a: [], b: []}, {a: [], b: []}
+    for i in range(blocks):
+        for label, fn in (((b, fb), (a, fa)) if i % 2 else ((a, fa), (b, fb))):
+            dist.barrier()
+            start = time.perf_counter()
+            out = [fn() for _ in range(block)]
+            dist.barrier()
+            times[label].append((time.perf_counter() - start) / block)
+            outputs[label] += out
+    return times, outputs
 # twinpipe's name -> (torch.distributed.pipelining class name, whether twinpipe defers W for it)
 SCHEDULES = {
     "gpipe": ("ScheduleGPipe", False),
@@ -97,16 +114,7 @@ def _worker(rank, world, name, hidden, rows, steps, transport):
     # alternating block by block; a block's time / its steps is one sample.
     for fn in (step_ours, step_theirs) * 2:  # warm-up: metadata discovery, allocator, first P2P
         fn()
-    times = {"twinpipe": [], "torch": []}
-    for i in range(steps):
-        order = (("torch", step_theirs), ("twinpipe", step_ours)) if i % 2 else (("twinpipe", step_ours), ("torch", step_theirs))
-        for label, fn in order:
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(BLOCK):
-                fn()
-            dist.barrier()
-            times[label].append((time.perf_counter() - start) / BLOCK)
+    times, _ = alternating_blocks({"twinpipe": step_ours, "torch": step_theirs}, steps, BLOCK)
     getattr(ours, "close", lambda: None)()  # (older twinpipe: no close)
     return times
 

@@ -41,3 +41,18 @@ def run_cases(rank: int, world_size: int, cases: dict) -> dict:
                 results[name] = f"{type(exc).__name__}: {exc}"
         dist.barrier()
     return results
+
+
+def run_named(named) -> dict:
+    """Run ``(name, fn)`` pairs in order on this rank, a barrier after each: ``{name: fn()}``, an
+    exception becoming ``[its text]`` (a list of problems), so one broken case fails its own test."""
+    import torch.distributed as dist
+
+    results = {}
+    for name, fn in named:
+        try:
+            results[name] = fn()
+        except Exception as exc:
+            results[name] = [f"{type(exc).__name__}: {exc}"]
+        dist.barrier()
+    return results

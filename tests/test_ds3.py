@@ -17,7 +17,7 @@ import pytest
 
 import exactness
 import models
-from distributed import run_world
+from distributed import run_named, run_world
 from train_setup import gather_state, reference_state, state_differences
 
 WORLD = 4
@@ -314,12 +314,7 @@ def _world(rank: int, world: int, root: str) -> dict:
         named.append(("hf_bias", lambda: _hf_bias(rank, two) if rank < 2 else []))
     except ImportError:
         pass
-    for name, fn in named:
-        try:
-            results[name] = fn()
-        except Exception as exc:
-            results[name] = [f"{type(exc).__name__}: {exc}"]
-        dist.barrier()
+    results.update(run_named(named))
     return results
 
 

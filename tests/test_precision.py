@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from distributed import run_world
+from distributed import run_named, run_world
 from train_setup import gather_state, reference_state, state_differences, tiny_setup
 from twinpipe.runtime.weight_grad import DeferredLinear, GradStore
 from twinpipe.train import precision
@@ -142,16 +142,9 @@ def _small_updates(rank: int) -> dict:
 
 
 def _world(rank: int, world: int) -> dict:
-    import torch.distributed as dist
-
     results = {}
     cases = [(f"{s}-pp{pp}-dp{dp}-{o}", lambda a=(s, pp, dp, o, n): _against_reference(rank, *a)) for s, pp, dp, o, n in CASES]
-    for name, fn in cases + [("small_updates", lambda: _small_updates(rank))]:
-        try:
-            results[name] = fn()
-        except Exception as exc:
-            results[name] = [f"{type(exc).__name__}: {exc}"]
-        dist.barrier()
+    results.update(run_named(cases + [("small_updates", lambda: _small_updates(rank))]))
     return results
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_world
+from distributed import run_named, run_world
 from train_setup import Case, tiny_setup
 from twinpipe.schedule import registry
 
@@ -134,15 +134,8 @@ def _mirror_check(rank: int) -> list[str]:
 
 
 def _world(rank: int, world: int) -> dict:
-    import torch.distributed as dist
-
     results = {}
-    for name, fn in [(case.id, lambda case=case: _run_case(rank, case)) for case in CASES] + [("mirror_check", lambda: _mirror_check(rank))]:
-        try:
-            results[name] = fn()
-        except Exception as exc:
-            results[name] = [f"{type(exc).__name__}: {exc}"]
-        dist.barrier()
+    results.update(run_named([(case.id, lambda case=case: _run_case(rank, case)) for case in CASES] + [("mirror_check", lambda: _mirror_check(rank))]))
     return results
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_world
+from distributed import run_named, run_world
 from train_setup import Case, gather_state, reference_state, state_differences, tiny_setup
 
 WORLD = 4
@@ -202,17 +202,10 @@ def _bad_input(rank: int, root: str) -> list[str]:
 
 
 def _world(rank: int, world: int, root: str) -> dict:
-    import torch.distributed as dist
-
     results = {}
     named = [(case.id, lambda case=case: _run_case(rank, case)) for case in CASES]
     named += [("checkpoints", lambda: _checkpoints(rank, root)), ("bad_input", lambda: _bad_input(rank, root))]
-    for name, fn in named:
-        try:
-            results[name] = fn()
-        except Exception as exc:
-            results[name] = [f"{type(exc).__name__}: {exc}"]
-        dist.barrier()
+    results.update(run_named(named))
     return results
 
 

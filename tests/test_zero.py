@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_world
+from distributed import run_named, run_world
 from train_setup import gather_state, reference_state, state_differences, tiny_setup
 
 WORLD = 4
@@ -183,18 +183,11 @@ def _disagreeing(rank: int, field: str) -> str:
 
 
 def _world(rank: int, world: int, root: str) -> dict:
-    import torch.distributed as dist
-
     results = {}
     cases = [(name, lambda a=args: _against_reference(rank, *a)) for name, args in CASES.items()]
     cases += [("checkpoints", lambda: _checkpoints(rank, root))]
     cases += [(f"agree-{f}", lambda f=f: _disagreeing(rank, f)) for f in ("zero", "precision")]
-    for name, fn in cases:
-        try:
-            results[name] = fn()
-        except Exception as exc:
-            results[name] = [f"{type(exc).__name__}: {exc}"]
-        dist.barrier()
+    results.update(run_named(cases))
     return results
 
 

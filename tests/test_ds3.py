@@ -555,7 +555,7 @@ def test_train_config_refuses_bad_ds3_options(kwargs, named):
 def test_cli_refuses_bad_ds3_options_before_any_process_starts(argv, message, capsys):
     import argparse
 
-    from twinpipe.train.cli import add_train_parser, run_train
+    from twinpipe.train_command.cli import add_train_parser, run_train
 
     args = add_train_parser(argparse.ArgumentParser().add_subparsers()).parse_args(argv)
     assert run_train(args) == 2

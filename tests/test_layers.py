@@ -36,6 +36,7 @@ LAYERS = [
     ("train", "the trainer and its model description (GPTConfig)"),
     ("hf", "Hugging Face transformers causal LMs: stages for any schedule, expert parallelism, checkpoint weights (uses train; transformers imported lazily)"),
     ("plan", "the planner (pure Python; reads a GPTConfig without importing it)"),
+    ("train_command", "the twinpipe train command: its options, --model and --data checked before any rank starts (uses train and hf)"),
     ("__init__", "the public face: import twinpipe"),
     ("demo", "the demos twinpipe demo runs"),
     ("cli", "the twinpipe command"),
@@ -47,6 +48,8 @@ VERSION = "__version__"  # twinpipe.__version__: package metadata, readable from
 
 def _node(path: Path) -> str:
     rel = path.relative_to(SRC).parts
+    if rel[-1] == "__main__.py":  # ``python -m twinpipe.<package>``: an entry point, at the top like ``python -m twinpipe``
+        return "__main__"
     return rel[0][:-3] if len(rel) == 1 else rel[0]
 
 
@@ -85,6 +88,13 @@ def _targets(path: Path, tree: ast.AST, names: set[str]) -> list[tuple[str, int]
                 continue
             for alias in n.names:  # from twinpipe import X: a submodule, the version, or the facade
                 found.append((alias.name if alias.name in names else VERSION if alias.name == VERSION else "__init__", n.lineno))
+    if any(isinstance(n, ast.Attribute) and n.attr == "import_module" for n in ast.walk(tree)):
+        # A module imported by name (importlib.import_module): every "twinpipe.<package>" string it spells counts.
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str):
+                parts = n.value.split(".")
+                if parts[0] == "twinpipe" and len(parts) > 1 and parts[1] in names:
+                    found.append((parts[1], n.lineno))
     return found
 
 

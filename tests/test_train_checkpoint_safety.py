@@ -505,7 +505,7 @@ TINY = ["--layers", "2", "--dim", "16", "--heads", "2", "--seq-len", "16", "--ba
 
 
 def _run_train(*argv) -> int:
-    from twinpipe.train.cli import add_train_parser, run_train
+    from twinpipe.train_command.cli import add_train_parser, run_train
 
     parser = argparse.ArgumentParser()
     return run_train(add_train_parser(parser.add_subparsers()).parse_args(list(argv)))

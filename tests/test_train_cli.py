@@ -13,8 +13,8 @@ import torch
 
 from twinpipe.checks import DEFAULT_TIMEOUT
 from twinpipe.launch import free_port
-from twinpipe.train import cli
-from twinpipe.train.cli import add_train_parser, run_train
+from twinpipe.train_command import cli
+from twinpipe.train_command.cli import add_train_parser, run_train
 from typed import run_typed
 
 TINY = ["--layers", "2", "--dim", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--microbatch-size", "2",

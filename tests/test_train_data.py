@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from twinpipe.train.cli import main as train_main
+from twinpipe.train_command.cli import main as train_main
 from twinpipe.train.data import BatchSampler
 from twinpipe.train.tokens import MEGATRON_MAGIC, open_tokens, token_range
 
@@ -231,7 +231,7 @@ def test_text_is_tokenized_with_the_model_folders_tokenizer(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from twinpipe.train.cli_data import load_tokenizer, tokens
+    from twinpipe.train_command.data import load_tokenizer, tokens
 
     (tmp_path / "b.txt").write_text("def f(x):\n    return x\n")
     (tmp_path / "a.txt").write_text("hello")
@@ -293,7 +293,7 @@ def test_a_model_folder_with_weights_gives_each_rank_its_stages_tensors(tmp_path
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from twinpipe.schedule import resolve
-    from twinpipe.train.cli_model import HFStages
+    from twinpipe.hf import HFStages
 
     config = AutoConfig.from_pretrained(str(TINY_LLAMA), local_files_only=True)
     torch.manual_seed(1)

@@ -62,7 +62,7 @@ def _trained(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from twinpipe.train.cli_model import HFStages, TokenLoss
+    from twinpipe.hf import HFStages, TokenLoss
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.trainer import TrainConfig, Trainer
 

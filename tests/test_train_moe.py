@@ -268,7 +268,7 @@ def test_moe_gpt_splits_into_parted_stages_that_run_it_bitwise():
 def _cli_args(*argv):
     import argparse
 
-    from twinpipe.train.cli import add_train_parser
+    from twinpipe.train_command.cli import add_train_parser
 
     return add_train_parser(argparse.ArgumentParser().add_subparsers()).parse_args(list(argv))
 
@@ -280,7 +280,7 @@ def _cli_args(*argv):
     (["--experts", "4", "--top-k", "0"], "--top-k=0: must be in 1..--experts (4)"),
 ])
 def test_cli_refuses_bad_experts_before_any_process_starts(argv, message, capsys):
-    from twinpipe.train.cli import run_train
+    from twinpipe.train_command.cli import run_train
 
     assert run_train(_cli_args(*argv)) == 2
     err = capsys.readouterr().err
@@ -290,7 +290,7 @@ def test_cli_refuses_bad_experts_before_any_process_starts(argv, message, capsys
 def test_cli_trains_a_moe_model(tmp_path, capfd):
     import json
 
-    from twinpipe.train.cli import run_train
+    from twinpipe.train_command.cli import run_train
 
     argv = ["--layers", "1", "--dim", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--microbatch-size", "1",
             "--corpus-bytes", "20000", "--schedule", "1f1b", "--pp", "1", "--dp", "2", "--experts", "4", "--top-k", "2",

@@ -19,7 +19,7 @@ _COMMANDS = {
     "simulate": ("twinpipe.sim.cli", "add_simulate_parser", "run_simulate", "simulate a schedule: bubble, per-rank idle time, peak activation memory"),
     "draw": ("twinpipe.viz.cli", "add_draw_parser", "run_draw", "draw a simulated schedule (or several, stacked) as PNG/SVG/PDF"),
     "eplb": ("twinpipe.eplb.cli", "add_eplb_parser", "run_eplb", "balance MoE expert replicas across GPUs (DeepSeek EPLB)"),
-    "train": ("twinpipe.train.cli", "add_train_parser", "run_train", "train a small byte-level GPT on a pipeline (any schedule) with data parallelism"),
+    "train": ("twinpipe.train_command.cli", "add_train_parser", "run_train", "train a small byte-level GPT on a pipeline (any schedule) with data parallelism"),
     "plan": ("twinpipe.plan.cli", "add_plan_parser", "run_plan", "rank every schedule and pipeline size for a model on a cluster (or a traced run)"),
     "export": ("twinpipe.cli", "add_export_parser", "run_export", "write a schedule in another tool's format (torch.distributed.pipelining CSV)"),
 }

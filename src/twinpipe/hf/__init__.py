@@ -10,9 +10,10 @@ from twinpipe.hf.layer import Context, DecoderLayer
 from twinpipe.hf.layout import balanced_layout, format_layout, parse_layout
 from twinpipe.hf.stages import CausalLMLoss, HFPartedStage, HFPipelineStages, HFStage, build, count_items
 from twinpipe.hf.support import TESTED, UnsupportedModelError, model_parts
+from twinpipe.hf.training import HFStages, TokenLoss, parameter_names
 
 __all__ = [
     "build", "HFPipelineStages", "HFStage", "HFPartedStage", "CausalLMLoss", "count_items",
     "Context", "DecoderLayer", "parse_layout", "format_layout", "balanced_layout",
-    "TESTED", "UnsupportedModelError", "model_parts",
+    "TESTED", "UnsupportedModelError", "model_parts", "HFStages", "TokenLoss", "parameter_names",
 ]

@@ -2,7 +2,7 @@
 
 import sys
 
-from twinpipe.train.cli import main
+from twinpipe.train_command.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,5 @@
-"""``twinpipe train``: a byte-level GPT trained on Python's standard library, on a (dp, pp) mesh.
+"""``twinpipe train``: a byte-level GPT trained on Python's standard library (or ``--model DIR`` on
+``--data FILE``), on a (dp, pp) mesh.
 
     twinpipe train                                  # 4 CPU processes, DualPipeV, PP=4
     twinpipe train --schedule dualpipe --pp 2 --dp 2 --steps 100
@@ -22,8 +23,8 @@ import time
 from pathlib import Path
 
 import twinpipe.cli_options as cli_options
-import twinpipe.train.cli_data as cli_data
-import twinpipe.train.cli_model as cli_model
+import twinpipe.train_command.data as cli_data
+import twinpipe.train_command.model as cli_model
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_float, check_int, checked_timeout
 from twinpipe.folders import writable_folder
 from twinpipe.train.fits import check_fits
@@ -351,10 +352,12 @@ def _train(args, device) -> None:
     if hf is None:
         trainer = Trainer(lambda: GPT(cfg), sampler, lm_loss, optimizer_fn, mesh, config, device=device, dtype=dtype)
     else:
-        stages = cli_model.HFStages(args.model, args.layout, balance=args.balance, weights=hf.weights,
-                                    sample=sampler.batch(0, args.microbatch_size)[0].to(device),
-                                    ep_group=mesh.dp_group if args.ep > 1 else None)
-        trainer = Trainer(lambda: cli_model.build_model(hf), sampler, cli_model.TokenLoss(hf.aux), optimizer_fn, mesh, config,
+        from twinpipe.hf.training import HFStages, TokenLoss
+
+        stages = HFStages(args.model, args.layout, balance=args.balance, weights=hf.weights,
+                          sample=sampler.batch(0, args.microbatch_size)[0].to(device),
+                          ep_group=mesh.dp_group if args.ep > 1 else None)
+        trainer = Trainer(lambda: cli_model.build_model(hf), sampler, TokenLoss(hf.aux), optimizer_fn, mesh, config,
                           device=device, dtype=dtype, stages=stages)
     start = load_checkpoint(trainer, args.resume, optimizer_hparams=args.optimizer_hparams) if args.resume else 0
     out = Path(args.out)

@@ -1,0 +1,106 @@
+"""``twinpipe.hf`` for ``twinpipe.train.Trainer``: ``HFStages`` (its ``stages=``: a ``transformers`` causal
+LM cut by ``build``, weights read per stage, MoE experts sharded over the data-parallel group) and
+``TokenLoss`` (its criterion). ``twinpipe train --model DIR`` trains with these two."""
+
+from __future__ import annotations
+
+from twinpipe.hf.experts import FUSED, EPMoE, expert_places, shard_experts_
+from twinpipe.hf.moe_layer import wrap_layer
+from twinpipe.hf.stages import HFStage, build
+from twinpipe.hf.support import model_parts
+from twinpipe.hf.weights import load
+
+__all__ = ["HFStages", "TokenLoss", "parameter_names"]
+
+
+def parameter_names(model) -> list:
+    """``(name, shape)`` of every parameter of the unsplit causal LM, in stage order (``twinpipe.hf``'s names)."""
+    parts = model_parts(model)
+    whole = HFStage(parts, ["E"] + ["t"] * len(parts.layers) + ["L"], 0)
+    return [(name, tuple(p.shape)) for name, p in whole.named_model_parameters()]
+
+
+class HFStages:
+    """``Trainer(stages=...)`` for a ``transformers`` causal LM: ``twinpipe.hf.build`` cuts it (``layout``,
+    else ``balance``: ``"params"``, or ``"time"`` measured on ``sample``, a batch of token ids); with
+    ``weights`` the folder's tensors of this rank's stages are read into them
+    (``twinpipe.hf.weights.load``: only those tensors). ``ep_group``: the trainer's data-parallel
+    group (``mesh.dp_group``) to shard the MoE experts over, or None (every expert on every rank)."""
+
+    def __init__(self, folder: str, layout: str | None = None, *, balance: str = "params", sample=None, weights: bool = False,
+                 ep_group=None):
+        self.folder, self.layout, self.balance, self.sample, self.weights = folder, layout, balance, sample, weights
+        self.ep_group = ep_group  # with it, MoE experts sharded over it (twinpipe.hf.experts; the trainer's dp group)
+        self.built = None
+
+    def parameter_names(self, model) -> list:
+        return parameter_names(model)
+
+    def row_shards(self, modules) -> set:
+        """``id()`` of the parameters sharded by rows over ``ep_group`` (the experts' fused tensors, rows
+        ``rank * E/ep ..``): checkpoints store each as one tensor of all rows, each row written once."""
+        if self.ep_group is None:
+            return set()
+        return {id(block.experts.get_parameter(n)) for m in modules for block in m.modules()
+                if isinstance(block, EPMoE) for n in FUSED}
+
+    def tied_copies(self, model) -> tuple:
+        """Tied input/output embeddings: ``(("model.embed_tokens.weight", "lm_head.weight"),)``, the
+        trainer's tied pair (``Trainer.tied``: gradients summed once, the head left out of the norm),
+        else ``()``. The head is the embedding's tensor itself where one rank holds both ends
+        (``twinpipe.hf``'s ``tie="shared"``), its own copy otherwise (``"split"``)."""
+        return (("model.embed_tokens.weight", "lm_head.weight"),) if model_parts(model).tied else ()
+
+    def build(self, model, schedule, pp_rank: int) -> list:
+        wrap = None
+        if self.ep_group is not None:  # each rank keeps its rows of the fused experts; layers declare parts
+            shard_experts_(model, self.ep_group)
+            wrap = wrap_layer
+        self.built = build(model, schedule, schedule.num_ranks, pp_rank, layout=self.layout, balance=self.balance,
+                                 sample=self.sample if self.balance == "time" else None, wrap_layer=wrap)
+        if self.weights:
+            self._load(self.built.modules)
+        return self.built.modules
+
+    def _load(self, modules) -> None:
+        import torch
+
+        names = sorted({name for m in modules for name, _ in m.named_model_parameters()})
+        tensors = load(self.folder, names)
+        with torch.no_grad():
+            for m in modules:  # a second copy of a stage on this rank (DualPipe) gets the same tensors
+                rows = {id(m.get_parameter(local)): place.rows for local, place in expert_places(m).items()}
+                for name, p in m.named_model_parameters():  # sharded experts: this rank's rows
+                    p.copy_(tensors[name][list(rows[id(p)])] if id(p) in rows else tensors[name])
+
+    def batch(self, layout, x, y) -> tuple:
+        import torch
+
+        return layout.inputs(x, torch.ones_like(x)), layout.labels(y)
+
+    def sync_grads(self, pipe) -> None:
+        # The mirrored copies only: the tied embedding's sum is the trainer's (tied_copies), not
+        # twinpipe.hf's sync_tied_grads as well (that would add the two gradients twice).
+        pipe.sync_mirrored_grads()
+
+
+class TokenLoss:
+    """The criterion: mean next-token cross entropy of one micro-batch (labels already shifted by
+    the sampler, every position counted), plus ``coef x`` the router load-balancing loss when the
+    model adds one (Mixtral, Qwen3-MoE with ``output_router_logits``), computed as ``transformers``'
+    ``load_balancing_loss_func`` from the sums ``twinpipe.hf`` carries through the stages."""
+
+    def __init__(self, aux: tuple | None = None):
+        self.aux = aux  # (num_experts, top_k, coef) or None
+
+    def __call__(self, logits, *rest):
+        import torch
+        import torch.nn.functional as F
+
+        *sums, labels = rest
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        if self.aux and sums:
+            num_experts, _, coef = self.aux
+            tokens_per_expert, router_prob, rows = sums
+            loss = loss + coef * (torch.sum((tokens_per_expert / rows) * (router_prob / rows).unsqueeze(0)) * num_experts)
+        return loss

@@ -132,7 +132,7 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
 
 def _check_ep(args, model, parts) -> None:
     """``--ep`` above 1: the model has MoE blocks ``twinpipe.hf.experts`` shards, each with a multiple of
-    ``--ep`` experts, and no router auxiliary loss (its logits cannot cross the layers' parts yet)."""
+    ``--ep`` experts."""
     experts = _hf("experts")
     blocks = [m for m in model.modules() if experts.is_moe_block(m)]
     if not blocks:
@@ -141,9 +141,6 @@ def _check_ep(args, model, parts) -> None:
         count = int(block.experts.gate_up_proj.shape[0])
         if count % args.ep:
             raise ValueError(f"--ep={args.ep}: must divide the {count} experts of --model={args.model!r}'s MoE layers")
-    if parts.aux:
-        raise ValueError(f"--ep={args.ep}: not with --model={args.model!r}'s router auxiliary loss (output_router_logits): "
-                         "expert-parallel layers do not carry it through the pipeline yet; set it to false in config.json")
 
 
 def load(args, *, need_tokenizer: bool = False) -> ModelInfo:
@@ -257,15 +254,20 @@ class HFStages:
         return self.built.modules
 
     def _load(self, modules) -> None:
+        """Each parameter of ``modules`` from the folder: of sharded experts only this rank's rows are read."""
         import torch
 
-        names = sorted({name for m in modules for name, _ in m.named_model_parameters()})
-        tensors = _hf("weights").load(self.folder, names)
+        weights = _hf("weights")
+        places = {}
+        for m in modules:  # a second copy of a stage on this rank (DualPipe) gets the same tensors
+            rows = {id(m.get_parameter(local)): place.rows for local, place in _hf("experts").expert_places(m).items()}
+            for name, p in m.named_model_parameters():
+                places[name] = weights.Place(name, rows.get(id(p)))
+        tensors = weights.load(self.folder, places)
         with torch.no_grad():
-            for m in modules:  # a second copy of a stage on this rank (DualPipe) gets the same tensors
-                rows = {id(m.get_parameter(local)): place.rows for local, place in _hf("experts").expert_places(m).items()}
-                for name, p in m.named_model_parameters():  # sharded experts: this rank's rows
-                    p.copy_(tensors[name][list(rows[id(p)])] if id(p) in rows else tensors[name])
+            for m in modules:
+                for name, p in m.named_model_parameters():
+                    p.copy_(tensors[name])
 
     def batch(self, layout, x, y) -> tuple:
         import torch

@@ -17,14 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_world
+from hf_models import EP_BOUND, rel
+from hf_models import full_expert_grads as _full_expert_grads
 
 pytest.importorskip("transformers")
 
 ARCHS = ("deepseek_v3", "qwen3_moe", "mixtral")
 HIDDEN, BATCH, SEQ = 16, 2, 5
-# A reordered sum of n float64 terms differs by at most about n * 2**-53 of the sum of their
-# magnitudes; the sums here have at most a few hundred terms of like size: 1e-12 leaves a margin.
-BOUND = 1e-12
+BOUND = EP_BOUND  # reordered float64 sums (tests/hf_models.py says why)
 BOUND32 = 1e-5  # the same for DeepSeek-V3's router, which computes in float32
 PLACEMENTS = {"plain": None, "redundant": "redundant"}
 # twinpipe.hf pipelines: (arch, placement) -> router auxiliary loss on (Mixtral: every layer MoE)
@@ -75,26 +75,6 @@ def placement(kind, experts: int, ep: int):
         return None
     extra = 2 * ep
     return list(range(experts)) + list(range(extra))
-
-
-def rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    scale = want.abs().max().item()
-    return (got - want).abs().max().item() / (scale if scale else 1.0)
-
-
-def _full_expert_grads(block, name: str, reduce) -> torch.Tensor:
-    """The [E, ...] gradient of a fused expert tensor from every rank's slots (each expert's first
-    slot: replicas hold the same sum after reduce_replica_grads)."""
-    local = getattr(block.experts, name)
-    full = torch.zeros((block.num_experts, *local.shape[1:]), dtype=local.dtype)
-    if local.grad is None:  # a rank whose experts ran on no rows
-        local.grad = torch.zeros_like(local)
-    phy2log = block.phy2log.tolist()
-    for i, e in enumerate(block.rows):
-        if phy2log.index(e) == block.first_slot + i:
-            full[e] += local.grad[i]
-    reduce(full)
-    return full
 
 
 def block_case(arch: str, kind, ep: int, group=None, implementation: str = "eager", dtype=torch.float64,

@@ -3,7 +3,8 @@
 Each compute part runs on detached copies of its inputs (leaves), so its autograd graph stands
 alone and ``run_backward`` can run it by itself. A part's backward hands on the ``.grad`` of its
 leaves, so a later part may use (or return) one of them reached past the state, e.g. inside a
-context object: the later part's backward, which runs first, adds to that ``.grad``. The stage's outputs come out of ``_Join``, an
+context object: the later part's backward, which runs first, adds to that ``.grad``. The stage's
+outputs come out of ``_Join``, an
 autograd function over the stage inputs: an ordinary backward (the executor's B or BW op, or
 ``loss.backward()``) reaches ``_Join.backward``, which runs the parts' backwards in reverse order,
 one after the other. The overlap engine instead *captures* the output gradients at ``_Join`` and

@@ -10,6 +10,10 @@ from __future__ import annotations
 import torch
 
 VOCAB, HIDDEN, LAYERS = 64, 16, 6
+# Expert parallelism reorders sums (the all-to-all): a reordered sum of n float64 terms differs by at
+# most about n * 2**-53 of the sum of their magnitudes; the sums here have at most a few hundred terms
+# of like size: 1e-12 (relative to the largest reference value, ``rel``) leaves a margin.
+EP_BOUND = 1e-12
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
               max_position_embeddings=64, attn_implementation="sdpa", experts_implementation="eager",
@@ -88,3 +92,25 @@ def parted(layer):
                     Compute("feed_forward", lambda h, ctx: (self.feed_forward(h, ctx), ctx))]
 
     return PartedLayer(layer, layer.index, layer.mask_kind, layer.router)
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference, relative to the largest magnitude of ``want``."""
+    scale = want.abs().max().item()
+    return (got - want).abs().max().item() / (scale if scale else 1.0)
+
+
+def full_expert_grads(block, name: str, reduce) -> torch.Tensor:
+    """The [E, ...] gradient of a fused expert tensor of ``block`` (a ``twinpipe.hf.experts.EPMoE``)
+    from every EP rank's slots, ``reduce`` summing over them (each expert's first slot: replicas hold
+    the same sum after reduce_replica_grads)."""
+    local = getattr(block.experts, name)
+    full = torch.zeros((block.num_experts, *local.shape[1:]), dtype=local.dtype)
+    if local.grad is None:  # a rank whose experts ran on no rows
+        local.grad = torch.zeros_like(local)
+    phy2log = block.phy2log.tolist()
+    for i, e in enumerate(block.rows):
+        if phy2log.index(e) == block.first_slot + i:
+            full[e] += local.grad[i]
+    reduce(full)
+    return full

@@ -17,14 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_world
+from hf_models import EP_BOUND, rel
+from hf_models import full_expert_grads as _full_expert_grads
 
 pytest.importorskip("transformers")
 
 ARCHS = ("deepseek_v3", "qwen3_moe", "mixtral")
 HIDDEN, BATCH, SEQ = 16, 2, 5
-# A reordered sum of n float64 terms differs by at most about n * 2**-53 of the sum of their
-# magnitudes; the sums here have at most a few hundred terms of like size: 1e-12 leaves a margin.
-BOUND = 1e-12
+BOUND = EP_BOUND  # reordered float64 sums (tests/hf_models.py says why)
 BOUND32 = 1e-5  # the same for DeepSeek-V3's router, which computes in float32
 PLACEMENTS = {"plain": None, "redundant": "redundant"}
 # twinpipe.hf pipelines: (arch, placement) -> router auxiliary loss on (Mixtral: every layer MoE)
@@ -75,26 +75,6 @@ def placement(kind, experts: int, ep: int):
         return None
     extra = 2 * ep
     return list(range(experts)) + list(range(extra))
-
-
-def rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    scale = want.abs().max().item()
-    return (got - want).abs().max().item() / (scale if scale else 1.0)
-
-
-def _full_expert_grads(block, name: str, reduce) -> torch.Tensor:
-    """The [E, ...] gradient of a fused expert tensor from every rank's slots (each expert's first
-    slot: replicas hold the same sum after reduce_replica_grads)."""
-    local = getattr(block.experts, name)
-    full = torch.zeros((block.num_experts, *local.shape[1:]), dtype=local.dtype)
-    if local.grad is None:  # a rank whose experts ran on no rows
-        local.grad = torch.zeros_like(local)
-    phy2log = block.phy2log.tolist()
-    for i, e in enumerate(block.rows):
-        if phy2log.index(e) == block.first_slot + i:
-            full[e] += local.grad[i]
-    reduce(full)
-    return full
 
 
 def block_case(arch: str, kind, ep: int, group=None, implementation: str = "eager", dtype=torch.float64,
@@ -317,10 +297,11 @@ def _hidden(events) -> set:
 # ---------------------------------------------------------------- twinpipe.hf stages with EP
 def hf_pipeline_case(arch: str, kind, mesh, aux: bool, schedule: str = "dualpipev", chunks: int = 4) -> list[str]:
     """``twinpipe.hf.build`` on a model whose MoE blocks are sharded (EP=2, placement ``kind``), on
-    one pipeline rank. DualPipeV (both stages on that rank): built with ``wrap_layer``, or with the
-    router auxiliary loss (``aux``) built plain and converted by ``part_layers_`` (``build`` refuses
-    parted layers with the auxiliary loss); overlap on and off bitwise equal, all-to-alls hidden
-    only when on. Another schedule: plain stages, the MoE blocks' parts run inside each layer.
+    one pipeline rank, with the router auxiliary loss when ``aux``. DualPipeV (both stages on that
+    rank): built with ``wrap_layer`` (the router logits through the parts' state), or, with a
+    redundant placement, built plain and converted by ``part_layers_``; overlap on and off bitwise
+    equal, all-to-alls hidden only when on. Another schedule: plain stages, the MoE blocks' parts
+    run inside each layer.
     Each EP rank trains on its own batch: losses within BOUND of the unsplit model on the rank's
     batch, gradients of the sum over the EP ranks."""
     import hf_models
@@ -351,9 +332,10 @@ def hf_pipeline_case(arch: str, kind, mesh, aux: bool, schedule: str = "dualpipe
     parted = schedule == "dualpipev"
     for overlap in (True, False) if parted else (False,):
         m = shard_experts_(copy.deepcopy(base), group, placement(kind, experts, 2))
-        stages = hf.build(m, schedule, 1, 0, wrap_layer=None if aux or not parted else wrap_layer)
+        converted = parted and kind is not None
+        stages = hf.build(m, schedule, 1, 0, wrap_layer=wrap_layer if parted and not converted else None)
         for module in stages.modules:
-            if aux and parted:
+            if converted:
                 part_layers_(module)
             module.overlap = overlap
         if parted != any(isinstance(layer, MoEDecoderLayer) for module in stages.modules for layer in module.modules()):
@@ -409,6 +391,53 @@ def hf_pipeline_case(arch: str, kind, mesh, aux: bool, schedule: str = "dualpipe
     return problems
 
 
+def aux_ep1_case(pp_group) -> list[str]:
+    """The router auxiliary loss through layers in parts at EP=1 (every expert local), DualPipeV on
+    one rank, overlap on and off: losses the unsplit model's bit for bit, and losses and gradients
+    the bits of the same model built without expert parallelism (whose gradients test_hf_stages
+    checks against the unsplit model's)."""
+    import hf_models
+
+    from twinpipe import hf
+    from twinpipe.hf.experts import shard_experts_
+    from twinpipe.hf.moe_layer import wrap_layer
+
+    chunks, problems = 4, []
+    ids, mask, labels = hf_models.batch(chunks, 8, seed=1)
+    count = torch.tensor(hf.count_items(labels))
+    for arch in ("qwen3_moe",):  # a dense layer, then a MoE one (Mixtral's aux loss: the EP=2 case)
+        base = hf_models.model(arch, layers=2, aux=True)
+        ref = torch.stack([base(input_ids=ids[j : j + 1], attention_mask=mask[j : j + 1], labels=labels[j : j + 1],
+                                num_items_in_batch=count).loss.detach() for j in range(chunks)])
+        runs = {}
+        for ep, overlap in ((False, False), (True, True), (True, False)):
+            m = shard_experts_(copy.deepcopy(base), None) if ep else copy.deepcopy(base)
+            stages = hf.build(m, "dualpipev", 1, 0, wrap_layer=wrap_layer if ep else None)
+            if ep != all(isinstance(module, hf.HFPartedStage) for module in stages.modules):
+                problems.append(f"{arch}: stages {[type(module).__name__ for module in stages.modules]}")
+            for module in stages.modules:
+                module.overlap = overlap
+            inputs, labs = stages.batch(ids, mask, labels, num_chunks=chunks)
+            with stages.pipeline(pp_group, timeout=60) as pipe:
+                loss, _ = pipe.step(*inputs, num_chunks=chunks, criterion=stages.criterion, labels=labs)
+                stages.sync_grads(pipe)
+            if ep and overlap and not any(module.fb_events for module in stages.modules):
+                problems.append(f"{arch}: no F&B op overlapped the parts")
+            runs[ep, overlap] = loss, {name: p.grad if p.grad is not None else torch.zeros_like(p)
+                                       for module in stages.modules for name, p in module.named_model_parameters()}
+        plain_loss, plain_grads = runs[False, False]
+        if not torch.equal(plain_loss, ref):
+            problems.append(f"{arch}: losses without EP {plain_loss.tolist()} != {ref.tolist()}")
+        for overlap in (True, False):
+            loss, grads = runs[True, overlap]
+            if not torch.equal(loss, ref):
+                problems.append(f"{arch} overlap={overlap}: losses {loss.tolist()} != {ref.tolist()}")
+            differ = [n for n, g in grads.items() if not torch.equal(g, plain_grads[n])]
+            if differ:
+                problems.append(f"{arch} overlap={overlap}: gradients of {differ[:3]} differ from those without EP")
+    return problems
+
+
 def _world(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -425,6 +454,8 @@ def _world(rank, world):
                 results[("hf", arch, label)] = _guard(lambda: hf_pipeline_case(arch, kind, mesh, HF_CASES[arch, label]))
                 dist.barrier()
     results["hf-1f1b"] = _guard(lambda: hf_pipeline_case("qwen3_moe", None, mesh, True, "1f1b"))
+    if rank == 0:
+        results["aux-ep1"] = _guard(lambda: aux_ep1_case(mesh["pp"].get_group()))
     results["docs"] = _guard(lambda: docs_case(group))
     results["deepcopy"] = _guard(lambda: deepcopy_case(group))
     results["deepseek-features"] = _guard(lambda: deepseek_features_case(group))
@@ -584,6 +615,10 @@ def test_live_replacement_and_loads_are_for_moe_blocks_only():
     from twinpipe.moe import ExpertLoads
 
     _raises(lambda: ExpertLoads(shard_experts_(model("qwen3_moe"), None)), "has no MoEBlock")
+
+
+def test_aux_loss_through_parted_layers_at_ep1_is_the_plain_stages_bitwise(outcomes):
+    assert outcomes[0]["aux-ep1"] == []
 
 
 def test_hf_stages_with_ep2_under_1f1b_plain_stages_and_aux_loss(outcomes):

@@ -172,6 +172,13 @@ def _world(rank, world, names, references):
         dist.barrier()
     if TIME_BALANCE in names:
         results[TIME_BALANCE] = _time_balance_agrees(groups[4])
+    if PP_EP in names:
+        # pipelines over ranks {0, 1} and {2, 3}, expert parallelism over {0, 2} and {1, 3}
+        pp_groups, ep_groups = [groups[2], dist.new_group([2, 3])], [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        try:
+            results[PP_EP] = _pp_ep_case(pp_groups[rank // 2], ep_groups[rank % 2])
+        except Exception as exc:
+            results[PP_EP] = f"{type(exc).__name__}: {exc}"
     if LAYOUTS_DIFFER in names and rank < 2:
         results[LAYOUTS_DIFFER] = _layouts_differ(groups[2])
     return results
@@ -211,6 +218,67 @@ def _time_balance_agrees(group) -> str:
     return "ok" if len(set(layouts)) == 1 else f"layouts differ: {layouts}"
 
 
+PP_EP = "qwen3_moe-aux-ep2-dualpipev-p2"
+
+
+def _pp_ep_case(pp_group, ep_group) -> str:
+    """PP=2 x EP=2 on the 4 ranks: DualPipeV over each pipeline pair, Qwen3-MoE (4 layers, 1 and 3
+    MoE) with the router auxiliary loss, its experts sharded over each EP pair, the MoE layers in
+    parts (F&B ops overlap their all-to-alls); each EP rank trains its own batch. Losses and every
+    gradient (dense ones summed over the EP pair, experts' assembled from both) within EP_BOUND of
+    the unsplit model's on the two batches (expert parallelism reorders sums: tests/hf_models.py)."""
+    import torch.distributed as dist
+
+    from twinpipe.hf.experts import shard_experts_
+    from twinpipe.hf.moe_layer import MoEDecoderLayer, wrap_layer
+    from twinpipe.moe import reduce_dense_grads, reduce_replica_grads
+
+    pp_rank, chunks, problems = dist.get_rank(pp_group), 4, []
+    base = hf_models.model("qwen3_moe", layers=4, aux=True)
+    ids, mask, labels = hf_models.batch(chunks, 8, seed=1 + dist.get_rank(ep_group))
+    count = torch.tensor(hf.count_items(labels))
+    ref, ref_losses = copy.deepcopy(base), []
+    for j in range(chunks):
+        out = ref(input_ids=ids[j : j + 1], attention_mask=mask[j : j + 1], labels=labels[j : j + 1], num_items_in_batch=count)
+        out.loss.backward()
+        ref_losses.append(out.loss.detach())
+    model = shard_experts_(copy.deepcopy(base), ep_group)
+    stages = hf.build(model, "dualpipev", 2, pp_rank, layout="E,t|t|t|t,L", wrap_layer=wrap_layer)
+    moe = sum(isinstance(layer, MoEDecoderLayer) for m in stages.modules for layer in m.modules())
+    if moe != 1 or not all(isinstance(m, hf.HFPartedStage) for m in stages.modules):
+        problems.append(f"stages {[type(m).__name__ for m in stages.modules]} with {moe} MoE layers in parts")
+    inputs, labs = stages.batch(ids, mask, labels, num_chunks=chunks)
+    with stages.pipeline(pp_group, timeout=60) as pipe:
+        loss, _ = pipe.step(*inputs, num_chunks=chunks, criterion=stages.criterion, labels=labs)
+        stages.sync_grads(pipe)
+    events = [e for m in stages.modules for e in m.fb_events]
+    if not any({stream for action, stream, *_ in e if action == "start"} for e in events):
+        problems.append(f"{len(events)} F&B ops, none with an all-to-all")
+    if loss is not None:
+        want = torch.stack([ref_losses[j] for j in batch_layout(stages.spec, 2, pp_rank, chunks).label_microbatches])
+        if not hf_models.rel(loss, want) <= hf_models.EP_BOUND:
+            problems.append(f"losses off by {hf_models.rel(loss, want):.3g}")
+    for module in stages.modules:
+        reduce_dense_grads(module, ep_group)
+        reduce_replica_grads(module)
+    ref_params = dict(ref.named_parameters())
+
+    def summed(t):
+        dist.all_reduce(t, group=ep_group)
+        return t
+
+    for module in stages.modules:  # the EP pair holds the same stages: the same all-reduces in the same order
+        for name, p in module.named_model_parameters():
+            want = summed(ref_params[name].grad.clone() if ref_params[name].grad is not None else torch.zeros_like(ref_params[name]))
+            if ".experts." in name:
+                got = hf_models.full_expert_grads(model.get_submodule(name.rsplit(".experts.", 1)[0]), name.rsplit(".", 1)[1], summed)
+            else:
+                got = p.grad if p.grad is not None else torch.zeros_like(p)
+            if not hf_models.rel(got, want) <= hf_models.EP_BOUND:
+                problems.append(f"{name} gradient off by {hf_models.rel(got, want):.3g}")
+    return "; ".join(problems[:6]) or "ok"
+
+
 def run_all(names) -> list:
     """Each case's outcome per rank; the references are computed once here, for all ranks."""
     references = {}
@@ -225,7 +293,7 @@ def run_all(names) -> list:
 
 @pytest.fixture(scope="module")
 def outcomes():
-    return run_all([*CASES, TIME_BALANCE, LAYOUTS_DIFFER])
+    return run_all([*CASES, TIME_BALANCE, LAYOUTS_DIFFER, PP_EP])
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -237,6 +305,10 @@ def test_exact_against_unsplit_model(outcomes, name):
 
 def test_balance_by_time_cuts_alike_on_every_rank(outcomes):
     assert {r: outcomes[r][TIME_BALANCE] for r in range(4)} == {r: "ok" for r in range(4)}
+
+
+def test_pp2_by_ep2_dualpipev_with_the_aux_loss_matches_the_unsplit_model(outcomes):
+    assert {r: outcomes[r][PP_EP] for r in range(4)} == {r: "ok" for r in range(4)}
 
 
 def test_ranks_with_different_layouts_raise(outcomes):
@@ -369,6 +441,23 @@ def test_wrap_layer_must_give_a_decoder_layer_and_parts_refuse_the_aux_loss():
         hf.build(hf_models.model("mixtral", layers=2, aux=True), "1f1b", 2, 0, wrap_layer=hf_models.parted)
     stages = hf.build(hf_models.model("mixtral", layers=2), "1f1b", 2, 0, wrap_layer=hf_models.parted)
     assert [type(m).__name__ for m in stages.modules] == ["HFPartedStage"]
+
+
+def test_a_stage_in_parts_without_a_router_hands_the_aux_sums_gradients_back():
+    """The running sums of the router auxiliary loss through a stage in parts whose layers have no
+    router (Qwen3-MoE's dense layer 0): the stage returns the sums it received, and their gradients
+    come back as they are (the exit part hands them to the entry part's leaves)."""
+    model = hf_models.model("qwen3_moe", layers=2, aux=True)
+    first = hf.build(model, "1f1b", 3, 0, layout="E|t|t,L").modules[0]
+    middle = hf.build(model, "1f1b", 3, 1, layout="E|t|t,L", wrap_layer=hf_models.parted).modules[0]
+    assert isinstance(middle, hf.HFPartedStage) and middle.layer_ids == [0]
+    ids, mask, _ = hf_models.batch(2, 8)
+    flow = [t.detach().requires_grad_(t.is_floating_point()) for t in first(ids, mask)]
+    out = middle(*flow)
+    weights = [torch.rand_like(t) if t.is_floating_point() else None for t in out]
+    sum((o * w).sum() for o, w in zip(out, weights) if w is not None).backward()
+    assert [torch.equal(flow[k].grad, weights[k]) for k in (2, 3, 4)] == [True] * 3
+    assert flow[0].grad is not None and flow[0].grad.abs().sum() > 0
 
 
 def test_what_flows_between_stages():

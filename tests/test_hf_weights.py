@@ -82,15 +82,34 @@ def _halves(names: list[str], rank: int) -> list[str]:
     return out
 
 
+class _CountedSlice:
+    """A safetensors slice that adds the bytes of every piece taken from it to ``counter.bytes``."""
+
+    def __init__(self, piece, counter):
+        self.piece, self.counter = piece, counter
+
+    def get_shape(self):
+        return self.piece.get_shape()
+
+    def __getitem__(self, index):
+        out = self.piece[index]
+        self.counter.bytes += out.numel() * out.element_size()
+        return out
+
+
 class _Counting:
-    """Records the files ``load`` opens and the keys it reads (patched into the reading module)."""
+    """Records the files ``load`` opens, the keys it reads and the bytes it takes from the files
+    (patched into the reading module: every tensor is read through a slice)."""
 
     def __enter__(self):
         from twinpipe.hf import _safetensors_files as files
 
-        self.files, self.opened, self.read, self.rows = files, [], [], []
-        self._open, self._read = files.safe_open, files.CheckpointFiles.read
+        self.files, self.opened, self.read, self.rows, self.bytes = files, [], [], [], 0
+        self._open, self._read, self._slice = files.safe_open, files.CheckpointFiles.read, files.CheckpointFiles._slice
         counter = self
+
+        def _slice(this, key):
+            return _CountedSlice(counter._slice(this, key), counter)
 
         def safe_open(path, *args, **kwargs):
             counter.opened.append(Path(path).name)
@@ -101,11 +120,11 @@ class _Counting:
             counter.rows.append(None if rows is None else list(rows))
             return counter._read(this, key, rows)
 
-        files.safe_open, files.CheckpointFiles.read = safe_open, read
+        files.safe_open, files.CheckpointFiles.read, files.CheckpointFiles._slice = safe_open, read, _slice
         return self
 
     def __exit__(self, *exc):
-        self.files.safe_open, self.files.CheckpointFiles.read = self._open, self._read
+        self.files.safe_open, self.files.CheckpointFiles.read, self.files.CheckpointFiles._slice = self._open, self._read, self._slice
 
 
 def _key_files(folder: Path) -> dict[str, str]:
@@ -165,6 +184,8 @@ def _load_experts(root: Path, arch: str, layout: str, rank: int) -> dict:
         "experts read": experts_read,
         "rows read": sorted({str(r) for r in seen.rows}),
         "dtype": str(got["local.0"].dtype),
+        # what was taken from the files: the rows asked for, in the checkpoint's dtype (float32), once each
+        "bytes": (seen.bytes, sum(ref[p.name][list(rows)].numel() * ref[p.name].element_size() for p in places.values())),
     }
 
 
@@ -380,10 +401,39 @@ def test_each_rank_reads_only_its_tensors_and_gets_the_models(world, arch, layou
 def test_expert_rows_split_over_two_ranks_with_a_redundant_row(world, case):
     for rank, r in enumerate(_both(world, case)):
         assert r["equal"] is True and r["fused"] >= 2 and r["dtype"] == "torch.float64", r
+        assert r["bytes"][0] == r["bytes"][1], r
         if not case.endswith("fused"):  # stored per expert: only this rank's experts were read
             assert r["experts read"] == sorted(set(_expert_rows(rank))), r
         else:  # stored fused: only its rows were read
             assert r["rows read"] == [str(list(_expert_rows(rank)))], r
+
+
+@pytest.mark.parametrize("case", [f"{arch}/sharded" for arch in MOE] + ["qwen3-moe/fused"])
+def test_the_trainers_ep_ranks_read_only_their_expert_rows(world, case):
+    """``twinpipe train --model DIR --ep 2`` (``HFStages`` with an EP group, here 2 ranks simulated in
+    this process): each rank takes from the files exactly the bytes of the tensors it holds, of each
+    fused expert tensor its own half of the rows (stored per expert: only its experts' keys), and
+    gets the checkpoint's values."""
+    from transformers import AutoModelForCausalLM
+
+    from twinpipe.moe.local import LocalEPGroup
+    from twinpipe.schedule.spec import resolve
+    from twinpipe.train.cli_model import HFStages
+
+    root, (arch, layout) = world[0], case.split("/")
+    folder, ref = root / arch / layout, torch.load(root / f"{arch}.pt")
+    group = LocalEPGroup(2)
+    for rank in range(2):
+        model = AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(folder)))
+        stages = HFStages(str(folder), weights=True, ep_group=group.rank(rank))
+        with _Counting() as seen:
+            modules = stages.build(model, resolve("1f1b", 1), 0)
+        held = dict(p for m in modules for p in m.named_model_parameters())
+        experts = {n: p for n, p in held.items() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+        assert experts and all(len(p) == len(ref[n]) // 2 for n, p in experts.items())
+        rows = list(range(rank * 2, rank * 2 + 2))
+        assert all(torch.equal(p.detach(), ref[n][rows] if n in experts else ref[n]) for n, p in held.items())
+        assert seen.bytes == sum(p.numel() * p.element_size() for p in held.values()), (rank, seen.bytes)
 
 
 @pytest.mark.parametrize("arch", list(_configs()))

@@ -20,7 +20,7 @@ from twinpipe.train.data import BatchSampler
 from twinpipe.train.tokens import MEGATRON_MAGIC, open_tokens, token_range
 
 TINY_LLAMA = Path(__file__).parent / "data" / "tiny-llama"
-TINY_MOE = Path(__file__).parent / "data" / "tiny-qwen3-moe"  # 2 layers, 4 experts, top-2, no auxiliary loss
+TINY_MOE = Path(__file__).parent / "data" / "tiny-qwen3-moe"  # 2 layers, 4 experts, top-2, no auxiliary loss (a copy turns it on)
 SMALL = ["--layers", "2", "--dim", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "4"]
 
 
@@ -157,10 +157,9 @@ def test_bad_models(tmp_path, capsys):
                    tie_word_embeddings=False)
     tied = _config(tmp_path / "tied", "qwen3", **small, tie_word_embeddings=True)
     moe = json.loads((TINY_MOE / "config.json").read_text())
-    moe3, moe_aux = tmp_path / "moe3", tmp_path / "moe_aux"
-    for folder, change in ((moe3, {"num_local_experts": 3}), (moe_aux, {"output_router_logits": True})):
-        folder.mkdir()
-        (folder / "config.json").write_text(json.dumps({**moe, **change}))
+    moe3 = tmp_path / "moe3"
+    moe3.mkdir()
+    (moe3 / "config.json").write_text(json.dumps({**moe, "num_local_experts": 3}))
     bare = tmp_path / "bare"  # the tiny Llama without its tokenizer
     bare.mkdir()
     shutil.copy(TINY_LLAMA / "config.json", bare / "config.json")
@@ -182,7 +181,6 @@ def test_bad_models(tmp_path, capsys):
         ("--model", llama, "--ep", "2", "--dp", "2"): "--ep=2: --model=.*tiny-llama' has no MoE layers to spread",
         ("--model", str(TINY_MOE), "--ep", "2", "--dp", "2", "--zero", "1"): "--zero=1: not with --ep=2",
         ("--model", str(moe3), "--ep", "2", "--dp", "2"): "--ep=2: must divide the 3 experts of --model=",
-        ("--model", str(moe_aux), "--ep", "2", "--dp", "2"): "--ep=2: not with --model=.*router auxiliary loss",
         ("--ep", "2"): "--ep=2: only with --model",
         ("--model", llama, "--dim", "32"): "--dim=32: not with --model",
         ("--model", llama, "--seq-len", "300"): "--seq-len=300: must be at most 256, --model's max_position_embeddings",
@@ -357,26 +355,37 @@ def test_a_model_with_tied_embeddings_trains_and_resumes(tmp_path):
 
 
 def test_a_moe_model_trains_with_expert_parallelism_and_resumes_at_another_ep(tmp_path):
-    """``--ep 2 --dp 2``: each data-parallel rank holds 2 of the 4 experts of every MoE layer; the first
-    step's loss is the unsplit model's (1e-5 relative: the float32 loss); the checkpoint holds each
-    expert's rows once (one tensor of all rows per layer, a chunk per rank), and a run without expert
-    parallelism on another mesh resumes from it: its steps' losses are the uninterrupted run's."""
+    """``--ep 2 --dp 2`` under DualPipeV (F&B ops overlap the all-to-alls), the router auxiliary loss on
+    (a copy of the tiny config with ``output_router_logits``, coefficient 0.1): each data-parallel rank
+    holds 2 of the 4 experts of every MoE layer; the first step's loss and gradient norm are the unsplit
+    model's, each micro-batch's cross entropy plus 0.1 x its auxiliary loss (1e-5 relative: the float32
+    loss); the checkpoint holds each expert's rows once (one tensor of all rows per layer, a chunk per
+    rank), and a run without expert parallelism on another mesh resumes from it: its steps' losses are
+    the uninterrupted run's."""
     _needs_hf()
     from torch.distributed.checkpoint import FileSystemReader
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    folder = tmp_path / "moe-aux"
+    folder.mkdir()
+    config = json.loads((TINY_MOE / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "output_router_logits": True, "router_aux_loss_coef": 0.1}))
     ids = _ids(3000, 128).astype(np.uint16)
     np.save(tmp_path / "t.npy", ids)
     shape = ["--seq-len", "8", "--batch-size", "4", "--microbatch-size", "1"]
-    first = _run(["--model", str(TINY_MOE), "--data", "t.npy", "--dp", "2", "--ep", "2", "--pp", "1", "--steps", "4",
-                  "--save-every", "2", "--schedule", "1f1b", *shape], tmp_path)
+    first = _run(["--model", str(folder), "--data", "t.npy", "--dp", "2", "--ep", "2", "--pp", "1", "--steps", "4",
+                  "--save-every", "2", "--schedule", "dualpipev", *shape], tmp_path)
     assert first.returncode == 0, first.stderr
     losses = _losses(tmp_path / "twinpipe-train")
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(TINY_MOE), local_files_only=True))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
     x, y = BatchSampler(ids, 8, seed=0).batch(0, 4)
-    loss = torch.stack([torch.nn.functional.cross_entropy(row, label) for row, label in zip(model(x).logits, y)]).mean()
+    rows = [model(row, attention_mask=torch.ones_like(row)) for row in x.split(1)]  # one micro-batch each
+    aux = torch.stack([out.aux_loss for out in rows])
+    assert aux.min() > 1  # the auxiliary term weighs in the loss (0.1 x >1 against a cross entropy of ~5)
+    loss = torch.stack([torch.nn.functional.cross_entropy(out.logits[0], label) + 0.1 * out.aux_loss
+                        for out, label in zip(rows, y)]).mean()
     loss.backward()
     assert losses[0] == pytest.approx(float(loss.detach()), rel=1e-5)
     # the gradient norm counts every expert once (each rank's rows: their squares summed over the ranks)
@@ -391,7 +400,7 @@ def test_a_moe_model_trains_with_expert_parallelism_and_resumes_at_another_ep(tm
             chunks = metadata[key].chunks  # each rank its 2 experts, once
             assert list(metadata[key].size) == shapes[name] and len(chunks) == 2, key
             assert sorted(c.offsets[0] for c in chunks) == [0, 2] and all(c.sizes[0] == 2 for c in chunks), key
-    again = _run(["--model", str(TINY_MOE), "--data", "t.npy", "--pp", "2", "--steps", "4", "--schedule", "1f1b",
+    again = _run(["--model", str(folder), "--data", "t.npy", "--pp", "2", "--steps", "4", "--schedule", "1f1b",
                   "--resume", "twinpipe-train/checkpoint-step2", "--out", "again", *shape], tmp_path)
     assert again.returncode == 0, again.stderr
     steps = json.loads((tmp_path / "again" / "train-log.json").read_text())["steps"]

@@ -22,8 +22,13 @@ The convention (stable: ``twinpipe.hf`` stages and MoE layers with parts are bui
   and an exit part (``(hidden, ctx)`` -> flow or logits) around its layers' parts.
 - **Router logits** (for the auxiliary loss): when ``ctx.router_logits`` is a list, a MoE layer
   appends its router's logits ``[B*S, E]`` to it (``feed_forward`` does so through a hook on the
-  router); the stage folds them into the running sums in layer order. (Not with layers in parts:
-  the logits would cross the parts' boundaries inside the context, so ``build`` refuses the pair.)
+  router); the stage folds them into the running sums in layer order. A layer in parts must append
+  only a tensor its part *received* in the state (the overlap engine makes each received tensor a
+  leaf of that part's graph; the exit part's backward adds the logits' gradient to that leaf's
+  ``.grad``, which the part's own backward then hands on), never one the part computed (the exit
+  part's backward would run through that part's graph, and the part's backward a second time).
+  ``twinpipe.hf.moe_layer.MoEDecoderLayer`` does so (``parts_carry_router_logits``); ``build``
+  refuses any other layer with a router in a stage in parts (``drops_router_logits``).
 
 The wrapper registers the HF layer's own children under their own names (``self_attn``, ``mlp``,
 ``input_layernorm``, ``post_attention_layernorm``), so its parameter names are the HF layer's.
@@ -36,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["Context", "DecoderLayer", "HALVES"]
+__all__ = ["Context", "DecoderLayer", "HALVES", "drops_router_logits"]
 
 HALVES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # what a layer must have
 
@@ -55,6 +60,9 @@ class Context:
 
 class DecoderLayer(nn.Module):
     """A ``transformers`` decoder layer, number ``index`` of the model, whose masks are of ``mask_kind``."""
+
+    # True in a subclass whose parts hand the router logits to ``ctx`` as the module doc says.
+    parts_carry_router_logits = False
 
     def __init__(self, layer: nn.Module, index: int, mask_kind: str = "full_attention", router: nn.Module | None = None):
         super().__init__()
@@ -105,3 +113,9 @@ class DecoderLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.kind} {self.index} ({self.mask_kind})"
+
+
+def drops_router_logits(layer: nn.Module) -> bool:
+    """A layer that, run as a part of a stage in parts, would leave router logits it computed in the
+    ``Context`` (see the module doc): it has a router and its parts do not carry the logits."""
+    return getattr(layer, "router", None) is not None and not getattr(layer, "parts_carry_router_logits", False)

@@ -26,14 +26,18 @@ from torch import nn
 
 from twinpipe.checks import bad
 from twinpipe.hf.experts import EPMoE
-from twinpipe.hf.layer import DecoderLayer
+from twinpipe.hf.layer import DecoderLayer, drops_router_logits
 from twinpipe.overlap.parts import Compute
 
 __all__ = ["MoEDecoderLayer", "part_layers_", "wrap_layer"]
 
 
 class MoEDecoderLayer(DecoderLayer):
-    """A ``DecoderLayer`` whose ``mlp`` is an ``EPMoE`` (``shard_experts_`` first), with parts."""
+    """A ``DecoderLayer`` whose ``mlp`` is an ``EPMoE`` (``shard_experts_`` first), with parts. The
+    router logits (auxiliary loss) travel in the parts' state from ``attn`` to ``mix``, which
+    appends them to ``ctx.router_logits``: the stage folds them as without parts."""
+
+    parts_carry_router_logits = True
 
     def __init__(self, layer: nn.Module, index: int, mask_kind: str = "full_attention", router: nn.Module | None = None):
         super().__init__(layer, index, mask_kind, router)
@@ -78,8 +82,7 @@ def part_layers_(module: nn.Module) -> nn.Module:
         if isinstance(layer, DecoderLayer):
             wrap_layer(layer)
     if type(module) is HFStage:
-        plain = [layer.index for layer in module.modules()
-                 if type(layer) is DecoderLayer and getattr(layer, "router", None) is not None]
+        plain = [layer.index for layer in module.modules() if isinstance(layer, DecoderLayer) and drops_router_logits(layer)]
         if plain:
             raise bad("module", f"HFStage with layers {plain}", "must have its MoE layers sharded (shard_experts_) "
                       "when the router auxiliary loss is on: those layers' router logits cannot cross the parts")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_choice, check_int
-from twinpipe.hf.layer import Context, DecoderLayer
+from twinpipe.hf.layer import Context, DecoderLayer, drops_router_logits
 from twinpipe.hf.layout import BALANCE, balanced_layout, format_layout, parse_layout
 from twinpipe.hf.support import ModelParts, model_parts
 from twinpipe.overlap import stage as overlap_stage
@@ -381,11 +381,12 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
               for k in sorted(set(model_stages))}
     # One stage class for all of this rank's stages (the pipeline overlaps F&B ops only when they agree).
     kind = HFPartedStage if any(hasattr(layer, "parts") for ls in layers.values() for layer in ls.values()) else HFStage
-    if kind is HFPartedStage and parts.aux:
-        # The router logits travel inside the Context, past the parts' boundaries, where the
-        # overlap engine cuts the graph: their gradients would be run twice.
-        raise bad("wrap_layer", wrap_layer, "gives layers that declare parts, and the router auxiliary loss is on: the "
-                                            "two do not go together yet; set config.output_router_logits=False")
+    drops = [layer.index for ls in layers.values() for layer in ls.values() if drops_router_logits(layer)]
+    if kind is HFPartedStage and parts.aux and drops:
+        # Their router logits would be left in the Context past the parts' boundaries (layer.py).
+        raise bad("wrap_layer", wrap_layer, f"gives layers that declare parts, and the router auxiliary loss is on: layers "
+                  f"{drops} have a router whose logits their parts do not carry (twinpipe.hf.moe_layer.MoEDecoderLayer "
+                  "does, on a model sharded by shard_experts_); or set config.output_router_logits=False")
     modules, ends, built = [], {}, set()
     for s, k in zip(mine, model_stages):
         head = None

@@ -8,7 +8,7 @@ from twinpipe.hf.experts import FUSED, EPMoE, expert_places, shard_experts_
 from twinpipe.hf.moe_layer import wrap_layer
 from twinpipe.hf.stages import HFStage, build
 from twinpipe.hf.support import model_parts
-from twinpipe.hf.weights import load
+from twinpipe.hf.weights import Place, load
 
 __all__ = ["HFStages", "TokenLoss", "parameter_names"]
 
@@ -63,15 +63,19 @@ class HFStages:
         return self.built.modules
 
     def _load(self, modules) -> None:
+        """Each parameter of ``modules`` from the folder: of sharded experts only this rank's rows are read."""
         import torch
 
-        names = sorted({name for m in modules for name, _ in m.named_model_parameters()})
-        tensors = load(self.folder, names)
+        places = {}
+        for m in modules:  # a second copy of a stage on this rank (DualPipe) gets the same tensors
+            rows = {id(m.get_parameter(local)): place.rows for local, place in expert_places(m).items()}
+            for name, p in m.named_model_parameters():
+                places[name] = Place(name, rows.get(id(p)))
+        tensors = load(self.folder, places)
         with torch.no_grad():
-            for m in modules:  # a second copy of a stage on this rank (DualPipe) gets the same tensors
-                rows = {id(m.get_parameter(local)): place.rows for local, place in expert_places(m).items()}
-                for name, p in m.named_model_parameters():  # sharded experts: this rank's rows
-                    p.copy_(tensors[name][list(rows[id(p)])] if id(p) in rows else tensors[name])
+            for m in modules:
+                for name, p in m.named_model_parameters():
+                    p.copy_(tensors[name])
 
     def batch(self, layout, x, y) -> tuple:
         import torch

@@ -1,7 +1,10 @@
 """One micro-batch's forward kept part by part, so its backward can run part by part.
 
 Each compute part runs on detached copies of its inputs (leaves), so its autograd graph stands
-alone and ``run_backward`` can run it by itself. The stage's outputs come out of ``_Join``, an
+alone and ``run_backward`` can run it by itself. A part's backward hands on the ``.grad`` of its
+leaves, so a later part may use (or return) one of them reached past the state, e.g. inside a
+context object: the later part's backward, which runs first, adds to that ``.grad``. The stage's
+outputs come out of ``_Join``, an
 autograd function over the stage inputs: an ordinary backward (the executor's B or BW op, or
 ``loss.backward()``) reaches ``_Join.backward``, which runs the parts' backwards in reverse order,
 one after the other. The overlap engine instead *captures* the output gradients at ``_Join`` and
@@ -108,6 +111,8 @@ class Record:
             elif o.grad_fn is not None:
                 roots.append(o)
                 grads.append(g)
+            else:  # a leaf of an earlier part, reached past the state (e.g. inside a context object):
+                through.append((o, g))  # that part's backward reads its .grad, as for any use of it
         if roots:
             run_backward(roots, grads)
         for leaf, g in through:

@@ -100,7 +100,7 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
         raise ValueError(f"{flag}: not with --model={args.model!r}, which ties its input and output embeddings "
                          "(tie_word_embeddings): tied weights train with --precision pure and --zero 0 only")
     if args.ep > 1:
-        _check_ep(args, model, parts)
+        _check_ep(args, model)
     layers = len(parts.layers)
     if args.layout is not None:
         try:
@@ -122,9 +122,9 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
     return ModelInfo(args.model, config, names, sum(_numel(shape) for _, shape in names), weights, tokenizer)
 
 
-def _check_ep(args, model, parts) -> None:
+def _check_ep(args, model) -> None:
     """``--ep`` above 1: the model has MoE blocks ``twinpipe.hf.experts`` shards, each with a multiple of
-    ``--ep`` experts, and no router auxiliary loss (its logits cannot cross the layers' parts yet)."""
+    ``--ep`` experts."""
     from twinpipe.hf import experts
 
     blocks = [m for m in model.modules() if experts.is_moe_block(m)]
@@ -134,9 +134,6 @@ def _check_ep(args, model, parts) -> None:
         count = int(block.experts.gate_up_proj.shape[0])
         if count % args.ep:
             raise ValueError(f"--ep={args.ep}: must divide the {count} experts of --model={args.model!r}'s MoE layers")
-    if parts.aux:
-        raise ValueError(f"--ep={args.ep}: not with --model={args.model!r}'s router auxiliary loss (output_router_logits): "
-                         "expert-parallel layers do not carry it through the pipeline yet; set it to false in config.json")
 
 
 def load(args, *, need_tokenizer: bool = False) -> ModelInfo:

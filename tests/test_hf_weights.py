@@ -418,7 +418,7 @@ def test_the_trainers_ep_ranks_read_only_their_expert_rows(world, case):
 
     from twinpipe.moe.local import LocalEPGroup
     from twinpipe.schedule.spec import resolve
-    from twinpipe.train.cli_model import HFStages
+    from twinpipe.hf import HFStages
 
     root, (arch, layout) = world[0], case.split("/")
     folder, ref = root / arch / layout, torch.load(root / f"{arch}.pt")

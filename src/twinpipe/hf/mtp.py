@@ -30,7 +30,7 @@ from twinpipe.checks import bad, check_int
 from twinpipe.hf.layer import Context, DecoderLayer
 
 __all__ = ["MTPLayer", "mtp_layers", "mtp_depth_of", "HFMTPLoss", "checkpoint_names", "copy_sources",
-           "mtp_names", "EMBED", "HEAD"]
+           "mtp_names", "load_places", "save_tensors", "EMBED", "HEAD"]
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -131,6 +131,59 @@ def checkpoint_names(config, depth: int) -> list[tuple[str, tuple]]:
     shapes.pop(copy_name(config), None)
     table = (config.vocab_size, config.hidden_size)
     return list(shapes.items()) + [(name, table) for name in copy_sources(config, depth)]
+
+
+def checkpoint_meta(config) -> list[tuple[str, torch.Tensor]]:
+    """The MTP tensors a checkpoint of ``config`` may hold (``num_nextn_predict_layers`` of them for a
+    DeepSeek-V3 config, else none), as meta tensors of the model's dtype."""
+    if getattr(config, "model_type", None) != "deepseek_v3":
+        return []
+    depth = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+    return [(name, torch.empty(shape, device="meta")) for name, shape in checkpoint_names(config, depth)]
+
+
+def load_places(model_dir, names, depth: int) -> dict:
+    """``{name: Place}`` for ``twinpipe.hf.weights.load`` of a stage's parameter ``names``: the
+    embedding copy read from ``model.embed_tokens.weight``; the MTP layers' tensors only when the
+    checkpoint holds that layer (else they keep their initial values: a checkpoint without MTP)."""
+    from twinpipe.hf._safetensors_files import CheckpointFiles
+    from twinpipe.hf.weights import Place
+
+    if not depth:
+        return {name: Place(name) for name in names}
+    config = _folder_config(model_dir)
+    n = config.num_hidden_layers
+    layer_of = {name: int(name.split(".")[2]) for name in names if name.startswith("model.layers.")}
+    mtp = {i for i in layer_of.values() if i >= n}
+    keys = set(CheckpointFiles(model_dir).where) if mtp else set()
+    present = {i for i in mtp if any(k.startswith(f"model.layers.{i}.") for k in keys)}
+    out = {}
+    for name in names:
+        if name == copy_name(config):
+            out[name] = Place(EMBED)
+        elif layer_of.get(name, -1) < n or layer_of[name] in present:
+            out[name] = Place(name)
+    return out
+
+
+def _folder_config(model_dir):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def save_tensors(modules) -> dict:
+    """``{name: tensor}`` of stage ``modules`` for ``twinpipe.hf.weights.save``: their parameters, and
+    for a last stage with MTP layers the copies DeepSeek-V3's checkpoints store with each layer
+    (``embed_tokens`` from the embedding copy, ``shared_head.head`` from ``lm_head``)."""
+    out = {}
+    for module in modules:
+        for name, p in module.named_model_parameters():
+            out.setdefault(name, p.detach())
+        if getattr(module, "mtp", None) is not None:
+            for name, source in copy_sources(module.config, len(module.mtp)).items():
+                out.setdefault(name, (module.mtp_embed if source == EMBED else module.lm_head.weight).detach())
+    return out
 
 
 class HFMTPLoss:

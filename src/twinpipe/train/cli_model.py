@@ -109,6 +109,8 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
                          "(tie_word_embeddings): tied weights train with --precision pure and --zero 0 only")
     if args.ep > 1:
         _check_ep(args, model, parts)
+    if args.mtp_depth:
+        _check_mtp(args, model)
     layers = len(parts.layers)
     if args.layout is not None:
         try:
@@ -121,7 +123,7 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and args.seq_len > limit:
         raise ValueError(f"--seq-len={args.seq_len}: must be at most {limit}, --model's max_position_embeddings")
-    names = parameter_names(model)
+    names = parameter_names(model, args.mtp_depth)
     weights = _hf("weights").has_weights(folder)
     if not weights and any(folder.glob("*.bin")) and not any(folder.glob("*.safetensors")):
         raise ValueError(f"--model={args.model!r}: holds .bin weights (pickled torch files); twinpipe reads safetensors "
@@ -146,6 +148,17 @@ def _check_ep(args, model, parts) -> None:
                          "expert-parallel layers do not carry it through the pipeline yet; set it to false in config.json")
 
 
+def _check_mtp(args, model) -> None:
+    """``--mtp-depth`` above 0: a DeepSeek-V3 model with untied embeddings (``twinpipe.hf.mtp``), without ``--ep``."""
+    try:
+        _hf("mtp").mtp_depth_of(model, args.mtp_depth)
+    except ValueError as error:  # "mtp_depth=1: must be 0 for ..."
+        raise ValueError(f"--{_first_line(error).replace('_', '-', 1)} (--model={args.model!r})") from None
+    if args.ep > 1:
+        raise ValueError(f"--mtp-depth={args.mtp_depth}: not with --ep={args.ep} (the MTP layers' experts are not spread "
+                         "over the data-parallel ranks)")
+
+
 def load(args, *, need_tokenizer: bool = False) -> ModelInfo:
     """``--model``'s config, parameter names, weights and tokenizer, for a rank (``check_model`` checked them)."""
     import torch
@@ -154,7 +167,7 @@ def load(args, *, need_tokenizer: bool = False) -> ModelInfo:
     config = _config(args.model)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    names = parameter_names(model)
+    names = parameter_names(model, args.mtp_depth)
     info = ModelInfo(args.model, config, names, sum(_numel(s) for _, s in names),
                      _hf("weights").has_weights(args.model), _tokenizer(args.model) if need_tokenizer else None)
     info.aux = _hf().model_parts(model).aux
@@ -199,12 +212,13 @@ def _numel(shape) -> int:
     return n
 
 
-def parameter_names(model) -> list:
-    """``(name, shape)`` of every parameter of the unsplit causal LM, in stage order (``twinpipe.hf``'s names)."""
+def parameter_names(model, mtp_depth: int = 0) -> list:
+    """``(name, shape)`` of every parameter of the unsplit causal LM, in stage order (``twinpipe.hf``'s names),
+    with ``mtp_depth`` MTP layers (DeepSeek-V3) those of the last stage's MTP layers and embedding copy last."""
     hf = _hf()
     parts = hf.model_parts(model)
     whole = hf.HFStage(parts, ["E"] + ["t"] * len(parts.layers) + ["L"], 0)
-    return [(name, tuple(p.shape)) for name, p in whole.named_model_parameters()]
+    return [(name, tuple(p.shape)) for name, p in whole.named_model_parameters()] + _hf("mtp").mtp_names(model.config, mtp_depth)
 
 
 def build_model(info: ModelInfo):
@@ -222,13 +236,14 @@ class HFStages:
     group (``mesh.dp_group``) to shard the MoE experts over, or None (every expert on every rank)."""
 
     def __init__(self, folder: str, layout: str | None = None, *, balance: str = "params", sample=None, weights: bool = False,
-                 ep_group=None):
+                 ep_group=None, mtp_depth: int = 0):
         self.folder, self.layout, self.balance, self.sample, self.weights = folder, layout, balance, sample, weights
+        self.mtp_depth = mtp_depth  # DeepSeek-V3's MTP layers on the last stage (twinpipe.hf.mtp); the trainer reads it
         self.ep_group = ep_group  # with it, MoE experts sharded over it (twinpipe.hf.experts; the trainer's dp group)
         self.built = None
 
     def parameter_names(self, model) -> list:
-        return parameter_names(model)
+        return parameter_names(model, self.mtp_depth)
 
     def row_shards(self, modules) -> set:
         """``id()`` of the parameters sharded by rows over ``ep_group`` (the experts' fused tensors, rows
@@ -243,7 +258,10 @@ class HFStages:
         trainer's tied pair (``Trainer.tied``: gradients summed once, the head left out of the norm),
         else ``()``. The head is the embedding's tensor itself where one rank holds both ends
         (``twinpipe.hf``'s ``tie="shared"``), its own copy otherwise (``"split"``)."""
-        return (("model.embed_tokens.weight", "lm_head.weight"),) if _hf().model_parts(model).tied else ()
+        pairs = (("model.embed_tokens.weight", "lm_head.weight"),) if _hf().model_parts(model).tied else ()
+        if self.mtp_depth:  # the MTP layers' embedding copy (the embedding itself where one rank holds both ends)
+            pairs += (("model.embed_tokens.weight", _hf("mtp").copy_name(model.config)),)
+        return pairs
 
     def build(self, model, schedule, pp_rank: int) -> list:
         wrap = None
@@ -251,7 +269,8 @@ class HFStages:
             _hf("experts").shard_experts_(model, self.ep_group)
             wrap = _hf("moe_layer").wrap_layer
         self.built = _hf().build(model, schedule, schedule.num_ranks, pp_rank, layout=self.layout, balance=self.balance,
-                                 sample=self.sample if self.balance == "time" else None, wrap_layer=wrap)
+                                 sample=self.sample if self.balance == "time" else None, wrap_layer=wrap,
+                                 mtp_depth=self.mtp_depth)
         if self.weights:
             self._load(self.built.modules)
         return self.built.modules
@@ -260,7 +279,8 @@ class HFStages:
         import torch
 
         names = sorted({name for m in modules for name, _ in m.named_model_parameters()})
-        tensors = _hf("weights").load(self.folder, names)
+        places = _hf("mtp").load_places(self.folder, names, self.mtp_depth)  # MTP: copies from the model's tensors
+        tensors = _hf("weights").load(self.folder, places)
         with torch.no_grad():
             for m in modules:  # a second copy of a stage on this rank (DualPipe) gets the same tensors
                 rows = {id(m.get_parameter(local)): place.rows for local, place in _hf("experts").expert_places(m).items()}

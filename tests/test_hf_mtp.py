@@ -7,6 +7,7 @@ reference. One 2-rank world for the module."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 
@@ -95,6 +96,128 @@ def _exact(schedule: str, reference, group) -> str:
     return "; ".join(problems[:6]) or "ok"
 
 
+def _is_mtp(name: str, n: int) -> bool:
+    return name.startswith("model.layers.") and int(name.split(".")[2]) >= n
+
+
+def _saved(root: Path, group) -> str:
+    """Stages with D MTP layers (values unlike their initial ones) saved from 2 ranks: DeepSeek-V3's
+    checkpoint names on disk, ``from_pretrained`` loads the main model bitwise, and stages built with
+    other initial MTP weights read every tensor back bitwise."""
+    import zlib
+
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    from twinpipe.hf.mtp import load_places, save_tensors
+    from twinpipe.hf.weights import load, save
+
+    rank = dist.get_rank(group)
+    model = _model()
+    n = model.config.num_hidden_layers
+    config = copy.deepcopy(model.config)
+    config.num_nextn_predict_layers = DEPTH  # the depths a checkpoint stores
+    stages = hf.build(model, "1f1b", 2, rank, mtp_depth=DEPTH)
+    with torch.no_grad():
+        for m in stages.modules:
+            for name, p in m.named_model_parameters():
+                if _is_mtp(name, n) and not name.endswith("embed_tokens.weight"):
+                    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                    p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    mine = save_tensors(stages.modules)
+    out = root / "saved"
+    save(out, mine, config, group=group, timeout=120)
+    problems = []
+    if rank == 0:
+        keys = set()
+        for file in out.glob("*.safetensors"):
+            with safe_open(str(file), "pt") as f:
+                keys |= set(f.keys())
+        for k in range(DEPTH):
+            for sub in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
+                        "embed_tokens.weight", "self_attn.kv_a_proj_with_mqa.weight", "mlp.experts.0.gate_proj.weight",
+                        "mlp.gate.e_score_correction_bias"):
+                if f"model.layers.{n + k}.{sub}" not in keys:
+                    problems.append(f"no key model.layers.{n + k}.{sub} on disk")
+        from transformers import AutoModelForCausalLM
+
+        back = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float64)
+        ref = dict(_model().named_parameters())
+        differ = [name for name, p in back.named_parameters() if not torch.equal(p, ref[name])]
+        if differ:
+            problems.append(f"from_pretrained: {len(differ)} tensors differ (first {differ[0]})")
+    dist.barrier(group)
+    again = hf.build(_model(), "1f1b", 2, rank, mtp_depth=DEPTH, mtp_seed=1)
+    names = [name for m in again.modules for name, _ in m.named_model_parameters()]
+    tensors = load(out, load_places(out, names, DEPTH))
+    for name in names:
+        if not torch.equal(tensors[name], mine[name]):
+            problems.append(f"{name}: read back differs")
+    if any(m.last for m in again.modules):
+        head = mine["lm_head.weight"]
+        extra = load(out, [f"model.layers.{n + k}.shared_head.head.weight" for k in range(DEPTH)])
+        if not all(torch.equal(t, head) for t in extra.values()):
+            problems.append("shared_head.head on disk is not lm_head")
+    return "; ".join(problems[:6]) or "ok"
+
+
+def _cli(root: Path, group) -> str:
+    """``twinpipe train --model DIR --mtp-depth 1`` (the command's own checks and training, in this
+    world's 2 processes; DIR: the folder ``_saved`` wrote, MTP weights included): its first loss is
+    the reference's, the unsplit model plus the checkpoint's MTP layer on the same batch."""
+    import json
+
+    import numpy as np
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import twinpipe.train.cli as cli
+    from twinpipe.hf.mtp import depth_context, mtp_layers
+    from twinpipe.hf.weights import load
+    from twinpipe.train.data import BatchSampler
+
+    rank = dist.get_rank(group)
+    folder = root / "saved"
+    tokens = root / "tokens.npy"
+    if rank == 0:
+        np.save(tokens, np.random.default_rng(0).integers(0, hf_models.VOCAB, 4000).astype(np.uint16))
+    dist.barrier(group)
+    parser = cli.argparse.ArgumentParser()
+    cli._add_arguments(parser)
+    args = parser.parse_args(["--model", str(folder), "--data", str(tokens), "--pp", "2", "--schedule", "1f1b",
+                              "--mtp-depth", "1", "--mtp-weight", str(WEIGHT), "--steps", "1", "--seq-len", str(SEQ),
+                              "--batch-size", "2", "--microbatch-size", "1", "--out", str(root / "cli")])
+    cli._check(args)
+    cli._train(args, torch.device("cpu"))
+    dist.barrier(group)
+    if rank != 0:
+        return "ok"
+    first = json.loads((root / "cli" / "train-log.json").read_text())["steps"][0]["loss"]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)  # the command's --dtype
+    layer = mtp_layers(model, 1)[0]
+    n = model.config.num_hidden_layers
+    saved = load(folder, [f"model.layers.{n}.{sub}" for sub, _ in layer.named_parameters()])
+    with torch.no_grad():
+        for sub, p in layer.named_parameters():
+            p.copy_(saved[f"model.layers.{n}.{sub}"])
+    x, y = BatchSampler(torch.from_numpy(np.load(tokens).astype(np.int64)), SEQ, seed=0).batch(0, 2)
+    captured, losses = [], []
+    model.model.norm.register_forward_hook(lambda mod, a, out: captured.append(a[0]))
+    with torch.no_grad():
+        for rows in (slice(0, 1), slice(1, 2)):
+            captured.clear()
+            logits = model(x[rows]).logits
+            h = captured[0]
+            ce = lambda z, t: F.cross_entropy(z.reshape(-1, z.shape[-1]).float(), t.reshape(-1))  # noqa: E731
+            h1 = layer(h[:, :SEQ - 1], model.model.embed_tokens(y[rows][:, :SEQ - 1]),
+                       depth_context(model.config, model.model.rotary_emb, h, SEQ - 1, None))
+            losses.append(ce(logits, y[rows]) + WEIGHT * ce(model.lm_head(layer.out_norm(h1)), y[rows][:, 1:]))
+    expected = float(torch.stack(losses).double().mean())  # the trainer's float64 vector of losses
+    return "ok" if first == expected else f"first loss {first!r} != reference {expected!r}"
+
+
 def _world(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
@@ -102,11 +225,13 @@ def _world(rank: int, world: int, root: str) -> dict:
     reference = _reference()
     group = dist.group.WORLD
     results = {}
-    for schedule in SCHEDULES:
+    named = [(s, lambda s=s: _exact(s, reference, group)) for s in SCHEDULES]
+    named += [("saved", lambda: _saved(Path(root), group)), ("cli", lambda: _cli(Path(root), group))]
+    for name, fn in named:
         try:
-            results[schedule] = _exact(schedule, reference, group)
+            results[name] = fn()
         except Exception as exc:
-            results[schedule] = f"{type(exc).__name__}: {exc}"
+            results[name] = f"{type(exc).__name__}: {exc}"
         dist.barrier()
     return results
 
@@ -120,3 +245,11 @@ def world(tmp_path_factory):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_mtp_stages_are_exact_against_the_unsplit_model(world, schedule):
     assert [r[schedule] for r in world] == ["ok", "ok"]
+
+
+def test_mtp_layers_save_under_deepseek_v3_names_and_read_back(world):
+    assert [r["saved"] for r in world] == ["ok", "ok"]
+
+
+def test_twinpipe_train_with_mtp_depth_on_a_deepseek_v3_folder_starts_at_the_reference_loss(world):
+    assert [r["cli"] for r in world] == ["ok", "ok"]

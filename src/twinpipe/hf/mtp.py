@@ -92,18 +92,20 @@ def mtp_layers(model, depth: int, *, seed: int = 0) -> nn.ModuleList:
     return layers.to(device=first.device, dtype=first.dtype)
 
 
-def mtp_names(config, depth: int) -> list[tuple[str, tuple]]:
-    """``(name, shape)`` of the parameters the last stage adds for ``depth`` MTP layers, in stage
-    order: each layer's, then the embedding copy (``model.layers.{N}.embed_tokens.weight``)."""
+def _meta_layers(config, depth: int) -> list[MTPLayer]:
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
     n = config.num_hidden_layers
-    out = []
     with torch.device("meta"):
-        for j in range(depth):
-            layer = MTPLayer(DeepseekV3DecoderLayer(config, n + j), n + j, DeepseekV3RMSNorm, config.hidden_size,
-                             config.rms_norm_eps)
-            out += [(f"model.layers.{n + j}.{sub}", tuple(p.shape)) for sub, p in layer.named_parameters()]
+        return [MTPLayer(DeepseekV3DecoderLayer(config, n + j), n + j, DeepseekV3RMSNorm, config.hidden_size,
+                         config.rms_norm_eps) for j in range(depth)]
+
+
+def mtp_names(config, depth: int) -> list[tuple[str, tuple]]:
+    """``(name, shape)`` of the parameters the last stage adds for ``depth`` MTP layers, in stage
+    order: each layer's, then the embedding copy (``model.layers.{N}.embed_tokens.weight``)."""
+    out = [(f"model.layers.{layer.index}.{sub}", tuple(p.shape)) for layer in _meta_layers(config, depth)
+           for sub, p in layer.named_parameters()]
     if depth:
         out.append((copy_name(config), (config.vocab_size, config.hidden_size)))
     return out
@@ -126,11 +128,12 @@ def copy_sources(config, depth: int) -> dict[str, str]:
 
 
 def checkpoint_names(config, depth: int) -> list[tuple[str, tuple]]:
-    """Every tensor a DeepSeek-V3 checkpoint stores for ``depth`` MTP layers, with its shape."""
-    shapes = dict(mtp_names(config, depth))
-    shapes.pop(copy_name(config), None)
+    """Every tensor a DeepSeek-V3 checkpoint stores for ``depth`` MTP layers (parameters and persistent
+    buffers: the routing bias), with its shape."""
     table = (config.vocab_size, config.hidden_size)
-    return list(shapes.items()) + [(name, table) for name in copy_sources(config, depth)]
+    own = [(f"model.layers.{layer.index}.{key}", tuple(t.shape)) for layer in _meta_layers(config, depth)
+           for key, t in layer.state_dict().items()]
+    return own + [(name, table) for name in copy_sources(config, depth)]
 
 
 def checkpoint_meta(config) -> list[tuple[str, torch.Tensor]]:
@@ -173,15 +176,17 @@ def _folder_config(model_dir):
 
 
 def save_tensors(modules) -> dict:
-    """``{name: tensor}`` of stage ``modules`` for ``twinpipe.hf.weights.save``: their parameters, and
-    for a last stage with MTP layers the copies DeepSeek-V3's checkpoints store with each layer
+    """``{name: tensor}`` of stage ``modules`` for ``twinpipe.hf.weights.save``: their parameters and
+    persistent buffers (DeepSeek-V3's routing biases) by their names in the unsplit model, and for a
+    last stage with MTP layers the copies DeepSeek-V3's checkpoints store with each layer
     (``embed_tokens`` from the embedding copy, ``shared_head.head`` from ``lm_head``)."""
     out = {}
     for module in modules:
-        for name, p in module.named_model_parameters():
-            out.setdefault(name, p.detach())
-        if getattr(module, "mtp", None) is not None:
-            for name, source in copy_sources(module.config, len(module.mtp)).items():
+        for name, t in [*module.named_model_parameters(), *module.named_model_buffers()]:
+            out.setdefault(name, t.detach())
+        mtp = getattr(module, "mtp", None)
+        if mtp is not None:
+            for name, source in copy_sources(module.config, len(mtp)).items():
                 out.setdefault(name, (module.mtp_embed if source == EMBED else module.lm_head.weight).detach())
     return out
 

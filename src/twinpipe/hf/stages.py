@@ -88,6 +88,20 @@ class HFStage(nn.Module):
                         yield f"model.layers.{layer.index}.{sub}", p
                 yield mtp_copy_name(self.config), self.mtp_embed
 
+    def named_model_buffers(self):
+        """``(name in the unsplit model, buffer)`` of the persistent buffers (those a checkpoint stores:
+        DeepSeek-V3's routing biases ``mlp.gate.e_score_correction_bias``), in model order."""
+        held = [("model.embed_tokens.", self.embed_tokens)] if self.first else []
+        held += [(f"model.layers.{i}.", layer) for i, layer in self.layers.items()]
+        if self.last:
+            held += [("model.norm.", self.norm), ("lm_head.", self.lm_head)]
+        held += [(f"model.layers.{layer.index}.", layer) for layer in getattr(self, "mtp", ())]
+        for prefix, sub in held:
+            params = {key for key, _ in sub.named_parameters()}
+            for key, t in sub.state_dict(keep_vars=True).items():
+                if key not in params:
+                    yield prefix + key, t
+
     # ------------------------------------------------------------------ MTP (twinpipe.hf.mtp, train.mtp.MTPLoss)
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The shared output head without the final norm (each MTP layer applies its own first)."""

@@ -278,14 +278,16 @@ class HFStages:
     def _load(self, modules) -> None:
         import torch
 
-        names = sorted({name for m in modules for name, _ in m.named_model_parameters()})
-        places = _hf("mtp").load_places(self.folder, names, self.mtp_depth)  # MTP: copies from the model's tensors
+        # Parameters and persistent buffers (DeepSeek-V3's routing biases); MTP: the copies from the model's tensors.
+        names = sorted({name for m in modules for name, _ in [*m.named_model_parameters(), *m.named_model_buffers()]})
+        places = _hf("mtp").load_places(self.folder, names, self.mtp_depth)
         tensors = _hf("weights").load(self.folder, places)
         with torch.no_grad():
             for m in modules:  # a second copy of a stage on this rank (DualPipe) gets the same tensors
                 rows = {id(m.get_parameter(local)): place.rows for local, place in _hf("experts").expert_places(m).items()}
-                for name, p in m.named_model_parameters():  # sharded experts: this rank's rows
-                    p.copy_(tensors[name][list(rows[id(p)])] if id(p) in rows else tensors[name])
+                for name, p in [*m.named_model_parameters(), *m.named_model_buffers()]:  # sharded experts: this rank's rows
+                    if name in tensors:  # (an MTP layer the checkpoint lacks keeps its initial values)
+                        p.copy_(tensors[name][list(rows[id(p)])] if id(p) in rows else tensors[name])
 
     def batch(self, layout, x, y) -> tuple:
         import torch

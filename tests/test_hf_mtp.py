@@ -253,3 +253,46 @@ def test_mtp_layers_save_under_deepseek_v3_names_and_read_back(world):
 
 def test_twinpipe_train_with_mtp_depth_on_a_deepseek_v3_folder_starts_at_the_reference_loss(world):
     assert [r["cli"] for r in world] == ["ok", "ok"]
+
+
+# ---- without a world: what is refused, and "config"
+
+def test_mtp_depth_config_reads_num_nextn_predict_layers_and_the_last_stage_holds_that_many():
+    model = _model()
+    model.config.num_nextn_predict_layers = 2
+    stages = hf.build(model, "1f1b", 2, 1, mtp_depth="config")
+    (last,) = stages.modules
+    assert stages.mtp_depth == 2 and [layer.index for layer in last.mtp] == [2, 3]
+    assert stages._tied_keys == ("embed", "mtp_embed") and last.mtp_embed is not model.model.embed_tokens.weight
+    assert isinstance(stages.criterion, hf.mtp.HFMTPLoss)
+    with pytest.raises(ValueError, match=r"input_ids=\(4, 3\): must have more than mtp_depth \+ 1 = 3 tokens"):
+        stages.batch(*hf_models.batch(4, 3, seed=1), num_chunks=4)
+
+
+def test_a_v_schedule_gives_the_mtp_layers_the_embedding_itself():
+    model = _model()
+    stages = hf.build(model, "dualpipev", 2, 0, mtp_depth=1)
+    last = [m for m in stages.modules if m.last][0]
+    assert last.mtp_embed is model.model.embed_tokens.weight and stages._tied_keys == ()
+
+
+@pytest.mark.parametrize("arch, options, message", [
+    ("llama", {}, r"mtp_depth=1: must be 0 for model_type='llama': multi-token prediction is built for DeepSeek-V3"),
+    ("deepseek_v3", {"tied": True}, r"mtp_depth=1: must be 0 with tied input/output embeddings"),
+])
+def test_mtp_on_another_model_is_refused_by_name(arch, options, message):
+    with pytest.raises(ValueError, match=message):
+        hf.build(hf_models.model(arch, layers=2, **options), "1f1b", 2, 1, mtp_depth=1)
+
+
+def test_twinpipe_train_refuses_mtp_depth_for_a_llama_folder_before_any_process_starts(tmp_path, capsys):
+    import twinpipe.train.cli as cli
+
+    parser = cli.argparse.ArgumentParser()
+    cli._add_arguments(parser)
+    llama = Path(__file__).parent / "data" / "tiny-llama"
+    args = parser.parse_args(["--model", str(llama), "--pp", "2", "--mtp-depth", "1", "--steps", "1", "--seq-len", "8",
+                              "--batch-size", "2", "--microbatch-size", "1", "--out", str(tmp_path / "out")])
+    assert cli.run_train(args) == 2
+    err = capsys.readouterr().err
+    assert "--mtp-depth=1: must be 0 for model_type='llama'" in err and "Traceback" not in err

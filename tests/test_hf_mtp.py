@@ -285,14 +285,18 @@ def test_mtp_on_another_model_is_refused_by_name(arch, options, message):
         hf.build(hf_models.model(arch, layers=2, **options), "1f1b", 2, 1, mtp_depth=1)
 
 
-def test_twinpipe_train_refuses_mtp_depth_for_a_llama_folder_before_any_process_starts(tmp_path, capsys):
+@pytest.mark.parametrize("folder, more, message", [
+    ("tiny-llama", [], "--mtp-depth=1: must be 0 for model_type='llama'"),
+    ("tiny-deepseek-v3", ["--dp", "2", "--ep", "2"], "--mtp-depth=1: not with --ep=2"),
+])
+def test_twinpipe_train_refuses_mtp_depth_before_any_process_starts(tmp_path, capsys, folder, more, message):
     import twinpipe.train.cli as cli
 
     parser = cli.argparse.ArgumentParser()
     cli._add_arguments(parser)
-    llama = Path(__file__).parent / "data" / "tiny-llama"
-    args = parser.parse_args(["--model", str(llama), "--pp", "2", "--mtp-depth", "1", "--steps", "1", "--seq-len", "8",
-                              "--batch-size", "2", "--microbatch-size", "1", "--out", str(tmp_path / "out")])
+    args = parser.parse_args(["--model", str(Path(__file__).parent / "data" / folder), "--pp", "2", "--mtp-depth", "1",
+                              "--steps", "1", "--seq-len", "8", "--batch-size", "4", "--microbatch-size", "1",
+                              "--out", str(tmp_path / "out"), *more])
     assert cli.run_train(args) == 2
     err = capsys.readouterr().err
-    assert "--mtp-depth=1: must be 0 for model_type='llama'" in err and "Traceback" not in err
+    assert message in err and "Traceback" not in err

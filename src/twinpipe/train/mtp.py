@@ -84,7 +84,9 @@ class MTPLoss:
 
     ``head`` is the model's last layer as the stage holds it: its output is ``(logits, hidden)``
     and it has ``mtp`` (the D ``MTPModule``s), ``mtp_embed`` (the embedding copy, a [vocab, d]
-    parameter) and ``logits(h)`` (the shared output head)."""
+    parameter) and ``logits(h)`` (the shared output head). A ``twinpipe.hf`` last stage also has
+    ``mtp_embedding(ids)`` (the embedding through the copy, with the model's padding row) and
+    ``mtp_block_kwargs(hidden, length)`` (its layers' ``ctx``), which are used when present."""
 
     def __init__(self, loss_fn: Callable, head: nn.Module, weight: float):
         self.loss_fn, self.head = loss_fn, head

@@ -300,3 +300,20 @@ def test_twinpipe_train_refuses_mtp_depth_before_any_process_starts(tmp_path, ca
     assert cli.run_train(args) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_twinpipe_train_reads_deepseek_v3_routing_biases_from_a_checkpoint(tmp_path):
+    """``HFStages`` with weights fills the persistent buffers too: DeepSeek-V3's
+    ``e_score_correction_bias`` (drawn at random here) is the checkpoint's, not its initial zeros."""
+    from transformers import AutoModelForCausalLM
+
+    from twinpipe.schedule.spec import resolve
+    from twinpipe.train.cli_model import HFStages
+
+    saved = hf_models.model("deepseek_v3", layers=2)
+    saved.save_pretrained(str(tmp_path))
+    fresh = AutoModelForCausalLM.from_config(saved.config, dtype=torch.float64)
+    (stage,) = HFStages(str(tmp_path), "E,t|t,L", weights=True).build(fresh, resolve("1f1b", 2), 1)
+    bias = stage.layers["1"].mlp.gate.e_score_correction_bias
+    assert torch.equal(bias, saved.model.layers[1].mlp.gate.e_score_correction_bias)
+    assert list(dict(stage.named_model_buffers())) == ["model.layers.1.mlp.gate.e_score_correction_bias"]

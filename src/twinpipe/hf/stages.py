@@ -431,10 +431,12 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
         items = balanced_layout(weights, n_stages)
     mine = list(spec.stages_of(rank))
     model_stages = [placement.model_stage(s) for s in mine]
+    # One rank holds both ends, one copy of each (a V schedule): decided from the placement alone, so that
+    # every rank decides alike. Then a tied head and the MTP layers' embedding are the embedding itself.
+    both_ends = placement.num_stages == n_stages and placement.rank_of(0) == placement.rank_of(n_stages - 1)
     tie = "none"
-    if parts.tied:  # decided from the placement alone, so that every rank decides alike
-        one_copy = placement.num_stages == n_stages
-        tie = "shared" if one_copy and placement.rank_of(0) == placement.rank_of(n_stages - 1) else "split"
+    if parts.tied:
+        tie = "shared" if both_ends else "split"
     starts = [sum(stage.count("t") for stage in items[:k]) for k in range(n_stages)]
     layers = {k: decoder_layers(parts, range(starts[k], starts[k] + items[k].count("t")), wrap_layer)
               for k in sorted(set(model_stages))}
@@ -445,8 +447,6 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
         # overlap engine cuts the graph: their gradients would be run twice.
         raise bad("wrap_layer", wrap_layer, "gives layers that declare parts, and the router auxiliary loss is on: the "
                                             "two do not go together yet; set config.output_router_logits=False")
-    # The MTP layers' embedding: the embedding itself where one rank holds both ends, else a copy.
-    both_ends = placement.num_stages == n_stages and placement.rank_of(0) == placement.rank_of(n_stages - 1)
     if depth and sum(items[k][-1] == "L" for k in model_stages) > 1:
         raise bad("mtp_depth", depth, f"must be 0 for {spec.name} on {num_ranks} ranks: rank {rank} holds two copies of "
                                       "the last stage, and the MTP layers run in the one criterion of a rank")

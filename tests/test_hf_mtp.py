@@ -317,3 +317,32 @@ def test_twinpipe_train_reads_deepseek_v3_routing_biases_from_a_checkpoint(tmp_p
     bias = stage.layers["1"].mlp.gate.e_score_correction_bias
     assert torch.equal(bias, saved.model.layers[1].mlp.gate.e_score_correction_bias)
     assert list(dict(stage.named_model_buffers())) == ["model.layers.1.mlp.gate.e_score_correction_bias"]
+
+
+def test_an_mtp_layer_computes_what_transformers_mtp_layer_computes_with_the_same_weights():
+    """The checkpoint's order and norms: ``transformers``' own ``MtpLayer`` (which reads DeepSeek-V3's
+    released MTP weights) given our layer's weights gives ``shared_head.norm`` of our h^k, bitwise."""
+    modeling_layers = pytest.importorskip("transformers.modeling_layers")
+    if not hasattr(modeling_layers, "MtpLayer"):
+        pytest.skip("this transformers has no MtpLayer")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    from twinpipe.hf.mtp import depth_context, mtp_layers
+
+    model = _model()
+    (ours,) = mtp_layers(model, 1)
+    theirs = modeling_layers.MtpLayer(model.config, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, model.config.num_hidden_layers,
+                                      use_post_norm=True).to(torch.float64)
+    renamed = {"shared_head.norm.weight": "post_norm.weight"}
+    mine = {renamed.get(k, k if k.split(".")[0] in ("enorm", "hnorm", "eh_proj") else f"mtp_block.{k}"): v
+            for k, v in ours.state_dict().items()}
+    theirs.load_state_dict(mine)
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(2, 6, model.config.hidden_size, generator=g, dtype=torch.float64)
+    e = torch.randn(2, 6, model.config.hidden_size, generator=g, dtype=torch.float64)
+    ctx = depth_context(model.config, model.model.rotary_emb, h, 6, None)
+    with torch.no_grad():
+        expected = theirs(e, h, position_embeddings=ctx.position_embeddings, attention_mask=ctx.masks["full_attention"],
+                          position_ids=ctx.position_ids, cache=None)
+        got = ours.out_norm(ours(h, e, ctx))
+    assert torch.equal(got, expected)

@@ -8,8 +8,8 @@ with, around it, the checkpoint's ``enorm``, ``hnorm``, ``eh_proj`` and ``shared
     logits^k_i = lm_head( shared_head.norm(h^k_i) )      (predicts t_{i+k+1})
 
 h^0 is the main model's last hidden state before ``model.norm`` (twinpipe.train.mtp's definition);
-the embedding comes first in the concatenation, as DeepSeek-V3's checkpoints are laid out (and as
-``transformers``' own ``MtpLayer`` and vLLM read them). Emb and lm_head are the model's: the stage
+the embedding comes first in the concatenation, as ``transformers``' own ``MtpLayer`` reads
+DeepSeek-V3's checkpoints (tests/test_hf_mtp.py compares the two). Emb and lm_head are the model's: the stage
 holds lm_head, and the embedding itself where one rank holds both ends (a V schedule), else a copy
 (``mtp_embed``) whose gradient is summed with the embedding's by the tied-pair rule
 (``HFPipelineStages.sync_tied_grads``; under ``twinpipe.train.Trainer``, its ``tied_copies``).

@@ -319,6 +319,23 @@ def test_twinpipe_train_reads_deepseek_v3_routing_biases_from_a_checkpoint(tmp_p
     assert list(dict(stage.named_model_buffers())) == ["model.layers.1.mlp.gate.e_score_correction_bias"]
 
 
+def test_a_checkpoint_without_mtp_layers_leaves_them_at_their_initial_values(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from twinpipe.hf.mtp import mtp_layers
+    from twinpipe.schedule.spec import resolve
+    from twinpipe.train.cli_model import HFStages
+
+    saved = hf_models.model("deepseek_v3", layers=2)
+    saved.save_pretrained(str(tmp_path))  # the main model only
+    fresh = AutoModelForCausalLM.from_config(saved.config, dtype=torch.float64)
+    (stage,) = HFStages(str(tmp_path), "E,t|t,L", weights=True, mtp_depth=1).build(fresh, resolve("1f1b", 2), 1)
+    initial = dict(mtp_layers(fresh, 1)[0].state_dict())
+    assert all(torch.equal(t, initial[k]) for k, t in stage.mtp[0].state_dict().items())
+    assert torch.equal(stage.mtp_embed, saved.model.embed_tokens.weight)  # the copy: the checkpoint's embedding
+    assert torch.equal(stage.lm_head.weight, saved.lm_head.weight)
+
+
 def test_an_mtp_layer_computes_what_transformers_mtp_layer_computes_with_the_same_weights():
     """The checkpoint's order and norms: ``transformers``' own ``MtpLayer`` (which reads DeepSeek-V3's
     released MTP weights) given our layer's weights gives ``shared_head.norm`` of our h^k, bitwise."""

@@ -245,6 +245,10 @@ COMMANDS: list[Command] = [
             "twinpipe train --model tests/data/tiny-llama --data tokens.npy --pp 2 --schedule zb-h1 --layout \"E,t*2|t*2,L\" "
             "--steps 2 --seq-len 16 --batch-size 4", DATA_SMALL, folder="train-data", copy=("tests/data/tiny-llama",),
             files=TRAIN_FILES, stdout=("llama (tests/data/tiny-llama)",)),
+    Command("twinpipe train --model tests/data/tiny-deepseek-v3 --data tokens.npy --pp 2 --mtp-depth 1 --steps 50",
+            "twinpipe train --model tests/data/tiny-deepseek-v3 --data tokens.npy --pp 2 --mtp-depth 1 --steps 2 --seq-len 16 "
+            "--batch-size 4", DATA_SMALL, folder="train-data", copy=("tests/data/tiny-deepseek-v3",), files=TRAIN_FILES,
+            stdout=("deepseek_v3 (tests/data/tiny-deepseek-v3)",)),
     _help("twinpipe train --data train.bin --data-dtype uint16"),
     _help('twinpipe train --model DIR --data "notes/*.txt"'),
     Command("torchrun --standalone --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda",

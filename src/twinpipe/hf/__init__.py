@@ -2,7 +2,8 @@
 
 ``build(model, schedule, num_ranks, rank, layout=...)`` gives one rank its stage modules, the
 criterion and the batch split (docs/hf.md); ``twinpipe.hf.weights`` reads and writes the
-model's safetensors checkpoints per stage (``load``, ``load_into``, ``save``). Importing ``twinpipe`` does not import
+model's safetensors checkpoints per stage (``load``, ``load_into``, ``save``); ``twinpipe.hf.mtp`` holds
+DeepSeek-V3's multi-token prediction layers (``build(..., mtp_depth=D)``). Importing ``twinpipe`` does not import
 ``transformers``; the stages import it when they first run.
 """
 

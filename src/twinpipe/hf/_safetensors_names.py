@@ -65,6 +65,14 @@ class ModelNames:
                              f"transformers builds no causal LM from it ({str(error).splitlines()[0]})") from None
         self.model_class = type(model).__name__
         self.meta = model.state_dict()
+        # DeepSeek-V3's MTP layers (config.num_nextn_predict_layers), stored after the model's layers: known
+        # to load and save, not required in a checkpoint (twinpipe.hf.mtp).
+        from twinpipe.hf.mtp import checkpoint_meta
+
+        self.optional: set[str] = set()
+        for name, tensor in checkpoint_meta(config):
+            self.meta[name] = tensor
+            self.optional.add(name)
         self.shapes: dict[str, tuple[int, ...]] = {k: tuple(v.shape) for k, v in self.meta.items()}
         tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
         self.tied: dict[str, str] = {t: s for t, s in tied.items() if t in self.shapes and s in self.shapes}
@@ -96,8 +104,9 @@ class ModelNames:
         return self.tied.get(name, name)
 
     def stored(self) -> list[str]:
-        """Every tensor a checkpoint of this model holds (tied weights once), in the model's order."""
-        return [n for n in self.shapes if n not in self.tied]
+        """Every tensor a checkpoint of this model holds (tied weights once), in the model's order; not the
+        optional ones (MTP layers)."""
+        return [n for n in self.shapes if n not in self.tied and n not in self.optional]
 
     def refuse_unsupported(self, name: str, where: str) -> None:
         if name in self._unsupported:

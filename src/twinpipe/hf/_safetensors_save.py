@@ -122,7 +122,8 @@ def make_plan(names: ModelNames, said: list[dict]) -> _Plan:
                         raise ValueError(f"ranks {first[0]} and {rank} hold different values of {_unit(unit)} (copies that "
                                          "must be equal, DualPipe's mirrored ones or data-parallel replicas, have drifted apart)")
     missing = []
-    for name in names.stored():
+    optional = sorted(names.optional) if any(unit[0] in names.optional for unit in holders) else []  # all or none
+    for name in names.stored() + optional:
         units = [(name, r) for r in range(names.shapes[name][0])] if name in names.fused else [(name, None)]
         lacking = [u for u in units if u not in holders]
         if lacking:
@@ -182,7 +183,7 @@ def _write_shared(folder: Path, names: ModelNames, plan: _Plan, config) -> None:
                 weight_map[key] = plan.files[rank]
         else:
             weight_map[names.disk_key(name)] = plan.files[rank]
-    for name in stored:
+    for name in plan.dtypes:  # every tensor written (the optional ones too)
         numel = 1
         for d in names.shapes[name]:
             numel *= d

@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_choice, check_int
+from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_choice, check_float, check_int
 from twinpipe.hf.layer import Context, DecoderLayer, drops_router_logits
 from twinpipe.hf.layout import BALANCE, balanced_layout, format_layout, parse_layout
+from twinpipe.hf.mtp import HFMTPLoss, copy_name as mtp_copy_name, depth_context, depth_counts, mtp_depth_of, mtp_layers
 from twinpipe.hf.support import ModelParts, model_parts
 from twinpipe.overlap import stage as overlap_stage
 from twinpipe.overlap.parts import Compute
@@ -41,7 +42,8 @@ class HFStage(nn.Module):
     names they have in the unsplit model (``model.layers.3.mlp...``, ``lm_head.weight``)."""
 
     def __init__(self, parts: ModelParts, items: Sequence[str], first_layer: int, *, rotary: str = "recompute",
-                 head: nn.Module | None = None, layers: dict | None = None):
+                 head: nn.Module | None = None, layers: dict | None = None, mtp: nn.ModuleList | None = None,
+                 mtp_embed: nn.Parameter | None = None):
         super().__init__()
         self.items = tuple(items)
         self.first, self.last = self.items[0] == "E", self.items[-1] == "L"
@@ -61,6 +63,10 @@ class HFStage(nn.Module):
         if self.last:
             self.norm = parts.norm
             self.lm_head = head if head is not None else parts.lm_head
+        if self.last and mtp is not None and len(mtp):  # multi-token prediction (twinpipe.hf.mtp)
+            self.mtp, self.mtp_embed = mtp, mtp_embed
+            self.rotary_emb = parts.rotary_emb
+            self._mtp_padding = parts.embed_tokens.padding_idx
 
     # ------------------------------------------------------------------ names in the unsplit model
     def named_model_parameters(self):
@@ -76,6 +82,38 @@ class HFStage(nn.Module):
                 yield f"model.norm.{sub}", p
             for sub, p in self.lm_head.named_parameters():
                 yield f"lm_head.{sub}", p
+            if hasattr(self, "mtp"):
+                for layer in self.mtp:
+                    for sub, p in layer.named_parameters():
+                        yield f"model.layers.{layer.index}.{sub}", p
+                yield mtp_copy_name(self.config), self.mtp_embed
+
+    def named_model_buffers(self):
+        """``(name in the unsplit model, buffer)`` of the persistent buffers (those a checkpoint stores:
+        DeepSeek-V3's routing biases ``mlp.gate.e_score_correction_bias``), in model order."""
+        held = [("model.embed_tokens.", self.embed_tokens)] if self.first else []
+        held += [(f"model.layers.{i}.", layer) for i, layer in self.layers.items()]
+        if self.last:
+            held += [("model.norm.", self.norm), ("lm_head.", self.lm_head)]
+        held += [(f"model.layers.{layer.index}.", layer) for layer in getattr(self, "mtp", ())]
+        for prefix, sub in held:
+            params = {key for key, _ in sub.named_parameters()}
+            for key, t in sub.state_dict(keep_vars=True).items():
+                if key not in params:
+                    yield prefix + key, t
+
+    # ------------------------------------------------------------------ MTP (twinpipe.hf.mtp, train.mtp.MTPLoss)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The shared output head without the final norm (each MTP layer applies its own first)."""
+        return self.lm_head(hidden)
+
+    def mtp_embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embedding, through the last stage's copy (or the embedding itself)."""
+        return torch.nn.functional.embedding(ids, self.mtp_embed, self._mtp_padding)
+
+    def mtp_block_kwargs(self, hidden: torch.Tensor, length: int, attention_mask: torch.Tensor | None = None) -> dict:
+        """An MTP layer's arguments for the first ``length`` positions (``attention_mask``: the padding mask)."""
+        return {"ctx": depth_context(self.config, self.rotary_emb, hidden, length, attention_mask)}
 
     # ------------------------------------------------------------------ the flow (see layer.py)
     def enter(self, *flow) -> tuple:
@@ -112,6 +150,8 @@ class HFStage(nn.Module):
             aux = _fold_router_logits(ctx.aux_sums, ctx.router_logits, ctx.attention_mask, self.aux[0], self.aux[1])
         if self.last:
             logits = self.lm_head(self.norm(hidden))
+            if hasattr(self, "mtp"):  # h^0 for the MTP layers, which run in the criterion
+                return (logits, hidden, *aux)
             return (logits, *aux)
         passed = tuple(ctx.position_embeddings) if self.rotary == "pass" else ()
         return (hidden, ctx.attention_mask, *passed, *aux)
@@ -235,12 +275,14 @@ class HFPipelineStages:
     spec: ScheduleSpec
     rank: int
     layout: str  # the layout string, resolved
-    criterion: CausalLMLoss
+    criterion: CausalLMLoss  # HFMTPLoss with mtp_depth
     tie: str  # "none" (untied), "shared" (this placement holds both ends on one rank, one parameter), "split"
     rotary: str
-    _ends: dict = field(default_factory=dict)  # "embed"/"head" -> [(stage, chain, parameter)] on this rank
+    _ends: dict = field(default_factory=dict)  # "embed"/"head"/"mtp_embed" -> [(stage, chain, parameter)] on this rank
     _tied_like: tuple = ()  # (shape, dtype, device) of the tied weight
     facts: dict = field(default_factory=dict)  # what every rank must have alike (pipeline() checks)
+    mtp_depth: int = 0  # MTP layers on the last stage (twinpipe.hf.mtp)
+    _tied_keys: tuple = ()  # the ends whose gradients sync_tied_grads sums: ("embed", "head" or "mtp_embed")
 
     @property
     def stages(self) -> tuple:
@@ -295,6 +337,13 @@ class HFPipelineStages:
         n = count_items(labels) if num_items is None else check_int(num_items, "num_items", low=1)
         if n == 0:
             raise bad("labels", "...", "must count at least one token (all are -100 after the shift)")
+        if self.mtp_depth:  # each depth's count, and the tokens and mask its layers read, to the last stage
+            if self.mtp_depth >= input_ids.shape[1] - 1:
+                raise bad("input_ids", _shape(input_ids), f"must have more than mtp_depth + 1 = {self.mtp_depth + 1} "
+                                                          "tokens per row (the last MTP depth predicts that far ahead)")
+            counts = torch.tensor([n] + depth_counts(labels, self.mtp_depth)[1:], dtype=torch.long, device=labels.device)
+            counts = counts.expand(labels.shape[0], -1).contiguous()
+            return inputs, layout.labels(labels, counts, input_ids, attention_mask.to(torch.long))
         counts = torch.full((labels.shape[0],), n, dtype=torch.long, device=labels.device)
         return inputs, layout.labels(labels, counts)
 
@@ -305,14 +354,15 @@ class HFPipelineStages:
         self.sync_tied_grads(pipe, timeout)
 
     def sync_tied_grads(self, pipe, timeout: float | None = None) -> None:
-        """With tied input/output embeddings held by different stages (``tie == "split"``): give
-        the embedding and every copy of the head the sum of the embedding's and the head's
+        """With tied input/output embeddings held by different stages (``tie == "split"``), or the
+        MTP layers' embedding copy on another rank than the embedding: give the embedding and every
+        copy of the head (of the MTP embedding) the sum of the embedding's and the head's (copy's)
         gradients, bitwise equal everywhere (one all-reduce over the pipeline's group, to which
         only the first copy of each end adds). A no-op otherwise, on every rank. Call it after
         ``sync_mirrored_grads`` (``sync_grads`` does both)."""
-        if self.tie != "split":
+        if not self._tied_keys:
             return
-        mine = [(p, chain) for key in ("embed", "head") for _, chain, p in self._ends.get(key, [])]
+        mine = [(p, chain) for key in self._tied_keys for _, chain, p in self._ends.get(key, [])]
         shape, dtype, device = self._tied_like
         total = torch.zeros(shape, dtype=dtype, device=device)
         for p, chain in mine:
@@ -332,7 +382,8 @@ def _shape(value):
 def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | None = None, rank: int | None = None, *,
           layout: str | None = None, balance: str = "params", sample: torch.Tensor | None = None,
           rotary: str = "recompute", defer: bool = True, untested: bool = False, process_group=None,
-          wrap_layer=None, **schedule_options) -> HFPipelineStages:
+          wrap_layer=None, mtp_depth: int | str = 0, mtp_weight: float = 0.3, mtp_seed: int = 0,
+          **schedule_options) -> HFPipelineStages:
     """Rank ``rank``'s stages of ``model`` (a ``transformers`` causal LM) under ``schedule`` on
     ``num_ranks`` ranks (both default to the process group's, when torch.distributed is up).
 
@@ -349,6 +400,9 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
     ``wrap_layer``: called with each ``DecoderLayer`` this rank builds, returns the layer to use (a
     ``DecoderLayer`` subclass, e.g. a MoE layer declaring ``parts()`` for the F&B overlap; when one
     of this rank's layers declares parts, all its stages are ``HFPartedStage``).
+    ``mtp_depth`` (DeepSeek-V3): D multi-token prediction layers on the last stage (``twinpipe.hf.mtp``;
+    ``"config"``: the config's ``num_nextn_predict_layers``), initialised from ``mtp_seed`` alike on
+    every rank; the criterion is then ``HFMTPLoss``: main loss + ``mtp_weight`` / D x the depths' losses.
     """
     parts = model_parts(model, untested=untested)
     if dist.is_initialized():
@@ -360,6 +414,11 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
     check_int(rank, "rank", low=0, high=num_ranks - 1)
     check_choice(rotary, "rotary", ROTARY)
     check_bool(defer, "defer")
+    depth = mtp_depth_of(model, mtp_depth)
+    check_float(mtp_weight, "mtp_weight", low=0.0)
+    check_int(mtp_seed, "mtp_seed", low=0)
+    if depth and parts.aux:
+        raise bad("mtp_depth", depth, "must be 0 with the router auxiliary loss on (output_router_logits)")
     spec = resolve(schedule, num_ranks, **schedule_options)
     placement = spec.placement
     n_stages = placement.num_model_stages
@@ -372,10 +431,12 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
         items = balanced_layout(weights, n_stages)
     mine = list(spec.stages_of(rank))
     model_stages = [placement.model_stage(s) for s in mine]
+    # One rank holds both ends, one copy of each (a V schedule): decided from the placement alone, so that
+    # every rank decides alike. Then a tied head and the MTP layers' embedding are the embedding itself.
+    both_ends = placement.num_stages == n_stages and placement.rank_of(0) == placement.rank_of(n_stages - 1)
     tie = "none"
-    if parts.tied:  # decided from the placement alone, so that every rank decides alike
-        one_copy = placement.num_stages == n_stages
-        tie = "shared" if one_copy and placement.rank_of(0) == placement.rank_of(n_stages - 1) else "split"
+    if parts.tied:
+        tie = "shared" if both_ends else "split"
     starts = [sum(stage.count("t") for stage in items[:k]) for k in range(n_stages)]
     layers = {k: decoder_layers(parts, range(starts[k], starts[k] + items[k].count("t")), wrap_layer)
               for k in sorted(set(model_stages))}
@@ -387,12 +448,19 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
         raise bad("wrap_layer", wrap_layer, f"gives layers that declare parts, and the router auxiliary loss is on: layers "
                   f"{drops} have a router whose logits their parts do not carry (twinpipe.hf.moe_layer.MoEDecoderLayer "
                   "does, on a model sharded by shard_experts_); or set config.output_router_logits=False")
+    if depth and sum(items[k][-1] == "L" for k in model_stages) > 1:
+        raise bad("mtp_depth", depth, f"must be 0 for {spec.name} on {num_ranks} ranks: rank {rank} holds two copies of "
+                                      "the last stage, and the MTP layers run in the one criterion of a rank")
     modules, ends, built = [], {}, set()
     for s, k in zip(mine, model_stages):
-        head = None
+        head = mtp = mtp_embed = None
         if items[k][-1] == "L" and tie == "split":
             head = copy.deepcopy(parts.lm_head)  # its own parameter, equal to the embedding
-        module = kind(parts, items[k], starts[k], rotary=rotary, head=head, layers=layers[k])
+        if items[k][-1] == "L" and depth:
+            mtp = mtp_layers(model, depth, seed=mtp_seed)
+            weight = parts.embed_tokens.weight
+            mtp_embed = weight if both_ends else nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+        module = kind(parts, items[k], starts[k], rotary=rotary, head=head, layers=layers[k], mtp=mtp, mtp_embed=mtp_embed)
         if k in built:  # a second copy of one model stage on this rank
             module = copy.deepcopy(module)
         built.add(k)
@@ -403,14 +471,22 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
             ends.setdefault("embed", []).append((s, chain, module.embed_tokens.weight))
         if module.last:
             ends.setdefault("head", []).append((s, chain, module.lm_head.weight))
+            if depth:
+                ends.setdefault("mtp_embed", []).append((s, chain, module.mtp_embed))
         modules.append(module)
     criterion = CausalLMLoss(model.loss_function, parts.config.vocab_size, parts.aux)
+    if depth:
+        last = [m for m in modules if m.last]
+        criterion = HFMTPLoss(criterion, last[0] if last else None, float(mtp_weight), depth)
+    tied_keys = ("embed", "head") if tie == "split" else ("embed", "mtp_embed") if depth and not both_ends else ()
     weight = parts.embed_tokens.weight
     return HFPipelineStages(modules=modules, spec=spec, rank=rank, layout=format_layout(items), criterion=criterion,
                             tie=tie, rotary=rotary, _ends=ends, _tied_like=(tuple(weight.shape), weight.dtype, weight.device),
                             facts={"model": type(model).__name__, "layers": n_layers, "vocab": int(parts.config.vocab_size),
                                    "hidden": int(parts.config.hidden_size), "aux": list(parts.aux or ()),
-                                   "layout": format_layout(items), "rotary": rotary, "tie": tie})
+                                   "layout": format_layout(items), "rotary": rotary, "tie": tie, "mtp_depth": depth,
+                                   "mtp_weight": float(mtp_weight) if depth else 0.0, "mtp_seed": mtp_seed if depth else 0},
+                            mtp_depth=depth, _tied_keys=tied_keys)
 
 
 def _param_weights(parts: ModelParts) -> list[float]:

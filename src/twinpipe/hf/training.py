@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from twinpipe.hf.experts import FUSED, EPMoE, expert_places, shard_experts_
 from twinpipe.hf.moe_layer import wrap_layer
+from twinpipe.hf.mtp import copy_name, load_places, mtp_names
 from twinpipe.hf.stages import HFStage, build
 from twinpipe.hf.support import model_parts
 from twinpipe.hf.weights import Place, load
@@ -13,11 +14,12 @@ from twinpipe.hf.weights import Place, load
 __all__ = ["HFStages", "TokenLoss", "parameter_names"]
 
 
-def parameter_names(model) -> list:
-    """``(name, shape)`` of every parameter of the unsplit causal LM, in stage order (``twinpipe.hf``'s names)."""
+def parameter_names(model, mtp_depth: int = 0) -> list:
+    """``(name, shape)`` of every parameter of the unsplit causal LM, in stage order (``twinpipe.hf``'s names),
+    with ``mtp_depth`` MTP layers (DeepSeek-V3) those of the last stage's MTP layers and embedding copy last."""
     parts = model_parts(model)
     whole = HFStage(parts, ["E"] + ["t"] * len(parts.layers) + ["L"], 0)
-    return [(name, tuple(p.shape)) for name, p in whole.named_model_parameters()]
+    return [(name, tuple(p.shape)) for name, p in whole.named_model_parameters()] + mtp_names(model.config, mtp_depth)
 
 
 class HFStages:
@@ -28,13 +30,14 @@ class HFStages:
     group (``mesh.dp_group``) to shard the MoE experts over, or None (every expert on every rank)."""
 
     def __init__(self, folder: str, layout: str | None = None, *, balance: str = "params", sample=None, weights: bool = False,
-                 ep_group=None):
+                 ep_group=None, mtp_depth: int = 0):
         self.folder, self.layout, self.balance, self.sample, self.weights = folder, layout, balance, sample, weights
+        self.mtp_depth = mtp_depth  # DeepSeek-V3's MTP layers on the last stage (twinpipe.hf.mtp); the trainer reads it
         self.ep_group = ep_group  # with it, MoE experts sharded over it (twinpipe.hf.experts; the trainer's dp group)
         self.built = None
 
     def parameter_names(self, model) -> list:
-        return parameter_names(model)
+        return parameter_names(model, self.mtp_depth)
 
     def row_shards(self, modules) -> set:
         """``id()`` of the parameters sharded by rows over ``ep_group`` (the experts' fused tensors, rows
@@ -49,7 +52,10 @@ class HFStages:
         trainer's tied pair (``Trainer.tied``: gradients summed once, the head left out of the norm),
         else ``()``. The head is the embedding's tensor itself where one rank holds both ends
         (``twinpipe.hf``'s ``tie="shared"``), its own copy otherwise (``"split"``)."""
-        return (("model.embed_tokens.weight", "lm_head.weight"),) if model_parts(model).tied else ()
+        pairs = (("model.embed_tokens.weight", "lm_head.weight"),) if model_parts(model).tied else ()
+        if self.mtp_depth:  # the MTP layers' embedding copy (the embedding itself where one rank holds both ends)
+            pairs += (("model.embed_tokens.weight", copy_name(model.config)),)
+        return pairs
 
     def build(self, model, schedule, pp_rank: int) -> list:
         wrap = None
@@ -57,25 +63,32 @@ class HFStages:
             shard_experts_(model, self.ep_group)
             wrap = wrap_layer
         self.built = build(model, schedule, schedule.num_ranks, pp_rank, layout=self.layout, balance=self.balance,
-                                 sample=self.sample if self.balance == "time" else None, wrap_layer=wrap)
+                           sample=self.sample if self.balance == "time" else None, wrap_layer=wrap,
+                           mtp_depth=self.mtp_depth)
         if self.weights:
             self._load(self.built.modules)
         return self.built.modules
 
     def _load(self, modules) -> None:
-        """Each parameter of ``modules`` from the folder: of sharded experts only this rank's rows are read."""
+        """Each parameter and persistent buffer (DeepSeek-V3's routing biases) of ``modules`` from the
+        folder: of sharded experts only this rank's rows are read; MTP's embedding copy from the
+        embedding; an MTP layer the checkpoint lacks keeps its initial values."""
         import torch
 
-        places = {}
+        held = lambda m: [*m.named_model_parameters(), *m.named_model_buffers()]  # noqa: E731
+        names = sorted({name for m in modules for name, _ in held(m)})
+        places = load_places(self.folder, names, self.mtp_depth)
         for m in modules:  # a second copy of a stage on this rank (DualPipe) gets the same tensors
             rows = {id(m.get_parameter(local)): place.rows for local, place in expert_places(m).items()}
-            for name, p in m.named_model_parameters():
-                places[name] = Place(name, rows.get(id(p)))
+            for name, p in held(m):
+                if name in places and id(p) in rows:
+                    places[name] = Place(places[name].name, rows[id(p)])
         tensors = load(self.folder, places)
         with torch.no_grad():
             for m in modules:
-                for name, p in m.named_model_parameters():
-                    p.copy_(tensors[name])
+                for name, p in held(m):
+                    if name in tensors:
+                        p.copy_(tensors[name])
 
     def batch(self, layout, x, y) -> tuple:
         import torch

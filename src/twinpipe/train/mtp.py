@@ -30,7 +30,7 @@ from torch import nn
 from twinpipe.checks import check_float, check_int
 from twinpipe.runtime.weight_grad import DeferredLinear
 
-__all__ = ["MTPModule", "mtp_losses", "MTPLoss", "mtp_heads", "hf_mtp_module"]
+__all__ = ["MTPModule", "mtp_hidden", "mtp_losses", "MTPLoss", "mtp_heads", "hf_mtp_module"]
 
 
 class MTPModule(nn.Module):
@@ -50,20 +50,32 @@ class MTPModule(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
+def mtp_hidden(modules: Sequence[nn.Module], hidden: torch.Tensor, next_ids: torch.Tensor, embed: Callable,
+               block_kwargs: Callable[[int], dict] | None = None):
+    """Yield ``(k, h^k)`` for k = 1..D: ``hidden [B, T', d]`` (h^0), ``next_ids [B, t]`` (token i+1
+    at position i), ``embed(ids) -> [B, t-k, d]``; depth k runs on t-k positions, its module called
+    as ``module(h^{k-1}, embed(tokens i+k), **block_kwargs(t-k))``."""
+    t = next_ids.shape[1]
+    if len(modules) >= t:
+        raise ValueError(f"mtp depth {len(modules)}: must be below the sequence length ({t})")
+    h = hidden
+    for k, module in enumerate(modules, start=1):
+        length = t - k
+        kwargs = block_kwargs(length) if block_kwargs is not None else {}
+        h = module(h[:, :length], embed(next_ids[:, k - 1 : t - 1]), **kwargs)
+        yield k, h
+
+
 def mtp_losses(modules: Sequence[MTPModule], hidden: torch.Tensor, labels: torch.Tensor, embed: Callable, head: Callable,
                loss_fn: Callable, block_kwargs: Callable[[int], dict] | None = None) -> list[torch.Tensor]:
     """The D MTP losses of one micro-batch: ``hidden [B, T, d]`` (h^0), ``labels [B, T]`` (the next
     tokens), ``embed(ids) -> [B, T', d]``, ``head(h) -> logits``, ``loss_fn(logits, targets)``;
-    ``block_kwargs(length)``: extra arguments of depth k's block for T' = T-k positions."""
-    t = labels.shape[1]
-    if len(modules) >= t:
-        raise ValueError(f"mtp depth {len(modules)}: must be below the sequence length ({t})")
-    losses, h = [], hidden
-    for k, module in enumerate(modules, start=1):
-        length = t - k
-        kwargs = block_kwargs(length) if block_kwargs is not None else {}
-        h = module(h[:, :length], embed(labels[:, k - 1 : t - 1]), **kwargs)
-        losses.append(loss_fn(head(h), labels[:, k:]))
+    ``block_kwargs(length)``: extra arguments of depth k's block for T' = T-k positions. A module with
+    an ``out_norm`` (a Hugging Face MTP layer's ``shared_head.norm``) has it applied before ``head``."""
+    losses = []
+    for k, h in mtp_hidden(modules, hidden, labels, embed, block_kwargs):
+        norm = getattr(modules[k - 1], "out_norm", None)
+        losses.append(loss_fn(head(norm(h) if norm is not None else h), labels[:, k:]))
     return losses
 
 
@@ -72,20 +84,26 @@ class MTPLoss:
 
     ``head`` is the model's last layer as the stage holds it: its output is ``(logits, hidden)``
     and it has ``mtp`` (the D ``MTPModule``s), ``mtp_embed`` (the embedding copy, a [vocab, d]
-    parameter) and ``logits(h)`` (the shared output head)."""
+    parameter) and ``logits(h)`` (the shared output head). A ``twinpipe.hf`` last stage also has
+    ``mtp_embedding(ids)`` (the embedding through the copy, with the model's padding row) and
+    ``mtp_block_kwargs(hidden, length)`` (its layers' ``ctx``), which are used when present."""
 
     def __init__(self, loss_fn: Callable, head: nn.Module, weight: float):
         self.loss_fn, self.head = loss_fn, head
         self.weight = check_float(weight, "mtp_weight", low=0.0)
         self.depth = len(head.mtp)
 
-    def __call__(self, logits: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        head = self.head
-        losses = mtp_losses(head.mtp, hidden, labels, lambda ids: F.embedding(ids, head.mtp_embed), head.logits, self.loss_fn)
+    def __call__(self, logits: torch.Tensor, hidden: torch.Tensor, *rest) -> torch.Tensor:
+        """``rest``: what ``loss_fn`` takes after the logits, the labels last."""
+        head, labels = self.head, rest[-1]
+        embed = getattr(head, "mtp_embedding", None) or (lambda ids: F.embedding(ids, head.mtp_embed))
+        kwargs = getattr(head, "mtp_block_kwargs", None)  # a Hugging Face stage's: its layers' Context
+        block_kwargs = None if kwargs is None else (lambda length: kwargs(hidden, length))
+        losses = mtp_losses(head.mtp, hidden, labels, embed, head.logits, self.loss_fn, block_kwargs)
         extra = losses[0]
         for loss in losses[1:]:
             extra = extra + loss
-        return self.loss_fn(logits, labels) + (self.weight / self.depth) * extra
+        return self.loss_fn(logits, *rest) + (self.weight / self.depth) * extra
 
 
 def mtp_heads(modules: Sequence[nn.Module]) -> list[nn.Module]:

@@ -310,7 +310,10 @@ class Trainer:
 
     def _mtp_criterion(self, model: nn.Module, modules: Sequence[nn.Module]):
         """The criterion this rank's last stage runs: with MTP, ``MTPLoss`` over its head's modules."""
-        depth = sum(len(h.mtp) for h in mtp_heads([model]))
+        # The MTP layers of stages built by ``stages`` (a transformers model) are the stages', not the model's.
+        depth = getattr(self.stages, "mtp_depth", None)
+        if depth is None:
+            depth = sum(len(h.mtp) for h in mtp_heads([model]))
         if depth != self.config.mtp_depth:
             raise bad("mtp_depth", self.config.mtp_depth, f"must be the number of MTP modules the model holds ({depth}): "
                       "build the model with as many (GPTConfig.mtp_depth)")

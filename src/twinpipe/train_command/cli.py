@@ -356,7 +356,7 @@ def _train(args, device) -> None:
 
         stages = HFStages(args.model, args.layout, balance=args.balance, weights=hf.weights,
                           sample=sampler.batch(0, args.microbatch_size)[0].to(device),
-                          ep_group=mesh.dp_group if args.ep > 1 else None)
+                          ep_group=mesh.dp_group if args.ep > 1 else None, mtp_depth=args.mtp_depth)
         trainer = Trainer(lambda: cli_model.build_model(hf), sampler, TokenLoss(hf.aux), optimizer_fn, mesh, config,
                           device=device, dtype=dtype, stages=stages)
     start = load_checkpoint(trainer, args.resume, optimizer_hparams=args.optimizer_hparams) if args.resume else 0

@@ -101,6 +101,8 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
                          "(tie_word_embeddings): tied weights train with --precision pure and --zero 0 only")
     if args.ep > 1:
         _check_ep(args, model)
+    if args.mtp_depth:
+        _check_mtp(args, model)
     layers = len(parts.layers)
     if args.layout is not None:
         try:
@@ -113,7 +115,7 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and args.seq_len > limit:
         raise ValueError(f"--seq-len={args.seq_len}: must be at most {limit}, --model's max_position_embeddings")
-    names = hf.parameter_names(model)
+    names = hf.parameter_names(model, args.mtp_depth)
     weights = has_weights(folder)
     if not weights and any(folder.glob("*.bin")) and not any(folder.glob("*.safetensors")):
         raise ValueError(f"--model={args.model!r}: holds .bin weights (pickled torch files); twinpipe reads safetensors "
@@ -136,6 +138,19 @@ def _check_ep(args, model) -> None:
             raise ValueError(f"--ep={args.ep}: must divide the {count} experts of --model={args.model!r}'s MoE layers")
 
 
+def _check_mtp(args, model) -> None:
+    """``--mtp-depth`` above 0: a DeepSeek-V3 model with untied embeddings (``twinpipe.hf.mtp``), without ``--ep``."""
+    from twinpipe.hf.mtp import mtp_depth_of
+
+    try:
+        mtp_depth_of(model, args.mtp_depth)
+    except ValueError as error:  # "mtp_depth=1: must be 0 for ..."
+        raise ValueError(f"--{_first_line(error).replace('_', '-', 1)} (--model={args.model!r})") from None
+    if args.ep > 1:
+        raise ValueError(f"--mtp-depth={args.mtp_depth}: not with --ep={args.ep} (the MTP layers' experts are not spread "
+                         "over the data-parallel ranks)")
+
+
 def load(args, *, need_tokenizer: bool = False) -> ModelInfo:
     """``--model``'s config, parameter names, weights and tokenizer, for a rank (``check_model`` checked them)."""
     import torch
@@ -147,7 +162,7 @@ def load(args, *, need_tokenizer: bool = False) -> ModelInfo:
     config = _config(args.model)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    names = hf.parameter_names(model)
+    names = hf.parameter_names(model, args.mtp_depth)
     info = ModelInfo(args.model, config, names, sum(_numel(s) for _, s in names),
                      has_weights(args.model), _tokenizer(args.model) if need_tokenizer else None)
     info.aux = hf.model_parts(model).aux

@@ -1,0 +1,246 @@
+"""Multi-token prediction (DeepSeek-V3) on the last stage of a Hugging Face DeepSeek-V3 pipeline.
+
+``build(model, ..., mtp_depth=D)`` gives the stage holding the final norm and head (``L``) D MTP
+layers (``MTPLayer``): depth k (1..D) is DeepSeek-V3's decoder layer number ``num_hidden_layers + k - 1``
+with, around it, the checkpoint's ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``:
+
+    h^k_i = Layer_k( eh_proj [ enorm(Emb(t_{i+k})) ; hnorm(h^{k-1}_i) ] )
+    logits^k_i = lm_head( shared_head.norm(h^k_i) )      (predicts t_{i+k+1})
+
+h^0 is the main model's last hidden state before ``model.norm`` (twinpipe.train.mtp's definition);
+the embedding comes first in the concatenation, as ``transformers``' own ``MtpLayer`` reads
+DeepSeek-V3's checkpoints (tests/test_hf_mtp.py compares the two). Emb and lm_head are the model's: the stage
+holds lm_head, and the embedding itself where one rank holds both ends (a V schedule), else a copy
+(``mtp_embed``) whose gradient is summed with the embedding's by the tied-pair rule
+(``HFPipelineStages.sync_tied_grads``; under ``twinpipe.train.Trainer``, its ``tied_copies``).
+
+Parameter names are DeepSeek-V3's checkpoint names, ``model.layers.{N+k-1}.enorm.weight``,
+``...eh_proj.weight``, ``...self_attn.kv_a_proj_with_mqa.weight``...; the embedding copy is named
+``model.layers.{N}.embed_tokens.weight``. Checkpoints also store, per depth, ``embed_tokens`` and
+``shared_head.head`` (equal to the model's embedding and head): ``checkpoint_names`` lists them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from twinpipe.checks import bad, check_int
+from twinpipe.hf.layer import Context, DecoderLayer
+
+__all__ = ["MTPLayer", "mtp_layers", "mtp_depth_of", "HFMTPLoss", "checkpoint_names", "copy_sources",
+           "mtp_names", "load_places", "save_tensors", "EMBED", "HEAD"]
+
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+class MTPLayer(DecoderLayer):
+    """One MTP depth: DeepSeek-V3's decoder layer ``index`` (a ``DecoderLayer``: its own parameter
+    names) with ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``. ``forward(h, e, ctx)``
+    gives h^k from h^{k-1} and the embeddings e; ``out_norm`` is the norm before the shared head."""
+
+    def __init__(self, layer: nn.Module, index: int, norm_cls, hidden: int, eps: float):
+        super().__init__(layer, index, "full_attention", None)
+        self.enorm = norm_cls(hidden, eps=eps)
+        self.hnorm = norm_cls(hidden, eps=eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = norm_cls(hidden, eps=eps)
+
+    @property
+    def out_norm(self) -> nn.Module:
+        return self.shared_head.norm
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor, ctx: Context) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))
+        return self.feed_forward(self.attention(x, ctx), ctx)
+
+
+def mtp_depth_of(model, mtp_depth) -> int:
+    """``mtp_depth`` checked against ``model``: an int >= 0, or ``"config"`` for the config's
+    ``num_nextn_predict_layers``; above 0 only for a DeepSeek-V3 model with untied embeddings."""
+    config = model.config
+    if mtp_depth == "config":
+        mtp_depth = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+    check_int(mtp_depth, "mtp_depth", low=0, why="MTP modules on the last stage; or 'config'")
+    if mtp_depth:
+        kind = getattr(config, "model_type", None)
+        if kind != "deepseek_v3":
+            raise bad("mtp_depth", mtp_depth, f"must be 0 for model_type={kind!r}: multi-token prediction is built "
+                                              "for DeepSeek-V3 (model_type 'deepseek_v3') only")
+        if getattr(config, "tie_word_embeddings", False):
+            raise bad("mtp_depth", mtp_depth, "must be 0 with tied input/output embeddings (tie_word_embeddings)")
+    return mtp_depth
+
+
+def mtp_layers(model, depth: int, *, seed: int = 0) -> nn.ModuleList:
+    """The ``depth`` MTP layers of a DeepSeek-V3 ``model``, initialised by the model's own
+    ``_init_weights`` from ``seed`` (the caller's random state is left as it was: every rank that
+    builds them gets the same weights), in the model's dtype and on its device."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    config = model.config
+    n = config.num_hidden_layers
+    first = next(model.parameters())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        layers = nn.ModuleList(MTPLayer(DeepseekV3DecoderLayer(config, n + j), n + j, DeepseekV3RMSNorm,
+                                        config.hidden_size, config.rms_norm_eps) for j in range(depth))
+        with torch.no_grad():
+            layers.apply(model._init_weights)
+    return layers.to(device=first.device, dtype=first.dtype)
+
+
+def _meta_layers(config, depth: int) -> list[MTPLayer]:
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    n = config.num_hidden_layers
+    with torch.device("meta"):
+        return [MTPLayer(DeepseekV3DecoderLayer(config, n + j), n + j, DeepseekV3RMSNorm, config.hidden_size,
+                         config.rms_norm_eps) for j in range(depth)]
+
+
+def mtp_names(config, depth: int) -> list[tuple[str, tuple]]:
+    """``(name, shape)`` of the parameters the last stage adds for ``depth`` MTP layers, in stage
+    order: each layer's, then the embedding copy (``model.layers.{N}.embed_tokens.weight``)."""
+    out = [(f"model.layers.{layer.index}.{sub}", tuple(p.shape)) for layer in _meta_layers(config, depth)
+           for sub, p in layer.named_parameters()]
+    if depth:
+        out.append((copy_name(config), (config.vocab_size, config.hidden_size)))
+    return out
+
+
+def copy_name(config) -> str:
+    """The name of the last stage's embedding copy."""
+    return f"model.layers.{config.num_hidden_layers}.embed_tokens.weight"
+
+
+def copy_sources(config, depth: int) -> dict[str, str]:
+    """Checkpoint name -> the model tensor it equals, for the copies DeepSeek-V3's checkpoints store
+    with each MTP layer (``embed_tokens``, ``shared_head.head``) and the stage's embedding copy."""
+    n = config.num_hidden_layers
+    out = {}
+    for j in range(depth):
+        out[f"model.layers.{n + j}.embed_tokens.weight"] = EMBED
+        out[f"model.layers.{n + j}.shared_head.head.weight"] = HEAD
+    return out
+
+
+def checkpoint_names(config, depth: int) -> list[tuple[str, tuple]]:
+    """Every tensor a DeepSeek-V3 checkpoint stores for ``depth`` MTP layers (parameters and persistent
+    buffers: the routing bias), with its shape."""
+    table = (config.vocab_size, config.hidden_size)
+    own = [(f"model.layers.{layer.index}.{key}", tuple(t.shape)) for layer in _meta_layers(config, depth)
+           for key, t in layer.state_dict().items()]
+    return own + [(name, table) for name in copy_sources(config, depth)]
+
+
+def checkpoint_meta(config) -> list[tuple[str, torch.Tensor]]:
+    """The MTP tensors a checkpoint of ``config`` may hold (``num_nextn_predict_layers`` of them for a
+    DeepSeek-V3 config, else none), as meta tensors of the model's dtype."""
+    if getattr(config, "model_type", None) != "deepseek_v3":
+        return []
+    depth = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+    return [(name, torch.empty(shape, device="meta")) for name, shape in checkpoint_names(config, depth)]
+
+
+def load_places(model_dir, names, depth: int) -> dict:
+    """``{name: Place}`` for ``twinpipe.hf.weights.load`` of a stage's parameter ``names``: the
+    embedding copy read from ``model.embed_tokens.weight``; the MTP layers' tensors only when the
+    checkpoint holds that layer (else they keep their initial values: a checkpoint without MTP)."""
+    from twinpipe.hf._safetensors_files import CheckpointFiles
+    from twinpipe.hf.weights import Place
+
+    if not depth:
+        return {name: Place(name) for name in names}
+    config = _folder_config(model_dir)
+    n = config.num_hidden_layers
+    layer_of = {name: int(name.split(".")[2]) for name in names if name.startswith("model.layers.")}
+    mtp = {i for i in layer_of.values() if i >= n}
+    keys = set(CheckpointFiles(model_dir).where) if mtp else set()
+    present = {i for i in mtp if any(k.startswith(f"model.layers.{i}.") for k in keys)}
+    out = {}
+    for name in names:
+        if name == copy_name(config):
+            out[name] = Place(EMBED)
+        elif layer_of.get(name, -1) < n or layer_of[name] in present:
+            out[name] = Place(name)
+    return out
+
+
+def _folder_config(model_dir):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def save_tensors(modules) -> dict:
+    """``{name: tensor}`` of stage ``modules`` for ``twinpipe.hf.weights.save``: their parameters and
+    persistent buffers (DeepSeek-V3's routing biases) by their names in the unsplit model, and for a
+    last stage with MTP layers the copies DeepSeek-V3's checkpoints store with each layer
+    (``embed_tokens`` from the embedding copy, ``shared_head.head`` from ``lm_head``)."""
+    out = {}
+    for module in modules:
+        for name, t in [*module.named_model_parameters(), *module.named_model_buffers()]:
+            out.setdefault(name, t.detach())
+        mtp = getattr(module, "mtp", None)
+        if mtp is not None:
+            for name, source in copy_sources(module.config, len(mtp)).items():
+                out.setdefault(name, (module.mtp_embed if source == EMBED else module.lm_head.weight).detach())
+    return out
+
+
+class HFMTPLoss:
+    """``build``'s criterion with MTP: ``CausalLMLoss`` of the logits plus ``weight / D`` times the
+    sum of the D depths' losses, each the model's own causal LM loss of its logits against the token
+    k+1 places ahead (-100 ignored), divided by the number of tokens it counts in the whole batch.
+
+    Called as ``criterion(logits, hidden, labels, counts, input_ids, attention_mask)``
+    (``HFPipelineStages.batch`` makes the last four; ``counts[:, k]``: depth k's count, 0 the main loss's)."""
+
+    def __init__(self, main, head: nn.Module | None, weight: float, depth: int):
+        self.main, self.head, self.weight, self.depth = main, head, weight, depth
+
+    def __call__(self, logits, hidden, labels, counts, input_ids, attention_mask):
+        from twinpipe.train.mtp import mtp_hidden
+
+        head = self.head
+        if head is None:
+            raise RuntimeError("HFMTPLoss: called on a rank whose stages hold no MTP layers (not the last stage's)")
+        loss = self.main(logits, labels, counts[:, 0])
+        kwargs = lambda length: head.mtp_block_kwargs(hidden, length, attention_mask)  # noqa: E731
+        extra = None
+        for k, h in mtp_hidden(head.mtp, hidden, input_ids[:, 1:], head.mtp_embedding, kwargs):
+            term = self.main.loss_function(logits=head.logits(head.mtp[k - 1].out_norm(h)), labels=None,
+                                           vocab_size=self.main.vocab_size, num_items_in_batch=counts[0, k],
+                                           shift_labels=labels[:, k + 1:])
+            extra = term if extra is None else extra + term
+        return loss + (self.weight / self.depth) * extra
+
+
+def depth_counts(labels: torch.Tensor, depth: int, ignore_index: int = -100) -> list[int]:
+    """Tokens each loss counts over the whole batch: the main loss's (labels after the shift), then
+    depth k's (labels from k+1 on); at least 1 (a depth with none adds 0)."""
+    return [max(1, int((labels[..., k + 1:] != ignore_index).sum())) for k in range(depth + 1)]
+
+
+def depth_context(config, rotary_emb, hidden: torch.Tensor, length: int, attention_mask: torch.Tensor | None) -> Context:
+    """The ``Context`` of an MTP layer on the first ``length`` positions: position ids 0..length-1,
+    the rotary tables and the causal mask (with the padding mask of those positions) made as the
+    stages make them."""
+    from transformers.masking_utils import create_causal_mask
+
+    x = hidden[:, :length]
+    mask = (torch.ones(x.shape[:2], dtype=torch.long, device=x.device) if attention_mask is None
+            else attention_mask[:, :length])
+    position_ids = torch.arange(length, device=x.device).unsqueeze(0)
+    cos_sin = rotary_emb(x, position_ids)
+    causal = create_causal_mask(config=config, inputs_embeds=x, attention_mask=mask, cache=None, position_ids=position_ids)
+    return Context(mask, position_ids, cos_sin, {"full_attention": causal})
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:
+    """``embed(ids)`` computed with ``weight`` (the embedding or its copy): same padding row."""
+    return F.embedding(ids, weight, embed.padding_idx, embed.max_norm, embed.norm_type, embed.scale_grad_by_freq,
+                       embed.sparse)

@@ -171,7 +171,7 @@ def _cli(root: Path, group) -> str:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    import twinpipe.train.cli as cli
+    import twinpipe.train_command.cli as cli
     from twinpipe.hf.mtp import depth_context, mtp_layers
     from twinpipe.hf.weights import load
     from twinpipe.train.data import BatchSampler
@@ -290,7 +290,7 @@ def test_mtp_on_another_model_is_refused_by_name(arch, options, message):
     ("tiny-deepseek-v3", ["--dp", "2", "--ep", "2"], "--mtp-depth=1: not with --ep=2"),
 ])
 def test_twinpipe_train_refuses_mtp_depth_before_any_process_starts(tmp_path, capsys, folder, more, message):
-    import twinpipe.train.cli as cli
+    import twinpipe.train_command.cli as cli
 
     parser = cli.argparse.ArgumentParser()
     cli._add_arguments(parser)
@@ -308,7 +308,7 @@ def test_twinpipe_train_reads_deepseek_v3_routing_biases_from_a_checkpoint(tmp_p
     from transformers import AutoModelForCausalLM
 
     from twinpipe.schedule.spec import resolve
-    from twinpipe.train.cli_model import HFStages
+    from twinpipe.hf import HFStages
 
     saved = hf_models.model("deepseek_v3", layers=2)
     saved.save_pretrained(str(tmp_path))
@@ -324,7 +324,7 @@ def test_a_checkpoint_without_mtp_layers_leaves_them_at_their_initial_values(tmp
 
     from twinpipe.hf.mtp import mtp_layers
     from twinpipe.schedule.spec import resolve
-    from twinpipe.train.cli_model import HFStages
+    from twinpipe.hf import HFStages
 
     saved = hf_models.model("deepseek_v3", layers=2)
     saved.save_pretrained(str(tmp_path))  # the main model only

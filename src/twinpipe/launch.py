@@ -10,6 +10,7 @@ imported only when ranks start, so importing this module stays cheap for ``--hel
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_module
 import socket
 import time
@@ -44,7 +45,9 @@ def _rank_main(rank: int, world: int, port: int, fn, args: tuple, results, backe
             torch.cuda.set_device(rank % torch.cuda.device_count())
         timeout = None if group_timeout is None else datetime.timedelta(seconds=group_timeout)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-        results.put((rank, None, fn(rank, world, *args)))
+        # Pickled here, by value: a queue would hand tensors over as shared memory through a socket
+        # this process closes when it exits, possibly before the caller reads them.
+        results.put((rank, None, pickle.dumps(fn(rank, world, *args))))
     except BaseException:  # reported to the parent, which would otherwise wait for this rank
         results.put((rank, traceback.format_exc(), None))
     finally:
@@ -56,7 +59,7 @@ def run_local(world: int, fn, *args, timeout: float | None = None, threads: int 
               backend: str = "gloo", group_timeout: float | None = None, allow_deaths: bool = False) -> list:
     """``[fn(rank, world, *args) for rank in range(world)]``, each rank in its own process, all in
     one process group (``backend``; with ``"nccl"`` rank r uses GPU r % count). ``fn`` must be a
-    module-level function and its arguments and result picklable; ``threads``: torch threads per
+    module-level function and its arguments and result picklable (tensors come back by value); ``threads``: torch threads per
     rank (None: torch's default); ``group_timeout``: the process group's own timeout in seconds
     (None: torch's default). Raises RuntimeError with a rank's traceback if it fails or dies,
     TimeoutError when not every rank returned within ``timeout`` seconds (None: no limit). With
@@ -95,7 +98,7 @@ def run_local(world: int, fn, *args, timeout: float | None = None, threads: int 
                 dead = [f"rank {r} exited (code {p.exitcode}) without a result" for r, p in enumerate(procs)
                         if r != rank and r not in values and p.exitcode is not None]
                 raise RuntimeError(f"rank {rank} failed{'; ' + '; '.join(dead) if dead else ''}:\n{error}")
-            values[rank] = value
+            values[rank] = pickle.loads(value)
     finally:
         grace = 30.0 if len(values) == world else 1.0  # after a failure the others may wait on it
         for p in procs:

@@ -3,8 +3,8 @@
 The trainer predicts a rank's memory from its real stages (``twinpipe.train.memory``): the model
 state from the parameters' element counts (``state_prediction``), the activation peak from each
 stage measured alone on one micro-batch (``twinpipe.runtime.memory.measure_stage``) and replayed
-on the rank's program (``activation_peak``). ``predict_gpt_memory`` does the same from a
-``GPTConfig`` (any object with its fields) without building anything: the parameters come from the
+on the rank's program (``activation_peak``). ``GPTRun.predict`` does the same from the
+model's sizes (a ``GPTConfig``'s fields) without building anything: the parameters come from the
 layers' shapes (``layer_numels``), the cut into stages from the same ``partition`` as the trainer's
 ``split(..., "params")``, and each stage's ``StageMemory`` from ``stage_memory``, the bytes
 autograd and the deferred weight gradients keep for the GPT's layers on CPU, as
@@ -28,7 +28,7 @@ from twinpipe.sim.memory import MemoryParts, StageMemory, activation_peak, state
 from twinpipe.sim.partition import partition
 
 __all__ = ["ELSIZE", "PLANNED_WITH_MW", "RankPrediction", "layer_names", "layer_numels", "stage_layers", "stage_memory",
-           "predict_gpt_memory"]
+           "GPTRun"]
 
 ELSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 PLANNED_WITH_MW = ("zbv", "zb-auto")  # generators that order their ops by the memory W keeps (the trainer measures mw)
@@ -149,42 +149,76 @@ def _updated(stage_tensors: list[list[int]], elsize: int, dp: int, overlap: bool
     return mine
 
 
-def predict_gpt_memory(cfg, schedule: str, pp: int, microbatches: int, *, microbatch_size: int, dtype: str = "float32",
-                       precision: str = "pure", zero: int = 0, dp: int = 1, overlap_dp: bool = True,
-                       flattens: bool = False, options: dict | None = None) -> list[RankPrediction]:
-    """Each rank's memory by part, as ``twinpipe train`` predicts it for the same run: ``schedule``
-    (with ``options``) on ``pp`` pipeline ranks x ``dp`` data-parallel replicas, ``microbatches``
-    micro-batches of ``microbatch_size`` sequences per step and replica, parameters in ``dtype``
-    (``precision="bf16-mixed"``: bf16 compute, FP32 masters, gradients and AdamW state), AdamW
-    state sharded over ``dp`` with ``zero=1``. One entry per pipeline rank (data-parallel rank 0),
-    or per (pipeline, data-parallel) rank where ZeRO-1 makes them differ."""
-    _check_modelled(cfg)
-    checks.check_choice(dtype, "dtype", tuple(ELSIZE))
-    checks.check_choice(precision, "precision", ("pure", "bf16-mixed"))
-    checks.check_int(zero, "zero", low=0, high=1)
-    checks.check_int(dp, "dp", low=1)
-    checks.check_int(microbatch_size, "microbatch_size", low=1)
-    mixed = precision == "bf16-mixed"
-    elsize = 2 if mixed else ELSIZE[dtype]
-    options = dict(options or {})
-    spec = resolve(schedule, pp, **options)
-    cut = stage_layers(cfg, spec.placement.num_model_stages)
-    memories = [stage_memory(cfg, names, microbatch_size, elsize) for names in cut]
-    if spec.name in PLANNED_WITH_MW and "mw" not in options:  # as the trainer plans them (train.memory.planned_options)
-        spec = resolve(schedule, pp, **options, mw=round(max(m.mw for m in memories), 3))
-    placement = spec.placement
-    programs = lower(spec.build(microbatches)).programs
-    sharded = zero == 1 and dp > 1
-    overlap = overlap_dp and len(placement.chains) == 1  # the trainer reduces per stage unless the stages have copies
-    out = []
-    for rank in range(pp):
-        stages = {s: memories[placement.model_stage(s)] for s in placement.stages_of(rank)}
-        peak = activation_peak(programs[rank], placement, stages, lambda peer: flattens)
-        tensors = [[n for name in cut[placement.model_stage(s)] for n in layer_numels(cfg, name)] for s in placement.stages_of(rank)]
-        held = [n for stage in tensors for n in stage]
-        shards = _updated(tensors, elsize, dp, overlap) if sharded else [held]
-        for dp_rank, updated in enumerate(shards):
-            parts = state_prediction(held, elsize, mixed=mixed, updated=updated)
-            parts.activations_peak = peak
-            out.append(RankPrediction(rank, dp_rank, parts))
-    return out
+@dataclass(frozen=True)
+class GPTRun:
+    """A ``twinpipe train`` run of its GPT, as far as memory goes: the model's sizes (``GPTConfig``'s
+    fields; ``GPTRun.of(cfg, ...)`` reads them from one), ``microbatch_size`` sequences per
+    micro-batch, parameters in ``dtype`` (``precision="bf16-mixed"``: bf16 compute, FP32 masters,
+    gradients and AdamW state), AdamW state sharded over data parallel with ``zero=1`` (its gradient
+    reduction per stage unless ``overlap_dp`` is off), and messages as one flat buffer
+    (``flattens``: the process-group transport) or through shared memory (the default on one host)."""
+
+    layers: int
+    dim: int
+    seq_len: int
+    heads: int
+    vocab: int
+    microbatch_size: int
+    dtype: str = "float32"
+    precision: str = "pure"
+    zero: int = 0
+    overlap_dp: bool = True
+    flattens: bool = False
+    experts: int = 0
+    mtp_depth: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "dim", "seq_len", "heads", "vocab", "microbatch_size"):
+            checks.check_int(getattr(self, name), name, low=1)
+        if self.dim % self.heads:
+            raise checks.bad("dim", self.dim, f"must be a multiple of heads={self.heads}")
+        checks.check_choice(self.dtype, "dtype", tuple(ELSIZE))
+        checks.check_choice(self.precision, "precision", ("pure", "bf16-mixed"))
+        checks.check_int(self.zero, "zero", low=0, high=1)
+        _check_modelled(self)
+
+    @classmethod
+    def of(cls, cfg, microbatch_size: int, **run) -> GPTRun:
+        return cls(cfg.layers, cfg.dim, cfg.seq_len, cfg.heads, cfg.vocab, microbatch_size,
+                   experts=getattr(cfg, "experts", 0), mtp_depth=getattr(cfg, "mtp_depth", 0), **run)
+
+    @property
+    def elsize(self) -> int:
+        """Bytes of a parameter and of an activation value (the compute dtype)."""
+        return 2 if self.precision == "bf16-mixed" else ELSIZE[self.dtype]
+
+    def predict(self, schedule: str, pp: int, microbatches: int, dp: int = 1, options: dict | None = None) -> list[RankPrediction]:
+        """Each rank's memory by part, as ``twinpipe train`` predicts it for this run under
+        ``schedule`` (with ``options``) on ``pp`` pipeline ranks x ``dp`` data-parallel replicas,
+        ``microbatches`` per step and replica. One entry per pipeline rank (data-parallel rank 0),
+        or per (pipeline, data-parallel) rank where ZeRO-1 makes them differ."""
+        checks.check_int(dp, "dp", low=1)
+        mixed, elsize = self.precision == "bf16-mixed", self.elsize
+        options = dict(options or {})
+        spec = resolve(schedule, pp, **options)
+        cut = stage_layers(self, spec.placement.num_model_stages)
+        memories = [stage_memory(self, names, self.microbatch_size, elsize) for names in cut]
+        if spec.name in PLANNED_WITH_MW and "mw" not in options:  # as the trainer plans them (train.memory.planned_options)
+            spec = resolve(schedule, pp, **options, mw=round(max(m.mw for m in memories), 3))
+        placement = spec.placement
+        programs = lower(spec.build(microbatches)).programs
+        sharded = self.zero == 1 and dp > 1
+        overlap = self.overlap_dp and len(placement.chains) == 1  # the trainer reduces per stage unless stages have copies
+        out = []
+        for rank in range(pp):
+            stages = {s: memories[placement.model_stage(s)] for s in placement.stages_of(rank)}
+            peak = activation_peak(programs[rank], placement, stages, lambda peer: self.flattens)
+            tensors = [[n for name in cut[placement.model_stage(s)] for n in layer_numels(self, name)]
+                       for s in placement.stages_of(rank)]
+            held = [n for stage in tensors for n in stage]
+            shards = _updated(tensors, elsize, dp, overlap) if sharded else [held]
+            for dp_rank, updated in enumerate(shards):
+                parts = state_prediction(held, elsize, mixed=mixed, updated=updated)
+                parts.activations_peak = peak
+                out.append(RankPrediction(rank, dp_rank, parts))
+        return out

@@ -127,6 +127,7 @@ COMMANDS: list[Command] = [
     _bench("python bench/bench_sim.py"),
     _bench("python bench/bench_memory.py --pp 2"),
     _bench("python bench/bench_memory.py --pp 2 --model hf-llama"),
+    _bench("python bench/bench_memory.py --pp 2 --model hf-llama --dynamic-shapes"),
     _bench("python bench/bench_memory.py --pp 2 --no-release losses"),
     _bench('python bench/bench_memory.py --pp 2 --no-release "last message"'),
     _bench("python bench/bench_memory.py --pp 4 --transport process-group --no-release sends"),

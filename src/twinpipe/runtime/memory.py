@@ -24,6 +24,7 @@ from twinpipe.sim.memory import StageMemory
 __all__ = ["ActivationMeter", "measure_stage", "note", "note_closures", "storage_bytes", "grad_bytes", "optimizer_bytes"]
 
 _local = threading.local()
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1 outside a backward
 
 # The runtime's early releases, each on by default. Turned off (removed from this set) only to
 # measure what each saves (``bench/bench_memory.py --no-release``): "losses" (the kept losses are
@@ -108,7 +109,7 @@ class ActivationMeter:
 
     def _pack(self, t: torch.Tensor):
         self.track(t)
-        if torch._C._current_graph_task_id() != -1:  # saved during a backward: a reentrant checkpoint recomputing
+        if _graph_task_id() != -1:  # saved during a backward: a reentrant checkpoint recomputing
             self.sample()  # its region, freed before the op ends (see _counting_recomputation)
         # A new tensor on the same storage: returning ``t`` itself would tie an output to its own
         # graph node (a reference cycle) and share its data with the executor's freeing of sent outputs.
@@ -155,7 +156,7 @@ def _counting_recomputation():
     the backward has used them, all inside one B op, between the meter's samples. So the meter
     takes them here: each recomputed tensor is tracked as checkpoint saves it, and the live total
     is sampled once the recomputation is done (every recomputed tensor alive). A reentrant
-    checkpoint recomputes under the meter's own hooks, but frees the region before the next sample.
+    checkpoint recomputes under the meter's own hooks: ``_pack`` samples what is saved during a backward.
     """
     global _recomputing
     import torch.utils.checkpoint as checkpoint

@@ -111,6 +111,10 @@ def test_what_is_not_modelled_is_refused(capsys):
     assert code == 2 and "dim=31: must be a multiple of heads=2" in err
     code, _, err = _run(capsys, "simulate", "1f1b", "--pp", "8", "--microbatches", "8", *GPT_OPTIONS, "--layers", "2")
     assert code == 2 and "num_stages=8: must be <= 4" in err
+    code, _, err = _run(capsys, "simulate", "1f1b", "--pp", "2", "--microbatches", "4", "--dim", "64", "--zero", "1")
+    assert code == 2 and "--dim, --zero: only with --gpt" in err
+    code, _, err = _run(capsys, "plan", "--layers", "4", "--dim", "64", "--seq-len", "64", "--gpus", "2", "--heads", "4")
+    assert code == 2 and "--heads: only with --gpt" in err
 
 
 def test_the_gpt_options_default_to_twinpipe_trains():

@@ -26,7 +26,7 @@ from twinpipe.plan.predict import PLANNED_CAP, default_pp_sizes, plan
 from twinpipe.plan.report import as_dicts, draw_plan, print_table
 from twinpipe.plan.spec import Cluster, Model
 from twinpipe.schedule import registry
-from twinpipe.sim.gpt_cli import add_gpt_options, gpt_run, memory_table
+from twinpipe.sim.gpt_cli import add_gpt_options, check_gpt_options, gpt_run, memory_table
 
 __all__ = ["add_plan_parser", "run_plan"]
 
@@ -116,6 +116,7 @@ def _cluster(args, gpus: int) -> Cluster:
 
 def plan_from_args(args) -> tuple[list, str, str]:
     """The ranked predictions, a title and a caption; ValueError naming the bad option."""
+    check_gpt_options(args)
     traced = load_traced(args.from_trace) if args.from_trace else None
     model = _model(args)
     gpus = args.gpus if args.gpus is not None else (traced.pp if traced else None)

@@ -26,7 +26,7 @@ from twinpipe.schedule import registry
 from twinpipe.schedule.spec import resolve
 from twinpipe.sim.costs import CostModel, check_cost, for_model, stage_sizes
 from twinpipe.sim.engine import simulate
-from twinpipe.sim.gpt_cli import add_gpt_options, gpt_run, memory_table
+from twinpipe.sim.gpt_cli import add_gpt_options, check_gpt_options, gpt_run, gpt_settings, memory_table
 from twinpipe.timeline import Timeline
 
 __all__ = ["add_simulate_parser", "run_simulate", "summarize", "simulate_from_args", "held_equal"]
@@ -38,8 +38,9 @@ _COST_OPTIONS = ("t_f", "t_b", "t_w", "t_comm", "mw")
 HOLD = ("model", "stage")
 
 
-def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the ``simulate`` subcommand to ``subparsers`` and return its parser."""
+def add_simulate_parser(subparsers, *, gpt: bool = True) -> argparse.ArgumentParser:
+    """Add the ``simulate`` subcommand to ``subparsers`` and return its parser (with ``--gpt`` and
+    its options unless ``gpt`` is False: ``twinpipe draw`` takes the rest)."""
     parser = subparsers.add_parser(
         "simulate",
         help="simulate a schedule: bubble, per-rank idle time, peak activation memory",
@@ -70,7 +71,8 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                         "interleaved ranks, 1 for DualPipe's two full-size copies); 'stage': every stage of every "
                         "schedule gets the costs as given (a V then models a model twice as large)")
     cli_options.add(parser, "json")
-    add_gpt_options(parser)
+    if gpt:
+        add_gpt_options(parser)
     return parser
 
 
@@ -140,6 +142,7 @@ def _simulate_one(name: str, args, costs: CostModel, strict: bool) -> Timeline:
 def run_simulate(args: argparse.Namespace) -> int:
     """Run ``twinpipe simulate``; 0 on success, 2 (message on stderr) on bad input."""
     try:
+        check_gpt_options(args)
         timelines = simulate_from_args(args)
         memory = [_gpt_memory(t, args) for t in timelines] if args.gpt else None
     except ValueError as error:
@@ -166,13 +169,14 @@ def run_simulate(args: argparse.Namespace) -> int:
 def _gpt_memory(timeline: Timeline, args) -> list:
     """Each rank's memory by part for ``timeline``'s schedule (its options) and the --gpt options."""
     options = {k: v for k, v in timeline.meta.get("options", {}).items() if k in _OPTIONS}  # the user's, as built
-    return gpt_run(args).predict(timeline.name, args.ranks, args.microbatches, args.dp, options)
+    return gpt_run(args).predict(timeline.name, args.ranks, args.microbatches, gpt_settings(args)["dp"], options)
 
 
 def _gpt_caption(args) -> str:
-    return (f"{args.layers} blocks, dim {args.dim}, {args.heads} heads, seq {args.seq_len}, vocab {args.vocab}, "
-            f"{args.microbatch_size} sequences per micro-batch, {args.dtype}, precision {args.precision}, zero {args.zero}, "
-            f"dp {args.dp}: what twinpipe train --batch-size {args.microbatches * args.dp * args.microbatch_size} predicts")
+    o = gpt_settings(args)
+    return (f"{o['layers']} blocks, dim {o['dim']}, {o['heads']} heads, seq {o['seq_len']}, vocab {o['vocab']}, "
+            f"{o['microbatch_size']} sequences per micro-batch, {o['dtype']}, precision {o['precision']}, zero {o['zero']}, "
+            f"dp {o['dp']}: what twinpipe train --batch-size {args.microbatches * o['dp'] * o['microbatch_size']} predicts")
 
 
 def _schedule_names(args) -> list[str]:

@@ -4,10 +4,15 @@ Every registered schedule on ``--pp`` CPU ranks (gloo), ``--microbatches`` micro
 Linear-Tanh-Linear-Tanh float64 stage with deferred weight gradients (``--model mlp``) or the
 training GPT's stages (``--model gpt``) or a tiny ``transformers`` model cut by ``twinpipe.hf``
 (``--model hf-llama``, ``--model hf-qwen3-moe``: float32, sequence 16). Per rank: the peak the step's activations reach
-(``Pipeline.step(measure_memory=True)``, the second step: message layouts known), the prediction
+(``Pipeline.step(measure_memory=True)``, with message layouts known: declared, or for the
+``transformers`` models fixed and learnt in an unmeasured first step), the prediction
 (``Pipeline.predict_activation_peak`` from each stage measured alone) and their ratio; then the
 same step with the runtime's early releases off (``--no-release``: all, or some of
 ``twinpipe.runtime.memory.RELEASES``) and what they save. Sizes are in units of one activation message (``rows x hidden`` values).
+``--dynamic-shapes`` measures the ``transformers`` models as ``twinpipe.hf`` pipelines run by default
+(``dynamic_shapes=True``): a header precedes every message, and a receive is posted only once its
+header has arrived, later than the model's "as early as the order allows" (the prediction is then
+an upper bound, by up to a message per channel).
 
     python bench/bench_memory.py --pp 2 --microbatches 8
 """
@@ -67,9 +72,11 @@ def _world(rank: int, world: int, names: list[str], args) -> dict:
             inputs, labels, last_labels = layout.inputs(x), layout.labels(y), (y[:rows],)
             make = lambda: twinpipe.Pipeline(modules, spec, transport=args.transport, **shapes)  # noqa: E731
         else:
-            make = lambda: stages.pipeline(transport=args.transport)  # noqa: E731
+            make = lambda: stages.pipeline(transport=args.transport, dynamic_shapes=args.dynamic_shapes)  # noqa: E731
         peaks = []
         with make() as pipe:
+            if args.model.startswith("hf-") and not args.dynamic_shapes:  # learn the layouts: the steps after the first
+                pipe.step(*inputs, num_chunks=m, criterion=criterion, labels=labels)
             for releases in (set(memory.RELEASES), set(memory.RELEASES) - off):
                 memory.EARLY_RELEASE = releases
                 pipe.step(*inputs, num_chunks=m, criterion=criterion, labels=labels, measure_memory=True)
@@ -146,6 +153,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-release", default="all", metavar="NAMES",
                         help="the early releases the comparison step turns off: all (default) or comma-separated names "
                              "from: losses, input grad, last message, sends")
+    parser.add_argument("--dynamic-shapes", action="store_true",
+                        help="transformers models: twinpipe.hf's default dynamic_shapes=True (a header before every message; "
+                             "default here: fixed shapes, learnt in a first unmeasured step)")
     args = parser.parse_args(argv)
     from twinpipe.runtime.memory import RELEASES
 

@@ -114,6 +114,12 @@ COMMANDS: list[Command] = [
     _help("twinpipe simulate --compare"),
     _help("twinpipe simulate --cores"),
     _help("twinpipe simulate --f/--b/--w/--fb/--comm/--mw"),
+    _help("twinpipe simulate --gpt"),
+    _help("twinpipe plan --gpt"),
+    # ---- docs/memory.md: memory per rank from the GPT's sizes
+    Command("twinpipe simulate dualpipev --pp 2 --microbatches 8 --gpt", stdout=("memory per rank",)),
+    Command("twinpipe plan --gpt --layers 6 --dim 64 --seq-len 64 --vocab 256 --microbatch-size 2 --gpus 2 --pp 2 --microbatches 8",
+            stdout=("memory per rank",)),
     # ---- benchmarks
     _bench("python bench/bench_vs_torch.py"),
     _bench("python bench/bench_vs_torch.py --steps 20"),
@@ -121,6 +127,7 @@ COMMANDS: list[Command] = [
     _bench("python bench/bench_sim.py"),
     _bench("python bench/bench_memory.py --pp 2"),
     _bench("python bench/bench_memory.py --pp 2 --model hf-llama"),
+    _bench("python bench/bench_memory.py --pp 2 --model hf-llama --dynamic-shapes"),
     _bench("python bench/bench_memory.py --pp 2 --no-release losses"),
     _bench('python bench/bench_memory.py --pp 2 --no-release "last message"'),
     _bench("python bench/bench_memory.py --pp 4 --transport process-group --no-release sends"),

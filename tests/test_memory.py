@@ -31,11 +31,28 @@ def _mlp_stage():
     return twinpipe.defer_weight_grads(nn.Sequential(nn.Linear(H, H), nn.Tanh(), nn.Linear(H, H), nn.Tanh())).double()
 
 
+def _checkpointed_stage(reentrant: bool):  # reentrant: only where the input requires grad (not a first stage)
+    """The Linear-Tanh stage run under ``torch.utils.checkpoint``: F keeps only its input, B
+    recomputes the region (held on top while it runs: ``StageMemory.b_extra``)."""
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = _mlp_stage()
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=reentrant)
+
+    return Checkpointed()
+
+
 def _options(name: str) -> dict:
     return {"stages_per_rank": 2} if name == "interleaved-1f1b" else {}
 
 
-def _mlp_world(spec, rank):
+def _mlp_world(spec, rank, checkpointed: bool | None = None):
     """(modules, inputs, labels, per stage: (sample input, first, last)) for the Linear-Tanh stage."""
     import torch
 
@@ -44,7 +61,7 @@ def _mlp_world(spec, rank):
     x = torch.randn(ROWS * M, H, dtype=torch.float64)
     y = torch.randn(ROWS * M, H, dtype=torch.float64)
     stages = placement.stages_of(rank)
-    modules = [_mlp_stage() for _ in stages]
+    modules = [_mlp_stage() if checkpointed is None else _checkpointed_stage(checkpointed) for _ in stages]
     samples = {s: (x[:ROWS],) for s in stages}
     return modules, x, y, samples, dict(tensor_shapes=[(ROWS, H)], tensor_dtype=torch.float64)
 
@@ -92,8 +109,11 @@ def _measure_case(name: str, kind: str, transport: str, group):
     ranks = dist.get_world_size(group)
     rank = dist.get_rank(group)
     spec = twinpipe.schedule.resolve(name, ranks, **_options(name))
-    modules, x, y, samples, shapes = (_mlp_world if kind == "mlp" else _gpt_world)(spec, rank)
-    criterion = F.mse_loss if kind == "mlp" else lm_loss
+    if kind.startswith("checkpoint"):
+        modules, x, y, samples, shapes = _mlp_world(spec, rank, checkpointed=False)
+    else:
+        modules, x, y, samples, shapes = (_mlp_world if kind == "mlp" else _gpt_world)(spec, rank)
+    criterion = lm_loss if kind == "gpt" else F.mse_loss
     with twinpipe.Pipeline(modules, spec, process_group=group, transport=transport, **shapes) as pipe:
         layout = batch_layout(spec, ranks, rank, M)
         pipe.step(*layout.inputs(x), num_chunks=M, criterion=criterion, labels=layout.labels(y), measure_memory=True)
@@ -114,6 +134,8 @@ def _peak_cases() -> dict:
             cases[f"gpt-{name}-p{ranks}"] = (ranks, _measure(name, "gpt"))
     for name in ("gpipe", "zb-h1", "dualpipe", "zbv"):
         cases[f"mlp-{name}-p4-process-group"] = (4, _measure(name, "mlp", "process-group"))
+    for name in ("1f1b", "zb-h1", "dualpipev"):  # torch.utils.checkpoint: what B recomputes, measured and modelled
+        cases[f"checkpoint-{name}-p2"] = (2, _measure(name, "checkpoint"))
     return cases
 
 
@@ -331,3 +353,25 @@ def test_measuring_changes_no_result(outcomes):
     for rank in range(2):
         result = outcomes[rank]["exact"]
         assert tuple(result) == (True, True), result
+
+
+def test_the_meter_counts_what_a_checkpoint_recomputes():
+    """Inside a ``torch.utils.checkpoint`` region checkpoint's own saved-tensor hooks replace the
+    meter's, and its backward recomputes the region: held inside the B, between the meter's
+    samples. The meter takes it (the old one saw nothing: a peak of 0 here)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from twinpipe.runtime.memory import ActivationMeter
+
+    stage = _mlp_stage()
+    x = torch.randn(ROWS, H, dtype=torch.float64, requires_grad=True)
+    message = ROWS * H * 8
+    for reentrant in (False, True):
+        meter = ActivationMeter([*stage.parameters(), x])
+        with meter.measuring():
+            y = checkpoint(stage, x, use_reentrant=reentrant)
+            assert meter.sample() == 0  # F keeps only the input (the user's, left out)
+            y.backward(torch.ones_like(y))
+        assert meter.peak >= 2 * message, (reentrant, meter.peak)  # both Tanh outputs, recomputed
+

@@ -2,7 +2,8 @@
 
 A tiny float64 HF Llama (and Qwen3-MoE) cut by ``twinpipe.hf.build`` for every registered
 schedule on 2 CPU ranks, 8 micro-batches: each rank's activation peak over a step
-(``Pipeline.step(measure_memory=True)``) within 10% of ``Pipeline.predict_activation_peak``, from
+(``Pipeline.step(measure_memory=True)``, the second step: fixed shapes, known) within 2% of
+``Pipeline.predict_activation_peak``, from
 each stage measured alone (``measure_stage``) on its real input. One 2-process gloo world.
 """
 
@@ -20,7 +21,7 @@ from twinpipe.schedule.registry import names  # noqa: E402
 
 WORLD = 2
 ROWS, SEQ, M = 2, 8, 8
-TOLERANCE = 0.10
+TOLERANCE = 0.02
 ARCHS = ("llama", "qwen3_moe")
 
 
@@ -65,8 +66,11 @@ def measure(arch: str, name: str, group, scale: float = 1.0):
     counts = torch.full((ROWS * M,), int((labels[:, 1:] != -100).sum()), dtype=torch.long)
     samples, last_labels = _samples(arch, name, ranks, ids, mask, labels, counts)
     placement = stages.spec.placement
-    with stages.pipeline(group, timeout=60) as pipe:
+    # Fixed shapes, learnt in a first step: with dynamic shapes (or layouts still discovered) a receive
+    # is posted once its header has arrived, which timing decides (docs/memory.md): up to a message under.
+    with stages.pipeline(group, timeout=60, dynamic_shapes=False) as pipe:
         inputs, labs = stages.batch(ids, mask, labels, num_chunks=M)
+        pipe.step(*inputs, num_chunks=M, criterion=stages.criterion, labels=labs)
         pipe.step(*inputs, num_chunks=M, criterion=stages.criterion, labels=labs, measure_memory=True)
         measured = pipe.last_memory.activations_peak
         found = {s: measure_stage(m, samples[placement.model_stage(s)], first=placement.is_first(s),
@@ -85,7 +89,7 @@ def outcomes():
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_hf_predicted_activation_peak_within_10_percent(outcomes, case):
+def test_hf_predicted_activation_peak_within_2_percent(outcomes, case):
     for rank in range(WORLD):
         result = outcomes[rank][case]
         assert not isinstance(result, str), result

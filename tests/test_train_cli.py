@@ -44,6 +44,9 @@ def test_the_command_saves_every_2_steps_and_resumes_from_the_command_line(tmp_p
             assert entry[side]["total"] == sum(parts.values()) and parts["params"] > 0, entry
         measured, predicted = entry["measured"]["activations_peak"], entry["predicted"]["activations_peak"]
         assert abs(measured - predicted) <= 0.1 * predicted, entry
+    # twinpipe simulate --gpt predicts the same parts from the sizes alone (docs/memory.md; plan --gpt too:
+    # test_memory_predict.py); 4 rows in micro-batches of 2: 2 micro-batches.
+    assert [e["predicted"] for e in log["memory"]] == _simulated_parts("dualpipev", 2, 2, TINY)
     resumed = run_typed(f"twinpipe train --pp 2 --resume twinpipe-train/checkpoint-step2 --steps 4 {tiny} --out resumed",
                         tmp_path, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -69,6 +72,10 @@ def test_a_checkpoint_resumes_under_another_schedule_and_another_model_is_refuse
     with pytest.warns(UserWarning, match=r"lr: 0.003 in the checkpoint, 0.01 in this run's optimizer; this run's are kept"):
         assert run_train(_args(*argv, "--lr", "0.01", "--optimizer-hparams", "current")) == 0
     written = json.loads((tmp_path / "b" / "train-log.json").read_text())
+    # What twinpipe simulate --gpt predicts is what each run predicted (DualPipeV on 2 ranks, 1F1B on 1).
+    assert [e["predicted"] for e in json.loads((tmp_path / "a" / "train-log.json").read_text())["memory"]] == \
+        _simulated_parts("dualpipev", 2, 2, TINY)
+    assert [e["predicted"] for e in written["memory"]] == _simulated_parts("1f1b", 1, 2, TINY + ["--no-overlap-dp"])
     resumed = written["steps"]
     assert written["skipped_steps"] == 0 and [e["skipped"] for e in resumed] == [False]
     assert [e["step"] for e in resumed] == [2]
@@ -90,6 +97,22 @@ def test_overlap_dp_is_on_unless_turned_off():
 def test_the_timeout_default_is_the_one_default():
     assert _args().timeout == DEFAULT_TIMEOUT
     assert f"(default: {DEFAULT_TIMEOUT:g})" in " ".join(_parser().format_help().split())
+
+
+def _simulated_parts(schedule: str, pp: int, microbatches: int, options: list[str]) -> list[dict]:
+    """``twinpipe simulate --gpt --json``'s memory per rank for the train run ``options`` describe."""
+    import contextlib
+    import io
+
+    from twinpipe.cli import main
+
+    dropped = {i + k for i, o in enumerate(options) if o in ("--batch-size", "--corpus-bytes") for k in (0, 1)}  # train's only
+    model = [o for i, o in enumerate(options) if i not in dropped]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["simulate", schedule, "--pp", str(pp), "--microbatches", str(microbatches), "--gpt", *model, "--json"]) == 0
+    ranks = json.loads(out.getvalue())["memory"]
+    return [{k: v for k, v in r.items() if k not in ("pp_rank", "dp_rank")} for r in ranks]
 
 
 def _parser() -> argparse.ArgumentParser:

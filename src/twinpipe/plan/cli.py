@@ -3,6 +3,10 @@
     twinpipe plan --layers 32 --dim 4096 --seq-len 4096 --gpus 64 --microbatches 64
     twinpipe plan --layers 60 --dim 7168 --seq-len 4096 --experts 256 --top-k 8 --expert-ffn 2048 --gpus 256 --microbatches 64 --plot plan.png
     twinpipe plan --from-trace out/trace.json            # the op times a `twinpipe demo --trace out` run measured
+    twinpipe plan --gpt --layers 6 --dim 64 --seq-len 64 --vocab 256 --microbatch-size 2 --gpus 2 --pp 2 --microbatches 8
+
+With ``--gpt`` the model is ``twinpipe train``'s GPT and each row's memory is predicted per rank and
+part as ``twinpipe train`` predicts it (``twinpipe.sim.gpt``): a table per row, ``memory_parts`` in the JSON.
 
 The model options are ``twinpipe train``'s (the fields of ``twinpipe.train.GPTConfig``) and mean
 the same; ``twinpipe.plan.Model.from_config`` reads such a config in Python.
@@ -22,6 +26,7 @@ from twinpipe.plan.predict import PLANNED_CAP, default_pp_sizes, plan
 from twinpipe.plan.report import as_dicts, draw_plan, print_table
 from twinpipe.plan.spec import Cluster, Model
 from twinpipe.schedule import registry
+from twinpipe.sim.gpt_cli import add_gpt_options, check_gpt_options, gpt_run, memory_table
 
 __all__ = ["add_plan_parser", "run_plan"]
 
@@ -67,6 +72,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     cli_options.add(parser, "json", group=r)
     r.add_argument("--workers", type=int, default=None,
                    help="processes to plan in (default: one per core, up to 8, when the plan is large; 1: this process)")
+    add_gpt_options(parser, have=("layers", "dim", "seq_len", "vocab", "microbatch_size", "dp"))
     return parser
 
 
@@ -87,8 +93,16 @@ def _model(args) -> Model | None:
     missing = [f"--{name.replace('_', '-')}" for name in _MODEL if getattr(args, name) is None]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (the model; or give --from-trace alone)")
+    sizes = {}
+    if args.gpt:  # twinpipe train's GPT: its MLPs are 4 x dim; bytes per value as it trains
+        if args.ffn not in (0, 4 * args.dim):
+            raise checks.bad("--ffn", args.ffn, f"must be 4 x --dim = {4 * args.dim} with --gpt (the GPT's MLP)")
+        run = gpt_run(args)
+        mixed = run.precision == "bf16-mixed"
+        sizes = dict(param_bytes=run.elsize, grad_bytes=4 if mixed else run.elsize, activation_bytes=run.elsize,
+                     optimizer_bytes=12 if mixed else 2 * run.elsize)
     return Model(layers=args.layers, hidden=args.dim, seq=args.seq_len, microbatch_size=args.microbatch_size,
-                 ffn=args.ffn, vocab=args.vocab, experts=args.experts, top_k=args.top_k, expert_ffn=args.expert_ffn, ep=args.ep)
+                 ffn=args.ffn, vocab=args.vocab, experts=args.experts, top_k=args.top_k, expert_ffn=args.expert_ffn, ep=args.ep, **sizes)
 
 
 def _cluster(args, gpus: int) -> Cluster:
@@ -102,6 +116,7 @@ def _cluster(args, gpus: int) -> Cluster:
 
 def plan_from_args(args) -> tuple[list, str, str]:
     """The ranked predictions, a title and a caption; ValueError naming the bad option."""
+    check_gpt_options(args)
     traced = load_traced(args.from_trace) if args.from_trace else None
     model = _model(args)
     gpus = args.gpus if args.gpus is not None else (traced.pp if traced else None)
@@ -113,7 +128,10 @@ def plan_from_args(args) -> tuple[list, str, str]:
         raise ValueError("missing --microbatches (per pipeline per step)")
     pp = _ints(args.pp, "--pp") if args.pp else ([traced.pp] if traced else default_pp_sizes(gpus))
     schedules = [registry.get(n.strip()).name for n in args.schedules.split(",") if n.strip()] if args.schedules else None
-    results = plan(model, cluster, m, pp, schedules, costs_for=traced.costs_for if traced else None, workers=args.workers)
+    if args.gpt and model is None:
+        raise ValueError("--gpt needs the model (--layers, --dim, --seq-len), not --from-trace alone")
+    gpt = gpt_run(args) if args.gpt else None
+    results = plan(model, cluster, m, pp, schedules, costs_for=traced.costs_for if traced else None, workers=args.workers, gpt=gpt)
     if traced:
         c = traced.costs
         title = (f"plan from {args.from_trace} ({traced.schedule}, p={traced.pp}, m={traced.microbatches}): "
@@ -144,6 +162,22 @@ def run_plan(args) -> int:
         print(json.dumps(as_dicts(results), indent=1))
         return 0
     print_table(results, title, caption + f" Planned in {time.perf_counter() - started:.2f} s.", args.top)
+    if args.gpt:
+        _print_gpt_memory(results, args)
     if picture:
         print(f"picture: {picture}")
     return 0
+
+
+def _print_gpt_memory(results: list, args) -> None:
+    """Per-rank memory tables of the rows shown (fitting ones, ``--top``), twinpipe train's GPT."""
+    from rich.console import Console
+
+    from twinpipe.sim.gpt import RankPrediction
+    from twinpipe.sim.memory import MemoryParts
+
+    shown = [p for p in results if p.fits][: args.top] if args.top else [p for p in results if p.fits]
+    console = Console()
+    for p in shown:
+        ranks = [RankPrediction(r["pp_rank"], r["dp_rank"], MemoryParts.from_dict(r)) for r in p.memory_parts]
+        console.print(memory_table(f"{p.label}, pp={p.pp} x dp={p.dp}: memory per rank, bytes (twinpipe train's GPT)", ranks))

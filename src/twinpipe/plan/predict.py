@@ -69,6 +69,7 @@ class Prediction:
     copies: int = 1  # copies of the model's weights on the pipeline (chains of the placement)
     memory: dict = field(default_factory=dict)  # the fullest rank: params, grads, optimizer, activations, total
     memory_per_rank: list = field(default_factory=list)  # every pipeline rank's total
+    memory_parts: list = field(default_factory=list)  # with a GPTRun: every rank's parts (twinpipe.sim.gpt.RankPrediction dicts)
     tokens_per_s: float = 0.0
     extrapolated_from: tuple | None = None  # (m1, m2) extended linearly to m; a third entry "approximate"
     limit: str = ""
@@ -179,13 +180,15 @@ def _rank_params(model: Model, placement, lay: Layout) -> list[tuple[float, floa
 
 
 def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, microbatches: int, costs: CostModel | None = None,
-                options: dict | None = None) -> Prediction:
+                options: dict | None = None, gpt=None) -> Prediction:
     """Predict schedule ``name`` (with ``options``, e.g. ``{"pairs": 2}``) at pipeline size ``pp``; an
     impossible case comes back with ``why``, never raised.
 
     ``costs``: the op times of one 1F1B stage to use instead of the model's (from a traced run), or
     per-stage op times of ``name``'s own stages at ``pp``, used as given (the traced schedule itself).
     With ``model`` None (only with ``costs``), memory and the gradient all-reduces are not counted.
+    ``gpt``: a ``twinpipe.sim.gpt.GPTRun``: memory per rank and part as ``twinpipe train`` predicts it
+    for its GPT (``memory_parts``; ``memory`` the fullest rank's) instead of the transformer estimate.
     """
     if model is None and costs is None:
         raise ValueError("model=None: give a Model, or the costs of a traced run")
@@ -199,7 +202,8 @@ def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, micro
         pred.copies = len(placement.chains)
         a2a_op, m_b = 0.0, 0.0  # measured op times hold their all-to-alls (if any)
         if model is not None:
-            if any((model.layers * size / pp).denominator != 1 for size in set(stage_sizes(placement))):
+            # (twinpipe train's GPT is cut by parameters, embedding and head included: any count of its layers)
+            if gpt is None and any((model.layers * size / pp).denominator != 1 for size in set(stage_sizes(placement))):
                 raise _NoFit(f"{model.layers} layers do not split evenly into its {max(len(c) for c in placement.chains)}-stage "
                              f"chain(s) on {pp} ranks")
             model_costs, per_layer, m_b = stage_costs(model, cluster, lay)
@@ -220,6 +224,12 @@ def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, micro
     _pipeline(pred, placement, costs, a2a_op, metrics)
     if model is not None:
         _collectives_and_memory(pred, model, cluster, lay, placement, m_b, metrics["peak"])
+    if gpt is not None:
+        try:
+            _gpt_memory(pred, gpt, cluster, lay.dp)
+        except ValueError as error:
+            pred.why = f"does not fit: {error}"
+            return pred
     pred.step_time = pred.pipeline + pred.dp_all_reduce + pred.mirror_all_reduce
     if model is not None and pred.step_time > 0:
         pred.tokens_per_s = microbatches * model.tokens * lay.dp / pred.step_time
@@ -277,6 +287,17 @@ def _memory(pred: Prediction, model: Model, params: list, activations: list) -> 
     pred.memory_per_rank = [t["total"] for t in totals]
 
 
+def _gpt_memory(pred: Prediction, gpt, cluster: Cluster, dp: int) -> None:
+    """Memory per rank and part for twinpipe train's GPT (``GPTRun.predict``): the fullest rank's
+    parts in ``memory``, every pipeline rank's largest total in ``memory_per_rank``."""
+    ranks = gpt.predict(pred.schedule, pred.pp, pred.microbatches, dp, pred.options)
+    pred.memory_parts = [r.to_dict() for r in ranks]
+    fullest = max(ranks, key=lambda r: r.parts.total)
+    pred.memory = {**fullest.parts.to_dict(), "activations": fullest.parts.activations_peak}
+    pred.memory_per_rank = [max(r.parts.total for r in ranks if r.pp_rank == k) for k in range(pred.pp)]
+    pred.why = _too_big(pred, cluster) if pred.memory["total"] > cluster.memory else ""
+
+
 def _too_big(pred: Prediction, cluster: Cluster, before_activations: bool = False) -> str:
     mem = {k: v / GiB for k, v in pred.memory.items()}
     copies = f" in {pred.copies} copies" if pred.copies > 1 else ""
@@ -305,7 +326,7 @@ def _limit(pred: Prediction, cluster: Cluster) -> str:
 
 
 def plan(model: Model, cluster: Cluster, microbatches: int, pp_sizes=None, schedules=None, costs_for=None,
-         workers: int | None = None) -> list[Prediction]:
+         workers: int | None = None, gpt=None) -> list[Prediction]:
     """Every schedule (default ``registry.names()``) at every pipeline size (default: powers of two
     dividing the GPUs, 2..64), ranked: fitting ones by throughput (by step time without a model), then the rest.
 
@@ -313,6 +334,7 @@ def plan(model: Model, cluster: Cluster, microbatches: int, pp_sizes=None, sched
     ``costs_for(name, pp, options)``: the op times to use instead of the model's (``predict_one``'s ``costs``).
     ``workers``: processes to predict in (None: one per core, up to ``MAX_WORKERS``, when the plan is
     large enough to pay for starting them; 1: in this process). The answer does not depend on it.
+    ``gpt``: a ``twinpipe.sim.gpt.GPTRun`` (``predict_one``'s).
     """
     schedules = [registry.get(name).name for name in (schedules or registry.names())]
     pp_sizes = list(pp_sizes or default_pp_sizes(cluster.gpus))
@@ -323,7 +345,7 @@ def plan(model: Model, cluster: Cluster, microbatches: int, pp_sizes=None, sched
     # Largest pipelines first, so that the pool's last tasks are short ones.
     tasks = [(name, p, options, costs_for(name, p, options) if costs_for else None)
              for p in sorted(pp_sizes, reverse=True) for name in schedules for options in registry.variants(name, p)]
-    results = _predict_all(model, cluster, microbatches, tasks, _workers(workers, tasks, microbatches))
+    results = _predict_all(model, cluster, microbatches, tasks, _workers(workers, tasks, microbatches), gpt)
     return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s, r.step_time, r.pp, r.label))
 
 
@@ -348,7 +370,7 @@ def _threads() -> int:
         return threading.active_count()
 
 
-def _predict_all(model, cluster, m: int, tasks: list, workers: int) -> list[Prediction]:
+def _predict_all(model, cluster, m: int, tasks: list, workers: int, gpt=None) -> list[Prediction]:
     # Workers are forked: they start at once and never re-run the caller's script (spawn and
     # forkserver import its __main__ again, which runs any unguarded script a second time).
     # Forking a process that has other threads is unsafe in general; the workers only run this
@@ -356,14 +378,14 @@ def _predict_all(model, cluster, m: int, tasks: list, workers: int) -> list[Pred
     if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-                return list(pool.map(_predict_task, *zip(*((model, cluster, m, *task) for task in tasks))))
+                return list(pool.map(_predict_task, *zip(*((model, cluster, m, *task, gpt) for task in tasks))))
         except (OSError, BrokenProcessPool):  # no processes here (a sandbox): the same answer, more slowly
             pass
-    return [_predict_task(model, cluster, m, *task) for task in tasks]
+    return [_predict_task(model, cluster, m, *task, gpt) for task in tasks]
 
 
-def _predict_task(model, cluster, m: int, name: str, p: int, options: dict, costs) -> Prediction:
-    return predict_one(name, model, cluster, p, m, costs, options)
+def _predict_task(model, cluster, m: int, name: str, p: int, options: dict, costs, gpt=None) -> Prediction:
+    return predict_one(name, model, cluster, p, m, costs, options, gpt)
 
 
 def _check_count(name: str, value) -> None:

@@ -24,6 +24,7 @@ from twinpipe.sim.memory import StageMemory
 __all__ = ["ActivationMeter", "measure_stage", "note", "note_closures", "storage_bytes", "grad_bytes", "optimizer_bytes"]
 
 _local = threading.local()
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1 outside a backward
 
 # The runtime's early releases, each on by default. Turned off (removed from this set) only to
 # measure what each saves (``bench/bench_memory.py --no-release``): "losses" (the kept losses are
@@ -108,6 +109,8 @@ class ActivationMeter:
 
     def _pack(self, t: torch.Tensor):
         self.track(t)
+        if _graph_task_id() != -1:  # saved during a backward: a reentrant checkpoint recomputing
+            self.sample()  # its region, freed before the op ends (see _counting_recomputation)
         # A new tensor on the same storage: returning ``t`` itself would tie an output to its own
         # graph node (a reference cycle) and share its data with the executor's freeing of sent outputs.
         return t.detach()
@@ -118,14 +121,15 @@ class ActivationMeter:
 
     @contextmanager
     def measuring(self):
-        """Count while inside: saved tensors, and what ``note``/``note_closures`` are given."""
+        """Count while inside: saved tensors, and what ``note``/``note_closures`` are given; and
+        the activations ``torch.utils.checkpoint`` recomputes in a backward (``_counting_recomputation``)."""
         previous = getattr(_local, "meter", None)
         _local.meter = self
         cuda = self.device is not None and self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), _counting_recomputation():
                 yield self
         finally:
             _local.meter = previous
@@ -136,6 +140,60 @@ class ActivationMeter:
 
 def _current() -> ActivationMeter | None:
     return getattr(_local, "meter", None)
+
+
+_recomputing = 0  # measuring contexts open (any thread): the checkpoint hook below is installed while > 0
+_recomputing_lock = threading.Lock()
+
+
+@contextmanager
+def _counting_recomputation():
+    """While measuring, count what a non-reentrant ``torch.utils.checkpoint`` region recomputes.
+
+    Inside a checkpointed region checkpoint's own saved-tensor hooks replace the meter's: its
+    forward keeps only the region's inputs (seen: they are saved outside the region), and a
+    backward recomputes the region's activations under another hook of its own, keeps them until
+    the backward has used them, all inside one B op, between the meter's samples. So the meter
+    takes them here: each recomputed tensor is tracked as checkpoint saves it, and the live total
+    is sampled once the recomputation is done (every recomputed tensor alive). A reentrant
+    checkpoint recomputes under the meter's own hooks: ``_pack`` samples what is saved during a backward.
+    """
+    global _recomputing
+    import torch.utils.checkpoint as checkpoint
+
+    with _recomputing_lock:
+        _recomputing += 1
+        if _recomputing == 1:
+            original = checkpoint._recomputation_hook
+            checkpoint._recomputation_hook = type("_counted_recomputation_hook", (original,), {
+                "__init__": _counted_init, "__exit__": _counted_exit, "_original": original})
+    try:
+        yield
+    finally:
+        with _recomputing_lock:
+            _recomputing -= 1
+            if _recomputing == 0:
+                checkpoint._recomputation_hook = checkpoint._recomputation_hook._original
+
+
+def _counted_init(self, *args, **kwargs) -> None:
+    type(self)._original.__init__(self, *args, **kwargs)
+    pack = self.pack_hook
+
+    def counting_pack(x):
+        meter = _current()
+        if meter is not None:
+            meter.track(x)
+        return pack(x)
+
+    self.pack_hook = counting_pack
+
+
+def _counted_exit(self, *exc) -> None:
+    type(self)._original.__exit__(self, *exc)
+    meter = _current()
+    if meter is not None:
+        meter.sample()
 
 
 def note(tensors) -> None:
@@ -207,8 +265,8 @@ def _measure_forward(meter: ActivationMeter, module, ins: list, first: bool, cri
     found = dict(in_bytes=in_bytes, out_bytes=out_bytes, out_grad_bytes=_message_bytes(floats), in_tensors=len(ins),
                  out_tensors=len(outputs), saves_in=saves_in, saves_out=saves_out,
                  f_other=max(0, meter.live - in_bytes * saves_in - out_bytes * saves_out))
-    if loss is not None:
-        found.update(roots=[loss], grads=[torch.ones_like(loss)])
+    if loss is not None:  # the executor holds a last stage's outputs until its backward is done
+        found.update(roots=[loss, *outputs], grads=[torch.ones_like(loss)])
     else:
         found.update(roots=floats, grads=[torch.ones_like(o) for o in floats])  # values do not matter; no RNG drawn
     return found
@@ -219,10 +277,13 @@ def _measure_backward(meter: ActivationMeter, store, roots: list, grads: list, i
     from twinpipe.runtime.executor import run_backward
 
     grad_refs = [(StorageWeakRef(g.untyped_storage()), _key(g)) for g in grads]
+    before, peak = meter.sample(), meter.peak
+    meter.peak = before  # what the B holds on top while it runs (a checkpointed region recomputed)
     store.enabled = True
     with store.running_backward():
-        run_backward(roots, grads)
+        run_backward(roots[:len(grads)], grads)
     store.enabled = False
+    b_extra, meter.peak = meter.peak - before, max(peak, meter.peak)
     store.flush("measured")
     in_grads = [t.grad for t in ins if t.is_floating_point() and t.grad is not None]
     in_grad_bytes = _message_bytes(in_grads)
@@ -235,4 +296,5 @@ def _measure_backward(meter: ActivationMeter, store, roots: list, grads: list, i
     alive = lambda refs: any(not ref.expired() and key in meter.tracked for ref, key in refs)  # noqa: E731
     w_keeps_in, w_keeps_grad = alive(in_refs), received_grad and alive(grad_refs)
     w_other = meter.live - found["in_bytes"] * w_keeps_in - found["out_grad_bytes"] * w_keeps_grad
-    return dict(in_grad_bytes=in_grad_bytes, w_other=max(0, w_other), w_keeps_in=w_keeps_in, w_keeps_grad=w_keeps_grad)
+    return dict(in_grad_bytes=in_grad_bytes, w_other=max(0, w_other), w_keeps_in=w_keeps_in, w_keeps_grad=w_keeps_grad,
+                b_extra=b_extra)

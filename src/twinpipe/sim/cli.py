@@ -7,6 +7,10 @@ By default every schedule runs the same model: the times (and M_B) are those of 
 1/p of the model, and a schedule's stages get their share of them (``--hold model``; a V or
 interleaved rank's stages are 1/v of that, DualPipe's two stages are full-size copies).
 ``--hold stage`` gives every stage the costs as given. ``rich`` is imported only to print the table.
+
+With ``--gpt`` (and ``twinpipe train``'s model options) each rank's memory is also predicted in
+bytes, by part, as ``twinpipe train`` predicts it for its GPT (``twinpipe.sim.gpt``): a second
+table, and ``"memory"`` per rank in the JSON.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from twinpipe.schedule import registry
 from twinpipe.schedule.spec import resolve
 from twinpipe.sim.costs import CostModel, check_cost, for_model, stage_sizes
 from twinpipe.sim.engine import simulate
+from twinpipe.sim.gpt_cli import add_gpt_options, check_gpt_options, gpt_run, gpt_settings, memory_table
 from twinpipe.timeline import Timeline
 
 __all__ = ["add_simulate_parser", "run_simulate", "summarize", "simulate_from_args", "held_equal"]
@@ -33,8 +38,9 @@ _COST_OPTIONS = ("t_f", "t_b", "t_w", "t_comm", "mw")
 HOLD = ("model", "stage")
 
 
-def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the ``simulate`` subcommand to ``subparsers`` and return its parser."""
+def add_simulate_parser(subparsers, *, gpt: bool = True) -> argparse.ArgumentParser:
+    """Add the ``simulate`` subcommand to ``subparsers`` and return its parser (with ``--gpt`` and
+    its options unless ``gpt`` is False: ``twinpipe draw`` takes the rest)."""
     parser = subparsers.add_parser(
         "simulate",
         help="simulate a schedule: bubble, per-rank idle time, peak activation memory",
@@ -65,6 +71,8 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                         "interleaved ranks, 1 for DualPipe's two full-size copies); 'stage': every stage of every "
                         "schedule gets the costs as given (a V then models a model twice as large)")
     cli_options.add(parser, "json")
+    if gpt:
+        add_gpt_options(parser)
     return parser
 
 
@@ -134,18 +142,41 @@ def _simulate_one(name: str, args, costs: CostModel, strict: bool) -> Timeline:
 def run_simulate(args: argparse.Namespace) -> int:
     """Run ``twinpipe simulate``; 0 on success, 2 (message on stderr) on bad input."""
     try:
+        check_gpt_options(args)
         timelines = simulate_from_args(args)
+        memory = [_gpt_memory(t, args) for t in timelines] if args.gpt else None
     except ValueError as error:
         print(f"twinpipe simulate: error: {error}", file=sys.stderr)
         return 2
     if args.json:
         summaries = [summarize(t) for t in timelines]
+        for summary, ranks in zip(summaries, memory or ()):
+            summary["memory"] = [r.to_dict() for r in ranks]
         print(json.dumps(summaries if args.compare else summaries[0], indent=2))
-    elif args.compare:
-        _print_comparison(timelines, held_equal(args))
+        return 0
+    if args.compare:
+        _print_comparison(timelines, held_equal(args), memory)
     else:
         _print_ranks(timelines[0], held_equal(args))
+        if memory:
+            from rich.console import Console
+
+            Console().print(memory_table(f"{timelines[0].name}: memory per rank, bytes (twinpipe train's GPT)", memory[0],
+                                         _gpt_caption(args)))
     return 0
+
+
+def _gpt_memory(timeline: Timeline, args) -> list:
+    """Each rank's memory by part for ``timeline``'s schedule (its options) and the --gpt options."""
+    options = {k: v for k, v in timeline.meta.get("options", {}).items() if k in _OPTIONS}  # the user's, as built
+    return gpt_run(args).predict(timeline.name, args.ranks, args.microbatches, gpt_settings(args)["dp"], options)
+
+
+def _gpt_caption(args) -> str:
+    o = gpt_settings(args)
+    return (f"{o['layers']} blocks, dim {o['dim']}, {o['heads']} heads, seq {o['seq_len']}, vocab {o['vocab']}, "
+            f"{o['microbatch_size']} sequences per micro-batch, {o['dtype']}, precision {o['precision']}, zero {o['zero']}, "
+            f"dp {o['dp']}: what twinpipe train --batch-size {args.microbatches * o['dp'] * o['microbatch_size']} predicts")
 
 
 def _schedule_names(args) -> list[str]:
@@ -212,16 +243,23 @@ def _print_ranks(timeline: Timeline, note: str) -> None:
     Console().print(table)
 
 
-def _print_comparison(timelines: list[Timeline], note: str) -> None:
+def _print_comparison(timelines: list[Timeline], note: str, memory: list | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from twinpipe.sim.memory import format_bytes
+
     first = timelines[0]
     table = Table(title=f"p={first.num_ranks}, m={first.num_microbatches}", caption=note)
-    for column in ("schedule", "stages", "stage size", "makespan", "bubble rate", "max idle", "peak activation (M_B)"):
+    columns = ["schedule", "stages", "stage size", "makespan", "bubble rate", "max idle", "peak activation (M_B)"]
+    for column in columns + (["fullest rank: activations / total (GPT)"] if memory else []):
         table.add_column(column, justify="right")
-    for t in timelines:
+    for i, t in enumerate(timelines):
         stats = t.per_rank()
-        table.add_row(t.name, str(t.placement.num_stages), t.meta.get("stage_size") or "-", f"{t.makespan:g}", f"{t.bubble_rate:.2%}",
-                      f"{max(st.idle for st in stats):g}", f"{max(t.peak_activation):g}")
+        row = [t.name, str(t.placement.num_stages), t.meta.get("stage_size") or "-", f"{t.makespan:g}", f"{t.bubble_rate:.2%}",
+               f"{max(st.idle for st in stats):g}", f"{max(t.peak_activation):g}"]
+        if memory:
+            fullest = max(memory[i], key=lambda r: r.parts.total).parts
+            row.append(f"{format_bytes(fullest.activations_peak)} / {format_bytes(fullest.total)}")
+        table.add_row(*row)
     Console().print(table)

@@ -105,7 +105,8 @@ class StageMemory:
     After F, autograd holds ``f_other`` bytes besides the input (``saves_in``) and output
     (``saves_out``) storages. After a B whose weight gradients are deferred, W keeps ``w_other``
     bytes besides the input (``w_keeps_in``) and the received output gradient (``w_keeps_grad``).
-    ``m_b``/``m_w``: the totals, M_B and M_W, in bytes.
+    ``m_b``/``m_w``: the totals, M_B and M_W, in bytes. ``b_extra``: what a B (or BW) holds on top
+    while it runs, at its largest: the activations ``torch.utils.checkpoint`` recomputes (0 without).
     """
 
     in_bytes: int = 0
@@ -120,6 +121,7 @@ class StageMemory:
     w_other: int = 0
     w_keeps_in: bool = False
     w_keeps_grad: bool = False
+    b_extra: int = 0
 
     @property
     def m_b(self) -> int:
@@ -314,6 +316,8 @@ class _Replay:
 
     def backward(self, s: int, j: int, deferred: bool) -> None:
         st, mem, placement = self.stages[s], self.mem, self.placement
+        if st.b_extra:  # a checkpointed region recomputed on top of everything held (the meter samples it then)
+            self.peak = max(self.peak, mem.live + st.b_extra)
         inp, out = self._input_key(s, j), ("out", s, j)
         grad = None
         if not placement.is_last(s):
@@ -411,8 +415,9 @@ def activation_peak(program, placement, stages: dict, flattens=lambda peer: Fals
     stages' ``StageMemory`` (``stages``: stage -> StageMemory):
 
     - F holds the stage's saved storages (input, output, the rest: M_B), and a non-last stage's
-      output until its message is sent; B keeps what W needs (M_W) and frees the rest; W frees
-      it; BW frees everything; FB is its F, then its BW;
+      output until its message is sent; B keeps what W needs (M_W) and frees the rest (while it
+      runs it holds ``b_extra`` more: what a checkpointed region recomputes); W frees it; BW frees
+      everything; FB is its F, then its BW;
     - receive buffers count from when the transport posts them (as early as each channel's
       order allows: after the last send before them) until their op consumes them: an
       activation then becomes the stage's saved input, a gradient is freed by its B (or kept by W);

@@ -2,7 +2,8 @@
 
 Checked before any rank starts (``twinpipe train``'s checks), so a run too big for the machine
 stops with one line instead of dying in an allocator inside a rank. The need is the fullest
-pipeline rank's: its stages' parameters, gradients, master weights and AdamW state
+pipeline rank's: for the dense GPT, the prediction its run's report will make
+(``twinpipe.sim.gpt``); for a MoE model an estimate: its stages' parameters, gradients, master weights and AdamW state
 (``twinpipe.sim.memory.state_prediction``, from the parameter counts of the model built on the
 meta device: no memory; a MoE block's experts counted as MLPs of the dense block's size), its peak activations (each stage's M_B estimated from the GPT's shapes,
 the peak per rank from the simulator, ``twinpipe.sim``) and the batch every rank samples. What
@@ -37,7 +38,20 @@ def stage_activation_bytes(names: list[str], cfg, microbatch_size: int, elsize: 
 
 
 def need_per_rank(args, cfg) -> tuple[int, dict]:
-    """The fullest pipeline rank of the run ``args`` describes: (rank, bytes by part)."""
+    """The fullest pipeline rank of the run ``args`` describes: (rank, bytes by part). The dense GPT
+    (no experts, no multi-token prediction): what its train-log.json will list as ``"predicted"``
+    (``twinpipe.sim.gpt.GPTRun``, as ``twinpipe simulate --gpt``); else the estimate below."""
+    data = 2 * args.batch_size * cfg.seq_len * 8 + args.corpus_bytes  # the batch (int64 ids and targets), the corpus
+    if not cfg.experts and not cfg.mtp_depth:
+        from twinpipe.sim.gpt import GPTRun
+
+        run = GPTRun.of(cfg, args.microbatch_size, dtype=args.dtype, precision=getattr(args, "precision", "pure"),
+                        zero=getattr(args, "zero", 0), overlap_dp=getattr(args, "overlap_dp", True))
+        ranks = run.predict(args.schedule, args.pp, args.batch_size // (args.dp * args.microbatch_size), args.dp)
+        fullest = max(ranks, key=lambda r: r.parts.total)
+        parts = fullest.parts.to_dict()
+        parts.pop("total")
+        return fullest.pp_rank, {**parts, "data": data}
     import torch
 
     from twinpipe.schedule import resolve
@@ -62,7 +76,6 @@ def need_per_rank(args, cfg) -> tuple[int, dict]:
            for s in range(placement.num_stages)]
     m = args.batch_size // (args.dp * args.microbatch_size)
     peaks = summarize(spec.build(m), CostModel(m_b=m_b, mw=1.0), check=False).peak
-    data = 2 * args.batch_size * cfg.seq_len * 8 + args.corpus_bytes  # the batch (int64 ids and targets), the corpus
     shard = args.dp if getattr(args, "zero", 0) == 1 else 1
     best = (-1, -1, {})
     for rank in range(args.pp):

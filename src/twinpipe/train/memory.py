@@ -17,6 +17,7 @@ import torch
 
 from twinpipe.runtime.collectives import gather_objects
 from twinpipe.runtime.memory import grad_bytes, measure_stage, optimizer_bytes, storage_bytes
+from twinpipe.sim.gpt import PLANNED_WITH_MW  # generators that order their ops by the memory W keeps
 from twinpipe.sim.memory import MemoryParts, RankMemory, state_prediction
 
 __all__ = ["measured_step", "gather_report"]
@@ -100,9 +101,6 @@ def gather_report(trainer, entry: RankMemory) -> list[RankMemory]:
     entries = gather_objects(trainer.checkpoint_group, entry.to_dict(), trainer.timeout,
                              f"rank {torch.distributed.get_rank()}: gathering the memory report")
     return sorted((RankMemory.from_dict(e) for e in entries), key=lambda e: e.rank)
-
-
-PLANNED_WITH_MW = ("zbv", "zb-auto")  # generators that order their ops by the memory W keeps
 
 
 def measured_mw(model, num_stages: int, sample: tuple, criterion) -> float:

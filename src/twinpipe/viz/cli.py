@@ -23,7 +23,7 @@ def _simulate_options() -> argparse.ArgumentParser:
     """The ``simulate`` parser, used as a parent: SCHEDULE, --compare, --pp, cost options, --json."""
     from twinpipe.sim.cli import add_simulate_parser
 
-    return add_simulate_parser(argparse.ArgumentParser().add_subparsers())
+    return add_simulate_parser(argparse.ArgumentParser().add_subparsers(), gpt=False)
 
 
 def add_draw_parser(subparsers) -> argparse.ArgumentParser:

@@ -1,0 +1,224 @@
+"""``twinpipe train``'s GPT by its sizes alone (pure Python): each pipeline rank's memory, by part.
+
+The trainer predicts a rank's memory from its real stages (``twinpipe.train.memory``): the model
+state from the parameters' element counts (``state_prediction``), the activation peak from each
+stage measured alone on one micro-batch (``twinpipe.runtime.memory.measure_stage``) and replayed
+on the rank's program (``activation_peak``). ``GPTRun.predict`` does the same from the
+model's sizes (a ``GPTConfig``'s fields) without building anything: the parameters come from the
+layers' shapes (``layer_numels``), the cut into stages from the same ``partition`` as the trainer's
+``split(..., "params")``, and each stage's ``StageMemory`` from ``stage_memory``, the bytes
+autograd and the deferred weight gradients keep for the GPT's layers on CPU, as
+``measure_stage`` finds them (``tests/test_memory_predict.py`` holds the two equal). Then the same
+``state_prediction`` and ``activation_peak``: ``twinpipe simulate --gpt`` and ``twinpipe plan --gpt``
+print these numbers, and they equal the ``"predicted"`` entries of a ``twinpipe train`` run's
+``train-log.json`` for the same configuration.
+
+Modelled: the dense GPT (``experts=0``, no multi-token prediction), AdamW, the default transport
+(CPU ranks on one host: shared memory; ``flattens=True`` for process-group messages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twinpipe import checks
+from twinpipe.schedule.lower import lower
+from twinpipe.schedule.spec import resolve
+from twinpipe.sim.memory import MemoryParts, StageMemory, activation_peak, state_prediction
+from twinpipe.sim.partition import partition
+
+__all__ = ["ELSIZE", "PLANNED_WITH_MW", "RankPrediction", "layer_names", "layer_numels", "stage_layers", "stage_memory",
+           "GPTRun"]
+
+ELSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+PLANNED_WITH_MW = ("zbv", "zb-auto")  # generators that order their ops by the memory W keeps (the trainer measures mw)
+BUCKET_BYTES = 25 << 20  # the data-parallel reducer's gradient buckets (twinpipe.train.grads)
+
+
+def _check_modelled(cfg) -> None:
+    if getattr(cfg, "experts", 0):
+        raise checks.bad("experts", cfg.experts, "must be 0: the memory of MoE blocks depends on the routing and is measured, "
+                         "not predicted from the sizes")
+    if getattr(cfg, "mtp_depth", 0):
+        raise checks.bad("mtp_depth", cfg.mtp_depth, "must be 0: multi-token prediction heads are not modelled here")
+
+
+def layer_names(cfg) -> list[str]:
+    """The GPT's layers in run order, named as ``split`` names them."""
+    return ["embed", *(f"blocks.{i}" for i in range(cfg.layers)), "head"]
+
+
+def layer_numels(cfg, name: str) -> list[int]:
+    """Element counts of a layer's parameter tensors, in ``named_parameters`` order."""
+    d, v = cfg.dim, cfg.vocab
+    if name == "embed":  # token and position embeddings
+        return [v * d, cfg.seq_len * d]
+    if name == "head":  # norm weight and bias, the output projection
+        return [d, d, v * d, v]
+    # norm1, qkv, proj, norm2, up, down (weights and biases)
+    return [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
+
+
+def stage_layers(cfg, num_stages: int) -> list[list[str]]:
+    """The layers of each stage of ``split(GPT(cfg), num_stages, "params")``."""
+    names = layer_names(cfg)
+    if num_stages > len(names):
+        raise checks.bad("num_stages", num_stages, f"must be <= {len(names)}: the GPT has {len(names)} layers "
+                         "(the embedding, the blocks and the head)")
+    counts = partition([float(sum(layer_numels(cfg, n))) for n in names], num_stages)
+    out, start = [], 0
+    for c in counts:
+        out.append(names[start:start + c])
+        start += c
+    return out
+
+
+def stage_memory(cfg, names, microbatch_size: int, elsize: int) -> StageMemory:
+    """What one micro-batch of the stage made of the GPT's layers ``names`` keeps, in bytes, as
+    ``measure_stage`` measures it on CPU (``elsize``: bytes of the compute dtype). With A = b t d
+    elements of the hidden state:
+
+    - a block keeps 15 A for F (the inputs of its four linears and of the two norms' outputs, q, k,
+      v, the 4x MLP twice), the attention probabilities (b h t t), the causal mask (t t bytes) and
+      its two norms' mean and rstd (b t each); W keeps the 15 A of its linears (inputs and output
+      gradients; its last linear's output gradient is the block's received one);
+    - the head keeps its norm's output and statistics and the loss's FP32 log-softmax (b t vocab;
+      float64 logits keep it in float64) and one scalar; W keeps the norm's output and the logits' gradient;
+    - between two layers of a stage, the hidden state (A) is saved by the next layer's norm; W
+      keeps it too (the graph its saved inputs hang on holds it), except the embedding's output.
+    """
+    b, t, d = microbatch_size, cfg.seq_len, cfg.dim
+    a = b * t * d * elsize
+    loss_el = 8 if elsize == 8 else 4
+    first, last = names[0] == "embed", names[-1] == "head"
+    f_other = w_other = 0
+    for k, name in enumerate(names):
+        if k:  # the hidden state between layers k-1 and k, saved by layer k's norm
+            f_other += a
+            w_other += a * (names[k - 1] != "embed")
+        if name.startswith("blocks"):
+            f_other += 15 * a + b * cfg.heads * t * t * elsize + t * t + 4 * b * t * elsize
+            w_other += 15 * a
+        elif name == "head":
+            f_other += a + 2 * b * t * elsize + b * t * cfg.vocab * loss_el + loss_el
+            w_other += a + b * t * cfg.vocab * elsize
+    out = b * t * cfg.vocab * elsize if last else a
+    received = 0 if first else a
+    return StageMemory(in_bytes=received, out_bytes=out, in_grad_bytes=received, out_grad_bytes=out,
+                       f_other=f_other, saves_in=not first, saves_out=False, w_other=w_other,
+                       w_keeps_in=not first, w_keeps_grad=not last and names[-1] != "embed")
+
+
+@dataclass(frozen=True)
+class RankPrediction:
+    """One rank's predicted memory (``parts``), by pipeline and data-parallel rank."""
+
+    pp_rank: int
+    dp_rank: int
+    parts: MemoryParts
+
+    def to_dict(self) -> dict:
+        return {"pp_rank": self.pp_rank, "dp_rank": self.dp_rank, **self.parts.to_dict()}
+
+
+def _updated(stage_tensors: list[list[int]], elsize: int, dp: int, overlap: bool) -> list[list[int]]:
+    """ZeRO-1: the element counts each data-parallel rank updates among one pipeline rank's tensors
+    (``stage_tensors``: one list per stage), as ``twinpipe.train.zero.ShardedReducer`` cuts them:
+    parts (one per stage when the reduction overlaps the step, else one), buckets of
+    ``BUCKET_BYTES`` in order, each cut into ``dp`` runs of whole tensors (``zero.runs``)."""
+    parts = stage_tensors if overlap else [[n for tensors in stage_tensors for n in tensors]]
+    mine: list[list[int]] = [[] for _ in range(dp)]
+    for tensors in parts:
+        buckets, size = [], BUCKET_BYTES + 1
+        for n in tensors:
+            if size + n * elsize > BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(n)
+            size += n * elsize
+        for bucket in buckets:
+            if len(bucket) <= dp:
+                cut = [bucket[i:i + 1] for i in range(dp)]
+            else:
+                cut, start = [], 0
+                for c in partition(bucket, dp):
+                    cut.append(bucket[start:start + c])
+                    start += c
+            for r in range(dp):
+                mine[r] += cut[r]
+    return mine
+
+
+@dataclass(frozen=True)
+class GPTRun:
+    """A ``twinpipe train`` run of its GPT, as far as memory goes: the model's sizes (``GPTConfig``'s
+    fields; ``GPTRun.of(cfg, ...)`` reads them from one), ``microbatch_size`` sequences per
+    micro-batch, parameters in ``dtype`` (``precision="bf16-mixed"``: bf16 compute, FP32 masters,
+    gradients and AdamW state), AdamW state sharded over data parallel with ``zero=1`` (its gradient
+    reduction per stage unless ``overlap_dp`` is off), and messages as one flat buffer
+    (``flattens``: the process-group transport) or through shared memory (the default on one host)."""
+
+    layers: int
+    dim: int
+    seq_len: int
+    heads: int
+    vocab: int
+    microbatch_size: int
+    dtype: str = "float32"
+    precision: str = "pure"
+    zero: int = 0
+    overlap_dp: bool = True
+    flattens: bool = False
+    experts: int = 0
+    mtp_depth: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "dim", "seq_len", "heads", "vocab", "microbatch_size"):
+            checks.check_int(getattr(self, name), name, low=1)
+        if self.dim % self.heads:
+            raise checks.bad("dim", self.dim, f"must be a multiple of heads={self.heads}")
+        checks.check_choice(self.dtype, "dtype", tuple(ELSIZE))
+        checks.check_choice(self.precision, "precision", ("pure", "bf16-mixed"))
+        checks.check_int(self.zero, "zero", low=0, high=1)
+        _check_modelled(self)
+
+    @classmethod
+    def of(cls, cfg, microbatch_size: int, **run) -> GPTRun:
+        return cls(cfg.layers, cfg.dim, cfg.seq_len, cfg.heads, cfg.vocab, microbatch_size,
+                   experts=getattr(cfg, "experts", 0), mtp_depth=getattr(cfg, "mtp_depth", 0), **run)
+
+    @property
+    def elsize(self) -> int:
+        """Bytes of a parameter and of an activation value (the compute dtype)."""
+        return 2 if self.precision == "bf16-mixed" else ELSIZE[self.dtype]
+
+    def predict(self, schedule: str, pp: int, microbatches: int, dp: int = 1, options: dict | None = None) -> list[RankPrediction]:
+        """Each rank's memory by part, as ``twinpipe train`` predicts it for this run under
+        ``schedule`` (with ``options``) on ``pp`` pipeline ranks x ``dp`` data-parallel replicas,
+        ``microbatches`` per step and replica. One entry per pipeline rank (data-parallel rank 0),
+        or per (pipeline, data-parallel) rank where ZeRO-1 makes them differ."""
+        checks.check_int(dp, "dp", low=1)
+        mixed, elsize = self.precision == "bf16-mixed", self.elsize
+        options = dict(options or {})
+        spec = resolve(schedule, pp, **options)
+        cut = stage_layers(self, spec.placement.num_model_stages)
+        memories = [stage_memory(self, names, self.microbatch_size, elsize) for names in cut]
+        if spec.name in PLANNED_WITH_MW and "mw" not in options:  # as the trainer plans them (train.memory.planned_options)
+            spec = resolve(schedule, pp, **options, mw=round(max(m.mw for m in memories), 3))
+        placement = spec.placement
+        programs = lower(spec.build(microbatches)).programs
+        sharded = self.zero == 1 and dp > 1
+        overlap = self.overlap_dp and len(placement.chains) == 1  # the trainer reduces per stage unless stages have copies
+        out = []
+        for rank in range(pp):
+            stages = {s: memories[placement.model_stage(s)] for s in placement.stages_of(rank)}
+            peak = activation_peak(programs[rank], placement, stages, lambda peer: self.flattens)
+            tensors = [[n for name in cut[placement.model_stage(s)] for n in layer_numels(self, name)]
+                       for s in placement.stages_of(rank)]
+            held = [n for stage in tensors for n in stage]
+            shards = _updated(tensors, elsize, dp, overlap) if sharded else [held]
+            for dp_rank, updated in enumerate(shards):
+                parts = state_prediction(held, elsize, mixed=mixed, updated=updated)
+                parts.activations_peak = peak
+                out.append(RankPrediction(rank, dp_rank, parts))
+        return out

@@ -1,0 +1,147 @@
+"""``twinpipe simulate --gpt`` / ``twinpipe plan --gpt``: each rank's memory in bytes, by part, for
+``twinpipe train``'s GPT from its sizes alone (``twinpipe.sim.gpt``), the numbers ``twinpipe train``
+lists as ``"predicted"`` (``tests/test_train_cli.py`` holds them to a real run's train-log.json).
+
+Here: every stage of the GPT, as ``stage_memory`` predicts it, equals ``measure_stage``'s measurement
+of the real stage (sizes, dtypes and cuts varied; the cut is ``split``'s), ZeRO-1's shards are the
+trainer's, and both commands print and return the same per-rank parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from twinpipe.cli import main
+from twinpipe.sim.gpt import GPTRun, stage_layers, stage_memory
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+CASES = [  # dim, heads, seq, rows, dtype, layers, stages
+    (32, 2, 16, 3, torch.float32, 4, 3),
+    (24, 3, 10, 2, torch.float64, 3, 5),
+    (32, 4, 16, 2, torch.bfloat16, 5, 4),
+    (16, 1, 7, 1, torch.float32, 2, 4),
+    (16, 2, 12, 2, torch.float64, 3, 1),
+]
+
+
+@pytest.mark.parametrize("dim,heads,seq,rows,dtype,layers,n", CASES)
+def test_each_stage_predicted_equals_its_measurement(dim, heads, seq, rows, dtype, layers, n):
+    from twinpipe.runtime.memory import measure_stage
+    from twinpipe.runtime.weight_grad import defer_weight_grads
+    from twinpipe.train.model import GPT, GPTConfig, lm_loss
+    from twinpipe.train.stages import split
+
+    cfg = GPTConfig(dim=dim, heads=heads, seq_len=seq, layers=layers, vocab=64)
+    torch.manual_seed(0)
+    stages = split(GPT(cfg).to(dtype), n, "params")
+    assert [list(s.names) for s in stages] == stage_layers(cfg, n)
+    h = torch.randint(0, cfg.vocab, (rows, seq))
+    labels = torch.randint(0, cfg.vocab, (rows, seq))
+    elsize = torch.tensor([], dtype=dtype).element_size()
+    for k, stage in enumerate(stages):
+        defer_weight_grads(stage)
+        last = k == n - 1
+        measured = measure_stage(stage, (h,), first=k == 0, criterion=lm_loss if last else None, labels=(labels,) if last else ())
+        assert stage_memory(cfg, list(stage.names), rows, elsize) == measured, (k, stage.names)
+        with torch.no_grad():
+            h = stage(h)
+
+
+def test_zero1_shards_are_the_trainers():
+    from twinpipe.train.zero import runs
+
+    run = GPTRun(4, 32, 16, 2, 64, 2, zero=1)
+    full = GPTRun(4, 32, 16, 2, 64, 2)
+    for dp in (2, 3):
+        ranks = run.predict("1f1b", 2, 4, dp)
+        assert [(r.pp_rank, r.dp_rank) for r in ranks] == [(p, d) for p in range(2) for d in range(dp)]
+        for pp_rank, whole in enumerate(full.predict("1f1b", 2, 4)):
+            mine = [r.parts for r in ranks if r.pp_rank == pp_rank]
+            assert {(m.params, m.grads, m.activations_peak) for m in mine} == {(whole.parts.params, whole.parts.grads,
+                                                                                 whole.parts.activations_peak)}
+            # one stage a rank, one bucket: the trainer's runs of whole tensors; AdamW: 2 moments + a step each
+            from twinpipe.sim.gpt import layer_numels
+
+            numels = [n for name in stage_layers(full, 2)[pp_rank] for n in layer_numels(full, name)]
+            expected = [2 * 4 * sum(numels[k] for k in r) + 4 * len(r) for r in runs(numels, dp)]
+            assert [m.optimizer for m in mine] == expected
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+GPT_OPTIONS = ["--gpt", "--layers", "3", "--dim", "32", "--seq-len", "16", "--vocab", "64", "--microbatch-size", "2",
+               "--heads", "2"]
+
+
+def test_simulate_and_plan_print_the_same_parts(capsys):
+    run = GPTRun(3, 32, 16, 2, 64, 2)
+    expected = [r.to_dict() for r in run.predict("dualpipev", 2, 4)]
+    code, out, _ = _run(capsys, "simulate", "dualpipev", "--pp", "2", "--microbatches", "4", *GPT_OPTIONS, "--json")
+    assert code == 0 and json.loads(out)["memory"] == expected
+    code, out, _ = _run(capsys, "plan", "--gpus", "2", "--pp", "2", "--microbatches", "4", "--schedules", "dualpipev,1f1b",
+                        *GPT_OPTIONS, "--json")
+    rows = {r["label"]: r for r in json.loads(out)}
+    assert code == 0 and rows["dualpipev"]["memory_parts"] == expected
+    assert rows["1f1b"]["memory_parts"] == [r.to_dict() for r in run.predict("1f1b", 2, 4)]
+    assert rows["dualpipev"]["memory"]["total"] == max(e["total"] for e in expected)
+    # The tables: one row per rank, every part.
+    code, out, _ = _run(capsys, "simulate", "dualpipev", "--pp", "2", "--microbatches", "4", *GPT_OPTIONS)
+    assert code == 0 and "activations" in out and "optimizer" in out and "master" in out
+    code, out, _ = _run(capsys, "simulate", "--compare", "1f1b,zbv", "--pp", "2", "--microbatches", "4", *GPT_OPTIONS,
+                        "--zero", "1", "--dp", "2")
+    assert code == 0 and "KiB /" in out  # the fullest rank's activations / total
+    code, out, _ = _run(capsys, "plan", "--gpus", "4", "--pp", "2", "--microbatches", "4", "--schedules", "1f1b", *GPT_OPTIONS,
+                        "--precision", "bf16-mixed", "--zero", "1")
+    assert code == 0 and "pp, dp" in out and "memory per rank" in out
+
+
+def test_what_is_not_modelled_is_refused(capsys):
+    code, _, err = _run(capsys, "plan", "--gpus", "2", "--pp", "2", "--microbatches", "4", *GPT_OPTIONS, "--experts", "4")
+    assert code == 2 and "experts=4: must be 0" in err
+    code, _, err = _run(capsys, "simulate", "1f1b", "--pp", "2", "--microbatches", "4", *GPT_OPTIONS, "--dim", "31")
+    assert code == 2 and "dim=31: must be a multiple of heads=2" in err
+    code, _, err = _run(capsys, "simulate", "1f1b", "--pp", "8", "--microbatches", "8", *GPT_OPTIONS, "--layers", "2")
+    assert code == 2 and "num_stages=8: must be <= 4" in err
+    code, _, err = _run(capsys, "simulate", "1f1b", "--pp", "2", "--microbatches", "4", "--dim", "64", "--zero", "1")
+    assert code == 2 and "--dim, --zero: only with --gpt" in err
+    code, _, err = _run(capsys, "plan", "--layers", "4", "--dim", "64", "--seq-len", "64", "--gpus", "2", "--heads", "4")
+    assert code == 2 and "--heads: only with --gpt" in err
+
+
+def test_the_gpt_options_default_to_twinpipe_trains():
+    from twinpipe.sim.gpt_cli import TRAIN_DEFAULTS
+    from twinpipe.train.cli import add_train_parser
+
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers())
+    args = parser.parse_args(["train"])
+    from twinpipe.train.cli_data import vocab
+
+    assert {k: vocab(args) if k == "vocab" else getattr(args, k) for k in TRAIN_DEFAULTS} == TRAIN_DEFAULTS
+
+
+def test_twinpipe_trains_size_check_needs_what_its_report_predicts(capsys):
+    from twinpipe.train import cli
+    from twinpipe.train.fits import need_per_rank
+
+    parser = argparse.ArgumentParser()
+    cli.add_train_parser(parser.add_subparsers())
+    argv = ["--pp", "2", "--dp", "2", "--zero", "1", "--schedule", "zb-h1", "--layers", "3", "--dim", "32", "--heads", "2",
+            "--seq-len", "16", "--batch-size", "16"]
+    args = parser.parse_args(["train", *argv])
+    rank, need = need_per_rank(args, cli._model_config(args))
+    code, out, _ = _run(capsys, "simulate", "zb-h1", "--pp", "2", "--microbatches", "4", "--gpt", *argv[2:6], *argv[8:16],
+                        "--json")
+    fullest = max(json.loads(out)["memory"], key=lambda r: r["total"])
+    assert code == 0 and rank == fullest["pp_rank"]
+    assert {k: v for k, v in need.items() if k != "data"} == {k: fullest[k] for k in ("params", "grads", "master", "optimizer",
+                                                                                       "activations_peak")}

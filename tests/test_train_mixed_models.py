@@ -235,7 +235,7 @@ SHAPE = ["--seq-len", "8", "--batch-size", "4", "--microbatch-size", "1", "--pre
 def _run(args, cwd) -> subprocess.CompletedProcess:
     exe = shutil.which("twinpipe")
     assert exe, "the twinpipe console script is not installed"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}  # this tree
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), **os.environ}  # this tree, unless told
     return subprocess.run([exe, "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
 
 

@@ -84,11 +84,6 @@ class TrainConfig:
             raise bad("mtp_weight", self.mtp_weight, "must be 0 without multi-token prediction (mtp_depth=0)")
         check_choice(self.precision, "precision", PRECISIONS)
         check_int(self.zero, "zero", low=0, high=1)  # ZERO
-        if self.mtp_depth and (self.precision != "pure" or self.zero):
-            # The MTP embedding copy's gradient is summed with the embedding's on .grad, after the full
-            # data-parallel sum: neither FP32 gradient buffers nor ZeRO-1 shards are handled there yet.
-            raise bad("mtp_depth", self.mtp_depth, f"must be 0 with precision={self.precision!r} and zero={self.zero} "
-                      "(multi-token prediction runs with precision='pure' and zero=0)")
         object.__setattr__(self, "schedule_options", _checked_options(self.schedule_options, info))
 
     def num_microbatches(self, dp: int) -> int:

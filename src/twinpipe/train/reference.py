@@ -65,6 +65,8 @@ class ReferenceTrainer:
                          for r in self.replicas]
         named = self.named_parameters()
         self.tied = [(named[main], named[copy]) for main, copy in getattr(self.model, "tied_copies", ())]
+        where = {id(p): i for i, p in enumerate(self._dense)}
+        self._tied_index = [(where[id(main)], where[id(copy)]) for main, copy in self.tied]  # in each replica's dense list
         self._norm_skip = [i for i, p in enumerate(self.params) if any(p is c for _, c in self.tied)]
         # What the optimizer updates: FP32 masters (mixed precision: the replicas compute in bf16) or the parameters.
         self.masters = precision.make_masters(self.params) if self.mixed else self.params
@@ -142,15 +144,16 @@ class ReferenceTrainer:
             else:  # then the directions (DualPipe's mirrored copies)
                 replica_grads = [[a.add_(b) for a, b in zip(mine, more)] for mine, more in zip(replica_grads, grads)]
                 expert_grads = [a.add_(b) for a, b in zip(expert_grads, experts)]
+        for mine in replica_grads:  # then each replica's tied pairs: main + copy to both (Trainer._sum_tied_grads)
+            for i, j in self._tied_index:
+                mine[i] = mine[i] + mine[j]
+                mine[j] = mine[i].clone()
         total = replica_grads[0]
         for more in replica_grads[1:]:  # then the replicas, left to right
             total = [a.add_(b) for a, b in zip(total, more)]
         grad_of_param = dict(zip(map(id, self._dense + self._experts), total + expert_grads))
         for p, t in zip(self.params, self.masters):
             t.grad = grad_of_param[id(p)]
-        for main, twin in self.tied:  # then a tied copy's gradient and its main parameter's, added (precision "pure" only)
-            main.grad = main.grad + twin.grad
-            twin.grad = main.grad.clone()
         scale_grads(self.masters, m * dp)
         norm = None
         if self.config.max_norm is not None:

@@ -3,7 +3,9 @@
 Per step, in this order (the order the single-process reference follows, so results are exact):
 1. ``Pipeline.step`` on this replica's rows: gradients summed over micro-batches into ``.grad``;
 2. schedules with mirrored copies (DualPipe, Chimera, BitPipe): the copies of each stage add their
-   gradients (``sync_mirrored_grads``);
+   gradients (``sync_mirrored_grads``); then tied weights (an MTP head's embedding copy, a
+   transformers model's tied head): every copy of a pair gets ``main + copy`` of this replica, summed
+   over the pipeline (``_sum_tied_grads``), so the reduction below gives both the same sum;
 3. data parallel: dense gradients summed across replicas (bucketed all-reduce); MoE experts, each
    held by one data-parallel rank (``experts.py``), only as ``twinpipe.moe.reduce_replica_grads``
    says (nothing without replicas); then all divided by the number of micro-batches in the global batch;
@@ -163,7 +165,7 @@ class Trainer:
     ``(inputs, labels)`` of ``Pipeline.step`` from this replica's rows and the rank's ``batch_layout``)
     and ``sync_grads(pipe)`` (after the pipeline step: every copy of a parameter gets the same sum,
     mirrored copies alike), and optionally ``tied_copies(model)``: ``(main name, copy name)`` pairs of
-    tied weights (instead of the model's ``tied_copies``), summed by the trainer after the
+    tied weights (instead of the model's ``tied_copies``), summed by the trainer before the
     data-parallel reduction and counted once in the norm; a rank may hold both names as one tensor.
     """
 
@@ -221,11 +223,12 @@ class Trainer:
         # Tied copies (an MTP head's embedding copy, a transformers model's tied head): kept equal to
         # their main parameter, not in the norm.
         self.tied = tuple(stages.tied_copies(model) if hasattr(stages, "tied_copies") else getattr(model, "tied_copies", ()))
-        if self.tied and (self.mixed or config.zero):
-            flag, value, allowed = ("precision", config.precision, "'pure'") if self.mixed else ("zero", config.zero, "0")
-            raise bad(flag, value, f"must be {allowed} for a model with tied weights ({self.tied[0][0]} and {self.tied[0][1]})")
         self._tied_dtypes = {main: p.dtype for main, p in model.named_parameters() if main in dict(self.tied)}
         copies = {copy for _, copy in self.tied}
+        tied_names = {name for pair in self.tied for name in pair}
+        # Every held tensor of a tied pair (both names, mirrored copies too): summed over the pipeline
+        # before the data-parallel reduction, then reduced each in a bucket of its own (below).
+        tied_held = list({id(p): p for _, name, p in named if name in tied_names}.values())
         self._criterion = self._mtp_criterion(model, modules)
         self._dense = [p for p in self.params if id(p) not in experts]  # the same on every data-parallel replica
         # Routing biases (buffers, DeepSeek-V3's balancing), owned as dense parameters are; loads by model router.
@@ -240,12 +243,20 @@ class Trainer:
         # Overlapped: one part per stage, started by the pipeline's on_grads_ready; else one part of all.
         # A tensor held by two stages (shared tied weight) is final only when both are: not per stage.
         self.overlap_dp = config.overlap_dp and not self.is_dual and not shared
+        # A tied tensor's gradient is final only after the tied sum (after the pipeline step): never in
+        # a stage's part; each is a part of its own, so that every copy of the pair is reduced alike
+        # (the same sizes and inputs: the same bits, whatever the backend's order within a bucket).
+        tied_ids = set(map(id, tied_held))
+        untied = [p for p in self._dense if id(p) not in tied_ids]
         if self.overlap_dp:
-            dense = set(map(id, self._dense))
+            dense = set(map(id, untied))
             parts = [[p for _, p in m.named_model_parameters() if id(p) in dense] for m in modules]
             self._part_of = {s: i for i, s in enumerate(pipeline_stages)}
         else:
-            parts = [self._dense]
+            parts = [untied]
+        tied_dense = [p for p in tied_held if id(p) not in experts]
+        self._tied_parts = list(range(len(parts), len(parts) + len(tied_dense)))
+        parts += [[p] for p in tied_dense]
         sharded = config.zero == 1 and mesh.dp > 1
         self.reducer = (ShardedReducer if sharded else DataParallelReducer)(parts, mesh.dp_group, self.timeout, mode=config.dp_reduce)
         # The data-parallel rank that updates a dense parameter: its shard's (ZeRO-1), else every one.
@@ -326,11 +337,13 @@ class Trainer:
         return MTPLoss(self.criterion, heads[0], self.config.mtp_weight) if heads else self.criterion
 
     def _sum_tied_grads(self, step: int) -> None:
-        """Each tied pair (main, copy): every copy of both gets ``main's gradient + copy's gradient``.
+        """Each tied pair (main, copy): every copy of both gets ``main's gradient + copy's gradient``
+        of this replica, before the data-parallel reduction (which then gives both the same sum).
 
-        After the mirrored and data-parallel sums every copy of a parameter holds its gradient; the
-        rank holding a parameter's first copy puts it into a [2, ...] buffer, summed over the pipeline
-        (each slot has one non-zero contribution: exact), and every holder adds the two slots."""
+        After the mirrored sum every copy of a parameter holds this replica's gradient (``grad_of``:
+        the FP32 ``main_grad`` under mixed precision); the rank holding a parameter's first copy puts
+        it into a [2, ...] buffer, summed over the pipeline (each slot has one non-zero contribution:
+        exact), and every holder adds the two slots."""
         held = {}
         for stage, module in zip(self.placement.stages_of(self.mesh.pp_rank), self.pipe.module):
             for name, p in module.named_model_parameters():
@@ -342,14 +355,17 @@ class Trainer:
             added = set()  # one tensor held under both names (shared) already holds both gradients: added once
             for slot, name in enumerate((main, copy)):
                 for p, first in held.get(name, ()):
-                    if first and p.grad is not None and id(p) not in added:
-                        both[slot] += p.grad
+                    if first and grad_of(p) is not None and id(p) not in added:
+                        both[slot] += grad_of(p)
                         added.add(id(p))
             sum_across(both, self.mesh.pp_group, self.timeout, self._where(f"step {step}: summing {main} and its copy {copy}"))
             total = both[0] + both[1]
             for name in (main, copy):
                 for p, _ in held.get(name, ()):
-                    p.grad = total.clone()
+                    if getattr(p, "main_grad", None) is not None:
+                        p.main_grad.copy_(total)  # the buffer stays (a master's .grad is the same tensor)
+                    else:
+                        p.grad = total.clone()
 
     def _layer_counts(self, model: nn.Module, device) -> str | Sequence[int]:
         """How to cut the model; with ``balance="time"``, global rank 0's measurement, for every rank."""
@@ -428,14 +444,16 @@ class Trainer:
             self.pipe.sync_mirrored_grads()
         times["mirror"] = time.perf_counter() - mark
         mark = time.perf_counter()
+        if self.tied:  # before the data-parallel reduction: it moves main_grad, or reduce-scatters (ZeRO-1)
+            self._sum_tied_grads(step)
         if overlap:
+            for part in self._tied_parts:
+                self.reducer.start(part)
             self.reducer.wait(self._where(f"step {step}"))
         else:
             self.reducer.all_reduce(self._where(f"step {step}"))
         if self.experts:
             reduce_replica_grads(self.pipe.module, self.timeout)
-        if self.tied:
-            self._sum_tied_grads(step)
         times["dp"] = time.perf_counter() - mark
         mark = time.perf_counter()
         scale_grads(self._updated, m * dp)

@@ -69,9 +69,6 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
     if args.ep not in (1, args.dp):
         raise ValueError(f"--ep={args.ep}: must be 1 or --dp={args.dp}: the experts of each stage spread over its "
                          "data-parallel ranks (as --experts does for the built-in GPT)")
-    if args.ep > 1 and (args.precision != "pure" or args.zero):
-        flag = f"--precision={args.precision}" if args.precision != "pure" else f"--zero={args.zero}"
-        raise ValueError(f"{flag}: not with --ep={args.ep} (expert parallelism trains with --precision pure and --zero 0)")
     import torch
 
     try:
@@ -95,10 +92,6 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
     except ValueError as error:  # UnsupportedModelError: names what is missing
         why = _first_line(error).split("; pass untested=True")[0]  # the Python API's way out, not the command line's
         raise ValueError(f"--model={args.model!r}: {why}") from None
-    if parts.tied and (args.precision != "pure" or args.zero):
-        flag = f"--precision={args.precision}" if args.precision != "pure" else f"--zero={args.zero}"
-        raise ValueError(f"{flag}: not with --model={args.model!r}, which ties its input and output embeddings "
-                         "(tie_word_embeddings): tied weights train with --precision pure and --zero 0 only")
     if args.ep > 1:
         _check_ep(args, model)
     if args.mtp_depth:

@@ -119,18 +119,18 @@ def test_what_is_not_modelled_is_refused(capsys):
 
 def test_the_gpt_options_default_to_twinpipe_trains():
     from twinpipe.sim.gpt_cli import TRAIN_DEFAULTS
-    from twinpipe.train.cli import add_train_parser
+    from twinpipe.train_command.cli import add_train_parser
 
     parser = argparse.ArgumentParser()
     add_train_parser(parser.add_subparsers())
     args = parser.parse_args(["train"])
-    from twinpipe.train.cli_data import vocab
+    from twinpipe.train_command.data import vocab
 
     assert {k: vocab(args) if k == "vocab" else getattr(args, k) for k in TRAIN_DEFAULTS} == TRAIN_DEFAULTS
 
 
 def test_twinpipe_trains_size_check_needs_what_its_report_predicts(capsys):
-    from twinpipe.train import cli
+    from twinpipe.train_command import cli
     from twinpipe.train.fits import need_per_rank
 
     parser = argparse.ArgumentParser()

@@ -113,7 +113,7 @@ def _hf_tied(rank: int, schedule: str, layout: str) -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from twinpipe.train.cli_model import HFStages, TokenLoss
+    from twinpipe.hf import HFStages, TokenLoss
     from twinpipe.train.data import BatchSampler
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.trainer import TrainConfig, Trainer
@@ -162,7 +162,7 @@ def _hf_moe_ep(rank: int) -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from twinpipe.train.cli_model import HFStages, TokenLoss
+    from twinpipe.hf import HFStages, TokenLoss
     from twinpipe.train.data import BatchSampler
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.trainer import TrainConfig, Trainer

@@ -101,6 +101,12 @@ def _small(cls_name, **options):
     return getattr(tf, cls_name)(**{**given, **options})
 
 
+def _default(model_type: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type)
+
+
 EXTRAS = {
     "granite": (lambda: _small("GraniteConfig", embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0),
                 ["an embedding multiplier (Granite): config.embedding_multiplier=12.0",
@@ -118,6 +124,11 @@ EXTRAS = {
                 ]),
     "phi3-dropout": (lambda: _small("Phi3Config", resid_pdrop=0.1),
                      ["dropout the stages do not apply: model.layers[0].resid_attn_dropout (p=0.1)"]),
+    "minicpm3": (lambda: _default("minicpm3"),
+                 ["logits divided by logits_scaling (Granite): config.logits_scaling=10.0",
+                  "an embedding scale (MiniCPM): config.scale_emb=12", "a residual scale (MiniCPM): config.scale_depth=1.4"]),
+    "stablelm-parallel": (lambda: _small("StableLmConfig", use_parallel_residual=True),
+                          ["has no post_attention_layernorm", "parallel attention and MLP, as Cohere's"]),
     "starcoder2-dropout": (lambda: _small("Starcoder2Config", embedding_dropout=0.1),
                            ["dropout on the embeddings (Starcoder2): config.embedding_dropout=0.1"]),
 }
@@ -263,7 +274,7 @@ def test_train_model_goes_through_the_guard(tmp_path, capsys):
     folder = tmp_path / "granite"
     granite.save_pretrained(folder)
     fits = tmp_path / "fits"
-    _small("GraniteConfig").save_pretrained(fits)
+    _small("GraniteConfig", num_hidden_layers=3).save_pretrained(fits)  # not the one checked above (once per process)
     np = pytest.importorskip("numpy")
     np.save(tmp_path / "ok.npy", (np.arange(400) % 60 + 1).astype(np.uint16))
     common = ["--data", str(tmp_path / "ok.npy"), "--out", str(tmp_path / "out"), "--steps", "1", "--schedule", "1f1b",

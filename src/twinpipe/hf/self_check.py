@@ -12,18 +12,20 @@ mode from the same seed (a dropout one path skips shows). Logits and loss must a
 When they differ it finds where (the model's own forward, in evaluation mode, with hooks on its
 layers): the embeddings the first layer gets (a scale, as Gemma's?), a layer's mask or output
 (post-norm layers? parallel attention and MLP? extra norms?), what follows the last layer (logit
-soft-capping or scaling?), and raises ``UnsupportedModelError`` saying so. The outcome is cached
-per model class and config, so that a process checks a model once.
+soft-capping or scaling?), and raises ``UnsupportedModelError`` saying so. When they agree it
+warns (``UntestedModelWarning``). The outcome is cached per model class and config, so that a
+process checks a model, and warns, once.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import torch
 
-from twinpipe.hf.support import UnsupportedModelError, _structure
+from twinpipe.hf.support import TESTED, UnsupportedModelError, UntestedModelWarning, _structure
 
 __all__ = ["self_check", "shrunk_config", "RTOL"]
 
@@ -59,6 +61,10 @@ def self_check(model) -> str:
         raise
     if key is not None:
         _CACHE[key] = outcome
+    warnings.warn(f"model={type(model).__name__}: model_type={getattr(model.config, 'model_type', None)!r} is not one "
+                  f"twinpipe.hf is tested on ({', '.join(TESTED)}); its stages gave the model's own logits and loss on "
+                  f"a small copy of it ({outcome}), so it is accepted: check your results", UntestedModelWarning,
+                  stacklevel=2)
     return outcome
 
 

@@ -10,7 +10,6 @@ against its own forward) and accepted, with an ``UntestedModelWarning``, only wh
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 from torch import nn
@@ -86,10 +85,7 @@ def model_parts(model, *, untested: bool = False) -> ModelParts:
     if kind not in TESTED and not untested:
         from twinpipe.hf.self_check import self_check
 
-        how = self_check(model)  # raises UnsupportedModelError when the stages and the model differ
-        warnings.warn(f"model={name}: model_type={kind!r} is not one twinpipe.hf is tested on ({', '.join(TESTED)}); "
-                      f"its stages gave the model's own logits and loss on a small copy of it ({how}), so it is "
-                      "accepted: check your results", UntestedModelWarning, stacklevel=3)
+        self_check(model)  # raises UnsupportedModelError when they differ; warns (once) when they agree
     return parts
 
 
@@ -135,9 +131,12 @@ def _structure(model) -> ModelParts:
 
 def _layer_hint(layer) -> str:
     """What a layer without the pre-norm halves looks like it does instead."""
-    if hasattr(layer, "post_feedforward_layernorm") and not hasattr(layer, "input_layernorm"):
+    def has(name):
+        return isinstance(getattr(layer, name, None), nn.Module)
+
+    if has("post_feedforward_layernorm") and not has("input_layernorm"):
         return " (its norms come after attention and MLP: post-norm layers, as OLMo2's, which the stages do not compute)"
-    if hasattr(layer, "input_layernorm") and not hasattr(layer, "post_attention_layernorm"):
+    if has("input_layernorm") and not has("post_attention_layernorm"):
         return (" (one norm before attention and MLP: parallel attention and MLP, as Cohere's, which the stages do not "
                 "compute)")
     return ""

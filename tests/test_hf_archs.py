@@ -55,10 +55,14 @@ def _world(rank, world, names, references):
 
 @pytest.fixture(scope="module")
 def outcomes():
-    references = {}
-    for case in CASES.values():
-        if _ref_key(case) not in references:
-            references[_ref_key(case)] = _reference(case)
+    references, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread is faster, and does not spin on a loaded machine
+    try:
+        for case in CASES.values():
+            if _ref_key(case) not in references:
+                references[_ref_key(case)] = _reference(case)
+    finally:
+        torch.set_num_threads(threads)
     return run_world(2, _world, list(CASES), references, timeout=600)
 
 
@@ -233,11 +237,13 @@ def test_the_self_check_accepts_an_untested_architecture_that_fits_with_a_warnin
 
     for model in (_custom("same"), _granite_neutral()):
         kind = model.config.model_type
+        state = torch.random.get_rng_state()
         with pytest.warns(hf.UntestedModelWarning, match=rf"model_type={kind!r} is not one twinpipe.hf is tested on .*"
                                                           r"its stages gave the model's own logits and loss on a small "
                                                           r"copy of it \(hidden_size=16, 4 heads, 2 layers\)"):
             stages = hf.build(model, "1f1b", 2, 0)
         assert stages.layout == "E,t|t,L"
+        assert torch.equal(torch.random.get_rng_state(), state)  # the check draws from a generator of its own
         assert self_check._key(model) in self_check._CACHE  # checked once per process
 
 

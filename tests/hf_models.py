@@ -70,6 +70,12 @@ MORE = {
                                            partial_rotary_factor=0.5),
     # the embedding scaled by sqrt(hidden) inside its module, (1 + w) norms
     "gemma": lambda tf, c, aux: tf.GemmaConfig(**c, intermediate_size=32, num_key_value_heads=2, head_dim=8),
+    # every layer MoE, q and k norms; the router auxiliary loss
+    "olmoe": lambda tf, c, aux: tf.OlmoeConfig(**c, intermediate_size=8, num_key_value_heads=2, num_experts=4,
+                                               num_experts_per_tok=2, output_router_logits=aux, router_aux_loss_coef=0.01),
+    # layer 1 without rotary (NoPE) and sliding, by config.layer_types
+    "smollm3": lambda tf, c, aux: tf.SmolLM3Config(**c, intermediate_size=32, num_key_value_heads=2, no_rope_layer_interval=2,
+                                                   use_sliding_window=True, sliding_window=3),
 }
 
 

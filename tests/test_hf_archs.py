@@ -1,7 +1,7 @@
 """twinpipe.hf on more architectures, and the guard for the ones it is not tested on.
 
 Each architecture of ``hf_models.MORE`` (Mistral, Qwen2, Qwen2-MoE, Phi-3, OLMo, Starcoder2, GLM,
-Gemma) runs on 2 ranks under DualPipeV, 1F1B and one more schedule with padded batches, exact
+Gemma, OLMoE, SmolLM3) runs on 2 ranks under DualPipeV, 1F1B and one more schedule with padded batches, exact
 against the unsplit model as in tests/test_hf_stages.py (its runner: losses bitwise, gradients
 within 1e-13, float64); one 2-rank world runs them all. The rest runs in this process: the known
 extras that make a model's forward differ from the stages' are named, the numerical self-check
@@ -28,8 +28,8 @@ from twinpipe import hf  # noqa: E402
 
 CASES = {}
 for i, arch in enumerate(hf_models.MORE):
-    aux = arch == "qwen2_moe"  # its router auxiliary loss carried through the pipe
-    tied = arch == "gemma"  # tied by default: shared on DualPipeV, two copies summed on 1F1B
+    aux = arch in ("qwen2_moe", "olmoe")  # their router auxiliary loss carried through the pipe
+    tied = arch in ("gemma", "smollm3")  # tied by default: shared on DualPipeV, two copies summed on 1F1B
     third = ("dualpipe", "zb-h1", "interleaved-1f1b")[i % 3]
     for schedule in ("dualpipev", "1f1b", third):
         CASES[f"{arch}-{schedule}-p2"] = _case(arch, schedule, 2, aux=aux, tied=tied, rotary=("recompute", "pass")[i % 2],

@@ -35,6 +35,8 @@ TESTED = {
     "starcoder2": "Starcoder2 (biases, LayerNorm, plain MLP, tied embeddings; embedding_dropout=0 only)",
     "glm": "GLM (partial, interleaved rotary)",
     "gemma": "Gemma (embeddings scaled inside their module, (1 + w) norms, tied embeddings)",
+    "olmoe": "OLMoE (MoE in every layer, q and k norms; router auxiliary loss carried)",
+    "smollm3": "SmolLM3 (layers without rotary, sliding-window layers by layer_types, tied embeddings)",
 }
 
 MASK_KINDS = ("full_attention", "sliding_attention")  # the masks a stage makes (twinpipe.hf.stages)
@@ -190,9 +192,9 @@ def known_extras(parts: ModelParts) -> list[str]:
 # config has layer_types, else "window" when it has a sliding window, else "full" (the self-check,
 # with a window shorter than its batch, finds out when that is not what the model does).
 MASK_RULES = {
-    "llama": "full", "deepseek_v3": "full", "olmo": "full", "glm": "full", "gemma": "full",
+    "llama": "full", "deepseek_v3": "full", "olmo": "full", "glm": "full", "gemma": "full", "olmoe": "full",
     "mistral": "window", "mixtral": "window", "qwen3_moe": "window", "phi3": "window", "starcoder2": "window",
-    "qwen3": "types", "qwen2": "types", "qwen2_moe": "types",
+    "qwen3": "types", "qwen2": "types", "qwen2_moe": "types", "smollm3": "types",
 }
 
 

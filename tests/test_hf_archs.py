@@ -298,6 +298,8 @@ def test_train_model_goes_through_the_guard(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     cli._add_arguments(parser)
     args = parser.parse_args(["--model", str(fits), *common])
-    with pytest.warns(hf.UntestedModelWarning, match="model_type='granite' is not one twinpipe.hf is tested on"):
-        info = check_model(args, 1, cli._defaults())
+    info = check_model(args, 1, cli._defaults())
+    err = capsys.readouterr().err
+    assert err.startswith("twinpipe train: warning: model=GraniteForCausalLM: model_type='granite' is not one twinpipe.hf "
+                          "is tested on (") and err.count("\n") == 1, err
     assert info.config.model_type == "granite" and json.loads((fits / "config.json").read_text())["model_type"] == "granite"

@@ -133,6 +133,11 @@ EXTRAS = {
                   "an embedding scale (MiniCPM): config.scale_emb=12", "a residual scale (MiniCPM): config.scale_depth=1.4"]),
     "stablelm-parallel": (lambda: _small("StableLmConfig", use_parallel_residual=True),
                           ["has no post_attention_layernorm", "parallel attention and MLP, as Cohere's"]),
+    # Read from the config whatever the model_type (a Llama config carrying them is refused too: safe, not silent).
+    "logit-scale": (lambda: _small("LlamaConfig", logit_scale=0.0625),
+                    ["logits multiplied by logit_scale (Cohere): config.logit_scale=0.0625"]),
+    "parallel-residual": (lambda: _small("LlamaConfig", use_parallel_residual=True),
+                          ["parallel attention and MLP (use_parallel_residual): config.use_parallel_residual=True"]),
     "starcoder2-dropout": (lambda: _small("Starcoder2Config", embedding_dropout=0.1),
                            ["dropout on the embeddings (Starcoder2): config.embedding_dropout=0.1"]),
 }

@@ -308,3 +308,13 @@ def test_train_model_goes_through_the_guard(tmp_path, capsys):
     assert err.startswith("twinpipe train: warning: model=GraniteForCausalLM: model_type='granite' is not one twinpipe.hf "
                           "is tested on (") and err.count("\n") == 1, err
     assert info.config.model_type == "granite" and json.loads((fits / "config.json").read_text())["model_type"] == "granite"
+
+
+def test_a_config_without_num_hidden_layers_gets_every_layer():
+    """Some configs (Gemma4's assistant) have no ``num_hidden_layers``: the layers are model.layers,
+    not an AttributeError."""
+    import types
+
+    model = hf_models.model("llama", layers=2)
+    model.config = types.SimpleNamespace(model_type="llama", vocab_size=hf_models.VOCAB)
+    assert len(hf.model_parts(model).layers) == 2

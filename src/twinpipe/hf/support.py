@@ -111,7 +111,7 @@ def _structure(model) -> ModelParts:
     if missing:
         raise UnsupportedModelError(f"model={name}: has no {', '.join(missing)}; twinpipe.hf runs decoder-only causal LMs "
                                     "made of model.embed_tokens, model.layers, model.norm, model.rotary_emb and lm_head")
-    layers = list(inner.layers)[: config.num_hidden_layers]
+    layers = list(inner.layers)[: getattr(config, "num_hidden_layers", None)]
     for i, layer in enumerate(layers):
         absent = [h for h in HALVES if not isinstance(getattr(layer, h, None), nn.Module)]
         if absent:

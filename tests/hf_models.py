@@ -21,7 +21,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, nu
 
 
 def config(arch: str, *, tied: bool = False, aux: bool = False, layers: int = LAYERS):
-    """The config of a tiny ``arch`` model (llama, qwen3, qwen3_moe, mixtral, deepseek_v3)."""
+    """The config of a tiny ``arch`` model (llama, qwen3, qwen3_moe, mixtral, deepseek_v3, and those of
+    ``MORE``)."""
     import transformers as tf
 
     common = dict(COMMON, num_hidden_layers=layers, tie_word_embeddings=tied)
@@ -41,7 +42,45 @@ def config(arch: str, *, tied: bool = False, aux: bool = False, layers: int = LA
                                    n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
                                    first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
                                    qk_nope_head_dim=4, v_head_dim=4, routed_scaling_factor=1.5, norm_topk_prob=True)
+    if arch in MORE:
+        return MORE[arch](tf, common, aux)
     raise ValueError(f"arch={arch!r}")
+
+
+def _qwen2_moe(tf, common, aux):
+    # Layer 1 dense (mlp_only_layers), the others MoE with the shared expert and its gate; layers 1.. slide.
+    return tf.Qwen2MoeConfig(**common, intermediate_size=32, moe_intermediate_size=8, shared_expert_intermediate_size=16,
+                             num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                             use_sliding_window=True, sliding_window=3, max_window_layers=1,
+                             output_router_logits=aux, router_aux_loss_coef=0.01)
+
+
+# More architectures (tests/test_hf_archs.py): each a small config exercising what is its own.
+MORE = {
+    # every layer sliding (window 3, shorter than the test sequences)
+    "mistral": lambda tf, c, aux: tf.MistralConfig(**c, intermediate_size=32, num_key_value_heads=2, sliding_window=3),
+    # biases on q, k, v; layers 1.. sliding by config.layer_types
+    "qwen2": lambda tf, c, aux: tf.Qwen2Config(**c, intermediate_size=32, num_key_value_heads=2, use_sliding_window=True,
+                                               sliding_window=3, max_window_layers=1),
+    "qwen2_moe": _qwen2_moe,
+    # fused qkv and gate_up projections
+    "phi3": lambda tf, c, aux: tf.Phi3Config(**c, intermediate_size=32, num_key_value_heads=2),
+    # LayerNorm without parameters, clipped q, k, v
+    "olmo": lambda tf, c, aux: tf.OlmoConfig(**c, intermediate_size=32, num_key_value_heads=2, clip_qkv=0.5),
+    # biases everywhere, LayerNorm, a plain (not gated) MLP, tied embeddings by default
+    "starcoder2": lambda tf, c, aux: tf.Starcoder2Config(**c, intermediate_size=32, num_key_value_heads=2),
+    # partial rotary (half of each head), interleaved rotary pairs
+    "glm": lambda tf, c, aux: tf.GlmConfig(**c, intermediate_size=32, num_key_value_heads=2, head_dim=8,
+                                           partial_rotary_factor=0.5),
+    # the embedding scaled by sqrt(hidden) inside its module, (1 + w) norms
+    "gemma": lambda tf, c, aux: tf.GemmaConfig(**c, intermediate_size=32, num_key_value_heads=2, head_dim=8),
+    # every layer MoE, q and k norms; the router auxiliary loss
+    "olmoe": lambda tf, c, aux: tf.OlmoeConfig(**c, intermediate_size=8, num_key_value_heads=2, num_experts=4,
+                                               num_experts_per_tok=2, output_router_logits=aux, router_aux_loss_coef=0.01),
+    # layer 1 without rotary (NoPE) and sliding, by config.layer_types
+    "smollm3": lambda tf, c, aux: tf.SmolLM3Config(**c, intermediate_size=32, num_key_value_heads=2, no_rope_layer_interval=2,
+                                                   use_sliding_window=True, sliding_window=3),
+}
 
 
 def model(arch: str, *, seed: int = 0, **options):

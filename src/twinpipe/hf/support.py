@@ -3,7 +3,9 @@
 A supported model is a decoder-only causal LM of the usual shape (``model.embed_tokens``,
 ``model.layers`` of pre-norm decoder layers, ``model.norm``, ``model.rotary_emb``, ``lm_head``) of
 one of the tested architectures (``TESTED``). Anything else gets an ``UnsupportedModelError``
-naming what is missing.
+naming what is missing. A model of that shape whose ``model_type`` is not in ``TESTED`` is run
+through a numerical self-check first (``twinpipe.hf.self_check``: a small copy of it, the stages
+against its own forward) and accepted, with an ``UntestedModelWarning``, only when they agree.
 """
 
 from __future__ import annotations
@@ -15,20 +17,37 @@ from torch import nn
 from twinpipe.hf.layer import HALVES
 from twinpipe.runtime.errors import PipelineError
 
-__all__ = ["TESTED", "UnsupportedModelError", "ModelParts", "model_parts"]
+__all__ = ["TESTED", "UnsupportedModelError", "UntestedModelWarning", "ModelParts", "model_parts", "MASK_KINDS"]
 
-# model_type -> what it is; each is tested exact against the unsplit model (tests/test_hf_stages.py).
+# model_type -> what it is; each is tested exact against the unsplit model (tests/test_hf_stages.py,
+# tests/test_hf_archs.py).
 TESTED = {
     "llama": "Llama (GQA; tied or untied embeddings)",
     "qwen3": "Qwen3",
     "qwen3_moe": "Qwen3-MoE (router auxiliary loss carried)",
     "mixtral": "Mixtral (router auxiliary loss carried)",
     "deepseek_v3": "DeepSeek-V3 (MLA, first dense layers, group-limited routing, shared experts)",
+    "mistral": "Mistral (sliding-window attention)",
+    "qwen2": "Qwen2 (q, k, v biases; sliding-window layers by layer_types)",
+    "qwen2_moe": "Qwen2-MoE (shared expert with its sigmoid gate, dense layers; router auxiliary loss carried)",
+    "phi3": "Phi-3 (fused qkv and gate_up projections; resid_pdrop=0 only)",
+    "olmo": "OLMo (LayerNorm without parameters, clip_qkv)",
+    "starcoder2": "Starcoder2 (biases, LayerNorm, plain MLP, tied embeddings; embedding_dropout=0 only)",
+    "glm": "GLM (partial, interleaved rotary)",
+    "gemma": "Gemma (embeddings scaled inside their module, (1 + w) norms, tied embeddings)",
+    "olmoe": "OLMoE (MoE in every layer, q and k norms; router auxiliary loss carried)",
+    "smollm3": "SmolLM3 (layers without rotary, sliding-window layers by layer_types, tied embeddings)",
 }
+
+MASK_KINDS = ("full_attention", "sliding_attention")  # the masks a stage makes (twinpipe.hf.stages)
 
 
 class UnsupportedModelError(PipelineError, ValueError):
     """The model is not a causal LM that ``twinpipe.hf`` can cut into stages."""
+
+
+class UntestedModelWarning(UserWarning):
+    """The model's architecture is not one ``twinpipe.hf`` is tested on; its stages passed the self-check."""
 
 
 @dataclass
@@ -49,12 +68,31 @@ class ModelParts:
 
 
 def model_parts(model, *, untested: bool = False) -> ModelParts:
-    """``model``'s pieces, or an ``UnsupportedModelError`` naming what is missing.
+    """``model``'s pieces, or an ``UnsupportedModelError`` naming what is missing or what differs.
 
-    ``untested=True`` accepts a model of the right shape whose ``model_type`` is not in ``TESTED``
-    (at the user's risk: its decoder layers must compute ``h + attn(norm1(h))`` then
-    ``h + mlp(norm2(h))``, as every tested model's do).
+    A model whose forward does more than the stages compute (an embedding or residual multiplier,
+    logit soft-capping or scaling, norms besides the two of a pre-norm layer, dropout outside the
+    attention and MLP modules) is refused, whatever its ``model_type``. A ``model_type`` not in
+    ``TESTED`` is then checked numerically (``twinpipe.hf.self_check``: a small copy of the model,
+    the stages against its own forward) and accepted with an ``UntestedModelWarning`` when they
+    agree; ``untested=True`` skips that check (at the user's risk: its decoder layers must compute
+    ``h + attn(norm1(h))`` then ``h + mlp(norm2(h))``, as every tested model's do).
     """
+    parts = _structure(model)
+    name = type(model).__name__
+    extras = known_extras(parts)
+    if extras:
+        raise UnsupportedModelError(f"model={name}: its forward does what twinpipe.hf's stages do not: {'; '.join(extras)}")
+    kind = getattr(parts.config, "model_type", None)
+    if kind not in TESTED and not untested:
+        from twinpipe.hf.self_check import self_check
+
+        self_check(model)  # raises UnsupportedModelError when they differ; warns (once) when they agree
+    return parts
+
+
+def _structure(model) -> ModelParts:
+    """``model``'s pieces when it has the shape stages are made of (no numerical check)."""
     name = type(model).__name__
     config = getattr(model, "config", None)
     if not isinstance(model, nn.Module) or config is None:
@@ -73,33 +111,103 @@ def model_parts(model, *, untested: bool = False) -> ModelParts:
     if missing:
         raise UnsupportedModelError(f"model={name}: has no {', '.join(missing)}; twinpipe.hf runs decoder-only causal LMs "
                                     "made of model.embed_tokens, model.layers, model.norm, model.rotary_emb and lm_head")
-    kind = getattr(config, "model_type", None)
-    if kind not in TESTED and not untested:
-        raise UnsupportedModelError(f"model={name}: model_type={kind!r} is not one twinpipe.hf is tested on "
-                                    f"({', '.join(TESTED)}); pass untested=True to try a model of the same shape")
-    layers = list(inner.layers)[: config.num_hidden_layers]
+    layers = list(inner.layers)[: getattr(config, "num_hidden_layers", None)]
     for i, layer in enumerate(layers):
         absent = [h for h in HALVES if not isinstance(getattr(layer, h, None), nn.Module)]
         if absent:
             raise UnsupportedModelError(f"model={name}: model.layers[{i}] ({type(layer).__name__}) has no "
-                                        f"{', '.join(absent)}; a decoder layer must have {', '.join(HALVES)}")
+                                        f"{', '.join(absent)}; a decoder layer must have {', '.join(HALVES)}"
+                                        + _layer_hint(layer))
+    kinds = _mask_kinds(config, len(layers))
+    other = sorted(set(kinds) - set(MASK_KINDS))
+    if other:
+        raise UnsupportedModelError(f"model={name}: config.layer_types has {', '.join(map(repr, other))}; twinpipe.hf "
+                                    f"makes the masks of {' and '.join(MASK_KINDS)} layers only")
     return ModelParts(
         model=model, config=config, embed_tokens=inner.embed_tokens, layers=layers, norm=inner.norm,
-        lm_head=model.lm_head, rotary_emb=inner.rotary_emb, mask_kinds=_mask_kinds(inner, config, len(layers)),
+        lm_head=model.lm_head, rotary_emb=inner.rotary_emb, mask_kinds=kinds,
         routers=_routers(model, layers), tied=model.lm_head.weight is inner.embed_tokens.weight,
         aux=_aux(model, config),
     )
 
 
-def _mask_kinds(inner, config, n: int) -> list[str]:
-    """Each layer's mask, as the model's forward picks it: by ``config.layer_types`` (Qwen3),
-    else sliding for every layer when ``config.sliding_window`` is set (Mixtral, Qwen3-MoE), else full."""
+def _layer_hint(layer) -> str:
+    """What a layer without the pre-norm halves looks like it does instead."""
+    def has(name):
+        return isinstance(getattr(layer, name, None), nn.Module)
+
+    if has("post_feedforward_layernorm") and not has("input_layernorm"):
+        return " (its norms come after attention and MLP: post-norm layers, as OLMo2's, which the stages do not compute)"
+    if has("input_layernorm") and not has("post_attention_layernorm"):
+        return (" (one norm before attention and MLP: parallel attention and MLP, as Cohere's, which the stages do not "
+                "compute)")
+    return ""
+
+
+# config attribute -> what it is; a value other than ``neutral`` makes the model's forward differ
+# from the stages' (each is applied in the model's or the decoder layer's forward, not in a module).
+CONFIG_EXTRAS = (
+    ("embedding_multiplier", 1.0, "an embedding multiplier (Granite)"),
+    ("residual_multiplier", 1.0, "a residual multiplier in every layer (Granite)"),
+    ("logits_scaling", 1.0, "logits divided by logits_scaling (Granite)"),
+    ("logit_scale", 1.0, "logits multiplied by logit_scale (Cohere)"),
+    ("final_logit_softcapping", None, "final logit soft-capping (Gemma2)"),
+    ("scale_emb", 1.0, "an embedding scale (MiniCPM)"),
+    ("scale_depth", 1.0, "a residual scale (MiniCPM)"),
+    ("use_parallel_residual", False, "parallel attention and MLP (use_parallel_residual)"),
+    ("embedding_dropout", 0.0, "dropout on the embeddings (Starcoder2)"),
+)
+
+
+def known_extras(parts: ModelParts) -> list[str]:
+    """What the model's forward is known to do besides the stages' ``embed -> layers -> norm -> head``:
+    config values that change it, modules of a decoder layer the stages do not run, dropouts outside
+    the attention and MLP modules. Empty when none is found (the self-check looks for the rest)."""
+    found = []
+    for key, neutral, what in CONFIG_EXTRAS:
+        value = getattr(parts.config, key, neutral)
+        if value is not None and value != neutral and not (neutral is None and value is False):
+            found.append(f"{what}: config.{key}={value!r}")
+    extra = sorted({n for layer in parts.layers for n, m in layer.named_children()
+                    if n not in HALVES and any(True for _ in m.parameters())})
+    extra += sorted({n for layer in parts.layers for n, _ in layer.named_parameters(recurse=False)})
+    if extra:
+        kind = type(parts.layers[0]).__name__
+        found.append(f"its decoder layers ({kind}) have {', '.join(extra)} besides {', '.join(HALVES)}, which the "
+                     "stages do not run (extra norms, as Gemma2's pre/post feed-forward norms? a scale?)")
+    inner = parts.model.model
+    outside = [(f"model.layers[{i}].{n}", m) for i, l in enumerate(parts.layers) for n, m in l.named_children()
+               if n not in HALVES]
+    outside += [(f"model.{n}", m) for n, m in inner.named_children() if n not in ("embed_tokens", "layers", "norm", "rotary_emb")]
+    dropouts = [f"{where} (p={m.p})" for where, m in outside if isinstance(m, nn.Dropout) and m.p > 0]
+    if dropouts:
+        found.append(f"dropout the stages do not apply: {', '.join(dropouts[:3])}{' ...' if len(dropouts) > 3 else ''}; "
+                     "set it to 0")
+    return found
+
+
+# How each tested model's forward (its transformers source) picks its layers' masks: "full" (the causal
+# mask for every layer, whatever the config says), "window" (every layer sliding when
+# config.sliding_window is set), "types" (by config.layer_types). Other models: "types" when the
+# config has layer_types, else "window" when it has a sliding window, else "full" (the self-check,
+# with a window shorter than its batch, finds out when that is not what the model does).
+MASK_RULES = {
+    "llama": "full", "deepseek_v3": "full", "olmo": "full", "glm": "full", "gemma": "full", "olmoe": "full",
+    "mistral": "window", "mixtral": "window", "qwen3_moe": "window", "phi3": "window", "starcoder2": "window",
+    "qwen3": "types", "qwen2": "types", "qwen2_moe": "types", "smollm3": "types",
+}
+
+
+def _mask_kinds(config, n: int) -> list[str]:
+    """Each layer's mask kind, as the model's forward picks it (``MASK_RULES``)."""
     types = getattr(config, "layer_types", None)
-    if types is not None and hasattr(inner, "has_sliding_layers"):
+    window = getattr(config, "sliding_window", None) is not None
+    rule = MASK_RULES.get(getattr(config, "model_type", None))
+    if rule is None:
+        rule = "types" if types is not None else "window" if window else "full"
+    if rule == "types" and types is not None:
         return [str(t) for t in types[:n]]
-    if getattr(config, "sliding_window", None) is not None:
-        return ["sliding_attention"] * n
-    return ["full_attention"] * n
+    return ["sliding_attention" if rule == "window" and window else "full_attention"] * n
 
 
 def _routers(model, layers) -> list:

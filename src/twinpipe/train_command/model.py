@@ -11,6 +11,8 @@ an architecture ``twinpipe.hf`` cannot cut gets one line naming what is missing.
 from __future__ import annotations
 
 import argparse
+import sys
+import warnings
 from pathlib import Path
 
 import twinpipe.cli_options as cli_options
@@ -88,10 +90,17 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
     from twinpipe.hf.weights import has_weights
 
     try:
-        parts = hf.model_parts(model)
-    except ValueError as error:  # UnsupportedModelError: names what is missing
+        with warnings.catch_warnings(record=True) as said:  # an untested architecture passing the self-check
+            warnings.simplefilter("always", hf.UntestedModelWarning)
+            parts = hf.model_parts(model)
+    except ValueError as error:  # UnsupportedModelError: names what is missing or differs
         why = _first_line(error).split("; pass untested=True")[0]  # the Python API's way out, not the command line's
         raise ValueError(f"--model={args.model!r}: {why}") from None
+    for w in said:  # one line for ours; the others as they came
+        if issubclass(w.category, hf.UntestedModelWarning):
+            print(f"twinpipe train: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if args.ep > 1:
         _check_ep(args, model)
     if args.mtp_depth:
@@ -155,6 +164,7 @@ def load(args, *, need_tokenizer: bool = False) -> ModelInfo:
     config = _config(args.model)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    warnings.filterwarnings("ignore", category=hf.UntestedModelWarning)  # check_model said it before any rank started
     names = hf.parameter_names(model, args.mtp_depth)
     info = ModelInfo(args.model, config, names, sum(_numel(s) for _, s in names),
                      has_weights(args.model), _tokenizer(args.model) if need_tokenizer else None)

@@ -35,7 +35,7 @@ HF_CASES = {("deepseek_v3", "plain"): False, ("qwen3_moe", "plain"): False, ("mi
 def config(arch: str, layers: int = 1, implementation: str = "eager"):
     """A tiny config of ``arch``: every layer a MoE layer, top-2, the eager experts code (float64:
     transformers' default ``grouped_mm`` runs in float32 and bfloat16 only)."""
-    from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=32, hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=2,
                   num_experts_per_tok=2, experts_implementation=implementation)
@@ -47,6 +47,9 @@ def config(arch: str, layers: int = 1, implementation: str = "eager"):
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(**common, intermediate_size=32, moe_intermediate_size=8, num_key_value_heads=1, head_dim=8,
                               num_experts=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if arch == "olmoe":
+        return OlmoeConfig(**common, intermediate_size=8, num_key_value_heads=1, num_experts=8, pad_token_id=1,
+                           eos_token_id=2)
     return MixtralConfig(**common, intermediate_size=8, num_key_value_heads=1, num_local_experts=4)
 
 
@@ -460,6 +463,8 @@ def _world(rank, world):
     results["deepcopy"] = _guard(lambda: deepcopy_case(group))
     results["deepseek-features"] = _guard(lambda: deepseek_features_case(group))
     results["starved"] = _guard(lambda: block_case("deepseek_v3", None, 2, group, starved=True))
+    for ep in (1, 2, 4):  # OLMoE: its own router (softmax, top-k, no renormalisation), through the same exchange
+        results[("olmoe", ep)] = _guard(lambda: block_case("olmoe", None, ep, group if ep == 2 else None))
     results["grouped_mm"] = _guard(lambda: block_case("qwen3_moe", None, 2, group, "grouped_mm", torch.float32))
     results["grouped_mm-ep1"] = _guard(lambda: block_case("mixtral", None, 1, None, "grouped_mm", torch.float32))
     return results
@@ -493,6 +498,11 @@ def test_ep4_block_matches_unsplit(outcomes, arch):
 @pytest.mark.parametrize("arch,label", list(HF_CASES))
 def test_hf_stages_with_ep2_under_dualpipev_overlap_on_and_off(outcomes, arch, label):
     assert [o[("hf", arch, label)] for o in outcomes] == [[], []]
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_olmoe_block_matches_unsplit(outcomes, ep):
+    assert [o[("olmoe", ep)] for o in outcomes] == [[], []]
 
 
 def test_docs_example_on_two_ranks(outcomes):

@@ -159,6 +159,8 @@ def test_bad_models(tmp_path, capsys):
     moe3 = tmp_path / "moe3"
     moe3.mkdir()
     (moe3 / "config.json").write_text(json.dumps({**moe, "num_local_experts": 3}))
+    qwen2_moe = _config(tmp_path / "qwen2moe", "qwen2_moe", **small, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
     bare = tmp_path / "bare"  # the tiny Llama without its tokenizer
     bare.mkdir()
     shutil.copy(TINY_LLAMA / "config.json", bare / "config.json")
@@ -178,6 +180,8 @@ def test_bad_models(tmp_path, capsys):
         ("--model", llama, "--ep", "2"): "--ep=2: must be 1 or --dp=1: the experts of each stage spread over its data-parallel",
         ("--model", llama, "--ep", "2", "--dp", "2"): "--ep=2: --model=.*tiny-llama' has no MoE layers to spread",
         ("--model", str(moe3), "--ep", "2", "--dp", "2"): "--ep=2: must divide the 3 experts of --model=",
+        ("--model", qwen2_moe, "--ep", "2", "--dp", "2"): "--ep=2: --model=.*qwen2moe''s MoE layers cannot be spread: it has "
+                                                          "shared_expert, shared_expert_gate besides",
         ("--ep", "2"): "--ep=2: only with --model",
         ("--model", llama, "--dim", "32"): "--dim=32: not with --model",
         ("--model", llama, "--seq-len", "300"): "--seq-len=300: must be at most 256, --model's max_position_embeddings",

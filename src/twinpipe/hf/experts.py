@@ -51,7 +51,7 @@ def is_moe_block(module: nn.Module) -> bool:
             and all(isinstance(getattr(experts, n, None), torch.Tensor) and getattr(experts, n).dim() == 3 for n in FUSED))
 
 
-def _unsupported(block: nn.Module) -> str | None:
+def unsupported(block: nn.Module) -> str | None:
     """Why ``block`` cannot be sharded exactly, or None."""
     extra = sorted(set(dict(block.named_children())) - {"gate", "experts", "shared_experts"})
     if extra:
@@ -80,7 +80,7 @@ class EPMoE(ExpertExchange):
         if not is_moe_block(block):
             raise bad("block", type(block).__name__, f"must be a transformers MoE block (a router `gate` and `experts` "
                       f"with 3-D {' and '.join(FUSED)}), as in DeepSeek-V3, Qwen3-MoE and Mixtral")
-        why = _unsupported(block)
+        why = unsupported(block)
         if why:
             raise bad("block", type(block).__name__, f"{why}; supported are the MoE blocks of DeepSeek-V3, Qwen3-MoE and Mixtral")
         full = block.experts

@@ -135,6 +135,9 @@ def _check_ep(args, model) -> None:
     if not blocks:
         raise ValueError(f"--ep={args.ep}: --model={args.model!r} has no MoE layers to spread (only 1 with a dense model)")
     for block in blocks:
+        why = experts.unsupported(block)  # refused here, before any rank starts, rather than by every rank
+        if why:
+            raise ValueError(f"--ep={args.ep}: --model={args.model!r}'s MoE layers cannot be spread: {why}")
         count = int(block.experts.gate_up_proj.shape[0])
         if count % args.ep:
             raise ValueError(f"--ep={args.ep}: must divide the {count} experts of --model={args.model!r}'s MoE layers")

@@ -56,6 +56,7 @@ MOE_SMALL = "PP=2 x EP=2 is 4 processes on CI's 2 cores: PP=1 x EP=2, one step o
 EPLB_TINY = ("--pp 1 --ep 2 --steps 2 --microbatches 2 --microbatch-size 1 --blocks-per-stage 1 --dim 16 --experts 4 "
              "--expert-ffn 16 --interval 1")
 TINY = "--layers 2 --dim 16 --heads 2 --seq-len 16 --batch-size 4 --corpus-bytes 65536"
+TRAIN_MOE = f"twinpipe train --experts 4 --top-k 2 --pp 1 --dp 2 --steps 2 {TINY}"  # test_train_moe checks this run too
 DATA_TINY = "--layers 2 --dim 16 --heads 2 --seq-len 16 --batch-size 4"
 DATA_SMALL = "the documented run takes minutes: 2 steps of a small model (the same processes and schedule)"
 TRAIN_FILES = ("twinpipe-train/train-loss.png", "twinpipe-train/train-log.json", "twinpipe-train/checkpoint-final/")
@@ -214,11 +215,11 @@ COMMANDS: list[Command] = [
             f"twinpipe train --resume twinpipe-train/checkpoint-final --steps 3 --schedule 1f1b --pp 1 --dp 2 {TINY}",
             "the documented run takes minutes: the checkpoint of the line before (step 2) to step 3, on 2 processes "
             "(PP=1 x DP=2: another schedule and mesh than the one that wrote it)", folder="train", files=TRAIN_FILES),
-    Command("twinpipe train --experts 8 --top-k 2 --pp 2 --dp 2", f"twinpipe train --experts 4 --top-k 2 --pp 1 --dp 2 --steps 2 {TINY}",
+    Command("twinpipe train --experts 8 --top-k 2 --pp 2 --dp 2", TRAIN_MOE,
             TRAIN_SMALL + "; PP=1 x DP=2 (EP=2), 4 experts", folder="train-moe", files=TRAIN_FILES),
-    Command("twinpipe train --experts 4 --pp 2 --dp 2 --steps 30", f"twinpipe train --experts 4 --top-k 2 --pp 1 --dp 2 --steps 2 {TINY}",
+    Command("twinpipe train --experts 4 --pp 2 --dp 2 --steps 30", TRAIN_MOE,
             TRAIN_SMALL + "; PP=1 x DP=2 (EP=2): the same run as the line above", folder="train-moe"),
-    Command("twinpipe train --experts E --top-k K", f"twinpipe train --experts 4 --top-k 2 --pp 1 --dp 2 --steps 2 {TINY}",
+    Command("twinpipe train --experts E --top-k K", TRAIN_MOE,
             PLACEHOLDERS + "; the same run as the lines above", folder="train-moe"),
     # ---- docs/deepseek-v3.md
     Command("twinpipe train --experts 4 --score sigmoid --bias-update-speed 0.001 --balance-alpha 0.0001 --mtp-depth 1 "

@@ -52,6 +52,7 @@ FOUR_ON_TWO = "4 processes on CI's 2 cores take long: 2 processes"
 TRAIN_SMALL = "the documented run takes minutes: 2 processes (the same schedule), a 2-block model of width 16, 2 steps"
 NO_GPU = "CI has no GPU: --device cpu (the default)"
 MOE_TINY = "--pp 1 --ep 2 --steps 1 --microbatches 2 --microbatch-size 1 --blocks-per-stage 1 --dim 16 --experts 2 --expert-ffn 16"
+MOE_DEMO = f"twinpipe demo --moe --trace fb.json {MOE_TINY}"  # test_moe_demo checks this run too
 MOE_SMALL = "PP=2 x EP=2 is 4 processes on CI's 2 cores: PP=1 x EP=2, one step of a tiny model"
 EPLB_TINY = ("--pp 1 --ep 2 --steps 2 --microbatches 2 --microbatch-size 1 --blocks-per-stage 1 --dim 16 --experts 4 "
              "--expert-ffn 16 --interval 1")
@@ -88,7 +89,7 @@ COMMANDS: list[Command] = [
             not_run=".ci/run runs this line itself: it is the test run that runs this list"),
     _help("twinpipe demo --help"),
     Command("twinpipe demo --moe --help", stdout=("usage: twinpipe demo --moe", "--expert-ffn", "--eplb")),
-    Command("twinpipe demo --moe", f"twinpipe demo --moe --trace fb.json {MOE_TINY}",
+    Command("twinpipe demo --moe", MOE_DEMO,
             MOE_SMALL + "; with --trace fb.json, so that this run is also the `twinpipe demo --moe --trace fb.json` "
             "line's", files=("fb.json",), stdout=("losses identical",)),
     Command("twinpipe demo --moe --eplb", f"twinpipe demo --moe --eplb {EPLB_TINY}", MOE_SMALL, stdout=("rebalanced",)),
@@ -202,7 +203,7 @@ COMMANDS: list[Command] = [
             "the same program as `twinpipe demo --moe --eplb`, run above: CI checks this entry point starts and lists --eplb",
             stdout=("usage:",)),
     # ---- docs/moe-overlap.md
-    Command("twinpipe demo --moe --trace fb.json", f"twinpipe demo --moe --trace fb.json {MOE_TINY}",
+    Command("twinpipe demo --moe --trace fb.json", MOE_DEMO,
             MOE_SMALL + ": one run for this line and README's `twinpipe demo --moe`", files=("fb.json",)),
     # ---- docs/train.md (and the README's `twinpipe train`)
     Command("twinpipe train", f"twinpipe train --pp 2 --steps 10 {TINY}",

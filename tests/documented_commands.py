@@ -52,10 +52,12 @@ FOUR_ON_TWO = "4 processes on CI's 2 cores take long: 2 processes"
 TRAIN_SMALL = "the documented run takes minutes: 2 processes (the same schedule), a 2-block model of width 16, 2 steps"
 NO_GPU = "CI has no GPU: --device cpu (the default)"
 MOE_TINY = "--pp 1 --ep 2 --steps 1 --microbatches 2 --microbatch-size 1 --blocks-per-stage 1 --dim 16 --experts 2 --expert-ffn 16"
+MOE_DEMO = f"twinpipe demo --moe --trace fb.json {MOE_TINY}"  # test_moe_demo checks this run too
 MOE_SMALL = "PP=2 x EP=2 is 4 processes on CI's 2 cores: PP=1 x EP=2, one step of a tiny model"
 EPLB_TINY = ("--pp 1 --ep 2 --steps 2 --microbatches 2 --microbatch-size 1 --blocks-per-stage 1 --dim 16 --experts 4 "
              "--expert-ffn 16 --interval 1")
 TINY = "--layers 2 --dim 16 --heads 2 --seq-len 16 --batch-size 4 --corpus-bytes 65536"
+TRAIN_MOE = f"twinpipe train --experts 4 --top-k 2 --pp 1 --dp 2 --steps 2 {TINY}"  # test_train_moe checks this run too
 DATA_TINY = "--layers 2 --dim 16 --heads 2 --seq-len 16 --batch-size 4"
 DATA_SMALL = "the documented run takes minutes: 2 steps of a small model (the same processes and schedule)"
 TRAIN_FILES = ("twinpipe-train/train-loss.png", "twinpipe-train/train-log.json", "twinpipe-train/checkpoint-final/")
@@ -87,7 +89,7 @@ COMMANDS: list[Command] = [
             not_run=".ci/run runs this line itself: it is the test run that runs this list"),
     _help("twinpipe demo --help"),
     Command("twinpipe demo --moe --help", stdout=("usage: twinpipe demo --moe", "--expert-ffn", "--eplb")),
-    Command("twinpipe demo --moe", f"twinpipe demo --moe --trace fb.json {MOE_TINY}",
+    Command("twinpipe demo --moe", MOE_DEMO,
             MOE_SMALL + "; with --trace fb.json, so that this run is also the `twinpipe demo --moe --trace fb.json` "
             "line's", files=("fb.json",), stdout=("losses identical",)),
     Command("twinpipe demo --moe --eplb", f"twinpipe demo --moe --eplb {EPLB_TINY}", MOE_SMALL, stdout=("rebalanced",)),
@@ -208,7 +210,7 @@ COMMANDS: list[Command] = [
             "the same program as `twinpipe demo --moe --eplb`, run above: CI checks this entry point starts and lists --eplb",
             stdout=("usage:",)),
     # ---- docs/moe-overlap.md
-    Command("twinpipe demo --moe --trace fb.json", f"twinpipe demo --moe --trace fb.json {MOE_TINY}",
+    Command("twinpipe demo --moe --trace fb.json", MOE_DEMO,
             MOE_SMALL + ": one run for this line and README's `twinpipe demo --moe`", files=("fb.json",)),
     # ---- docs/train.md (and the README's `twinpipe train`)
     Command("twinpipe train", f"twinpipe train --pp 2 --steps 10 {TINY}",
@@ -221,11 +223,11 @@ COMMANDS: list[Command] = [
             f"twinpipe train --resume twinpipe-train/checkpoint-final --steps 3 --schedule 1f1b --pp 1 --dp 2 {TINY}",
             "the documented run takes minutes: the checkpoint of the line before (step 2) to step 3, on 2 processes "
             "(PP=1 x DP=2: another schedule and mesh than the one that wrote it)", folder="train", files=TRAIN_FILES),
-    Command("twinpipe train --experts 8 --top-k 2 --pp 2 --dp 2", f"twinpipe train --experts 4 --top-k 2 --pp 1 --dp 2 --steps 2 {TINY}",
+    Command("twinpipe train --experts 8 --top-k 2 --pp 2 --dp 2", TRAIN_MOE,
             TRAIN_SMALL + "; PP=1 x DP=2 (EP=2), 4 experts", folder="train-moe", files=TRAIN_FILES),
-    Command("twinpipe train --experts 4 --pp 2 --dp 2 --steps 30", f"twinpipe train --experts 4 --top-k 2 --pp 1 --dp 2 --steps 2 {TINY}",
+    Command("twinpipe train --experts 4 --pp 2 --dp 2 --steps 30", TRAIN_MOE,
             TRAIN_SMALL + "; PP=1 x DP=2 (EP=2): the same run as the line above", folder="train-moe"),
-    Command("twinpipe train --experts E --top-k K", f"twinpipe train --experts 4 --top-k 2 --pp 1 --dp 2 --steps 2 {TINY}",
+    Command("twinpipe train --experts E --top-k K", TRAIN_MOE,
             PLACEHOLDERS + "; the same run as the lines above", folder="train-moe"),
     # ---- docs/deepseek-v3.md
     Command("twinpipe train --experts 4 --score sigmoid --bias-update-speed 0.001 --balance-alpha 0.0001 --mtp-depth 1 "

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from documented_commands import COMMANDS, Command
-from typed import run_typed
+from typed import run_typed, run_typed_once
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -135,21 +135,30 @@ def test_documented_command_runs(place, running):
 def _run_folder(place: str, folder: Path) -> None:
     """Run a folder's lines one after another; AssertionError at the first that fails its checks."""
     steps = SCENARIOS[place]
-    for name in sorted({name for _, entries in steps for c in entries for name in c.copy}):
+    copies = tuple(sorted({name for _, entries in steps for c in entries for name in c.copy}))
+    if len(steps) == 1:  # one line: run once per session in a fresh folder (test_examples checks the same runs)
+        line, entries = steps[0]
+        _check_step(line, entries, *run_typed_once(line, copies, timeout=LIMIT_S))
+        return
+    for name in copies:
         shutil.copytree(ROOT / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
     for line, entries in steps:
-        done = run_typed(line, folder, timeout=LIMIT_S)
-        shown = " | ".join(c.shown for c in entries)
-        assert done.returncode == 0, f"`{line}` (docs: `{shown}`) exited {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-        out = " ".join(done.stdout.split())
-        for c in entries:
-            for text in c.stdout:
-                assert " ".join(text.split()) in out, f"`{line}`: no {text!r} in its output\n{done.stdout[-3000:]}"
-            if line.endswith(" --help"):  # the options the docs name exist
-                for option in _options(c.shown):
-                    assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", done.stdout), f"{c.shown!r}: {option} is not in `{line}`"
-            for name in c.files:
-                _check_file(folder / name, name.endswith("/"), line)
+        _check_step(line, entries, run_typed(line, folder, timeout=LIMIT_S), folder)
+
+
+def _check_step(line: str, entries: list[Command], done, folder: Path) -> None:
+    """One line's exit code, output and files (in ``folder``) against its entries."""
+    shown = " | ".join(c.shown for c in entries)
+    assert done.returncode == 0, f"`{line}` (docs: `{shown}`) exited {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    out = " ".join(done.stdout.split())
+    for c in entries:
+        for text in c.stdout:
+            assert " ".join(text.split()) in out, f"`{line}`: no {text!r} in its output\n{done.stdout[-3000:]}"
+        if line.endswith(" --help"):  # the options the docs name exist
+            for option in _options(c.shown):
+                assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", done.stdout), f"{c.shown!r}: {option} is not in `{line}`"
+        for name in c.files:
+            _check_file(folder / name, name.endswith("/"), line)
 
 
 def _options(shown: str) -> list[str]:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+
+from typed import run_typed_once
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -30,11 +29,9 @@ def _load(name: str):
 
 
 def _run(command: str) -> str:
-    """Run a README command from the repository root with this interpreter (torchrun is its module)."""
-    program, *rest = command.split()
-    argv = [sys.executable, *(["-m", "torch.distributed.run"] if program == "torchrun" else []), *rest]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    """Run a README command as typed, in a fresh folder with a copy of examples/: once per test
+    session (tests/test_documented_commands.py runs these lines too, and checks their output's lines)."""
+    done, _ = run_typed_once(command, ("examples",), timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 

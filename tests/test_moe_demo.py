@@ -11,14 +11,17 @@ import pytest
 from twinpipe.cli import main
 
 
-def test_demo_runs_and_overlap_keeps_losses(capsys, tmp_path):
-    trace = tmp_path / "fb.json"
-    assert main(["demo", "--moe", "--pp", "1", "--ep", "2", "--steps", "1", "--microbatches", "2", "--microbatch-size", "1",
-                 "--dim", "8", "--experts", "2", "--expert-ffn", "8", "--blocks-per-stage", "1", "--trace", str(trace)]) == 0
-    out = capsys.readouterr().out
-    assert "losses identical" in out
-    assert "all-to-alls in flight" in out
-    slices = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+def test_demo_runs_and_overlap_keeps_losses():
+    from documented_commands import MOE_DEMO
+    from typed import run_typed_once
+
+    # The line tests/test_documented_commands.py runs for `twinpipe demo --moe --trace fb.json`: typed,
+    # at the console script, in a fresh folder; one run for both modules.
+    done, folder = run_typed_once(MOE_DEMO, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "losses identical" in done.stdout
+    assert "all-to-alls in flight" in done.stdout
+    slices = [e for e in json.loads((folder / "fb.json").read_text())["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in slices} == {0, 1}
     assert {e["tid"] for e in slices} == {0, 1, 2}  # compute, comm of F, comm of B
     assert {e["name"] for e in slices if e["tid"] == 2} >= {"0.dispatch(B)", "0.combine(B)"}

@@ -1,14 +1,28 @@
 """Shared-memory pipes: bytes arrive intact and in order, across wrap-around and messages larger
-than the ring, in both directions at once; a wait with nobody sending times out."""
+than the ring, in both directions at once; a wait with nobody sending times out. One 2-rank world
+runs every case."""
 
 from __future__ import annotations
 
 import datetime
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_world
+from distributed import run_named, run_world
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, list]:
+    """Each case's result on rank 0 and rank 1, from one world."""
+    per_rank = run_world(2, _world)
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
+def _world(rank, world):
+    return run_named([("exchange", lambda: _exchange(rank, world)), ("bad_transport", lambda: _bad_transport(rank, world)),
+                      ("setups_that_fail", lambda: _setups_that_fail(rank, world))])
 
 
 def _exchange(rank, world):
@@ -45,13 +59,13 @@ def _exchange(rank, world):
     return "a receive with no sender completed"
 
 
-def test_pipes_stream_both_ways_and_time_out():
-    assert run_world(2, _exchange) == ["ok", "ok"]
+def test_pipes_stream_both_ways_and_time_out(outcomes):
+    assert outcomes["exchange"] == ["ok", "ok"]
 
 
-def test_unknown_transport_is_refused():
+def test_unknown_transport_is_refused(outcomes):
     # A pipeline with an unknown transport is refused before any communication.
-    assert run_world(1, _bad_transport) == ["ok"]
+    assert outcomes["bad_transport"] == ["ok", "ok"]
 
 
 def _bad_transport(rank, world):
@@ -100,8 +114,8 @@ def _setups_that_fail(rank, world):
     return out
 
 
-def test_failed_shared_memory_setup_falls_back_to_the_process_group():
-    for rank, out in enumerate(run_world(2, _setups_that_fail)):
+def test_failed_shared_memory_setup_falls_back_to_the_process_group(outcomes):
+    for rank, out in enumerate(outcomes["setups_that_fail"]):
         assert out["separate_dirs"] == ([], True), (rank, out)
         assert out["full"] == ([], True), (rank, out)
         assert out["leftovers"] == [], (rank, out)

@@ -257,8 +257,10 @@ TYPED = [
 
 def test_bad_options_typed_give_one_line_and_exit_2(tmp_path):
     (tmp_path / "a-file").write_text("")
-    script = " ; ".join(f'twinpipe train {argv} ; echo "exit $?" >&2' for argv, _ in TYPED)
-    done = run_typed(script, tmp_path, timeout=120)
+    # Side by side (each starts python and imports torch): each one's stderr and exit code to its own file, then in order.
+    runs = " ".join(f'(twinpipe train {argv} 2> err{i}; echo "exit $?" >> err{i}) &' for i, (argv, _) in enumerate(TYPED))
+    show = " ".join(f"err{i}" for i in range(len(TYPED)))
+    done = run_typed(f"{runs} wait; cat {show} >&2; rm {show}", tmp_path, timeout=120)
     lines = done.stderr.splitlines()
     assert len(lines) == 2 * len(TYPED) and "Traceback" not in done.stderr and done.stdout == "", done.stderr
     for (argv, message), line, code in zip(TYPED, lines[::2], lines[1::2]):

@@ -1,14 +1,17 @@
 """``twinpipe train --data FILE`` (and ``--model DIR``): token files memory-mapped, the sampler over them,
-the checks before any rank starts, and whole runs through the installed console script."""
+the checks before any rank starts, and whole runs through the command line's entry point."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -198,13 +201,46 @@ def test_bad_models(tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # nothing written
 
 
-# ---- whole runs, through the installed console script
+# ---- whole runs, through the command line's entry point
 
 def _run(args, cwd) -> subprocess.CompletedProcess:
-    exe = shutil.which("twinpipe")
-    assert exe, "the twinpipe console script is not installed"
-    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), **os.environ}  # this tree, unless told
-    return subprocess.run([exe, "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    """``twinpipe train ARGS`` in ``cwd``: ``twinpipe.cli.main``, the function the console script calls,
+    in this process (its ranks are fresh processes either way; tests/test_documented_commands.py runs the
+    installed script itself). Its exit code and everything it and its ranks wrote."""
+    from twinpipe.cli import main
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, _in_folder(cwd):
+        with _descriptors_to(out, err), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["train", *args])
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(["twinpipe", "train", *args], code, out.read(), err.read())
+
+
+@contextlib.contextmanager
+def _in_folder(folder):
+    before = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+@contextlib.contextmanager
+def _descriptors_to(out, err):
+    """File descriptors 1 and 2 to ``out`` and ``err`` (the ranks inherit them), then back."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    try:
+        yield
+    finally:
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
 
 
 def _losses(out: Path) -> list[float]:

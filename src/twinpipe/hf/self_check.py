@@ -133,7 +133,7 @@ def shrunk_config(config, size: dict | None = None, attention: str = "sdpa"):
 
     def shrink(key, value):
         old = getattr(cfg, key, None)
-        if isinstance(old, int) and not isinstance(old, bool) and old > value:
+        if type(old) is int and old > value:  # a width (a bool is not one)
             setattr(cfg, key, value)
 
     heads = getattr(cfg, "num_attention_heads", None)

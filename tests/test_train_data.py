@@ -443,3 +443,20 @@ def test_a_moe_model_trains_with_expert_parallelism_and_resumes_at_another_ep(tm
     steps = json.loads((tmp_path / "again" / "train-log.json").read_text())["steps"]
     assert [s["step"] for s in steps] == [2, 3]
     assert [s["loss"] for s in steps] == pytest.approx(losses[2:], rel=1e-5)
+
+
+def test_a_moe_model_in_float64_runs_the_eager_experts():
+    """``--dtype float64`` with a MoE ``--model``: transformers' default grouped-matmul experts take
+    no float64 (every rank failed in its first forward), so the model is built with the eager loop."""
+    import argparse
+
+    import torch
+
+    _needs_hf()
+    from twinpipe.train_command.model import build_model, load
+
+    info = load(argparse.Namespace(model=str(TINY_MOE), mtp_depth=0, dtype="float64"))
+    torch.manual_seed(0)
+    model = build_model(info).to(torch.float64)
+    logits = model(torch.arange(8).view(1, 8)).logits
+    assert logits.dtype == torch.float64 and torch.isfinite(logits).all()

@@ -172,6 +172,7 @@ def load(args, *, need_tokenizer: bool = False) -> ModelInfo:
     info = ModelInfo(args.model, config, names, sum(_numel(s) for _, s in names),
                      has_weights(args.model), _tokenizer(args.model) if need_tokenizer else None)
     info.aux = hf.model_parts(model).aux
+    info.dtype = getattr(args, "dtype", None)
     return info
 
 
@@ -214,7 +215,10 @@ def _numel(shape) -> int:
 
 
 def build_model(info: ModelInfo):
-    """The causal LM of ``info``'s config, randomly initialised (``torch.manual_seed`` first: every rank alike)."""
+    """The causal LM of ``info``'s config, randomly initialised (``torch.manual_seed`` first: every rank alike).
+    In float64 a MoE model's experts run ``transformers``' eager loop: its grouped matmul takes
+    float32, bfloat16 and float16 only (and the model is converted to the run's dtype after this)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(info.config)
+    options = {"experts_implementation": "eager"} if getattr(info, "dtype", None) == "float64" else {}
+    return AutoModelForCausalLM.from_config(info.config, **options)

@@ -161,6 +161,9 @@ def _counting_recomputation():
     global _recomputing
     import torch.utils.checkpoint as checkpoint
 
+    if not isinstance(getattr(checkpoint, "_recomputation_hook", None), type):  # a torch without it: not counted
+        yield
+        return
     with _recomputing_lock:
         _recomputing += 1
         if _recomputing == 1:

@@ -438,11 +438,13 @@ def _check_ds3(args) -> None:
     check_float(args.balance_alpha, "--balance-alpha", low=0)
     check_int(args.mtp_depth, "--mtp-depth", low=0, high=args.seq_len - 1)
     check_float(args.mtp_weight, "--mtp-weight", low=0)
-    if not args.experts:
-        for flag, value, off in (("--score", args.score, "softmax"), ("--bias-update-speed", args.bias_update_speed, 0.0),
-                                 ("--balance-alpha", args.balance_alpha, 0.0)):
-            if value != off:
-                raise bad(flag, value, "needs --experts: a dense model (--experts 0) routes no tokens")
+    for flag, value, off in (("--score", args.score, "softmax"), ("--bias-update-speed", args.bias_update_speed, 0.0),
+                             ("--balance-alpha", args.balance_alpha, 0.0)):
+        if value != off and args.model is not None:
+            raise bad(flag, value, "not with --model: it sets the built-in GPT's MoE routers (--experts); a transformers "
+                                   "model routes as its config.json says")
+        if value != off and not args.experts:
+            raise bad(flag, value, "needs --experts: a dense model (--experts 0) routes no tokens")
 
 
 def _ds3_config(args) -> dict:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from distributed import run_named, run_world
-from train_setup import gather_state, reference_state, state_differences, tiny_setup
+from train_setup import gather_state, reference_state, state_differences, steps_against_reference, tiny_setup
 from twinpipe.runtime.weight_grad import DeferredLinear, GradStore
 from twinpipe.train import precision
 
@@ -94,16 +94,7 @@ def _against_reference(rank: int, schedule: str, pp: int, dp: int, optimizer: st
     model_fn, sampler, criterion, make_opt, config = tiny_setup(schedule, optimizer=optimizer, max_norm=max_norm, precision="bf16-mixed")
     trainer = Trainer(model_fn, sampler, criterion, make_opt, build_mesh(dp, pp), config)
     ref = ReferenceTrainer(model_fn, sampler, criterion, make_opt, config, dp, pp) if rank == 0 else None
-    problems = []
-    for step in range(STEPS):
-        got = trainer.step(step)
-        want = [ref.step(step) if rank == 0 else None]
-        dist.broadcast_object_list(want, src=0)
-        _, losses, norm = want[0]
-        if not torch.equal(got.losses, losses) or got.grad_norm != norm:
-            problems.append(f"step {step}: losses {got.losses.tolist()} / norm {got.grad_norm} != reference {losses.tolist()} / {norm}")
-        if not trainer.mirrors_equal():
-            problems.append(f"step {step}: mirrored copies differ")
+    problems = steps_against_reference(trainer, ref, STEPS)
     state = gather_state(trainer)
     differ = [state_differences(state, reference_state(ref)) if rank == 0 else None]
     dist.broadcast_object_list(differ, src=0)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from distributed import run_named, run_world
-from train_setup import gather_state, reference_state, state_differences
+from train_setup import gather_state, reference_state, state_differences, steps_against_reference
 
 WORLD = 4
 STEPS = 2
@@ -72,17 +72,7 @@ def _mtp_case(rank: int, schedule: str, pp: int, dp: int, overlap_dp: bool) -> l
     fn, sampler, criterion, make_opt, config = _mtp_setup(schedule, overlap_dp, 1)
     trainer = Trainer(fn, sampler, criterion, make_opt, build_mesh(dp, pp), config)
     ref = ReferenceTrainer(*_mtp_setup(schedule, overlap_dp, 0), dp, pp) if rank == 0 else None
-    problems = []
-    for step in range(STEPS):
-        got = trainer.step(step)
-        want = [ref.step(step) if rank == 0 else None]
-        dist.broadcast_object_list(want, src=0)
-        _, losses, norm = want[0]
-        if not torch.equal(got.losses, losses) or got.grad_norm != norm:
-            problems.append(f"step {step}: losses {got.losses.tolist()} / norm {got.grad_norm} != reference "
-                            f"{losses.tolist()} / {norm}")
-        if not trainer.mirrors_equal():
-            problems.append(f"step {step}: mirrored copies differ")
+    problems = steps_against_reference(trainer, ref, STEPS)
     state = gather_state(trainer)
     differ = [None]
     if rank == 0:

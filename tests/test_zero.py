@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from distributed import run_named, run_world
-from train_setup import gather_state, reference_state, state_differences, tiny_setup
+from train_setup import gather_state, reference_state, state_differences, steps_against_reference, tiny_setup
 
 WORLD = 4
 STEPS = 2
@@ -86,15 +86,7 @@ def _against_reference(rank: int, schedule, pp, dp, optimizer, max_norm, mode, e
 
     trainer.pipe.step = watched_step
     trainer.reducer.start = lambda part: (inside.append(running[0]), start(part))
-    for step in range(STEPS):
-        got = trainer.step(step)
-        want = [ref.step(step) if rank == 0 else None]
-        dist.broadcast_object_list(want, src=0)
-        _, losses, norm = want[0]
-        if not torch.equal(got.losses, losses) or got.grad_norm != norm:
-            problems.append(f"step {step}: losses {got.losses.tolist()} / norm {got.grad_norm} != reference {losses.tolist()} / {norm}")
-        if not trainer.mirrors_equal():
-            problems.append(f"step {step}: mirrored copies differ")
+    problems += steps_against_reference(trainer, ref, STEPS)
     state = gather_state(trainer)
     differ = [state_differences(state, reference_state(ref)) if rank == 0 else None]
     dist.broadcast_object_list(differ, src=0)

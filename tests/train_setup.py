@@ -101,3 +101,24 @@ def reference_state(ref) -> tuple[dict, dict]:
     return ({n: p.detach().clone() for n, p in named.items()},
             {n: {k: v.detach().clone() if hasattr(v, "detach") else v for k, v in ref.optimizer.state.get(p, {}).items()}
              for n, p in named.items()})
+
+
+def steps_against_reference(trainer, ref, steps: int) -> list[str]:
+    """Run ``steps`` steps of ``trainer`` (every rank) and of ``ref`` (the ``ReferenceTrainer`` on
+    rank 0, None elsewhere); what differs: losses or norm not bitwise the reference's, mirrored copies
+    not equal."""
+    import torch
+    import torch.distributed as dist
+
+    problems = []
+    for step in range(steps):
+        got = trainer.step(step)
+        want = [ref.step(step) if ref is not None else None]
+        dist.broadcast_object_list(want, src=0)
+        _, losses, norm = want[0]
+        if not torch.equal(got.losses, losses) or got.grad_norm != norm:
+            problems.append(f"step {step}: losses {got.losses.tolist()} / norm {got.grad_norm} != reference "
+                            f"{losses.tolist()} / {norm}")
+        if not trainer.mirrors_equal():
+            problems.append(f"step {step}: mirrored copies differ")
+    return problems

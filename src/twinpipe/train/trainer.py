@@ -34,6 +34,7 @@ collective whose sizes depend on it.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -274,6 +275,12 @@ class Trainer:
         masters = precision.make_masters(self._updated) if self.mixed else self._updated
         self._optimized = {id(p): t for p, t in zip(self._updated, masters)}  # parameter -> the tensor the optimizer updates
         self.pipe = Pipeline(modules, self.schedule, process_group=mesh.pp_group, timeout=self.timeout)
+        # ZeRO-1: the all-gathers of an update are awaited stage by stage, before the stage's next forward.
+        self.defer_gather = sharded  # False: awaited inside step() (the eager order; bench/bench_zero.py compares)
+        if sharded:
+            self.reducer.set_stages([[p for _, p in m.named_model_parameters()] for m in self.pipe.module])
+            for j, module in enumerate(self.pipe.module):
+                module.register_forward_pre_hook(functools.partial(self._await_weights, j))
         self.optimizer = optimizer_fn(masters)
         self._agree_optimizer()  # before the initial weights' broadcast
         self._agree_group = cpu_group(mesh.pp_group, self.timeout)  # small CPU exchanges (mirrors_equal)
@@ -468,6 +475,7 @@ class Trainer:
             self._refuse_update(step, problem)  # raises, or counts the step as skipped
         else:
             clip_grads(self._updated, factor)
+            self.finish_update()  # normally done: every stage's forward awaited its all-gathers
             self.optimizer.step()
             self._publish_update(step)
             self._move_biases(loads)
@@ -546,7 +554,22 @@ class Trainer:
         if self.mixed:
             precision.refresh(self._updated, [self._optimized[id(p)] for p in self._updated])
         if isinstance(self.reducer, ShardedReducer):
-            self.reducer.gather(self._where(f"step {step}"))
+            self.reducer.start_gather(self._where(f"step {step}"))
+            if not self.defer_gather:
+                self.finish_update()
+
+    def _await_weights(self, index: int, module, args) -> None:
+        """Forward pre-hook of stage module ``index`` (ZeRO-1): its weights' pending all-gathers awaited."""
+        if self.reducer.pending:
+            self.reducer.wait_gather(index, self._where(f"before the forward of stage {self.pipe.stages[index]}"))
+
+    def finish_update(self) -> None:
+        """Await the all-gathers the last update left pending (ZeRO-1; nothing otherwise): afterwards
+        every parameter this rank holds has its updated value. Whatever reads the weights between steps
+        calls it first (checkpoints, ``mirrors_equal``, ``loaded_weights``); a stage's forward awaits its
+        own. Raises ``PipelineBrokenError`` when an all-gather failed or a failed step abandoned them."""
+        if isinstance(self.reducer, ShardedReducer):
+            self.reducer.wait_gather(None, self._where("before reading the weights"))
 
     def state_bytes(self) -> dict[str, int]:
         """This rank's bytes of model state, by part (``twinpipe.sim.memory.MemoryParts`` names):
@@ -567,6 +590,7 @@ class Trainer:
     def loaded_weights(self) -> None:
         """New values were written into the optimizer's tensors (a checkpoint): refresh the bf16
         weights from the masters (mixed precision)."""
+        self.finish_update()  # none pending after load_checkpoint (it awaits them before loading)
         if self.mixed:
             precision.refresh(self._updated, [self._optimized[id(p)] for p in self._updated])
 
@@ -587,6 +611,7 @@ class Trainer:
 
     def mirrors_equal(self) -> bool:
         """Whether every copy of every model stage is bitwise equal across the pipeline (collective)."""
+        self.finish_update()
         if not self.is_dual:
             return True
         digests = []

@@ -123,7 +123,12 @@ def _checkpoints(rank: int, root: str) -> list[str]:
     first = [a.step(s).loss for s in range(2)]
     save_checkpoint(a, f"{root}/zero1", 2)
     saved_a = gather_state(a)
+    if a.reducer.pending:
+        problems.append(f"save_checkpoint left {a.reducer.pending} all-gathers pending")
     later = [a.step(s).loss for s in range(2, 4)]
+    load_checkpoint(a, f"{root}/zero1")  # with step 3's all-gathers pending: awaited first, not written over the loaded weights
+    if a.step(2).loss != later[0]:
+        problems.append("loading into a trainer with all-gathers pending: the next loss differs from the uninterrupted run's")
     dtypes = {str(m.properties.dtype) for k, m in read_checkpoint_info(f"{root}/zero1").metadata.state_dict_metadata.items()
               if k.startswith("model.")}
     if dtypes != {"torch.float32"}:
@@ -171,7 +176,10 @@ DEFERRED = {"1f1b": ("1f1b", 2, 2, True), "dualpipev-serial-dp": ("dualpipev", 2
 def _deferred_against_eager(rank: int, schedule, pp, dp, overlap_dp) -> list[str]:
     """Bitwise the same losses, norms, weights and optimizer state; and the wait really moved: each
     step returns with all-gathers pending, and in the next step each stage module awaits its own
-    inside the pipeline step, before its first forward (a V rank's second stage: not before the first's)."""
+    inside the pipeline step, before its first forward (a V rank's second stage: not before the first's),
+    and their receive buffers (at least the sharded weights' bytes) are freed by then."""
+    import weakref
+
     import torch
 
     from twinpipe.train.mesh import build_mesh
@@ -204,9 +212,17 @@ def _deferred_against_eager(rank: int, schedule, pp, dp, overlap_dp) -> list[str
     for j, module in enumerate(deferred.pipe.module):  # after the trainer's own pre-hook
         module.register_forward_pre_hook(lambda m, args, j=j: events.append(
             ("forward", j, pending_for(j), [pending_for(k) for k in range(len(deferred.pipe.module)) if k != j])))
+    held_buffers = []  # weak references to the receive buffers of the all-gathers left pending by the last step
     for step in range(3):
         events.clear()
         a, b = eager.step(step), deferred.step(step)
+        if any(ref() is not None for ref in held_buffers):
+            problems.append(f"step {step}: the previous update's all-gather buffers are still alive after the step")
+        held_buffers = [weakref.ref(out) for _, _, out, _, _ in deferred.reducer._pending]
+        pending_bytes = sum(out.numel() * out.element_size() for _, _, out, _, _ in deferred.reducer._pending)
+        sharded_bytes = sum(p.numel() * p.element_size() for unit in deferred.reducer.units for p in unit.params)
+        if pending_bytes < sharded_bytes:
+            problems.append(f"step {step}: pending all-gather buffers hold {pending_bytes} bytes < the sharded weights' {sharded_bytes}")
         if not torch.equal(a.losses, b.losses) or a.grad_norm != b.grad_norm:
             problems.append(f"step {step}: deferred losses/norm {b.losses.tolist()}/{b.grad_norm} != eager {a.losses.tolist()}/{a.grad_norm}")
         if eager.reducer.pending or not deferred.reducer.pending:
@@ -224,9 +240,9 @@ def _deferred_against_eager(rank: int, schedule, pp, dp, overlap_dp) -> list[str
         forwards = [e for e in events if e[0] == "forward"]
         if len(deferred.pipe.module) > 1 and forwards and not all(forwards[0][3]):
             problems.append(f"step {step}: at the first forward, the other stages' all-gathers were already awaited: {forwards[0]}")
-    deferred.finish_update()
+    deferred.mirrors_equal()  # reads the weights: awaits the pending all-gathers first
     if deferred.reducer.pending:
-        problems.append(f"finish_update left {deferred.reducer.pending} all-gathers pending")
+        problems.append(f"mirrors_equal left {deferred.reducer.pending} all-gathers pending")
     for (name, p, _), (_, q, _) in zip(eager.held, deferred.held):
         if not torch.equal(p, q):
             problems.append(f"{name}: deferred weight differs from eager")

@@ -20,8 +20,11 @@ Per step, in this order (the order the single-process reference follows, so resu
 With ``precision="bf16-mixed"`` the gradients above are the FP32 ``main_grad`` buffers and the
 optimizer updates FP32 masters, copied to the bf16 weights after the update (``precision.py``).
 With ``zero=1`` step 3 is a reduce-scatter: each data-parallel rank gets the summed gradients of the
-parameters it owns, updates only those (their optimizer state lives there alone) and all-gathers the
-new weights (``zero.py``); norms and checkpoints count each parameter at its owner.
+parameters it owns, updates only those (their optimizer state lives there alone) and starts the
+all-gathers of the new weights (``zero.py``): ``step()`` returns with them in flight, and each stage
+module awaits its own before its next forward (a forward pre-hook; ``defer_gather = False`` awaits
+them in ``step()``, the same bits); ``finish_update()`` awaits the rest before anything reads the
+weights between steps (checkpoints, ``mirrors_equal``). Norms and checkpoints count each parameter at its owner.
 With ``overlap_dp`` and one chain (no mirrored copies), step 3's dense collectives start inside
 step 1: each stage's buckets as soon as its last gradient-writing op has run (the pipeline's
 ``on_grads_ready``), and the trainer awaits them after ``step()`` returns. With mirrored copies the

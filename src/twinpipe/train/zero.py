@@ -87,7 +87,7 @@ class _Bucket:
 class ShardedReducer(DataParallelReducer):
     """``DataParallelReducer`` for ZeRO-1: ``start``/``wait`` leave each rank the summed gradients of
     the parameters it owns (``owns``; the others' ``.grad`` is dropped, a ``main_grad`` kept), and
-    ``gather`` hands every rank the owners' updated weights."""
+    ``start_gather``/``wait_gather`` (``gather``: both at once) hand every rank the owners' updated weights."""
 
     def __init__(self, parts: Sequence[Sequence[torch.Tensor]], group, timeout: float, bucket_bytes: int = 25 << 20,
                  mode: str = "all-reduce"):

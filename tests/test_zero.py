@@ -349,5 +349,5 @@ def test_a_peer_failing_before_its_all_gather_makes_its_peer_raise_naming_it(out
     assert "all-gather of updated weights" in peer["error"] and "rank dp=0 pp=0" in peer["error"], peer
     assert "before the forward of stage 0" in peer["error"] and "global ranks [0, 2]" in peer["error"], peer
     assert peer["seconds"] < 20, peer  # the trainer's timeout is 30 s: the failure notice is heard at once
-    assert "the weights are incomplete" in peer["after"], peer
+    assert "the weights are incomplete" in peer["after"] and "rank dp=0 pp=0" in peer["after"], peer
     assert all("error" in o for o in by.values()), by  # every rank raised: nothing hangs

@@ -564,7 +564,7 @@ class Trainer:
     def _await_weights(self, index: int, module, args) -> None:
         """Forward pre-hook of stage module ``index`` (ZeRO-1): its weights' pending all-gathers awaited."""
         if self.reducer.pending:
-            self.reducer.wait_gather(index, self._where(f"before the forward of stage {self.pipe.stages[index]}"))
+            self.reducer.wait_gather(index, f"before the forward of stage {self.pipe.stages[index]}")
 
     def finish_update(self) -> None:
         """Await the all-gathers the last update left pending (ZeRO-1; nothing otherwise): afterwards
@@ -572,7 +572,7 @@ class Trainer:
         calls it first (checkpoints, ``mirrors_equal``, ``loaded_weights``); a stage's forward awaits its
         own. Raises ``PipelineBrokenError`` when an all-gather failed or a failed step abandoned them."""
         if isinstance(self.reducer, ShardedReducer):
-            self.reducer.wait_gather(None, self._where("before reading the weights"))
+            self.reducer.wait_gather(None, "before reading the weights")
 
     def state_bytes(self) -> dict[str, int]:
         """This rank's bytes of model state, by part (``twinpipe.sim.memory.MemoryParts`` names):

@@ -106,6 +106,8 @@ class ShardedReducer(DataParallelReducer):
             self.buckets.append(mine)
         self._pending: list = []  # started all-gathers: (unit, its input, its output, work, what)
         self._broken: str | None = None  # why the weights are incomplete (a failed or abandoned all-gather)
+        self._where = ""  # the last update's (rank and step), for the messages of later waits
+        self.units: list[_Bucket] | None = None  # the all-gathers (``set_stages``; else one per bucket)
 
     def owns(self, p: torch.Tensor) -> bool:
         return self.owner.get(id(p), self.rank) == self.rank
@@ -175,9 +177,10 @@ class ShardedReducer(DataParallelReducer):
         awaits them. ``where`` names the step in the waits' messages."""
         if not self.active:
             return
-        self.wait_gather(None, "before starting the next all-gathers")  # none pending normally
-        if not hasattr(self, "units"):
+        self.wait_gather(None, "before the next update's all-gathers")  # none pending normally
+        if self.units is None:
             self.units = self._gathers(None)
+        self._where = where
         peers = dist.get_process_group_ranks(self.group)
         with torch.no_grad():
             for i, unit in enumerate(self.units):
@@ -191,10 +194,10 @@ class ShardedReducer(DataParallelReducer):
 
     def wait_gather(self, stage: int | None, why: str) -> None:
         """Await the pending all-gathers of stage module ``stage`` (None: all) and write the weights
-        into the parameters; ``why`` (e.g. "before stage 3's forward") completes the messages. After
+        into the parameters; ``why`` (e.g. "before the forward of stage 3") completes the messages. After
         an all-gather failed or was abandoned, raises ``PipelineBrokenError``: the weights are incomplete."""
         if self._broken is not None:
-            raise PipelineBrokenError(f"{why}: the weights are incomplete: {self._broken}")
+            raise PipelineBrokenError(f"{self._where}: {why}: the weights are incomplete: {self._broken}")
         keep = []
         try:
             for entry in self._pending:

@@ -74,10 +74,12 @@ def mtp_depth_of(model, mtp_depth) -> int:
     return mtp_depth
 
 
-def mtp_layers(model, depth: int, *, seed: int = 0) -> nn.ModuleList:
+def mtp_layers(model, depth: int, *, seed: int = 0, ep_group=None) -> nn.ModuleList:
     """The ``depth`` MTP layers of a DeepSeek-V3 ``model``, initialised by the model's own
     ``_init_weights`` from ``seed`` (the caller's random state is left as it was: every rank that
-    builds them gets the same weights), in the model's dtype and on its device."""
+    builds them gets the same weights), in the model's dtype and on its device. ``ep_group``: their
+    MoE blocks' experts spread over it after the initialisation (``twinpipe.hf.experts.shard_experts_``,
+    slot s running expert s): each rank keeps its rows of the same initial experts."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
     config = model.config
@@ -89,7 +91,13 @@ def mtp_layers(model, depth: int, *, seed: int = 0) -> nn.ModuleList:
                                         config.hidden_size, config.rms_norm_eps) for j in range(depth))
         with torch.no_grad():
             layers.apply(model._init_weights)
-    return layers.to(device=first.device, dtype=first.dtype)
+    layers = layers.to(device=first.device, dtype=first.dtype)
+    if ep_group is not None:
+        from twinpipe.hf.experts import shard_experts_
+
+        for layer in layers:
+            shard_experts_(layer, ep_group)
+    return layers
 
 
 def _meta_layers(config, depth: int) -> list[MTPLayer]:
@@ -179,11 +187,17 @@ def save_tensors(modules) -> dict:
     """``{name: tensor}`` of stage ``modules`` for ``twinpipe.hf.weights.save``: their parameters and
     persistent buffers (DeepSeek-V3's routing biases) by their names in the unsplit model, and for a
     last stage with MTP layers the copies DeepSeek-V3's checkpoints store with each layer
-    (``embed_tokens`` from the embedding copy, ``shared_head.head`` from ``lm_head``)."""
+    (``embed_tokens`` from the embedding copy, ``shared_head.head`` from ``lm_head``). The fused
+    experts of MoE blocks sharded over an EP group (``twinpipe.hf.experts``: main and MTP layers
+    alike) as ``(Place(name, rows), tensor)``: this rank's rows."""
+    from twinpipe.hf.experts import expert_rows
+    from twinpipe.hf.weights import Place
+
     out = {}
     for module in modules:
+        rows = expert_rows(module)
         for name, t in [*module.named_model_parameters(), *module.named_model_buffers()]:
-            out.setdefault(name, t.detach())
+            out.setdefault(name, (Place(name, rows[id(t)]), t.detach()) if id(t) in rows else t.detach())
         mtp = getattr(module, "mtp", None)
         if mtp is not None:
             for name, source in copy_sources(module.config, len(mtp)).items():

@@ -119,7 +119,7 @@ def _ep(group) -> str:
         dist.all_reduce(g, group=group)  # the two ranks' batches together
     model = shard_experts_(_model(), group)
     stages = hf.build(model, "dualpipev", 1, 0, mtp_depth=1, mtp_weight=WEIGHT, wrap_layer=wrap_layer)
-    last = [m for m in stages.modules if m.last][0]
+    last = next(m for m in stages.modules if m.last)
     problems = []
     block = last.mtp[0].mlp
     if not isinstance(block, EPMoE) or block.rows != tuple(range(4 * rank, 4 * rank + 4)):
@@ -457,6 +457,24 @@ def test_mtp_depth_config_reads_num_nextn_predict_layers_and_the_last_stage_hold
     assert isinstance(stages.criterion, hf.mtp.HFMTPLoss)
     with pytest.raises(ValueError, match=r"input_ids=\(4, 3\): must have more than mtp_depth \+ 1 = 3 tokens"):
         stages.batch(*hf_models.batch(4, 3, seed=1), num_chunks=4)
+
+
+def test_the_mtp_experts_spread_over_the_main_layers_ep_group_one_slot_per_expert():
+    """The main layers sharded with redundant slots (``phy2log``) over EP rank 1 of 2 (simulated):
+    the MTP layer's block gets the same group, with slot s running expert s; the model's initial
+    experts are the rank's rows of the unsharded layer's."""
+    from twinpipe.hf.experts import EPMoE, shard_experts_
+    from twinpipe.hf.mtp import mtp_layers
+    from twinpipe.moe.local import LocalEPGroup
+
+    model = _model()
+    whole = mtp_layers(model, 1)[0].mlp.experts.gate_up_proj
+    rank = LocalEPGroup(2).rank(1)
+    shard_experts_(model, rank, phy2log=[*range(8), 0, 1])
+    (last,) = hf.build(model, "1f1b", 2, 1, mtp_depth=1).modules
+    block = last.mtp[0].mlp
+    assert isinstance(block, EPMoE) and block.ep_group is rank and block.rows == (4, 5, 6, 7)
+    assert torch.equal(block.phy2log, torch.arange(8)) and torch.equal(block.experts.gate_up_proj, whole[4:])
 
 
 def test_a_v_schedule_gives_the_mtp_layers_the_embedding_itself():

@@ -14,6 +14,11 @@ holds lm_head, and the embedding itself where one rank holds both ends (a V sche
 (``mtp_embed``) whose gradient is summed with the embedding's by the tied-pair rule
 (``HFPipelineStages.sync_tied_grads``; under ``twinpipe.train.Trainer``, its ``tied_copies``).
 
+With expert parallelism (the model sharded by ``twinpipe.hf.experts.shard_experts_`` before
+``build``) the MTP layers' MoE blocks are sharded over the same EP group (``mtp_layers(...,
+ep_group=)``). They run in the criterion, after the stage's forward: their all-to-alls are not
+among the stage's parts, so DualPipe's F&B ops do not overlap them.
+
 Parameter names are DeepSeek-V3's checkpoint names, ``model.layers.{N+k-1}.enorm.weight``,
 ``...eh_proj.weight``, ``...self_attn.kv_a_proj_with_mqa.weight``...; the embedding copy is named
 ``model.layers.{N}.embed_tokens.weight``. Checkpoints also store, per depth, ``embed_tokens`` and

@@ -404,6 +404,8 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
     ``mtp_depth`` (DeepSeek-V3): D multi-token prediction layers on the last stage (``twinpipe.hf.mtp``;
     ``"config"``: the config's ``num_nextn_predict_layers``), initialised from ``mtp_seed`` alike on
     every rank; the criterion is then ``HFMTPLoss``: main loss + ``mtp_weight`` / D x the depths' losses.
+    On a model whose MoE blocks ``shard_experts_`` spread over an EP group, the MTP layers' experts are
+    spread over that group too (slot s runs expert s); they run in the criterion, outside the parts.
     """
     parts = model_parts(model, untested=untested)
     if dist.is_initialized():

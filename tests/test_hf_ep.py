@@ -575,6 +575,28 @@ def test_shard_experts_replaces_every_moe_block_with_per_block_placements():
     assert dict(m.named_parameters())["model.layers.1.mlp.experts.down_proj"].shape[0] == 9
 
 
+def test_replica_gradients_under_bf16_mixed_are_summed_in_main_grad():
+    """Redundant slots of a transformers MoE block with ``twinpipe.train.precision``'s FP32
+    ``main_grad`` (bf16-mixed): ``reduce_replica_grads`` sums each replicated expert's rows where the
+    gradients accumulate (``grad_of``), in FP32, and gives every replica the sum; ``.grad`` stays empty."""
+    from twinpipe.hf.experts import shard_experts_
+    from twinpipe.moe import reduce_replica_grads
+    from twinpipe.train import precision
+
+    block = shard_experts_(model("mixtral", dtype=torch.float32).model.layers[0].mlp, None, [0, 1, 2, 3, 0, 1])
+    precision.to_compute([block])
+    torch.manual_seed(2)
+    block(torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.bfloat16)).float().sum().backward()
+    fused = [block.experts.gate_up_proj, block.experts.down_proj]
+    before = [p.main_grad.clone() for p in fused]
+    reduce_replica_grads(block)
+    for p, g in zip(fused, before):
+        assert p.grad is None
+        for a, b in ((0, 4), (1, 5)):
+            assert g[a].abs().sum() > 0 and g[b].abs().sum() > 0  # both replicas ran on some rows
+            assert torch.equal(p.main_grad[a], g[a] + g[b]) and torch.equal(p.main_grad[b], g[a] + g[b])
+
+
 def test_a_copy_shares_the_ep_group(outcomes):
     assert [o["deepcopy"] for o in outcomes] == [[], []]
 

@@ -312,3 +312,23 @@ def test_local_ep_group_checks_its_arguments_and_splits():
     group.rank(1).all_to_all(torch.zeros(2, 3), [1, 1], [1, 1])
     with pytest.raises(RuntimeError, match="rank 1 sends 1 rows to rank 0, which expects 2"):
         a.wait()
+
+
+def test_replica_gradients_under_bf16_mixed_are_summed_in_main_grad():
+    """Redundant expert slots with ``twinpipe.train.precision``'s FP32 ``main_grad`` (bf16-mixed):
+    ``reduce_replica_grads`` sums the replicas' gradients where they accumulate (``grad_of``), in
+    FP32, and gives every replica the sum; ``.grad`` stays empty."""
+    from twinpipe.moe import MoEBlock
+    from twinpipe.train import precision
+
+    torch.manual_seed(0)
+    block = MoEBlock(16, 2, 4, 2, 8).shard_experts_(None, [0, 1, 2, 3, 0, 1])
+    precision.to_compute([block])
+    block(torch.randn(2, 6, 16, dtype=torch.bfloat16)).float().sum().backward()
+    before = [[p.main_grad.clone() for p in block.experts[s].parameters()] for s in range(6)]
+    reduce_replica_grads(block)
+    for a, b in ((0, 4), (1, 5)):
+        for pa, pb, ga, gb in zip(block.experts[a].parameters(), block.experts[b].parameters(), before[a], before[b]):
+            assert ga.abs().sum() > 0 and gb.abs().sum() > 0  # both replicas ran on some rows
+            assert pa.grad is None and pb.grad is None
+            assert torch.equal(pa.main_grad, ga + gb) and torch.equal(pb.main_grad, ga + gb)

@@ -38,8 +38,9 @@ from twinpipe.moe.exchange import ExpertExchange, _permute
 from twinpipe.moe.placement import check_placement
 from twinpipe.overlap.graph import run_parts
 from twinpipe.overlap.parts import Comm, Compute
+from twinpipe.runtime.main_grad import zeros_if_missing
 
-__all__ = ["EPMoE", "Place", "shard_experts_", "expert_places", "is_moe_block", "FUSED"]
+__all__ = ["EPMoE", "Place", "shard_experts_", "expert_places", "expert_rows", "ep_group_of", "is_moe_block", "FUSED"]
 
 FUSED = ("gate_up_proj", "down_proj")  # the fused expert parameters, [E, ...] each
 
@@ -131,12 +132,9 @@ class EPMoE(ExpertExchange):
         return sum(getattr(self.experts, n)[0].numel() for n in FUSED)
 
     def _slot_grads(self, i: int) -> list:
-        """Local slot ``i``'s rows of the fused gradients (zeros where missing), views written in place."""
-        for n in FUSED:
-            p = getattr(self.experts, n)
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return [getattr(self.experts, n).grad[i] for n in FUSED]
+        """Local slot ``i``'s rows of the fused gradients (``grad_of``: the FP32 ``main_grad`` under mixed
+        precision; zeros where missing), views written in place."""
+        return [zeros_if_missing(getattr(self.experts, n))[i] for n in FUSED]
 
     # ------------------------------------------------------------ parts
     def parts(self) -> list:
@@ -160,7 +158,8 @@ class EPMoE(ExpertExchange):
         hidden_states = self._jitter(hidden_states)
         _, weights, experts = self._route(hidden_states)
         parts = [Compute("route", self._sort_part), *self.exchange_parts()]
-        return run_parts(parts, (hidden_states, weights, experts), type(self).__name__)
+        # Not a stage's parts (the block may run in a criterion: MTP layers): its backward runs through.
+        return run_parts(parts, (hidden_states, weights, experts), type(self).__name__, capture=False)
 
     def route(self, residual, hidden_states: torch.Tensor, ctx=None) -> tuple:
         """The state after routing ``hidden_states`` [B, S, H]: ``(residual, hidden_states, sent,
@@ -314,6 +313,20 @@ def shard_experts_(module: nn.Module, ep_group, phy2log=None) -> nn.Module:
 
 def ep_blocks(module: nn.Module) -> Iterable[tuple[str, EPMoE]]:
     return ((name, m) for name, m in module.named_modules() if isinstance(m, EPMoE))
+
+
+def expert_rows(module: nn.Module) -> dict[int, tuple]:
+    """``id()`` of every local fused-expert parameter of ``module`` -> the rows of the unsplit tensor it holds."""
+    return {id(module.get_parameter(local)): place.rows for local, place in expert_places(module).items()}
+
+
+def ep_group_of(module: nn.Module):
+    """The EP group ``module``'s sharded MoE blocks spread their experts over (None: none sharded, or
+    over one rank); ValueError when blocks are sharded over different groups."""
+    groups = {id(block.ep_group): block.ep_group for _, block in ep_blocks(module) if block.ep > 1}
+    if len(groups) > 1:
+        raise bad("module", type(module).__name__, f"must have its MoE blocks sharded over one EP group, not {len(groups)}")
+    return next(iter(groups.values()), None)
 
 
 def expert_places(module: nn.Module, name_of=None) -> dict[str, Place]:

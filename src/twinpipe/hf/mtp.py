@@ -14,6 +14,11 @@ holds lm_head, and the embedding itself where one rank holds both ends (a V sche
 (``mtp_embed``) whose gradient is summed with the embedding's by the tied-pair rule
 (``HFPipelineStages.sync_tied_grads``; under ``twinpipe.train.Trainer``, its ``tied_copies``).
 
+With expert parallelism (the model sharded by ``twinpipe.hf.experts.shard_experts_`` before
+``build``) the MTP layers' MoE blocks are sharded over the same EP group (``mtp_layers(...,
+ep_group=)``). They run in the criterion, after the stage's forward: their all-to-alls are not
+among the stage's parts, so DualPipe's F&B ops do not overlap them.
+
 Parameter names are DeepSeek-V3's checkpoint names, ``model.layers.{N+k-1}.enorm.weight``,
 ``...eh_proj.weight``, ``...self_attn.kv_a_proj_with_mqa.weight``...; the embedding copy is named
 ``model.layers.{N}.embed_tokens.weight``. Checkpoints also store, per depth, ``embed_tokens`` and
@@ -74,10 +79,12 @@ def mtp_depth_of(model, mtp_depth) -> int:
     return mtp_depth
 
 
-def mtp_layers(model, depth: int, *, seed: int = 0) -> nn.ModuleList:
+def mtp_layers(model, depth: int, *, seed: int = 0, ep_group=None) -> nn.ModuleList:
     """The ``depth`` MTP layers of a DeepSeek-V3 ``model``, initialised by the model's own
     ``_init_weights`` from ``seed`` (the caller's random state is left as it was: every rank that
-    builds them gets the same weights), in the model's dtype and on its device."""
+    builds them gets the same weights), in the model's dtype and on its device. ``ep_group``: their
+    MoE blocks' experts spread over it after the initialisation (``twinpipe.hf.experts.shard_experts_``,
+    slot s running expert s): each rank keeps its rows of the same initial experts."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
     config = model.config
@@ -89,7 +96,13 @@ def mtp_layers(model, depth: int, *, seed: int = 0) -> nn.ModuleList:
                                         config.hidden_size, config.rms_norm_eps) for j in range(depth))
         with torch.no_grad():
             layers.apply(model._init_weights)
-    return layers.to(device=first.device, dtype=first.dtype)
+    layers = layers.to(device=first.device, dtype=first.dtype)
+    if ep_group is not None:
+        from twinpipe.hf.experts import shard_experts_
+
+        for layer in layers:
+            shard_experts_(layer, ep_group)
+    return layers
 
 
 def _meta_layers(config, depth: int) -> list[MTPLayer]:
@@ -179,11 +192,17 @@ def save_tensors(modules) -> dict:
     """``{name: tensor}`` of stage ``modules`` for ``twinpipe.hf.weights.save``: their parameters and
     persistent buffers (DeepSeek-V3's routing biases) by their names in the unsplit model, and for a
     last stage with MTP layers the copies DeepSeek-V3's checkpoints store with each layer
-    (``embed_tokens`` from the embedding copy, ``shared_head.head`` from ``lm_head``)."""
+    (``embed_tokens`` from the embedding copy, ``shared_head.head`` from ``lm_head``). The fused
+    experts of MoE blocks sharded over an EP group (``twinpipe.hf.experts``: main and MTP layers
+    alike) as ``(Place(name, rows), tensor)``: this rank's rows."""
+    from twinpipe.hf.experts import expert_rows
+    from twinpipe.hf.weights import Place
+
     out = {}
     for module in modules:
+        rows = expert_rows(module)
         for name, t in [*module.named_model_parameters(), *module.named_model_buffers()]:
-            out.setdefault(name, t.detach())
+            out.setdefault(name, (Place(name, rows[id(t)]), t.detach()) if id(t) in rows else t.detach())
         mtp = getattr(module, "mtp", None)
         if mtp is not None:
             for name, source in copy_sources(module.config, len(mtp)).items():

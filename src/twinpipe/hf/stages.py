@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_choice, check_float, check_int
+from twinpipe.hf.experts import ep_group_of
 from twinpipe.hf.layer import Context, DecoderLayer, drops_router_logits
 from twinpipe.hf.layout import BALANCE, balanced_layout, format_layout, parse_layout
 from twinpipe.hf.mtp import HFMTPLoss, copy_name as mtp_copy_name, depth_context, depth_counts, mtp_depth_of, mtp_layers
@@ -403,6 +404,8 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
     ``mtp_depth`` (DeepSeek-V3): D multi-token prediction layers on the last stage (``twinpipe.hf.mtp``;
     ``"config"``: the config's ``num_nextn_predict_layers``), initialised from ``mtp_seed`` alike on
     every rank; the criterion is then ``HFMTPLoss``: main loss + ``mtp_weight`` / D x the depths' losses.
+    On a model whose MoE blocks ``shard_experts_`` spread over an EP group, the MTP layers' experts are
+    spread over that group too (slot s runs expert s); they run in the criterion, outside the parts.
     """
     parts = model_parts(model, untested=untested)
     if dist.is_initialized():
@@ -451,13 +454,15 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
     if depth and sum(items[k][-1] == "L" for k in model_stages) > 1:
         raise bad("mtp_depth", depth, f"must be 0 for {spec.name} on {num_ranks} ranks: rank {rank} holds two copies of "
                                       "the last stage, and the MTP layers run in the one criterion of a rank")
+    # The MTP layers' experts spread as the main layers' (the model sharded by shard_experts_).
+    mtp_ep = ep_group_of(nn.ModuleList(parts.layers)) if depth else None
     modules, ends, built = [], {}, set()
     for s, k in zip(mine, model_stages):
         head = mtp = mtp_embed = None
         if items[k][-1] == "L" and tie == "split":
             head = copy.deepcopy(parts.lm_head)  # its own parameter, equal to the embedding
         if items[k][-1] == "L" and depth:
-            mtp = mtp_layers(model, depth, seed=mtp_seed)
+            mtp = mtp_layers(model, depth, seed=mtp_seed, ep_group=mtp_ep)
             weight = parts.embed_tokens.weight
             mtp_embed = weight if both_ends else nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
         module = kind(parts, items[k], starts[k], rotary=rotary, head=head, layers=layers[k], mtp=mtp, mtp_embed=mtp_embed)

@@ -4,7 +4,7 @@ LM cut by ``build``, weights read per stage, MoE experts sharded over the data-p
 
 from __future__ import annotations
 
-from twinpipe.hf.experts import FUSED, EPMoE, expert_places, shard_experts_
+from twinpipe.hf.experts import FUSED, EPMoE, expert_rows, shard_experts_
 from twinpipe.hf.moe_layer import wrap_layer
 from twinpipe.hf.mtp import copy_name, load_places, mtp_names
 from twinpipe.hf.stages import HFStage, build
@@ -79,7 +79,7 @@ class HFStages:
         names = sorted({name for m in modules for name, _ in held(m)})
         places = load_places(self.folder, names, self.mtp_depth)
         for m in modules:  # a second copy of a stage on this rank (DualPipe) gets the same tensors
-            rows = {id(m.get_parameter(local)): place.rows for local, place in expert_places(m).items()}
+            rows = expert_rows(m)
             for name, p in held(m):
                 if name in places and id(p) in rows:
                     places[name] = Place(places[name].name, rows[id(p)])

@@ -29,6 +29,7 @@ from twinpipe.moe.placement import check_placement
 from twinpipe.moe.router import TopKRouter
 from twinpipe.overlap.graph import run_parts
 from twinpipe.overlap.parts import Comm, Compute
+from twinpipe.runtime.main_grad import zeros_if_missing
 from twinpipe.runtime.weight_grad import DeferredLinear
 
 __all__ = ["MoEBlock", "FeedForward", "run_expert", "MIN_EXPERT_ROWS"]
@@ -139,11 +140,9 @@ class MoEBlock(ExpertExchange):
         return sum(p.numel() for p in self.experts[0].parameters())
 
     def _slot_grads(self, i: int) -> list:
-        """Local slot ``i``'s parameter gradients (zeros where missing), to be written in place."""
-        for p in self.experts[i].parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return [p.grad for p in self.experts[i].parameters()]
+        """Local slot ``i``'s parameter gradients (``grad_of``: the FP32 ``main_grad`` under mixed
+        precision; zeros where missing), to be written in place."""
+        return [zeros_if_missing(p) for p in self.experts[i].parameters()]
 
     def reset_counts(self) -> None:
         self.routed_tokens.zero_()

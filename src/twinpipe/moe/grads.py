@@ -78,7 +78,10 @@ def reduce_replica_grads(module: nn.Module, timeout: float | None = None) -> Non
         # Each replicated slot's gradient tensors (made zero where missing), written in place below.
         grads = {i: block._slot_grads(i) for i, e in enumerate(mine) if e in row_of}
         ref = next(block.experts.parameters())
-        table = torch.zeros(len(shared), block._slot_numel(), dtype=ref.dtype, device=ref.device)
+        # In the gradients' dtype (the FP32 main_grad of a bf16 parameter under mixed precision).
+        main = getattr(ref, "main_grad", None)
+        dtype = main.dtype if main is not None else ref.dtype
+        table = torch.zeros(len(shared), block._slot_numel(), dtype=dtype, device=ref.device)
         for i, slot_grads in grads.items():
             table[row_of[mine[i]]] += torch.cat([g.reshape(-1) for g in slot_grads])
         if block.ep > 1:

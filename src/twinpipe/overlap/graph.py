@@ -31,8 +31,9 @@ def _leaf(value):
 class Record:
     """The parts of one micro-batch's forward, what each saved, and the state between steps."""
 
-    def __init__(self, parts: list, inputs: tuple, owner: str):
+    def __init__(self, parts: list, inputs: tuple, owner: str, capture: bool = True):
         self.parts, self.inputs, self.owner = parts, tuple(inputs), owner
+        self.capture = capture  # whether capture_backward stops at its _Join (a stage's), or runs through it
         self.state = self.inputs  # forward: the next part's input; backward: the gradients of it
         self.saved: list = []
         self.pending = None
@@ -157,7 +158,7 @@ class _Join(torch.autograd.Function):
     def backward(ctx, *grads):
         record, n = ctx.record, len(ctx.needs_input_grad)
         captured = state.captured()
-        if captured is not None:  # capture_backward: hand the record over, run nothing
+        if captured is not None and record.capture:  # capture_backward: hand the record over, run nothing
             captured.append((record, grads))
             return (None,) * n
         record.state = grads
@@ -166,9 +167,11 @@ class _Join(torch.autograd.Function):
         return (None, None, *record.input_grads())
 
 
-def run_parts(parts: list, inputs: tuple, owner: str):
-    """A stage's plain forward: every part in order; returns a tensor or a tuple of tensors."""
-    record = Record(parts, inputs, owner)
+def run_parts(parts: list, inputs: tuple, owner: str, *, capture: bool = True):
+    """A stage's plain forward: every part in order; returns a tensor or a tuple of tensors.
+    ``capture=False``: parts run inside something else (a block called in a criterion), whose
+    backward runs through them even under ``capture_backward``, as any autograd function's."""
+    record = Record(parts, inputs, owner, capture)
     for k in range(len(parts)):
         record.step_forward(k)
     outs = record.outputs()
@@ -176,8 +179,8 @@ def run_parts(parts: list, inputs: tuple, owner: str):
 
 
 def capture_backward(roots: list, grads: list) -> list[tuple[Record, tuple]]:
-    """Backward from ``roots`` that stops at every ``_Join`` it reaches and returns, for each, the
-    record and its output gradients (the parts themselves are left to the caller)."""
+    """Backward from ``roots`` that stops at every ``_Join`` it reaches (of records made with
+    ``capture``) and returns, for each, the record and its output gradients (the parts themselves are left to the caller)."""
     if not roots:
         return []
     with state.capturing() as captured:

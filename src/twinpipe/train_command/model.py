@@ -144,16 +144,14 @@ def _check_ep(args, model) -> None:
 
 
 def _check_mtp(args, model) -> None:
-    """``--mtp-depth`` above 0: a DeepSeek-V3 model with untied embeddings (``twinpipe.hf.mtp``), without ``--ep``."""
+    """``--mtp-depth`` above 0: a DeepSeek-V3 model with untied embeddings (``twinpipe.hf.mtp``); with
+    ``--ep`` the MTP layers' experts spread over the data-parallel ranks as the main layers'."""
     from twinpipe.hf.mtp import mtp_depth_of
 
     try:
         mtp_depth_of(model, args.mtp_depth)
     except ValueError as error:  # "mtp_depth=1: must be 0 for ..."
         raise ValueError(f"--{_first_line(error).replace('_', '-', 1)} (--model={args.model!r})") from None
-    if args.ep > 1:
-        raise ValueError(f"--mtp-depth={args.mtp_depth}: not with --ep={args.ep} (the MTP layers' experts are not spread "
-                         "over the data-parallel ranks)")
 
 
 def load(args, *, need_tokenizer: bool = False) -> ModelInfo:

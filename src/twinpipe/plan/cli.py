@@ -72,7 +72,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     cli_options.add(parser, "json", group=r)
     r.add_argument("--workers", type=int, default=None,
                    help="processes to plan in (default: one per core, up to 8, when the plan is large; 1: this process)")
-    add_gpt_options(parser, have=("layers", "dim", "seq_len", "vocab", "microbatch_size", "dp"))
+    add_gpt_options(parser, have=("layers", "dim", "seq_len", "vocab", "microbatch_size", "dp", "experts", "top_k"))
     return parser
 
 
@@ -180,4 +180,5 @@ def _print_gpt_memory(results: list, args) -> None:
     console = Console()
     for p in shown:
         ranks = [RankPrediction(r["pp_rank"], r["dp_rank"], MemoryParts.from_dict(r)) for r in p.memory_parts]
-        console.print(memory_table(f"{p.label}, pp={p.pp} x dp={p.dp}: memory per rank, bytes (twinpipe train's GPT)", ranks))
+        console.print(memory_table(f"{p.label}, pp={p.pp} x dp={p.dp}: memory per rank, bytes (twinpipe train's GPT)", ranks,
+                                   bound=args.experts > 0))

@@ -177,18 +177,19 @@ def test_the_gpt_options_default_to_twinpipe_trains():
     assert {k: vocab(args) if k == "vocab" else getattr(args, k) for k in TRAIN_DEFAULTS} == TRAIN_DEFAULTS
 
 
-def test_twinpipe_trains_size_check_needs_what_its_report_predicts(capsys):
+@pytest.mark.parametrize("more", [[], ["--experts", "4", "--top-k", "1", "--mtp-depth", "2"]])
+def test_twinpipe_trains_size_check_needs_what_its_report_predicts(capsys, more):
     from twinpipe.train_command import cli
     from twinpipe.train.fits import need_per_rank
 
     parser = argparse.ArgumentParser()
     cli.add_train_parser(parser.add_subparsers())
     argv = ["--pp", "2", "--dp", "2", "--zero", "1", "--schedule", "zb-h1", "--layers", "3", "--dim", "32", "--heads", "2",
-            "--seq-len", "16", "--batch-size", "16"]
+            "--seq-len", "16", "--batch-size", "16", *more]
     args = parser.parse_args(["train", *argv])
     rank, need = need_per_rank(args, cli._model_config(args))
     code, out, _ = _run(capsys, "simulate", "zb-h1", "--pp", "2", "--microbatches", "4", "--gpt", *argv[2:6], *argv[8:16],
-                        "--json")
+                        *more, "--json")
     fullest = max(json.loads(out)["memory"], key=lambda r: r["total"])
     assert code == 0 and rank == fullest["pp_rank"]
     assert {k: v for k, v in need.items() if k != "data"} == {k: fullest[k] for k in ("params", "grads", "master", "optimizer",

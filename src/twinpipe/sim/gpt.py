@@ -29,7 +29,7 @@ from twinpipe.schedule.spec import resolve
 from twinpipe.sim.memory import MemoryParts, StageMemory, activation_peak, state_prediction
 from twinpipe.sim.gpt_moe import moe_block_bytes, moe_block_numels, mtp_head_bytes, mtp_head_numels
 from twinpipe.sim.partition import partition
-from twinpipe.sim.shards import BUCKET_BYTES, buckets, runs  # the trainer's reducers cut by the same rule
+from twinpipe.sim.shards import BUCKET_BYTES, buckets, runs  # noqa: F401  (BUCKET_BYTES: its old home) the trainer's reducers cut by the same rule
 
 __all__ = ["ELSIZE", "PLANNED_WITH_MW", "RankPrediction", "layer_names", "layer_numels", "stage_layers", "stage_memory",
            "GPTRun"]

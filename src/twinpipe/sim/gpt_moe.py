@@ -18,8 +18,14 @@ positions (``twinpipe.train.mtp``). What it keeps is fitted to ``measure_stage``
 
 from __future__ import annotations
 
-__all__ = ["MIN_EXPERT_ROWS", "moe_block_numels", "mtp_head_numels", "received_rows_bound", "moe_block_bytes",
-           "mtp_head_bytes"]
+__all__ = [
+    "MIN_EXPERT_ROWS",
+    "moe_block_bytes",
+    "moe_block_numels",
+    "mtp_head_bytes",
+    "mtp_head_numels",
+    "received_rows_bound",
+]
 
 MIN_EXPERT_ROWS = 8  # twinpipe.moe.block.MIN_EXPERT_ROWS: an expert runs on at least this many rows
 

@@ -8,7 +8,7 @@ bucket into one contiguous run of whole parameters per data-parallel rank (``run
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from twinpipe.sim.partition import partition
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from twinpipe.runtime.comm import wait_work
 from twinpipe.runtime.main_grad import grad_of, zeros_if_missing
-from twinpipe.sim.shards import runs  # the one rule, shared with the planner's prediction (twinpipe.sim.gpt)
+from twinpipe.sim.shards import runs  # the one rule, shared with the planner
 from twinpipe.train.grads import DP_REDUCE, DataParallelReducer
 
 __all__ = ["ShardedReducer", "runs"]

@@ -194,3 +194,23 @@ def test_twinpipe_trains_size_check_needs_what_its_report_predicts(capsys, more)
     assert code == 0 and rank == fullest["pp_rank"]
     assert {k: v for k, v in need.items() if k != "data"} == {k: fullest[k] for k in ("params", "grads", "master", "optimizer",
                                                                                        "activations_peak")}
+
+
+def test_zbv_with_mtp_is_planned_with_the_measured_mw_the_prediction_takes():
+    """The trainer measures M_W/M_B of a model with an MTP head on its MTP loss (it called the plain loss
+    with the head's two outputs: a TypeError on every rank); the prediction's is within 1%."""
+    from twinpipe.train.memory import planned_options
+    from twinpipe.train.model import GPT, GPTConfig, lm_loss
+    from twinpipe.train.trainer import TrainConfig
+    from twinpipe.train.data import BatchSampler
+    from twinpipe.schedule import resolve
+    from twinpipe.sim.gpt import stage_memory
+
+    cfg = GPTConfig(vocab=64, seq_len=16, dim=32, heads=2, layers=3, mtp_depth=2)
+    config = TrainConfig(schedule="zbv", batch_size=8, microbatch_size=2, mtp_depth=2, mtp_weight=0.3)
+    sampler = BatchSampler(torch.randint(0, 64, (4096,), generator=torch.Generator().manual_seed(1)), 16, seed=0)
+    torch.manual_seed(0)
+    mw = planned_options(config, GPT(cfg), sampler, lm_loss, 2, "cpu")["mw"]
+    n = resolve("zbv", 2).placement.num_model_stages
+    predicted = max(stage_memory(cfg, names, 2, 4).mw for names in stage_layers(cfg, n))
+    assert mw == pytest.approx(predicted, rel=0.01)

@@ -93,6 +93,25 @@ def test_zero1_shards_are_the_trainers():
             assert [m.optimizer for m in mine] == expected
 
 
+def test_zero1_buckets_are_cut_on_the_fp32_parameters_under_bf16_mixed():
+    """The trainer builds its reducer before the parameters turn bf16: its 25 MiB buckets hold FP32
+    parameters, and ZeRO-1's shards follow them (a model of 2 blocks of width 1024: several buckets)."""
+    from twinpipe.sim.gpt import layer_numels
+    from twinpipe.train.grads import DataParallelReducer
+    from twinpipe.train.zero import runs
+
+    run = GPTRun(2, 1024, 16, 8, 256, 1, precision="bf16-mixed", zero=1)
+    numels = [n for name in stage_layers(run, 1)[0] for n in layer_numels(run, name)]
+    params = [torch.empty(n, device="meta") for n in numels]  # float32, as the trainer's reducer sees them
+    buckets = DataParallelReducer._buckets(params, 25 << 20)
+    assert len(buckets) > 2
+    expected = [0, 0]
+    for bucket in buckets:
+        for r, cut in enumerate(runs([p.numel() for p in bucket], 2)):
+            expected[r] += sum(2 * 4 * bucket[k].numel() + 4 for k in cut)  # AdamW: two FP32 moments and a step
+    assert [r.parts.optimizer for r in run.predict("1f1b", 1, 2, 2)] == expected
+
+
 def _run(capsys, *argv) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()

@@ -257,7 +257,8 @@ class GPTRun:
                 peak += _kept_losses(programs[rank], placement) * (8 if elsize == 8 else 4)
             reduced, tied, experts = _rank_tensors(self, [cut[placement.model_stage(s)] for s in placement.stages_of(rank)], dp)
             held = [n for stage in reduced for n in stage] + tied + experts
-            shards = _updated(reduced, elsize, dp, overlap, tied) if sharded else [held]
+            grad_el = 4 if mixed else elsize  # the reducer cuts its buckets on the FP32 parameters under bf16-mixed
+            shards = _updated(reduced, grad_el, dp, overlap, tied) if sharded else [held]
             for dp_rank, updated in enumerate(shards):
                 parts = state_prediction(held, elsize, mixed=mixed, updated=updated + experts if sharded else updated)
                 parts.activations_peak = peak

@@ -158,6 +158,14 @@ def test_moe_and_mtp_runs_are_predicted_as_typed(capsys):
                         "--experts", "4", "--top-k", "1", "--json")
     moe = GPTRun(3, 32, 16, 2, 64, 2, experts=4, top_k=1)
     assert code == 0 and json.loads(out)[0]["memory_parts"] == [r.to_dict() for r in moe.predict("1f1b", 2, 4, 2)]
+    step = json.loads(out)[0]["step_time"]
+    code, out, _ = _run(capsys, "plan", "--gpus", "4", "--pp", "2", "--microbatches", "4", "--schedules", "1f1b", *GPT_OPTIONS,
+                        "--experts", "4", "--top-k", "1", "--mtp-depth", "2", "--json")
+    assert code == 0 and json.loads(out)[0]["step_time"] == step  # the plan's step time leaves MTP out (docs/plan.md)
+    assert json.loads(out)[0]["memory_parts"] != [r.to_dict() for r in moe.predict("1f1b", 2, 4, 2)]
+    code, out, _ = _run(capsys, "plan", "--gpus", "4", "--pp", "2", "--microbatches", "4", "--schedules", "1f1b", *GPT_OPTIONS,
+                        "--experts", "4")
+    assert code == 0 and "upper bound" in out
     # dp=2: each rank holds 2 of the 4 experts of a block, whole (ZeRO-1 shards only the rest)
     dense = GPTRun(3, 32, 16, 2, 64, 2)
     one, two = moe.predict("1f1b", 2, 4, 1), moe.predict("1f1b", 2, 4, 2)
@@ -174,6 +182,9 @@ def test_what_is_not_modelled_is_refused(capsys):
     code, _, err = _run(capsys, "simulate", "1f1b", "--pp", "2", "--microbatches", "4", *GPT_OPTIONS, "--experts", "3",
                         "--dp", "2")
     assert code == 2 and "dp=2: must divide experts=3" in err
+    code, _, err = _run(capsys, "plan", "--gpus", "2", "--pp", "2", "--microbatches", "4", *GPT_OPTIONS, "--experts", "4",
+                        "--expert-ffn", "64")
+    assert code == 2 and "--expert-ffn=64: must be 4 x --dim = 128 with --gpt" in err
     code, _, err = _run(capsys, "simulate", "1f1b", "--pp", "2", "--microbatches", "4", *GPT_OPTIONS, "--dim", "31")
     assert code == 2 and "dim=31: must be a multiple of heads=2" in err
     code, _, err = _run(capsys, "simulate", "1f1b", "--pp", "8", "--microbatches", "8", *GPT_OPTIONS, "--layers", "2")

@@ -97,6 +97,8 @@ def _model(args) -> Model | None:
     if args.gpt:  # twinpipe train's GPT: its MLPs are 4 x dim; bytes per value as it trains
         if args.ffn not in (0, 4 * args.dim):
             raise checks.bad("--ffn", args.ffn, f"must be 4 x --dim = {4 * args.dim} with --gpt (the GPT's MLP)")
+        if args.expert_ffn not in (0, 4 * args.dim):
+            raise checks.bad("--expert-ffn", args.expert_ffn, f"must be 4 x --dim = {4 * args.dim} with --gpt (the GPT's experts)")
         run = gpt_run(args)
         mixed = run.precision == "bf16-mixed"
         sizes = dict(param_bytes=run.elsize, grad_bytes=4 if mixed else run.elsize, activation_bytes=run.elsize,

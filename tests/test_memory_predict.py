@@ -3,8 +3,10 @@
 lists as ``"predicted"`` (``tests/test_train_cli.py`` holds them to a real run's train-log.json).
 
 Here: every stage of the GPT, as ``stage_memory`` predicts it, equals ``measure_stage``'s measurement
-of the real stage (sizes, dtypes and cuts varied; the cut is ``split``'s), ZeRO-1's shards are the
-trainer's, and both commands print and return the same per-rank parts.
+of the real stage (sizes, dtypes and cuts varied; the cut is ``split``'s); an MTP head's is within 1%
+and a MoE stage's an upper bound within MOE_STAGE_BOUND. ZeRO-1's shards are the trainer's, both
+commands print and return the same per-rank parts, MoE and MTP runs included (measured peaks of
+whole MoE and MTP runs: ``tests/test_train_moe.py``, ``tests/test_train_mixed_models.py``).
 """
 
 from __future__ import annotations

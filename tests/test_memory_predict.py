@@ -187,6 +187,8 @@ def test_what_is_not_modelled_is_refused(capsys):
     code, _, err = _run(capsys, "plan", "--gpus", "2", "--pp", "2", "--microbatches", "4", *GPT_OPTIONS, "--experts", "4",
                         "--expert-ffn", "64")
     assert code == 2 and "--expert-ffn=64: must be 4 x --dim = 128 with --gpt" in err
+    code, _, err = _run(capsys, "simulate", "1f1b", "--pp", "2", "--microbatches", "4", *GPT_OPTIONS, "--top-k", "3")
+    assert code == 2 and "--top-k=3: needs --experts" in err
     code, _, err = _run(capsys, "simulate", "1f1b", "--pp", "2", "--microbatches", "4", *GPT_OPTIONS, "--dim", "31")
     assert code == 2 and "dim=31: must be a multiple of heads=2" in err
     code, _, err = _run(capsys, "simulate", "1f1b", "--pp", "8", "--microbatches", "8", *GPT_OPTIONS, "--layers", "2")
@@ -211,8 +213,8 @@ def test_the_gpt_options_default_to_twinpipe_trains():
 
 @pytest.mark.parametrize("more", [[], ["--experts", "4", "--top-k", "1", "--mtp-depth", "2"]])
 def test_twinpipe_trains_size_check_needs_what_its_report_predicts(capsys, more):
-    from twinpipe.train_command import cli
     from twinpipe.train.fits import need_per_rank
+    from twinpipe.train_command import cli
 
     parser = argparse.ArgumentParser()
     cli.add_train_parser(parser.add_subparsers())
@@ -231,12 +233,12 @@ def test_twinpipe_trains_size_check_needs_what_its_report_predicts(capsys, more)
 def test_zbv_with_mtp_is_planned_with_the_measured_mw_the_prediction_takes():
     """The trainer measures M_W/M_B of a model with an MTP head on its MTP loss (it called the plain loss
     with the head's two outputs: a TypeError on every rank); the prediction's is within 1%."""
+    from twinpipe.schedule import resolve
+    from twinpipe.sim.gpt import stage_memory
+    from twinpipe.train.data import BatchSampler
     from twinpipe.train.memory import planned_options
     from twinpipe.train.model import GPT, GPTConfig, lm_loss
     from twinpipe.train.trainer import TrainConfig
-    from twinpipe.train.data import BatchSampler
-    from twinpipe.schedule import resolve
-    from twinpipe.sim.gpt import stage_memory
 
     cfg = GPTConfig(vocab=64, seq_len=16, dim=32, heads=2, layers=3, mtp_depth=2)
     config = TrainConfig(schedule="zbv", batch_size=8, microbatch_size=2, mtp_depth=2, mtp_weight=0.3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 import twinpipe.cli_options as cli_options
+from twinpipe import checks
 from twinpipe.sim.gpt import ELSIZE, GPTRun, RankPrediction
 from twinpipe.sim.memory import PARTS, format_bytes
 
@@ -48,7 +49,7 @@ def add_gpt_options(parser: argparse.ArgumentParser, have: tuple[str, ...] = ())
     added.append(g.add_argument("--transport", default=None, choices=TRANSPORTS,
                                 help="auto (default): shared memory between CPU ranks on one host (train's); "
                                      "process-group: gloo messages"))
-    parser.set_defaults(_gpt_options=tuple((a.dest, a.option_strings[0]) for a in added))
+    parser.set_defaults(_gpt_options=tuple((a.dest, a.option_strings[0]) for a in added), _gpt_have=tuple(have))
 
 
 def check_gpt_options(args) -> None:
@@ -75,6 +76,8 @@ def gpt_settings(args) -> dict:
 def gpt_run(args) -> GPTRun:
     """The ``GPTRun`` the options describe (ValueError naming the bad one)."""
     o = gpt_settings(args)
+    if not o["experts"] and getattr(args, "top_k", None) is not None and "experts" not in getattr(args, "_gpt_have", ()):
+        raise checks.bad("--top-k", args.top_k, "needs --experts: a dense model (--experts 0) routes no tokens")
     return GPTRun(o["layers"], o["dim"], o["seq_len"], o["heads"], o["vocab"], o["microbatch_size"], dtype=o["dtype"],
                   precision=o["precision"], zero=o["zero"], overlap_dp=o["overlap_dp"], flattens=o["transport"] == "process-group",
                   experts=o["experts"], top_k=o["top_k"], mtp_depth=o["mtp_depth"])

@@ -122,6 +122,7 @@ COMMANDS: list[Command] = [
     Command("twinpipe simulate dualpipev --pp 2 --microbatches 8 --gpt", stdout=("memory per rank",)),
     Command("twinpipe plan --gpt --layers 6 --dim 64 --seq-len 64 --vocab 256 --microbatch-size 2 --gpus 2 --pp 2 --microbatches 8",
             stdout=("memory per rank",)),
+    Command("twinpipe simulate dualpipev --pp 2 --microbatches 4 --dp 2 --gpt --experts 4", stdout=("upper bound",)),
     # ---- benchmarks
     _bench("python bench/bench_vs_torch.py"),
     _bench("python bench/bench_vs_torch.py --steps 20"),

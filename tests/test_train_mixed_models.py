@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from distributed import run_named, run_world
-from train_setup import gather_state, reference_state, state_differences, steps_against_reference
+from train_setup import gather_state, predicted_from_sizes, reference_state, state_differences, steps_against_reference
 
 WORLD = 4
 STEPS = 2
@@ -85,6 +85,13 @@ def _mtp_case(rank: int, schedule: str, pp: int, dp: int, overlap_dp: bool) -> l
     dist.broadcast_object_list(weights, src=0)
     problems += [f"{n}: the bf16 weight differs from the reference's" for n, p, _ in trainer.held
                  if p.dtype != torch.bfloat16 or not torch.equal(p.detach(), weights[0][n])]
+    # One more step, measured: twinpipe simulate --gpt --mtp-depth 2 predicts it from the sizes (docs/memory.md).
+    from twinpipe.train.memory import measured_step
+    from twinpipe.train.model import GPTConfig
+
+    _, memory = measured_step(trainer, STEPS)
+    cfg = GPTConfig(vocab=32, seq_len=8, dim=8, heads=2, layers=4, mtp_depth=2)
+    problems += [f"from the sizes: {p}" for p in predicted_from_sizes(trainer, memory, cfg, 2, "float32")]
     trainer.pipe.close()
     return problems
 

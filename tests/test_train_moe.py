@@ -19,10 +19,18 @@ from __future__ import annotations
 import pytest
 
 from distributed import run_named, run_world
-from train_setup import Case, gather_state, reference_state, state_differences, tiny_setup
+from train_setup import Case, gather_state, predicted_from_sizes, reference_state, state_differences, tiny_setup
 
 WORLD = 4
 STEPS = 5
+MOE_BOUND = 3.0  # the MoE activation bound (twinpipe.sim.gpt_moe) over the measured peak, at most (docs/memory.md)
+
+
+def trainer_model_config():
+    """The model ``tiny_setup(..., experts=4)`` trains."""
+    from twinpipe.train.model import GPTConfig
+
+    return GPTConfig(vocab=32, seq_len=8, dim=8, heads=2, layers=2, experts=4, top_k=2)
 
 
 CASES = [
@@ -107,6 +115,9 @@ def _run_case(rank: int, case: Case) -> list[str]:
     measured, predicted = memory.measured.activations_peak, memory.predicted.activations_peak
     if not abs(measured - predicted) <= 0.1 * predicted:
         problems.append(f"activations: measured {measured} B, predicted {predicted} B, more than 10% apart")
+    # From the sizes alone (twinpipe simulate --gpt --experts 4): the state exact, the activations bounded.
+    cfg = trainer_model_config()
+    problems += [f"from the sizes: {p}" for p in predicted_from_sizes(trainer, memory, cfg, 1, "float64", bound=MOE_BOUND)]
     if "dualpipe" in case.schedule and not any(m.fb_events for m in trainer.pipe.module):
         problems.append("no F&B op ran through the overlap engine")
     held: dict[str, set] = {}  # MoE block -> the experts this rank holds of it

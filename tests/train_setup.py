@@ -124,3 +124,30 @@ def steps_against_reference(trainer, ref, steps: int) -> list[str]:
         if not trainer.mirrors_equal():
             problems.append(f"step {step}: mirrored copies differ")
     return problems
+
+
+def predicted_from_sizes(trainer, memory, cfg, microbatch_size: int, dtype: str, bound: float | None = None) -> list[str]:
+    """``twinpipe.sim.gpt.GPTRun``'s prediction for this rank of ``trainer`` (the built-in GPT ``cfg``, from
+    its sizes alone) against ``memory`` (this rank's ``RankMemory`` from ``measured_step``): the
+    parameters, gradients and master weights (and AdamW state, for AdamW) equal to the trainer's own
+    prediction from the real tensors; the activation peak within 10% of the measured one, or with
+    ``bound`` (MoE: an upper bound) at least the measured one and at most ``bound`` times it."""
+    import torch
+
+    from twinpipe.sim.gpt import GPTRun
+
+    c = trainer.config
+    mesh = trainer.mesh
+    run = GPTRun.of(cfg, microbatch_size, dtype=dtype, precision=c.precision, zero=c.zero, overlap_dp=c.overlap_dp)
+    ranks = run.predict(c.schedule, mesh.pp, trainer.num_chunks, mesh.dp, dict(c.schedule_options))
+    mine = next(r for r in ranks if r.pp_rank == mesh.pp_rank and r.dp_rank == (mesh.dp_rank if c.zero and mesh.dp > 1 else 0))
+    got, own = mine.parts, memory.predicted
+    parts = ("params", "grads", "master") + (("optimizer",) if isinstance(trainer.optimizer, torch.optim.AdamW) else ())
+    problems = [f"{p}: predicted from the sizes {getattr(got, p)}, from the tensors {getattr(own, p)}"
+                for p in parts if getattr(got, p) != getattr(own, p)]
+    measured, predicted = memory.measured.activations_peak, got.activations_peak
+    if bound is None and not abs(measured - predicted) <= 0.1 * measured:
+        problems.append(f"activations: measured {measured} B, predicted from the sizes {predicted} B, more than 10% apart")
+    if bound is not None and not measured <= predicted <= bound * measured:
+        problems.append(f"activations: measured {measured} B, bound from the sizes {predicted} B: not within 1..{bound}x")
+    return problems

@@ -72,7 +72,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     cli_options.add(parser, "json", group=r)
     r.add_argument("--workers", type=int, default=None,
                    help="processes to plan in (default: one per core, up to 8, when the plan is large; 1: this process)")
-    add_gpt_options(parser, have=("layers", "dim", "seq_len", "vocab", "microbatch_size", "dp"))
+    add_gpt_options(parser, have=("layers", "dim", "seq_len", "vocab", "microbatch_size", "dp", "experts", "top_k"))
     return parser
 
 
@@ -97,6 +97,8 @@ def _model(args) -> Model | None:
     if args.gpt:  # twinpipe train's GPT: its MLPs are 4 x dim; bytes per value as it trains
         if args.ffn not in (0, 4 * args.dim):
             raise checks.bad("--ffn", args.ffn, f"must be 4 x --dim = {4 * args.dim} with --gpt (the GPT's MLP)")
+        if args.expert_ffn not in (0, 4 * args.dim):
+            raise checks.bad("--expert-ffn", args.expert_ffn, f"must be 4 x --dim = {4 * args.dim} with --gpt (the GPT's experts)")
         run = gpt_run(args)
         mixed = run.precision == "bf16-mixed"
         sizes = dict(param_bytes=run.elsize, grad_bytes=4 if mixed else run.elsize, activation_bytes=run.elsize,
@@ -180,4 +182,5 @@ def _print_gpt_memory(results: list, args) -> None:
     console = Console()
     for p in shown:
         ranks = [RankPrediction(r["pp_rank"], r["dp_rank"], MemoryParts.from_dict(r)) for r in p.memory_parts]
-        console.print(memory_table(f"{p.label}, pp={p.pp} x dp={p.dp}: memory per rank, bytes (twinpipe train's GPT)", ranks))
+        console.print(memory_table(f"{p.label}, pp={p.pp} x dp={p.dp}: memory per rank, bytes (twinpipe train's GPT)", ranks,
+                                   bound=args.experts > 0))

@@ -26,7 +26,7 @@ from twinpipe.schedule import registry
 from twinpipe.schedule.spec import resolve
 from twinpipe.sim.costs import CostModel, check_cost, for_model, stage_sizes
 from twinpipe.sim.engine import simulate
-from twinpipe.sim.gpt_cli import add_gpt_options, check_gpt_options, gpt_run, gpt_settings, memory_table
+from twinpipe.sim.gpt_cli import BOUND_NOTE, add_gpt_options, check_gpt_options, gpt_run, gpt_settings, memory_table
 from twinpipe.timeline import Timeline
 
 __all__ = ["add_simulate_parser", "run_simulate", "summarize", "simulate_from_args", "held_equal"]
@@ -152,6 +152,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         summaries = [summarize(t) for t in timelines]
         for summary, ranks in zip(summaries, memory or ()):
             summary["memory"] = [r.to_dict() for r in ranks]
+            if gpt_settings(args)["experts"]:
+                summary["memory_note"] = BOUND_NOTE
         print(json.dumps(summaries if args.compare else summaries[0], indent=2))
         return 0
     if args.compare:
@@ -162,7 +164,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             from rich.console import Console
 
             Console().print(memory_table(f"{timelines[0].name}: memory per rank, bytes (twinpipe train's GPT)", memory[0],
-                                         _gpt_caption(args)))
+                                         _gpt_caption(args), bound=gpt_settings(args)["experts"] > 0))
     return 0
 
 
@@ -174,7 +176,9 @@ def _gpt_memory(timeline: Timeline, args) -> list:
 
 def _gpt_caption(args) -> str:
     o = gpt_settings(args)
-    return (f"{o['layers']} blocks, dim {o['dim']}, {o['heads']} heads, seq {o['seq_len']}, vocab {o['vocab']}, "
+    moe = f", {o['experts']} experts top-{o['top_k']}" if o["experts"] else ""
+    mtp = f", MTP depth {o['mtp_depth']}" if o["mtp_depth"] else ""
+    return (f"{o['layers']} blocks{moe}{mtp}, dim {o['dim']}, {o['heads']} heads, seq {o['seq_len']}, vocab {o['vocab']}, "
             f"{o['microbatch_size']} sequences per micro-batch, {o['dtype']}, precision {o['precision']}, zero {o['zero']}, "
             f"dp {o['dp']}: what twinpipe train --batch-size {args.microbatches * o['dp'] * o['microbatch_size']} predicts")
 

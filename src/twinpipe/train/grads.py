@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from twinpipe.runtime.comm import wait_work
 from twinpipe.runtime.main_grad import grad_of, zeros_if_missing
+from twinpipe.sim.shards import BUCKET_BYTES, buckets
 
 __all__ = ["scale_grads", "squared_norms", "clip_coefficient", "clip_grads", "sum_across", "DataParallelReducer"]
 
@@ -58,7 +59,7 @@ class DataParallelReducer:
     number of replicas, any buckets and any backend, for dp times the memory.
     """
 
-    def __init__(self, parts: Sequence[Sequence[torch.Tensor]], group, timeout: float, bucket_bytes: int = 25 << 20,
+    def __init__(self, parts: Sequence[Sequence[torch.Tensor]], group, timeout: float, bucket_bytes: int = BUCKET_BYTES,
                  mode: str = "all-reduce"):
         if mode not in DP_REDUCE:
             raise ValueError(f"dp_reduce={mode!r}: allowed are {', '.join(map(repr, DP_REDUCE))}")
@@ -68,16 +69,8 @@ class DataParallelReducer:
 
     @staticmethod
     def _buckets(params: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-        buckets: list[list[torch.Tensor]] = []
-        size = bucket_bytes + 1
-        for p in params:
-            nbytes = p.numel() * p.element_size()
-            if size + nbytes > bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += nbytes
-        return buckets
+        cuts = buckets([p.numel() * p.element_size() for p in params], bucket_bytes)  # twinpipe.sim.shards: the one rule
+        return [params[cut.start : cut.stop] for cut in cuts]
 
     @property
     def active(self) -> bool:

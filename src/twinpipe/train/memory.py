@@ -109,6 +109,7 @@ def measured_mw(model, num_stages: int, sample: tuple, criterion) -> float:
     keeps, for the generators that plan with it (``PLANNED_WITH_MW``). The same on every rank (the
     same model, the same sample), so every rank builds the same schedule."""
     from twinpipe.runtime.weight_grad import defer_weight_grads
+    from twinpipe.train.mtp import MTPLoss, mtp_heads
     from twinpipe.train.stages import split
 
     x, y = sample
@@ -117,10 +118,13 @@ def measured_mw(model, num_stages: int, sample: tuple, criterion) -> float:
     for k, stage in enumerate(stages):
         defer_weight_grads(stage)  # in place, as the trainer's stages are
         last = k == len(stages) - 1
-        ratios.append(measure_stage(stage, (h,), first=k == 0, criterion=criterion if last else None,
+        heads = mtp_heads([stage]) if last else []
+        runs = MTPLoss(criterion, heads[0], 1.0) if heads else criterion  # an MTP head's loss (its weight keeps no bytes)
+        ratios.append(measure_stage(stage, (h,), first=k == 0, criterion=runs if last else None,
                                     labels=(y,) if last else ()).mw)
         with torch.no_grad():
-            h = stage(h)
+            out = stage(h)
+            h = out[0] if isinstance(out, tuple) else out
     return max(ratios)
 
 

@@ -32,23 +32,10 @@ import torch.distributed as dist
 from twinpipe.runtime.comm import wait_work
 from twinpipe.runtime.errors import PipelineBrokenError
 from twinpipe.runtime.main_grad import grad_of, zeros_if_missing
-from twinpipe.train.balance import partition
+from twinpipe.sim.shards import runs  # the one rule, shared with the planner
 from twinpipe.train.grads import DP_REDUCE, DataParallelReducer
 
 __all__ = ["ShardedReducer", "runs"]
-
-
-def runs(sizes: Sequence[int], world: int) -> list[range]:
-    """Index ranges of ``sizes`` for each of ``world`` ranks: contiguous, the largest as small as
-    whole parameters allow (fewer parameters than ranks: one each, the last ranks none)."""
-    n = len(sizes)
-    if n <= world:
-        return [range(i, i + 1) if i < n else range(n, n) for i in range(world)]
-    counts, start, out = partition(sizes, world), 0, []
-    for c in counts:
-        out.append(range(start, start + c))
-        start += c
-    return out
 
 
 @dataclass

@@ -230,6 +230,8 @@ COMMANDS: list[Command] = [
             TRAIN_SMALL + "; PP=1 x DP=2 (EP=2): the same run as the line above", folder="train-moe"),
     Command("twinpipe train --experts E --top-k K", TRAIN_MOE,
             PLACEHOLDERS + "; the same run as the lines above", folder="train-moe"),
+    Command("twinpipe train --pp 2 --dp 2 --experts 4 --steps 2", TRAIN_MOE,
+            TRAIN_SMALL + "; PP=1 x DP=2 (EP=2): the same run as the lines above", folder="train-moe"),
     # ---- docs/deepseek-v3.md
     Command("twinpipe train --experts 4 --score sigmoid --bias-update-speed 0.001 --balance-alpha 0.0001 --mtp-depth 1 "
             "--mtp-weight 0.3 --pp 2 --dp 2",

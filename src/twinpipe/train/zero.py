@@ -32,7 +32,7 @@ import torch.distributed as dist
 from twinpipe.runtime.comm import wait_work
 from twinpipe.runtime.errors import PipelineBrokenError
 from twinpipe.runtime.main_grad import grad_of, zeros_if_missing
-from twinpipe.sim.shards import runs  # the one rule, shared with the planner
+from twinpipe.sim.shards import BUCKET_BYTES, runs  # the one rule, shared with the planner
 from twinpipe.train.grads import DP_REDUCE, DataParallelReducer
 
 __all__ = ["ShardedReducer", "runs"]
@@ -76,7 +76,7 @@ class ShardedReducer(DataParallelReducer):
     the parameters it owns (``owns``; the others' ``.grad`` is dropped, a ``main_grad`` kept), and
     ``start_gather``/``wait_gather`` (``gather``: both at once) hand every rank the owners' updated weights."""
 
-    def __init__(self, parts: Sequence[Sequence[torch.Tensor]], group, timeout: float, bucket_bytes: int = 25 << 20,
+    def __init__(self, parts: Sequence[Sequence[torch.Tensor]], group, timeout: float, bucket_bytes: int = BUCKET_BYTES,
                  mode: str = "all-reduce"):
         if mode not in DP_REDUCE:
             raise ValueError(f"dp_reduce={mode!r}: allowed are {', '.join(map(repr, DP_REDUCE))}")

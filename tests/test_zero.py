@@ -47,18 +47,21 @@ def _trainer(schedule, pp, dp, optimizer="adamw", max_norm=None, mode="pure", ex
 
 
 def _shards(trainer) -> list[str]:
-    """Every dense parameter of every pipeline rank is updated by exactly one data-parallel rank;
-    experts by their holder; and this rank's optimizer holds state for nothing else."""
+    """Every model parameter is updated by exactly one rank of the world (mirrored copies: by one
+    copy on one data-parallel rank, so its optimizer state exists once), and owned (norms,
+    checkpoints) there; experts by their holder; and this rank's optimizer holds state for nothing else."""
     import torch.distributed as dist
 
-    mine = [(trainer.mesh.pp_rank, name, trainer.optimized_tensor(p) is not None) for name, p, _ in trainer.held]
+    mine = [(name, trainer.optimized_tensor(p) is not None, owned) for name, p, owned in trainer.held]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     count: dict = {}
     for claims in everyone:
-        for pp_rank, name, updates in claims:
-            count[(pp_rank, name)] = count.get((pp_rank, name), 0) + updates
-    problems = [f"pp rank {k[0]}: {k[1]} updated by {n} data-parallel ranks" for k, n in sorted(count.items()) if n != 1]
+        for name, updates, owned in claims:
+            count[name] = count.get(name, 0) + updates
+            if owned and not updates:
+                count[name] = -99  # owned (norms, checkpoints) where another rank updates it
+    problems = [f"{k} updated by {n} ranks of the world (-99: owned where not updated)" for k, n in sorted(count.items()) if n != 1]
     updated = {id(trainer.optimized_tensor(p)) for _, p, _ in trainer.held if trainer.optimized_tensor(p) is not None}
     if any(id(t) not in updated for t in trainer.optimizer.state):
         problems.append("optimizer state for a tensor this rank does not update")

@@ -29,7 +29,7 @@ from twinpipe.schedule.spec import resolve
 from twinpipe.sim.memory import MemoryParts, StageMemory, activation_peak, state_prediction
 from twinpipe.sim.gpt_moe import moe_block_bytes, moe_block_numels, mtp_head_bytes, mtp_head_numels
 from twinpipe.sim.partition import partition
-from twinpipe.sim.shards import BUCKET_BYTES, buckets, runs  # noqa: F401  (BUCKET_BYTES: its old home) the trainer's reducers cut by the same rule
+from twinpipe.sim.shards import BUCKET_BYTES, buckets, mirror_copies, runs  # noqa: F401  (BUCKET_BYTES: its old home) the trainer's reducers cut by the same rule
 
 __all__ = ["ELSIZE", "PLANNED_WITH_MW", "RankPrediction", "layer_names", "layer_numels", "stage_layers", "stage_memory",
            "GPTRun"]
@@ -137,19 +137,24 @@ class RankPrediction:
         return {"pp_rank": self.pp_rank, "dp_rank": self.dp_rank, **self.parts.to_dict()}
 
 
-def _updated(stage_tensors: list[list[int]], elsize: int, dp: int, overlap: bool, own: list[int] = ()) -> list[list[int]]:
+def _updated(stage_tensors: list[list[int]], elsize: int, dp: int, overlap: bool, own: list[int] = (),
+             copies: list[tuple[int, int]] | None = None) -> list[list[int]]:
     """ZeRO-1: the element counts each data-parallel rank updates among one pipeline rank's tensors
     (``stage_tensors``: the reduced ones, one list per stage; ``own``: tensors reduced in a part of
     their own, an MTP head's tied embedding pair), as ``twinpipe.train.zero.ShardedReducer`` cuts them:
-    parts (one per stage when the reduction overlaps the step, else one), buckets in order
-    (``shards.buckets``), each cut into ``dp`` runs of whole tensors (``shards.runs``)."""
-    parts = stage_tensors if overlap else [[n for tensors in stage_tensors for n in tensors]]
+    parts (one per stage when the reduction overlaps the step or ``copies`` are given, else one),
+    buckets in order (``shards.buckets``), each cut into ``dp`` runs of whole tensors (``shards.runs``);
+    with ``copies`` ((this rank's copy, number of copies) per stage: mirrored copies) each run cut
+    again, this copy updating its sub-run."""
+    parts = stage_tensors if overlap or copies else [[n for tensors in stage_tensors for n in tensors]]
     mine: list[list[int]] = [[] for _ in range(dp)]
-    for tensors in [*parts, *([n] for n in own)]:
+    for i, tensors in enumerate([*parts, *([n] for n in own)]):
+        copy, count = copies[i] if copies and i < len(parts) else (0, 1)
         for bucket in buckets([n * elsize for n in tensors]):
             sizes = tensors[bucket.start : bucket.stop]
             for r, run in enumerate(runs(sizes, dp)):
-                mine[r] += sizes[run.start : run.stop]
+                sub = runs(sizes[run.start : run.stop], count)[copy]
+                mine[r] += sizes[run.start + sub.start : run.start + sub.stop]
     return mine
 
 
@@ -249,6 +254,7 @@ class GPTRun:
         programs = lower(spec.build(microbatches)).programs
         sharded = self.zero == 1 and dp > 1
         overlap = self.overlap_dp and len(placement.chains) == 1  # the trainer reduces per stage unless stages have copies
+        holders = mirror_copies(placement) if sharded else None
         out = []
         for rank in range(pp):
             stages = {s: memories[placement.model_stage(s)] for s in placement.stages_of(rank)}
@@ -258,7 +264,11 @@ class GPTRun:
             reduced, tied, experts = _rank_tensors(self, [cut[placement.model_stage(s)] for s in placement.stages_of(rank)], dp)
             held = [n for stage in reduced for n in stage] + tied + experts
             grad_el = 4 if mixed else elsize  # the reducer cuts its buckets on the FP32 parameters under bf16-mixed
-            shards = _updated(reduced, grad_el, dp, overlap, tied) if sharded else [held]
+            copies = None
+            if holders is not None:  # ZeRO-1 over mirrored copies: (this rank's copy, copies) per stage
+                copies = [(holders[placement.model_stage(s)].index(rank), len(holders[placement.model_stage(s)]))
+                          for s in placement.stages_of(rank)]
+            shards = _updated(reduced, grad_el, dp, overlap, tied, copies) if sharded else [held]
             for dp_rank, updated in enumerate(shards):
                 parts = state_prediction(held, elsize, mixed=mixed, updated=updated + experts if sharded else updated)
                 parts.activations_peak = peak

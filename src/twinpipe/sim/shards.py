@@ -3,7 +3,11 @@ reducers (``twinpipe.train.grads``, ``twinpipe.train.zero``) follow and that ``t
 predicts ZeRO-1's shards with.
 
 Parameters are cut into buckets of up to ``BUCKET_BYTES`` in order (``buckets``); ZeRO-1 cuts each
-bucket into one contiguous run of whole parameters per data-parallel rank (``runs``).
+bucket into one contiguous run of whole parameters per data-parallel rank (``runs``). With mirrored
+copies of the stages (DualPipe, Chimera, BitPipe: ``mirror_copies``) the buckets are per model stage
+and each rank's run is cut again into one sub-run per copy (``runs`` again): copy c of the stage on
+data-parallel rank i updates sub-run c of run i, so each parameter has one owner among the
+``dp * copies`` ranks holding it.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from collections.abc import Sequence
 
 from twinpipe.sim.partition import partition
 
-__all__ = ["BUCKET_BYTES", "buckets", "runs"]
+__all__ = ["BUCKET_BYTES", "buckets", "mirror_copies", "runs"]
 
 BUCKET_BYTES = 25 << 20  # the data-parallel reducer's gradient buckets
 
@@ -44,3 +48,18 @@ def runs(sizes: Sequence[int], world: int) -> list[range]:
         out.append(range(start, start + c))
         start += c
     return out
+
+
+def mirror_copies(placement) -> dict[int, list[int]] | None:
+    """ZeRO-1 over mirrored copies: model stage -> the pipeline ranks of its copies, in chain order
+    (copy c is chain c's); None when the stages have one copy, or copies of one stage share a rank
+    (then each copy shards over data parallel alone)."""
+    if len(placement.chains) < 2:
+        return None
+    copies: dict[int, list[int]] = {}
+    for chain in placement.chains:
+        for stage in chain:
+            copies.setdefault(placement.model_stage(stage), []).append(placement.rank_of(stage))
+    if any(len(set(ranks)) < len(ranks) for ranks in copies.values()):
+        return None
+    return copies

@@ -77,7 +77,8 @@ from twinpipe.train.memory import planned_options
 from twinpipe.train.mesh import TrainMesh
 from twinpipe.train.mtp import MTPLoss, mtp_heads
 from twinpipe.train import precision
-from twinpipe.train.zero import ShardedReducer
+from twinpipe.sim.shards import mirror_copies
+from twinpipe.train.zero import Copies, ShardedReducer
 from twinpipe.train.stages import Stage, is_mirror_copy, model_layers, split, stage_modules
 
 __all__ = ["TrainConfig", "StepResult", "Trainer", "NonFiniteStepError", "model_parameter_names"]
@@ -252,24 +253,36 @@ class Trainer:
         # (the same sizes and inputs: the same bits, whatever the backend's order within a bucket).
         tied_ids = set(map(id, tied_held))
         untied = [p for p in self._dense if id(p) not in tied_ids]
-        if self.overlap_dp:
+        sharded = config.zero == 1 and mesh.dp > 1
+        # ZeRO-1 with mirrored copies on distinct ranks: one part per model stage, cut alike by every
+        # copy, whose copies split each run (zero.Copies); the groups are made on every rank alike.
+        mirrored = self._mirror_groups() if sharded else None
+        spreads = None  # per part: its zero.Copies, or None
+        if self.overlap_dp or mirrored:
             dense = set(map(id, untied))
-            parts = [[p for _, p in m.named_model_parameters() if id(p) in dense] for m in modules]
+            parts = [list({id(p): p for _, p in m.named_model_parameters() if id(p) in dense}.values()) for m in modules]
             self._part_of = {s: i for i, s in enumerate(pipeline_stages)}
+            if mirrored:
+                spreads = [mirrored[self.placement.model_stage(s)][mesh.pp_rank] for s in pipeline_stages]
         else:
             parts = [untied]
         tied_dense = [p for p in tied_held if id(p) not in experts]
         self._tied_parts = list(range(len(parts), len(parts) + len(tied_dense)))
         parts += [[p] for p in tied_dense]
-        sharded = config.zero == 1 and mesh.dp > 1
-        self.reducer = (ShardedReducer if sharded else DataParallelReducer)(parts, mesh.dp_group, self.timeout, mode=config.dp_reduce)
+        if spreads is not None:
+            spreads += [None] * len(tied_dense)  # tied tensors: each copy shards over data parallel alone
+        if sharded:
+            self.reducer = ShardedReducer(parts, mesh.dp_group, self.timeout, mode=config.dp_reduce, copies=spreads)
+        else:
+            self.reducer = DataParallelReducer(parts, mesh.dp_group, self.timeout, mode=config.dp_reduce)
+        spread = {id(p) for part, cp in zip(parts, spreads or ()) if cp for p in part}  # owned by one copy of all
         # The data-parallel rank that updates a dense parameter: its shard's (ZeRO-1), else every one.
         updates = (lambda p: self.reducer.owns(p)) if sharded else (lambda p: True)
         # (model parameter name, parameter, owned): owned parameters count in norms and checkpoints. One
         # rank owns each model parameter: the first copy at data-parallel rank 0, or (ZeRO-1) at the rank
         # that updates it; an expert at its only holder.
         first = mesh.dp_rank == 0 or sharded
-        self.held = [(name, p, not is_mirror_copy(self.placement, s) and (id(p) in experts or (first and updates(p))))
+        self.held = [(name, p, (id(p) in spread or not is_mirror_copy(self.placement, s)) and (id(p) in experts or (first and updates(p))))
                      for s, name, p in named]
         self._owned_index = torch.tensor([index[n] for n, _, owned in self.held if owned and n not in copies], dtype=torch.long,
                                          device=device)
@@ -390,6 +403,24 @@ class Trainer:
         wait_work(dist.broadcast(counts, src=0, async_op=True), self.timeout, self._where("agreeing on the time-balanced split"),
                   dist.group.WORLD)
         return counts.cpu().tolist()
+
+    def _mirror_groups(self) -> dict[int, dict[int, Copies]] | None:
+        """ZeRO-1 over mirrored copies: model stage -> pipeline rank -> its ``zero.Copies``, with one
+        process group per set of ranks holding a stage (every copy on every data-parallel rank), made
+        on every rank in the same order; None without copies on distinct ranks (``shards.mirror_copies``)."""
+        holders = mirror_copies(self.placement)
+        if holders is None:
+            return None
+        ranks = self.mesh.mesh.mesh  # global rank of (dp rank, pp rank)
+        made: dict[tuple[int, ...], object] = {}
+        out: dict[int, dict[int, Copies]] = {}
+        for k in sorted(holders):
+            members = tuple(sorted(int(ranks[i, r]) for i in range(self.mesh.dp) for r in holders[k]))
+            if members not in made:
+                made[members] = dist.new_group(list(members), timeout=datetime.timedelta(seconds=self.timeout))
+            position = tuple(tuple(members.index(int(ranks[i, r])) for r in holders[k]) for i in range(self.mesh.dp))
+            out[k] = {r: Copies(c, len(holders[k]), made[members], position, k) for c, r in enumerate(holders[k])}
+        return out
 
     @property
     def is_dual(self) -> bool:

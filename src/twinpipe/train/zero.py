@@ -16,6 +16,13 @@ awaits those of stage j only (the trainer calls it before the stage's forward), 
 all-gather goes on while an earlier stage computes. The same bytes land in the same parameters as
 with one all-gather per bucket: only the wait moves.
 
+Mirrored copies (DualPipe, Chimera, BitPipe; ``copies``): a part is one model stage, and every copy
+of it cuts its buckets alike. The reduce-scatter is unchanged (each copy over its data-parallel
+group, of the copies' summed gradients), but each rank's run is cut again into one sub-run per copy
+(``twinpipe.sim.shards``): copy c updates sub-run c only, and the all-gathers run over the
+``dp * copies`` ranks holding the stage (``Copies.group``, the same on every one of them, issued in
+model-stage order), so the optimizer state and masters of a stage exist once, not once per copy.
+
 ``mode="ordered"`` replaces the reduce-scatter by an all-to-all and adds the dp pieces of a run in
 replica order, bitwise the same as ``DataParallelReducer``'s ordered sum for any dp; ``"all-reduce"``
 is the backend's reduce-scatter, whose order equals the all-reduce's for two replicas (a + b).
@@ -35,7 +42,19 @@ from twinpipe.runtime.main_grad import grad_of, zeros_if_missing
 from twinpipe.sim.shards import BUCKET_BYTES, runs  # the one rule, shared with the planner
 from twinpipe.train.grads import DP_REDUCE, DataParallelReducer
 
-__all__ = ["ShardedReducer", "runs"]
+__all__ = ["Copies", "ShardedReducer", "runs"]
+
+
+@dataclass(frozen=True)
+class Copies:
+    """A part's mirrored copies (one model stage): this rank holds copy ``copy`` of ``count``;
+    ``group`` holds every copy on every data-parallel rank, ``position[i][c]`` being the group rank
+    of copy c on data-parallel rank i; ``stage`` (the model stage) orders the all-gathers."""
+    copy: int
+    count: int
+    group: object
+    position: tuple[tuple[int, ...], ...]
+    stage: int
 
 
 @dataclass
@@ -44,6 +63,8 @@ class _Bucket:
     runs: list[Sequence[int]]  # per rank: its parameters' indices in ``params``
     chunk: int  # elements per rank in the flat buffer (the largest run)
     stages: frozenset = frozenset()  # an all-gather's: the stage modules holding its parameters (empty: every one)
+    group: object = None  # an all-gather's: its process group, and this rank's place in it
+    rank: int = 0
 
     def flat(self, values, dtype, device, rank: int | None = None) -> torch.Tensor:
         """``values(p)`` of every parameter, rank i's run at offset ``i * chunk`` (zero padded); with
@@ -77,19 +98,24 @@ class ShardedReducer(DataParallelReducer):
     ``start_gather``/``wait_gather`` (``gather``: both at once) hand every rank the owners' updated weights."""
 
     def __init__(self, parts: Sequence[Sequence[torch.Tensor]], group, timeout: float, bucket_bytes: int = BUCKET_BYTES,
-                 mode: str = "all-reduce"):
+                 mode: str = "all-reduce", copies: Sequence[Copies | None] | None = None):
         if mode not in DP_REDUCE:
             raise ValueError(f"dp_reduce={mode!r}: allowed are {', '.join(map(repr, DP_REDUCE))}")
         super().__init__(parts, group, timeout, bucket_bytes, mode)
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.copies: list[Copies | None] = list(copies) if copies is not None else [None] * len(self.parts)
         self.buckets: list[list[_Bucket]] = []
-        self.owner: dict[int, int] = {}
-        for buckets in self.parts:
+        self.owner: dict[int, tuple[int, int]] = {}  # parameter -> (data-parallel rank, copy) updating it
+        self._copy: dict[int, int] = {}  # parameter -> this rank's copy index of its part
+        for buckets, cp in zip(self.parts, self.copies):
             mine = []
             for params in buckets:
                 cut = runs([p.numel() for p in params], self.world)
                 mine.append(_Bucket(params, cut, max(sum(params[k].numel() for k in r) for r in cut)))
-                self.owner.update((id(params[k]), i) for i, r in enumerate(cut) for k in r)
+                for i, r in enumerate(cut):
+                    subs = runs([params[k].numel() for k in r], cp.count) if cp else [range(len(r))]
+                    self.owner.update((id(params[r[j]]), (i, c)) for c, sub in enumerate(subs) for j in sub)
+                self._copy.update((id(p), cp.copy if cp else 0) for p in params)
             self.buckets.append(mine)
         self._pending: list = []  # started all-gathers: (unit, its input, its output, work, what)
         self._broken: str | None = None  # why the weights are incomplete (a failed or abandoned all-gather)
@@ -97,7 +123,8 @@ class ShardedReducer(DataParallelReducer):
         self.units: list[_Bucket] | None = None  # the all-gathers (``set_stages``; else one per bucket)
 
     def owns(self, p: torch.Tensor) -> bool:
-        return self.owner.get(id(p), self.rank) == self.rank
+        """Whether this rank updates ``p`` (a parameter it does not reduce: yes)."""
+        return id(p) not in self.owner or self.owner[id(p)] == (self.rank, self._copy[id(p)])
 
     def start(self, part: int) -> None:
         if not self.active:
@@ -126,8 +153,9 @@ class ShardedReducer(DataParallelReducer):
                 for piece in pieces[1:]:
                     out.add_(piece)
             bucket.unflat(out, grad_of, self.rank)
-            for k in (k for r, run in enumerate(bucket.runs) if r != self.rank for k in run):
-                bucket.params[k].grad = None  # not this rank's to update (a main_grad stays: it is reused)
+            for p in bucket.params:
+                if not self.owns(p):
+                    p.grad = None  # not this rank's to update (a main_grad stays: it is reused)
 
     def _gathers(self, stages: Sequence[Sequence[torch.Tensor]] | None) -> list[_Bucket]:
         """The all-gather units: each bucket's parameters grouped by the stage modules holding them
@@ -137,17 +165,22 @@ class ShardedReducer(DataParallelReducer):
             for p in params:
                 holders.setdefault(id(p), set()).add(j)
         units = []
-        for buckets in self.buckets:
+        for buckets, cp in zip(self.buckets, self.copies):
+            group, size = (cp.group, self.world * cp.count) if cp else (self.group, self.world)
+            where = (lambda i, c, cp=cp: cp.position[i][c]) if cp else (lambda i, c: i)  # an owner's rank in the group
+            me = where(self.rank, cp.copy if cp else 0)
             for bucket in buckets:
                 groups: dict[frozenset, list[int]] = {}
                 for k, p in enumerate(bucket.params):
                     groups.setdefault(frozenset(holders.get(id(p), ())), []).append(k)
                 for held, ks in groups.items():
                     params = [bucket.params[k] for k in ks]
-                    cut = [[i for i, p in enumerate(params) if self.owner[id(p)] == r] for r in range(self.world)]
+                    cut = [[i for i, p in enumerate(params) if where(*self.owner[id(p)]) == r] for r in range(size)]
                     chunk = max(sum(params[i].numel() for i in run) for run in cut)
-                    units.append(_Bucket(params, cut, chunk, held))
-        return units
+                    units.append((cp.stage if cp else -1, len(units), _Bucket(params, cut, chunk, held, group, me)))
+        # Every holder of a model stage issues its all-gathers in model-stage order (a copy's modules
+        # are in another order on each rank); the data-parallel ones keep theirs.
+        return [unit for *_, unit in sorted(units, key=lambda u: u[:2])]
 
     def set_stages(self, stages: Sequence[Sequence[torch.Tensor]]) -> None:
         """Cut the all-gathers by stage: ``stages[j]`` are the parameters of this rank's stage module j
@@ -168,14 +201,14 @@ class ShardedReducer(DataParallelReducer):
         if self.units is None:
             self.units = self._gathers(None)
         self._where = where
-        peers = dist.get_process_group_ranks(self.group)
         with torch.no_grad():
             for i, unit in enumerate(self.units):
                 p0 = unit.params[0]
-                mine = unit.flat(torch.Tensor.detach, p0.dtype, p0.device, self.rank)
-                out = torch.empty(self.world * unit.chunk, dtype=p0.dtype, device=p0.device)
-                work = dist.all_gather_single(out, mine, group=self.group, async_op=True)
-                what = (f"{where}: all-gather of updated weights (ZeRO-1) over data-parallel global ranks {peers}, "
+                mine = unit.flat(torch.Tensor.detach, p0.dtype, p0.device, unit.rank)
+                out = torch.empty(len(unit.runs) * unit.chunk, dtype=p0.dtype, device=p0.device)
+                work = dist.all_gather_single(out, mine, group=unit.group, async_op=True)
+                over = "data-parallel global ranks" if unit.group is self.group else "global ranks (every copy, every replica)"
+                what = (f"{where}: all-gather of updated weights (ZeRO-1) over {over} {dist.get_process_group_ranks(unit.group)}, "
                         f"bucket {i + 1}/{len(self.units)}")
                 self._pending.append((unit, mine, out, work, what))
 
@@ -192,7 +225,7 @@ class ShardedReducer(DataParallelReducer):
                 if stage is not None and unit.stages and stage not in unit.stages:
                     keep.append(entry)
                     continue
-                wait_work(work, self.timeout, f"{what}, awaited {why}", self.group)
+                wait_work(work, self.timeout, f"{what}, awaited {why}", unit.group)
                 with torch.no_grad():
                     unit.unflat(out, lambda p: p.data, None)
         except BaseException as exc:

@@ -95,6 +95,24 @@ def test_zero1_shards_are_the_trainers():
             assert [m.optimizer for m in mine] == expected
 
 
+@pytest.mark.parametrize("schedule, pp, options", [("dualpipe", 2, {}), ("bitpipe", 4, {}), ("chimera", 4, {"pairs": 2})])
+def test_zero1_with_mirrored_copies_predicts_one_model_state_over_the_world(schedule, pp, options):
+    """Mirrored copies (DualPipe, BitPipe, Chimera with 2 or 4 copies) with ZeRO-1: each copy updates
+    its part of its data-parallel run, so the masters and AdamW state over every rank are one model's,
+    as the trainer keeps them (tests/test_zero.py, tests/test_train_mixed_models.py check the trainer
+    against this prediction)."""
+    from twinpipe.sim.gpt import layer_names, layer_numels
+
+    run = GPTRun(8, 32, 16, 2, 64, 2, precision="bf16-mixed", zero=1)
+    numels = [n for name in layer_names(run) for n in layer_numels(run, name)]
+    for dp in (2, 3):
+        ranks = run.predict(schedule, pp, 8, dp, options)
+        assert len(ranks) == pp * dp
+        assert sum(r.parts.master for r in ranks) == 4 * sum(numels)
+        assert sum(r.parts.optimizer for r in ranks) == 2 * 4 * sum(numels) + 4 * len(numels)  # two moments and a step each
+        assert all(r.parts.optimizer for r in ranks)  # both copies update some
+
+
 def test_zero1_buckets_are_cut_on_the_fp32_parameters_under_bf16_mixed():
     """The trainer builds its reducer before the parameters turn bf16: its 25 MiB buckets hold FP32
     parameters, and ZeRO-1's shards follow them (a model of 2 blocks of width 1024: several buckets)."""

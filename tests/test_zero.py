@@ -3,7 +3,8 @@ holds only that shard's optimizer state (and masters), and the run is bitwise th
 
 One 4-process gloo world runs every case against the single-process reference (itself bitwise the
 unsharded trainer, tests/test_train_exact.py, tests/test_precision.py): DualPipe PP=2 x DP=2 (its two
-copies of a stage summed before the reduce-scatter, and equal after every step), in float64 and
+copies of a stage summed before the reduce-scatter, each updating half of every data-parallel shard, so
+the world's masters and optimizer state are one model's, and equal after every step), in float64 and
 bf16-mixed, a MoE model (expert parallelism: an expert is held by one rank and never sharded), and
 DP=4 with the ordered reduction. Checkpoints move between ZeRO-1 DP=2 x PP=2 and replicated DP=1 x
 PP=4 and back (the loaded state bitwise the saved one). A rank configured with another ``zero`` or
@@ -68,6 +69,29 @@ def _shards(trainer) -> list[str]:
     return problems[:4]
 
 
+def _state_once(trainer, state) -> list[str]:
+    """The world's masters and optimizer state (``Trainer.state_bytes``, summed over every rank) are
+    those of one model (``state``: ``gather_state``, each parameter from its owner): DualPipe's two
+    copies of a stage hold one set between them, not one each (collective)."""
+    import torch
+    import torch.distributed as dist
+
+    def size(t):
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    mine = trainer.state_bytes()
+    total = torch.tensor([mine["master"], mine["optimizer"]], dtype=torch.float64)
+    dist.all_reduce(total)
+    want = [None]
+    if state is not None:  # global rank 0
+        params, states = state
+        want = [[sum(map(size, params.values())) if trainer.mixed else 0,
+                 sum(size(v) for st in states.values() for v in st.values())]]
+    dist.broadcast_object_list(want, src=0)
+    return [] if total.tolist() == want[0] else [f"masters and optimizer state over the world: {total.tolist()} bytes; "
+                                                  f"one model's: {want[0]}"]
+
+
 def _against_reference(rank: int, schedule, pp, dp, optimizer, max_norm, mode, experts, dp_reduce) -> list[str]:
     import torch
     import torch.distributed as dist
@@ -99,6 +123,7 @@ def _against_reference(rank: int, schedule, pp, dp, optimizer, max_norm, mode, e
     weights = [{n: p.detach() for n, p in ref.named_parameters().items()} if rank == 0 else None]
     dist.broadcast_object_list(weights, src=0)
     problems += [f"{n}: the weight every rank computes with differs" for n, p, _ in trainer.held if not torch.equal(p.detach(), weights[0][n])]
+    problems += _state_once(trainer, state)
     overlapped = trainer.config.overlap_dp and len(trainer.placement.chains) == 1  # overlap_dp: started by on_grads_ready
     if not inside or set(inside) != {overlapped}:
         problems.append(f"reduce-scatters started inside the pipeline step: {inside}; expected all {overlapped}")
@@ -109,7 +134,8 @@ def _checkpoints(rank: int, root: str) -> list[str]:
     """bf16-mixed: ZeRO-1 DualPipe DP=2 x PP=2 saves; replicated 1F1B DP=1 x PP=4 loads it (every
     master and optimizer state bitwise the saved one, stored in FP32), trains a step and saves;
     ZeRO-1 DP=2 x PP=2 loads that; a pure float64 run loads the first (the masters and state widened
-    exactly). The same layout resumes bitwise."""
+    exactly). The same layout resumes bitwise. Replicated 1F1B DP=2 x PP=2 loads the first and saves;
+    ZeRO-1 DualPipe loads that, each state once over its copies and replicas."""
     import torch.distributed as dist
 
     from twinpipe.train.checkpoint import load_checkpoint, read_checkpoint_info, save_checkpoint
@@ -167,6 +193,20 @@ def _checkpoints(rank: int, root: str) -> list[str]:
     again = [d.step(s).loss for s in range(start, 4)]
     if again != later:
         problems.append(f"resumed losses {again} != uninterrupted {later} (first two: {first})")
+
+    f = _trainer("1f1b", 2, 2, zero=0, **mixed)  # the same two stages, replicated: each state on both replicas
+    start = load_checkpoint(f, f"{root}/zero1")
+    problems += same_state(f, saved_a, "ZeRO-1 DualPipe DP=2 x PP=2 -> replicated 1F1B DP=2 x PP=2")
+    if f.step(start).loss != later[0]:
+        problems.append("replicated 1F1B DP=2 x PP=2's first loss after loading differs from ZeRO-1 DualPipe's")
+    save_checkpoint(f, f"{root}/zero0-pp2", start + 1)
+    saved_f = gather_state(f)
+    g = _trainer("dualpipe", 2, 2, **mixed)
+    load_checkpoint(g, f"{root}/zero0-pp2")
+    problems += same_state(g, saved_f, "replicated 1F1B DP=2 x PP=2 -> ZeRO-1 DualPipe DP=2 x PP=2")
+    problems += [f"after loading: {p}" for p in _state_once(g, saved_f)]  # each state loaded at its one owner
+    if not g.mirrors_equal():
+        problems.append("mirrored copies differ after loading a replicated 1F1B checkpoint")
     return problems
 
 

@@ -25,6 +25,8 @@ all-gathers of the new weights (``zero.py``): ``step()`` returns with them in fl
 module awaits its own before its next forward (a forward pre-hook; ``defer_gather = False`` awaits
 them in ``step()``, the same bits); ``finish_update()`` awaits the rest before anything reads the
 weights between steps (checkpoints, ``mirrors_equal``). Norms and checkpoints count each parameter at its owner.
+With mirrored copies the copies of a stage split each data-parallel shard between them (``zero.Copies``):
+one owner per model parameter among its copies and replicas, the second copy included.
 With ``overlap_dp`` and one chain (no mirrored copies), step 3's dense collectives start inside
 step 1: each stage's buckets as soon as its last gradient-writing op has run (the pipeline's
 ``on_grads_ready``), and the trainer awaits them after ``step()`` returns. With mirrored copies the
@@ -455,7 +457,7 @@ class Trainer:
         except BaseException as exc:  # the ranks waiting for this one hear of it now, not at their timeout
             waits.publish_failure(getattr(exc, "first", "") or self._where(
                 f"step {step} failed (global rank {dist.get_rank()}): {type(exc).__name__}: {exc}"),
-                [self.mesh.pp_group, self.mesh.dp_group])
+                [self.mesh.pp_group, self.mesh.dp_group, *getattr(self.reducer, "mirror_groups", ())])
             raise
 
     def _step(self, step: int) -> StepResult:

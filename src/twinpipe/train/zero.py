@@ -122,6 +122,12 @@ class ShardedReducer(DataParallelReducer):
         self._where = ""  # the last update's (rank and step), for the messages of later waits
         self.units: list[_Bucket] | None = None  # the all-gathers (``set_stages``; else one per bucket)
 
+    @property
+    def mirror_groups(self) -> list:
+        """The process groups of the all-gathers over mirrored copies (each once): a failing rank's
+        notice goes to them too."""
+        return list({id(cp.group): cp.group for cp in self.copies if cp}.values())
+
     def owns(self, p: torch.Tensor) -> bool:
         """Whether this rank updates ``p`` (a parameter it does not reduce: yes)."""
         return id(p) not in self.owner or self.owner[id(p)] == (self.rank, self._copy[id(p)])

@@ -25,6 +25,15 @@ import torch
 from twinpipe.launch import run_local
 
 
+def _copies(args) -> int:
+    """How many copies of a model stage ZeRO-1 shards over with dp (mirrored copies: DualPipe 2)."""
+    from twinpipe.schedule import resolve
+    from twinpipe.sim.shards import mirror_copies
+
+    holders = mirror_copies(resolve(args.schedule, args.pp).placement)
+    return max(map(len, holders.values())) if holders else 1
+
+
 def _worker(rank: int, world: int, args, dp: int) -> dict:
     from twinpipe.train import GPT, GPTConfig, TrainConfig, Trainer, build_mesh, lm_loss
     from twinpipe.train.data import BatchSampler, stdlib_corpus
@@ -85,7 +94,7 @@ def main() -> None:
             print(f"{r:>4} {_mib(b0['optimizer']):>17} {_mib(b1['optimizer']):>8} {b1['optimizer'] / b0['optimizer']:6.3f} "
                   f"{_mib(b0['master']):>14} {_mib(b1['master']):>8}")
         print(f"all ranks, optimizer + masters: {_mib(totals[0])} MiB replicated, {_mib(totals[1])} MiB ZeRO-1 "
-              f"({totals[1] / totals[0]:.3f}; 1/dp = {1 / dp:.3f})")
+              f"({totals[1] / totals[0]:.3f}; 1/(dp x copies of a stage) = {1 / (dp * _copies(args)):.3f})")
         t = ranks[0]["times"]
         med = {z: {k: statistics.median(v) for k, v in t[z].items()} for z in t}
         print(f"rank 0 step ms: replicated {med[0]['total'] * 1e3:.1f} (DP reduction {med[0]['dp'] * 1e3:.1f}, update "

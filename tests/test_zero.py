@@ -5,9 +5,10 @@ One 4-process gloo world runs every case against the single-process reference (i
 unsharded trainer, tests/test_train_exact.py, tests/test_precision.py): DualPipe PP=2 x DP=2 (its two
 copies of a stage summed before the reduce-scatter, each updating half of every data-parallel shard, so
 the world's masters and optimizer state are one model's, and equal after every step), in float64 and
-bf16-mixed, a MoE model (expert parallelism: an expert is held by one rank and never sharded), and
+bf16-mixed, a MoE model on DualPipeV and on DualPipe (expert parallelism: an expert is held by one rank
+of each copy and never sharded), and
 DP=4 with the ordered reduction. Checkpoints move between ZeRO-1 DP=2 x PP=2 and replicated DP=1 x
-PP=4 and back (the loaded state bitwise the saved one). A rank configured with another ``zero`` or
+PP=4 and back, and replicated 1F1B DP=2 x PP=2 and back (the loaded state bitwise the saved one). A rank configured with another ``zero`` or
 ``precision`` makes every rank raise. The all-gather of the updated weights, awaited by each stage's
 next forward, is bitwise the one awaited inside ``step()`` (1F1B, DualPipeV, DualPipe PP=2 x DP=2),
 and really awaited there; a peer failing before its all-gather makes its peer raise naming it.
@@ -28,6 +29,7 @@ CASES = {
     "dualpipe-pp2-dp2-float64": ("dualpipe", 2, 2, "adamw", 0.3, "pure", 0, "all-reduce"),
     "dualpipe-pp2-dp2-bf16-mixed": ("dualpipe", 2, 2, "sgd", None, "bf16-mixed", 0, "all-reduce"),
     "moe-dualpipev-pp2-dp2": ("dualpipev", 2, 2, "adamw", None, "pure", 4, "all-reduce"),
+    "moe-dualpipe-pp2-dp2-bf16-mixed": ("dualpipe", 2, 2, "adamw", 0.3, "bf16-mixed", 4, "all-reduce"),
     "1f1b-pp1-dp4-ordered-bf16-mixed": ("1f1b", 1, 4, "adamw", 0.3, "bf16-mixed", 0, "ordered"),
 }
 
@@ -53,16 +55,21 @@ def _shards(trainer) -> list[str]:
     checkpoints) there; experts by their holder; and this rank's optimizer holds state for nothing else."""
     import torch.distributed as dist
 
-    mine = [(name, trainer.optimized_tensor(p) is not None, owned) for name, p, owned in trainer.held]
+    from twinpipe.train.experts import expert_ids
+
+    experts = expert_ids(trainer.pipe.module)
+    mine = [(name, trainer.optimized_tensor(p) is not None, owned, id(p) in experts) for name, p, owned in trainer.held]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    count: dict = {}
+    count, want = {}, {}
     for claims in everyone:
-        for name, updates, owned in claims:
+        for name, updates, owned, expert in claims:
             count[name] = count.get(name, 0) + updates
+            want[name] = len(trainer.placement.chains) if expert else 1  # an expert: by its holder in each copy
             if owned and not updates:
                 count[name] = -99  # owned (norms, checkpoints) where another rank updates it
-    problems = [f"{k} updated by {n} ranks of the world (-99: owned where not updated)" for k, n in sorted(count.items()) if n != 1]
+    problems = [f"{k} updated by {n} ranks of the world, not {want[k]} (-99: owned where not updated)"
+                for k, n in sorted(count.items()) if n != want[k]]
     updated = {id(trainer.optimized_tensor(p)) for _, p, _ in trainer.held if trainer.optimized_tensor(p) is not None}
     if any(id(t) not in updated for t in trainer.optimizer.state):
         problems.append("optimizer state for a tensor this rank does not update")
@@ -71,8 +78,9 @@ def _shards(trainer) -> list[str]:
 
 def _state_once(trainer, state) -> list[str]:
     """The world's masters and optimizer state (``Trainer.state_bytes``, summed over every rank) are
-    those of one model (``state``: ``gather_state``, each parameter from its owner): DualPipe's two
-    copies of a stage hold one set between them, not one each (collective)."""
+    those of one model (``state``: ``gather_state``, each parameter from its owner) and, for experts
+    alone, of their copies that update without owning (mirrored copies: each updates its experts):
+    DualPipe's two copies of a dense stage hold one set between them, not one each (collective)."""
     import torch
     import torch.distributed as dist
 
@@ -82,11 +90,19 @@ def _state_once(trainer, state) -> list[str]:
     mine = trainer.state_bytes()
     total = torch.tensor([mine["master"], mine["optimizer"]], dtype=torch.float64)
     dist.all_reduce(total)
+    from twinpipe.train.experts import expert_ids
+
+    experts = expert_ids(trainer.pipe.module)
+    extra = [(t, trainer.optimizer.state.get(t, {})) for _, p, owned in trainer.held
+             for t in [trainer.optimized_tensor(p)] if t is not None and not owned and id(p) in experts]
+    more = torch.tensor([sum(size(t) for t, _ in extra) if trainer.mixed else 0,
+                         sum(size(v) for _, st in extra for v in st.values())], dtype=torch.float64)
+    dist.all_reduce(more)
     want = [None]
     if state is not None:  # global rank 0
         params, states = state
-        want = [[sum(map(size, params.values())) if trainer.mixed else 0,
-                 sum(size(v) for st in states.values() for v in st.values())]]
+        want = [[(sum(map(size, params.values())) if trainer.mixed else 0) + more[0].item(),
+                 sum(size(v) for st in states.values() for v in st.values()) + more[1].item()]]
     dist.broadcast_object_list(want, src=0)
     return [] if total.tolist() == want[0] else [f"masters and optimizer state over the world: {total.tolist()} bytes; "
                                                   f"one model's: {want[0]}"]
@@ -204,7 +220,7 @@ def _checkpoints(rank: int, root: str) -> list[str]:
     g = _trainer("dualpipe", 2, 2, **mixed)
     load_checkpoint(g, f"{root}/zero0-pp2")
     problems += same_state(g, saved_f, "replicated 1F1B DP=2 x PP=2 -> ZeRO-1 DualPipe DP=2 x PP=2")
-    problems += [f"after loading: {p}" for p in _state_once(g, saved_f)]  # each state loaded at its one owner
+    problems += [f"after loading: {p}" for p in _state_once(g, saved_f) + _shards(g)]  # each state loaded at its one owner
     if not g.mirrors_equal():
         problems.append("mirrored copies differ after loading a replicated 1F1B checkpoint")
     return problems

@@ -186,8 +186,8 @@ def test_bad_models(tmp_path, capsys):
         ("--model", qwen2_moe, "--ep", "2", "--dp", "2"): "--ep=2: --model=.*qwen2moe''s MoE layers cannot be spread: it has "
                                                           "shared_expert, shared_expert_gate besides",
         ("--ep", "2"): "--ep=2: only with --model",
-        ("--model", str(TINY_MOE), "--bias-update-speed", "0.001"): "--bias-update-speed=0.001: not with --model: it sets the "
-                                                                     "built-in GPT's MoE routers",
+        ("--model", str(TINY_MOE), "--bias-update-speed", "0.001"): "--bias-update-speed=0.001: must be 0 with --model=.* "
+                                                                     "it acts on DeepSeek-V3's routers",
         ("--model", llama, "--dim", "32"): "--dim=32: not with --model",
         ("--model", llama, "--seq-len", "300"): "--seq-len=300: must be at most 256, --model's max_position_embeddings",
         ("--model", str(bare), "--data", str(tmp_path / "notes.txt")): "--data=.*notes.txt': text needs a tokenizer: --model=.* has no tokenizer",

@@ -2,7 +2,8 @@
 
 Tensor keys: ``model.<name>`` for each parameter (the value the optimizer updates: the FP32 master
 under mixed precision), ``optim.<name>.<state>`` for its optimizer state and ``buffer.<name>`` for
-each MoE router's routing bias (``twinpipe.moe.bias``). Each model parameter is written once: by
+each MoE router's routing bias (``twinpipe.moe.bias``; a transformers DeepSeek-V3 gate's under its
+own name, ``buffer.model.layers.N.mlp.gate.e_score_correction_bias``). Each model parameter is written once: by
 data-parallel replica 0 (a MoE expert by the data-parallel rank that holds it, under the expert's own
 name; with ZeRO-1 by the rank that owns its shard), from the copy that is not DualPipe's mirror.
 Because keys name model parameters, not ranks or stages, a checkpoint loads under any schedule,
@@ -303,8 +304,9 @@ def load_checkpoint(trainer, path: str, *, optimizer_hparams: str = "checkpoint"
     for name, buffer, _ in getattr(trainer, "held_buffers", ()):
         if f"buffer.{name}" in saved_keys:
             state[f"buffer.{name}"] = buffer
-        else:  # written before routing biases were saved, when nothing moved them: zero
+        elif getattr(trainer, "stages", None) is None:  # written before routing biases were saved, when nothing moved them: zero
             buffer.zero_()
+        # (a transformers model's: nothing moved them then either; they keep the --model folder's values)
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=TensorsOnlyLoadPlanner(), process_group=group)
     except CheckpointException as error:

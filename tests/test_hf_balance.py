@@ -93,7 +93,7 @@ def _trainer(schedule: str, dp: int, pp: int, *, alpha: float = ALPHA, ep: bool 
 
     mesh = build_mesh(dp, pp)
     config = TrainConfig(schedule=schedule, batch_size=BATCH, microbatch_size=MICRO, seed=0, bias_update_speed=gamma,
-                         balance_alpha=alpha)
+                         **({"balance_alpha": alpha} if alpha else {}))
     stages = HFStages("unused: no weights read", layout, ep_group=mesh.dp_group if ep else None)
     return Trainer(_model, _sampler(), TokenLoss(), lambda ps: torch.optim.SGD(ps, lr=LR), mesh, config,
                    dtype=torch.float64, stages=stages)
@@ -244,6 +244,39 @@ def _cli(root: Path) -> list[str]:
     return problems
 
 
+def _refused() -> list[str]:
+    """``Trainer`` refuses gamma or alpha for a model without DeepSeek-V3 gates (a Llama), and alpha for
+    a twinpipe.moe model (its routers take their own), on every rank alike."""
+    from twinpipe.hf import HFStages, TokenLoss
+    from twinpipe.train.mesh import build_mesh
+    from twinpipe.train.trainer import TrainConfig, Trainer
+
+    mesh, problems = build_mesh(1, 2), []
+    llama = lambda: hf_models.model("llama", layers=2)  # noqa: E731
+    for field, message in (("bias_update_speed", "bias_update_speed=0.01: must be 0 for a model without DeepSeek-V3 gates "
+                                                 "(LlamaForCausalLM: no module with an e_score_correction_bias buffer)"),
+                           ("balance_alpha", "balance_alpha=0.01: must be 0 for a model without DeepSeek-V3 gates")):
+        config = TrainConfig(schedule="1f1b", batch_size=BATCH, microbatch_size=MICRO, **{field: 0.01})
+        try:
+            Trainer(llama, _sampler(), TokenLoss(), lambda ps: torch.optim.SGD(ps, lr=LR), mesh, config, dtype=torch.float64,
+                    stages=HFStages("unused"))
+            problems.append(f"{field}: not refused")
+        except ValueError as error:
+            if message not in str(error):
+                problems.append(f"{field}: {error}")
+    from twinpipe.train.model import GPT, GPTConfig, lm_loss
+
+    config = TrainConfig(schedule="1f1b", batch_size=BATCH, microbatch_size=MICRO, balance_alpha=0.01)
+    try:
+        Trainer(lambda: GPT(GPTConfig(vocab=64, seq_len=SEQ, dim=16, heads=2, layers=2, experts=2, top_k=1)), _sampler(),
+                lm_loss, lambda ps: torch.optim.SGD(ps, lr=LR), mesh, config)
+        problems.append("twinpipe.moe model with balance_alpha: not refused")
+    except ValueError as error:
+        if "balance_alpha=0.01: must be 0 for a model cut by split: a twinpipe.moe router takes its own" not in str(error):
+            problems.append(f"twinpipe.moe model: {error}")
+    return problems
+
+
 def _world(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
@@ -257,7 +290,7 @@ def _world(rank: int, world: int, root: str) -> dict:
         return problems
 
     named = [("dualpipev", first), ("resumed", lambda: _resumed(root, final)), ("dualpipe", lambda: _dualpipe(plain)),
-             ("ep", lambda: _expert_parallel(plain)), ("cli", lambda: _cli(root))]
+             ("ep", lambda: _expert_parallel(plain)), ("cli", lambda: _cli(root)), ("refused", _refused)]
     for name, fn in named:
         try:
             results[name] = fn()
@@ -302,6 +335,10 @@ def test_twinpipe_train_model_bias_update_speed_end_to_end(world):
     assert _case(world, "cli") == [[], []]
 
 
+def test_trainer_refuses_balancing_a_transformers_model_without_deepseek_v3_gates(world):
+    assert _case(world, "refused") == [[], []]
+
+
 @pytest.mark.parametrize("folder, option, message", [
     ("tiny-llama", ["--bias-update-speed", "0.001"],
      "--bias-update-speed=0.001: must be 0 with --model=.*tiny-llama' \\(model_type='llama'\\): it acts on DeepSeek-V3's "
@@ -334,8 +371,7 @@ def test_twinpipe_train_refuses_balancing_without_deepseek_v3_gates(tmp_path, ca
     assert not (tmp_path / "out").exists()
 
 
-def test_trainer_refuses_balancing_a_model_without_deepseek_v3_gates():
-    """The Python API's own check (every rank raises alike, before any step)."""
+def test_train_config_checks_balance_alpha():
     from twinpipe.train.trainer import TrainConfig
 
     assert TrainConfig(balance_alpha=0.1).balance_alpha == 0.1

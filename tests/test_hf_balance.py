@@ -277,6 +277,26 @@ def _refused() -> list[str]:
     return problems
 
 
+def _mixed_gpt_biases() -> list[str]:
+    """Under ``precision="bf16-mixed"`` (the modules cast to bf16 after the trainer is built, their
+    buffers replaced) ``held_buffers``, what checkpoints write, are the biases the step moved."""
+    import dataclasses
+
+    from tests.train_setup import tiny_setup
+    from twinpipe.train.mesh import build_mesh
+    from twinpipe.train.trainer import Trainer
+
+    model_fn, sampler, criterion, optimizer_fn, config = tiny_setup("1f1b", experts=4, precision="bf16-mixed")
+    trainer = Trainer(model_fn, sampler, criterion, optimizer_fn, build_mesh(1, 2),
+                      dataclasses.replace(config, bias_update_speed=0.25))
+    trainer.step(0)
+    live = {id(r.bias) for r in trainer._routers}
+    held = trainer.held_buffers
+    trainer.pipe.close()
+    problems = [] if held and all(id(t) in live for _, t, _ in held) else ["held_buffers are not the routers' biases"]
+    return problems + [f"{name}: not moved ({t.tolist()})" for name, t, _ in held if not t.abs().sum() > 0]
+
+
 def _world(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
@@ -290,7 +310,8 @@ def _world(rank: int, world: int, root: str) -> dict:
         return problems
 
     named = [("dualpipev", first), ("resumed", lambda: _resumed(root, final)), ("dualpipe", lambda: _dualpipe(plain)),
-             ("ep", lambda: _expert_parallel(plain)), ("cli", lambda: _cli(root)), ("refused", _refused)]
+             ("ep", lambda: _expert_parallel(plain)), ("cli", lambda: _cli(root)), ("refused", _refused),
+             ("mixed", _mixed_gpt_biases)]
     for name, fn in named:
         try:
             results[name] = fn()
@@ -337,6 +358,10 @@ def test_twinpipe_train_model_bias_update_speed_end_to_end(world):
 
 def test_trainer_refuses_balancing_a_transformers_model_without_deepseek_v3_gates(world):
     assert _case(world, "refused") == [[], []]
+
+
+def test_checkpointed_biases_are_the_moved_ones_under_mixed_precision(world):
+    assert _case(world, "mixed") == [[], []]
 
 
 @pytest.mark.parametrize("folder, option, message", [

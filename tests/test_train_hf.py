@@ -58,20 +58,26 @@ def _reference() -> tuple[list[float], list[float], dict]:
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _trained(rank: int, world: int) -> dict:
+def _tied_trainer(schedule: str):
     import torch
-    import torch.distributed as dist
 
     from twinpipe.hf import HFStages, TokenLoss
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.trainer import TrainConfig, Trainer
 
-    out = {}
+    config = TrainConfig(schedule=schedule, batch_size=BATCH, microbatch_size=MICRO, seed=0, max_norm=1e9)
+    return Trainer(_tied_model, _sampler(), TokenLoss(), lambda ps: torch.optim.SGD(ps, lr=0.5), build_mesh(1, 2), config,
+                   dtype=torch.float64, stages=HFStages(str(TINY_LLAMA), LAYOUTS[schedule]))
+
+
+def _trained(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    from twinpipe.train.checkpoint import load_checkpoint, save_checkpoint
+
+    out, embeds = {}, {}
     for schedule in TIED_SCHEDULES:
-        mesh = build_mesh(1, 2)
-        config = TrainConfig(schedule=schedule, batch_size=BATCH, microbatch_size=MICRO, seed=0, max_norm=1e9)
-        trainer = Trainer(_tied_model, _sampler(), TokenLoss(), lambda ps: torch.optim.SGD(ps, lr=0.5), mesh, config,
-                          dtype=torch.float64, stages=HFStages(str(TINY_LLAMA), LAYOUTS[schedule]))
+        trainer = _tied_trainer(schedule)
         results = [trainer.step(step) for step in range(STEPS)]
         held = {}
         for name, p, _ in trainer.held:
@@ -79,16 +85,43 @@ def _trained(rank: int, world: int) -> dict:
         mine = [held, trainer.stages.built.tie, len(trainer.params), len(trainer.held)]
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
+        save_checkpoint(trainer, f"{root}/{schedule}", STEPS)
+        embeds[schedule] = next(h["model.embed_tokens.weight"] for h, *_ in everyone if "model.embed_tokens.weight" in h)
         trainer.pipe.close()
         if rank == 0:
             out[schedule] = {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
                              "ranks": everyone}
+    # Each checkpoint into the other schedule's trainer (the tied ends one tensor there, or two): both
+    # names hold the saved weight.
+    loaded = {}
+    for saved, into in zip(TIED_SCHEDULES, reversed(TIED_SCHEDULES)):
+        trainer = _tied_trainer(into)
+        load_checkpoint(trainer, f"{root}/{saved}")
+        loaded[f"{saved} into {into}"] = [name for name, p, _ in trainer.held if name in ("model.embed_tokens.weight", "lm_head.weight")
+                                          and not p.detach().equal(embeds[saved])] or "ok"
+        trainer.pipe.close()
+    out["loaded"] = loaded
+    if rank == 0:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        out["stored"] = {s: sorted(k for k in FileSystemReader(f"{root}/{s}").read_metadata().state_dict_metadata
+                                   if "embed_tokens" in k or "lm_head" in k) for s in TIED_SCHEDULES}
     return out
 
 
 @pytest.fixture(scope="module")
-def tied_world():
-    return run_world(2, _trained, timeout=300)[0], _reference()
+def tied_world(tmp_path_factory):
+    world = run_world(2, _trained, str(tmp_path_factory.mktemp("tied")), timeout=300)
+    world[0]["loaded by rank"] = [r["loaded"] for r in world]
+    return world[0], _reference()
+
+
+def test_a_tied_weight_is_stored_once_and_loads_under_either_tie(tied_world):
+    """The checkpoint holds the tied weight once, under the embedding's name; a checkpoint of the
+    V schedule (one tensor) loads into 1F1B's two ends and the other way round, both names bitwise."""
+    got, _ = tied_world
+    assert got["stored"] == {s: ["model.model.embed_tokens.weight"] for s in TIED_SCHEDULES}
+    assert got["loaded by rank"] == [{"dualpipev into 1f1b": "ok", "1f1b into dualpipev": "ok"}] * 2
 
 
 @pytest.mark.parametrize("schedule", TIED_SCHEDULES)

@@ -1,6 +1,7 @@
 """``Trainer(stages=HFStages(...))`` on 2 ranks: a ``transformers`` causal LM with tied input/output
 embeddings trains as the unsplit model does, under a V schedule (one rank holds both ends: one
-tensor, ``tie="shared"``) and 1F1B (the ends on two ranks: the head has its own copy, ``"split"``).
+tensor, ``tie="shared"``) and 1F1B (the ends on two ranks: the head has its own copy, ``"split"``);
+its checkpoint stores the tied weight once and loads under either tie (AdamW: resumed bitwise).
 One world for the module; each case's outcome comes back as data."""
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _reference() -> tuple[list[float], list[float], dict]:
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _tied_trainer(schedule: str):
+def _tied_trainer(schedule: str, adam: bool = False):
     import torch
 
     from twinpipe.hf import HFStages, TokenLoss
@@ -66,8 +67,28 @@ def _tied_trainer(schedule: str):
     from twinpipe.train.trainer import TrainConfig, Trainer
 
     config = TrainConfig(schedule=schedule, batch_size=BATCH, microbatch_size=MICRO, seed=0, max_norm=1e9)
-    return Trainer(_tied_model, _sampler(), TokenLoss(), lambda ps: torch.optim.SGD(ps, lr=0.5), build_mesh(1, 2), config,
+    optimizer = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if adam else (lambda ps: torch.optim.SGD(ps, lr=0.5))
+    return Trainer(_tied_model, _sampler(), TokenLoss(), optimizer, build_mesh(1, 2), config,
                    dtype=torch.float64, stages=HFStages(str(TINY_LLAMA), LAYOUTS[schedule]))
+
+
+def _adam_resumed(root: str) -> list:
+    """1F1B (the head a copy on the last rank) with AdamW: a run resumed from the checkpoint of step 1
+    takes step 1 bitwise as the run that did not stop (the copy's optimizer state: the embedding's)."""
+    from twinpipe.train.checkpoint import load_checkpoint, save_checkpoint
+
+    trainer = _tied_trainer("1f1b", adam=True)
+    trainer.step(0)
+    save_checkpoint(trainer, f"{root}/adam", 1)
+    trainer.step(1)
+    want = {name: p.detach().clone() for name, p, _ in trainer.held}
+    trainer.pipe.close()
+    trainer = _tied_trainer("1f1b", adam=True)
+    load_checkpoint(trainer, f"{root}/adam")
+    trainer.step(1)
+    problems = [name for name, p, _ in trainer.held if not p.detach().equal(want[name])]
+    trainer.pipe.close()
+    return problems or "ok"
 
 
 def _trained(rank: int, world: int, root: str) -> dict:
@@ -101,6 +122,7 @@ def _trained(rank: int, world: int, root: str) -> dict:
                                           and not p.detach().equal(embeds[saved])] or "ok"
         trainer.pipe.close()
     out["loaded"] = loaded
+    out["adam"] = _adam_resumed(root)
     if rank == 0:
         from torch.distributed.checkpoint import FileSystemReader
 
@@ -113,6 +135,7 @@ def _trained(rank: int, world: int, root: str) -> dict:
 def tied_world(tmp_path_factory):
     world = run_world(2, _trained, str(tmp_path_factory.mktemp("tied")), timeout=300)
     world[0]["loaded by rank"] = [r["loaded"] for r in world]
+    world[0]["adam by rank"] = [r["adam"] for r in world]
     return world[0], _reference()
 
 
@@ -122,6 +145,7 @@ def test_a_tied_weight_is_stored_once_and_loads_under_either_tie(tied_world):
     got, _ = tied_world
     assert got["stored"] == {s: ["model.model.embed_tokens.weight"] for s in TIED_SCHEDULES}
     assert got["loaded by rank"] == [{"dualpipev into 1f1b": "ok", "1f1b into dualpipev": "ok"}] * 2
+    assert got["adam by rank"] == ["ok", "ok"]
 
 
 @pytest.mark.parametrize("schedule", TIED_SCHEDULES)

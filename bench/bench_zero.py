@@ -6,7 +6,10 @@ turns (``--rounds`` rounds of ``--steps`` steps each, round 0 a warm-up), so a b
 both alike. It prints, per rank, the optimizer state's bytes and (bf16-mixed) the FP32 masters'
 (``Trainer.state_bytes``, after the first step: AdamW builds its state then), with ZeRO-1's ratio to
 replicated measured in the same run; and the median step time of each, with the time in the
-data-parallel reduction (ZeRO-1: the reduce-scatter) and in the update (ZeRO-1: with the all-gather).
+data-parallel reduction (ZeRO-1: the reduce-scatter) and in the update. A third trainer, ZeRO-1 with
+the all-gather of the updated weights awaited inside ``step()`` (``Trainer.defer_gather = False``, the
+eager order), gives the deferred all-gather's (awaited by each stage's next forward: the default)
+ratio to the eager one, measured in the same run.
 
     python bench/bench_zero.py [--dps 2,4] [--pp 1] [--precision bf16-mixed] [--rounds 3 --steps 5]
 """
@@ -30,10 +33,11 @@ def _worker(rank: int, world: int, args, dp: int) -> dict:
     sampler = BatchSampler(stdlib_corpus(1 << 20), cfg.seq_len)
     mesh = build_mesh(dp, args.pp)
     trainers = {}
-    for zero in (0, 1):
+    for key, zero in ((0, 0), (1, 1), ("eager", 1)):
         config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size, max_norm=1.0,
                              precision=args.precision, zero=zero)
-        trainers[zero] = Trainer(lambda: GPT(cfg), sampler, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-3), mesh, config)
+        trainers[key] = Trainer(lambda: GPT(cfg), sampler, lm_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-3), mesh, config)
+    trainers["eager"].defer_gather = False  # ZeRO-1 with the all-gather awaited inside step()
     times = {zero: {} for zero in trainers}
     step = 0
     for rnd in range(args.rounds + 1):  # round 0 warms up (and builds AdamW's state)
@@ -83,10 +87,15 @@ def main() -> None:
         print(f"all ranks, optimizer + masters: {_mib(totals[0])} MiB replicated, {_mib(totals[1])} MiB ZeRO-1 "
               f"({totals[1] / totals[0]:.3f}; 1/dp = {1 / dp:.3f})")
         t = ranks[0]["times"]
-        med = {z: {k: statistics.median(v) for k, v in t[z].items()} for z in (0, 1)}
+        med = {z: {k: statistics.median(v) for k, v in t[z].items()} for z in t}
         print(f"rank 0 step ms: replicated {med[0]['total'] * 1e3:.1f} (DP reduction {med[0]['dp'] * 1e3:.1f}, update "
               f"{med[0]['update'] * 1e3:.1f}); ZeRO-1 {med[1]['total'] * 1e3:.1f} (reduce-scatter {med[1]['dp'] * 1e3:.1f}, "
-              f"update + all-gather {med[1]['update'] * 1e3:.1f}); ZeRO-1 / replicated {med[1]['total'] / med[0]['total']:.3f}")
+              f"update {med[1]['update'] * 1e3:.1f}); ZeRO-1 / replicated {med[1]['total'] / med[0]['total']:.3f}")
+        print(f"{'rank':>4} {'ZeRO-1 eager ms':>16} {'update+gather':>14} {'deferred ms':>12} {'update':>7} {'deferred/eager':>15}")
+        for r, out in enumerate(ranks):
+            m = {z: {k: statistics.median(v) for k, v in out["times"][z].items()} for z in ("eager", 1)}
+            print(f"{r:>4} {m['eager']['total'] * 1e3:>16.1f} {m['eager']['update'] * 1e3:>14.1f} {m[1]['total'] * 1e3:>12.1f} "
+                  f"{m[1]['update'] * 1e3:>7.1f} {m[1]['total'] / m['eager']['total']:>15.3f}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ copies of a stage summed before the reduce-scatter, and equal after every step),
 bf16-mixed, a MoE model (expert parallelism: an expert is held by one rank and never sharded), and
 DP=4 with the ordered reduction. Checkpoints move between ZeRO-1 DP=2 x PP=2 and replicated DP=1 x
 PP=4 and back (the loaded state bitwise the saved one). A rank configured with another ``zero`` or
-``precision`` makes every rank raise.
+``precision`` makes every rank raise. The all-gather of the updated weights, awaited by each stage's
+next forward, is bitwise the one awaited inside ``step()`` (1F1B, DualPipeV, DualPipe PP=2 x DP=2),
+and really awaited there; a peer failing before its all-gather makes its peer raise naming it.
 """
 
 from __future__ import annotations
@@ -121,7 +123,12 @@ def _checkpoints(rank: int, root: str) -> list[str]:
     first = [a.step(s).loss for s in range(2)]
     save_checkpoint(a, f"{root}/zero1", 2)
     saved_a = gather_state(a)
+    if a.reducer.pending:
+        problems.append(f"save_checkpoint left {a.reducer.pending} all-gathers pending")
     later = [a.step(s).loss for s in range(2, 4)]
+    load_checkpoint(a, f"{root}/zero1")  # with step 3's all-gathers pending: awaited first, not written over the loaded weights
+    if a.step(2).loss != later[0]:
+        problems.append("loading into a trainer with all-gathers pending: the next loss differs from the uninterrupted run's")
     dtypes = {str(m.properties.dtype) for k, m in read_checkpoint_info(f"{root}/zero1").metadata.state_dict_metadata.items()
               if k.startswith("model.")}
     if dtypes != {"torch.float32"}:
@@ -160,6 +167,128 @@ def _checkpoints(rank: int, root: str) -> list[str]:
     return problems
 
 
+# The all-gather after the update awaited by each stage's next forward against awaited inside step()
+# (schedule, pp, dp, overlap_dp): one chain with the reduction overlapped, a V (one rank holds two
+# stages, whose all-gathers cover both: cut by stage), mirrored copies.
+DEFERRED = {"1f1b": ("1f1b", 2, 2, True), "dualpipev-serial-dp": ("dualpipev", 2, 2, False), "dualpipe": ("dualpipe", 2, 2, True)}
+
+
+def _deferred_against_eager(rank: int, schedule, pp, dp, overlap_dp) -> list[str]:
+    """Bitwise the same losses, norms, weights and optimizer state; and the wait really moved: each
+    step returns with all-gathers pending, and in the next step each stage module awaits its own
+    inside the pipeline step, before its first forward (a V rank's second stage: not before the first's),
+    and their receive buffers (at least the sharded weights' bytes) are freed by then."""
+    import weakref
+
+    import torch
+
+    from twinpipe.train.mesh import build_mesh
+    from twinpipe.train.trainer import Trainer
+
+    def make():
+        model_fn, sampler, criterion, make_opt, config = tiny_setup(schedule, optimizer="adamw", max_norm=0.3, overlap_dp=overlap_dp, zero=1)
+        return Trainer(model_fn, sampler, criterion, make_opt, build_mesh(dp, pp), config, dtype=torch.float64)
+
+    eager, deferred = make(), make()
+    eager.defer_gather = False
+    problems, events, running = [], [], [False]
+    pipe_step, wait_gather = deferred.pipe.step, deferred.reducer.wait_gather
+
+    def watched_step(*args, **kwargs):
+        running[0] = True
+        try:
+            return pipe_step(*args, **kwargs)
+        finally:
+            running[0] = False
+
+    def pending_for(j):  # the all-gathers stage module j still waits for
+        return sum(1 for unit, *_ in deferred.reducer._pending if not unit.stages or j in unit.stages)
+
+    def watched_wait(stage, why):
+        events.append(("wait", stage, pending_for(stage) if stage is not None else deferred.reducer.pending, running[0]))
+        return wait_gather(stage, why)
+
+    deferred.pipe.step, deferred.reducer.wait_gather = watched_step, watched_wait
+    for j, module in enumerate(deferred.pipe.module):  # after the trainer's own pre-hook
+        module.register_forward_pre_hook(lambda m, args, j=j: events.append(
+            ("forward", j, pending_for(j), [pending_for(k) for k in range(len(deferred.pipe.module)) if k != j])))
+    held_buffers = []  # weak references to the receive buffers of the all-gathers left pending by the last step
+    for step in range(3):
+        events.clear()
+        a, b = eager.step(step), deferred.step(step)
+        if any(ref() is not None for ref in held_buffers):
+            problems.append(f"step {step}: the previous update's all-gather buffers are still alive after the step")
+        held_buffers = [weakref.ref(out) for _, _, out, _, _ in deferred.reducer._pending]
+        pending_bytes = sum(out.numel() * out.element_size() for _, _, out, _, _ in deferred.reducer._pending)
+        sharded_bytes = sum(p.numel() * p.element_size() for unit in deferred.reducer.units for p in unit.params)
+        if pending_bytes < sharded_bytes:
+            problems.append(f"step {step}: pending all-gather buffers hold {pending_bytes} bytes < the sharded weights' {sharded_bytes}")
+        if not torch.equal(a.losses, b.losses) or a.grad_norm != b.grad_norm:
+            problems.append(f"step {step}: deferred losses/norm {b.losses.tolist()}/{b.grad_norm} != eager {a.losses.tolist()}/{a.grad_norm}")
+        if eager.reducer.pending or not deferred.reducer.pending:
+            problems.append(f"step {step}: all-gathers pending when step() returns: eager {eager.reducer.pending}, "
+                            f"deferred {deferred.reducer.pending} (expected 0 and some)")
+        if step == 0:
+            continue
+        for j in range(len(deferred.pipe.module)):
+            mine = [e for e in events if e[1] == j]
+            first = next((i for i, e in enumerate(mine) if e[0] == "forward"), None)
+            waits = [e for e in mine[:first] if e[0] == "wait" and e[2] > 0]
+            if first is None or not waits or not all(w[3] for w in waits) or mine[first][2]:
+                problems.append(f"step {step}: stage module {j}: events {mine[:(first or 0) + 1]}: expected a wait inside the "
+                                "pipeline step for its pending all-gathers, then its forward with none left")
+        forwards = [e for e in events if e[0] == "forward"]
+        if len(deferred.pipe.module) > 1 and forwards and not all(forwards[0][3]):
+            problems.append(f"step {step}: at the first forward, the other stages' all-gathers were already awaited: {forwards[0]}")
+    deferred.mirrors_equal()  # reads the weights: awaits the pending all-gathers first
+    if deferred.reducer.pending:
+        problems.append(f"mirrors_equal left {deferred.reducer.pending} all-gathers pending")
+    for (name, p, _), (_, q, _) in zip(eager.held, deferred.held):
+        if not torch.equal(p, q):
+            problems.append(f"{name}: deferred weight differs from eager")
+        s, t = eager.optimizer.state.get(eager.optimized_tensor(p), {}), deferred.optimizer.state.get(deferred.optimized_tensor(q), {})
+        if s.keys() != t.keys() or any(not torch.equal(torch.as_tensor(s[k]), torch.as_tensor(t[k])) for k in s):
+            problems.append(f"{name}: deferred optimizer state differs from eager")
+    return problems[:6]
+
+
+def _peer_fails_in_update(rank: int) -> dict:
+    """DP rank 1 of pipeline rank 0 raises in its update of step 0, before its all-gathers: its
+    data-parallel peer's step 0 returns, and its step 1 raises within the timeout naming the all-gather;
+    afterwards its weights are refused (incomplete), not used."""
+    import dataclasses
+    import time
+
+    import torch
+
+    from twinpipe.runtime.errors import PipelineBrokenError
+    from twinpipe.train.mesh import build_mesh
+    from twinpipe.train.trainer import Trainer
+
+    model_fn, sampler, criterion, make_opt, config = tiny_setup("1f1b", optimizer="adamw", zero=1)
+    trainer = Trainer(model_fn, sampler, criterion, make_opt, build_mesh(2, 2), dataclasses.replace(config, timeout=30.0),
+                      dtype=torch.float64)
+    mesh, out = trainer.mesh, {}
+    if (mesh.dp_rank, mesh.pp_rank) == (1, 0):
+        def failing(where):
+            raise RuntimeError("injected failure before the all-gathers")
+        trainer.reducer.start_gather = failing
+    start = time.monotonic()
+    for step in range(2):
+        try:
+            trainer.step(step)
+        except Exception as error:
+            out.update(step=step, error=f"{type(error).__name__}: {error}", seconds=time.monotonic() - start)
+            break
+    if (mesh.dp_rank, mesh.pp_rank) == (0, 0):
+        try:
+            trainer.finish_update()
+            out["after"] = "finish_update returned"
+        except PipelineBrokenError as error:
+            out["after"] = str(error)
+    return {"dp": mesh.dp_rank, "pp": mesh.pp_rank, **out}
+
+
 def _disagreeing(rank: int, field: str) -> str:
     from twinpipe.runtime.errors import PipelineMismatchError
 
@@ -179,6 +308,8 @@ def _world(rank: int, world: int, root: str) -> dict:
     cases = [(name, lambda a=args: _against_reference(rank, *a)) for name, args in CASES.items()]
     cases += [("checkpoints", lambda: _checkpoints(rank, root))]
     cases += [(f"agree-{f}", lambda f=f: _disagreeing(rank, f)) for f in ("zero", "precision")]
+    cases += [(f"deferred-{name}", lambda a=args: _deferred_against_eager(rank, *a)) for name, args in DEFERRED.items()]
+    cases += [("peer-fails-in-update", lambda: _peer_fails_in_update(rank))]  # last: it leaves an all-gather unmatched
     results.update(run_named(cases))
     return results
 
@@ -202,3 +333,21 @@ def test_a_rank_with_another_setting_makes_every_rank_raise(outcomes, field):
     for o in outcomes:
         message = o[f"agree-{field}"]
         assert "the ranks are configured differently" in message and f"{field} (ranks" in message, message
+
+
+@pytest.mark.parametrize("name", list(DEFERRED))
+def test_deferred_all_gather_is_bitwise_the_eager_one_and_awaited_by_each_stage(outcomes, name):
+    assert all(o[f"deferred-{name}"] == [] for o in outcomes), [o[f"deferred-{name}"] for o in outcomes][:2]
+
+
+def test_a_peer_failing_before_its_all_gather_makes_its_peer_raise_naming_it(outcomes):
+    assert all(isinstance(o["peer-fails-in-update"], dict) for o in outcomes), [o["peer-fails-in-update"] for o in outcomes]
+    by = {(o["peer-fails-in-update"]["dp"], o["peer-fails-in-update"]["pp"]): o["peer-fails-in-update"] for o in outcomes}
+    failed, peer = by[(1, 0)], by[(0, 0)]
+    assert failed.get("step") == 0 and "injected failure" in failed["error"], failed
+    assert peer.get("step") == 1, peer  # step 0 returned with the all-gathers pending
+    assert "all-gather of updated weights" in peer["error"] and "rank dp=0 pp=0" in peer["error"], peer
+    assert "before the forward of stage 0" in peer["error"] and "global ranks [0, 2]" in peer["error"], peer
+    assert peer["seconds"] < 20, peer  # the trainer's timeout is 30 s: the failure notice is heard at once
+    assert "the weights are incomplete" in peer["after"] and "rank dp=0 pp=0" in peer["after"], peer
+    assert all("error" in o for o in by.values()), by  # every rank raised: nothing hangs

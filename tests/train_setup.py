@@ -59,6 +59,8 @@ def gather_state(trainer) -> tuple[dict, dict] | None:
     def clone(v):
         return v.detach().clone() if hasattr(v, "detach") else v
 
+    getattr(trainer, "finish_update", lambda: None)()  # ZeRO-1: the last update's all-gathers
+
     # What the owner's optimizer updates (the FP32 master under mixed precision) and its state.
     mine = {name: (clone(t), {k: clone(v) for k, v in trainer.optimizer.state.get(t, {}).items()})
             for name, t in ((name, trainer.optimized_tensor(p)) for name, p, owned in trainer.held if owned)}

@@ -131,6 +131,13 @@ def _raise_if_failed(said: list[dict], where: str, target, before: str) -> None:
         raise CheckpointWriteError(f"{where}: failed ({reasons}); {before}")
 
 
+def _finish_update(trainer) -> None:
+    """The last update's pending all-gathers awaited (``Trainer.finish_update``: ZeRO-1)."""
+    finish = getattr(trainer, "finish_update", None)
+    if finish is not None:
+        finish()
+
+
 def save_checkpoint(trainer, path: str, step: int) -> None:
     """Write the model, optimizer and ``step`` (the next step to run) to directory ``path``,
     completely or not at all (an existing checkpoint there stays loadable until the new one
@@ -143,6 +150,7 @@ def save_checkpoint(trainer, path: str, step: int) -> None:
     # 1. Each rank gathers what it writes; rank 0 makes the temporary folder. Every rank learns of any failure.
     mine: dict = {"error": None}
     try:
+        _finish_update(trainer)
         tensors, plain = _rank_state(trainer)
         if rank == 0:
             mine["folder"] = str(prepare_folder(path))
@@ -287,6 +295,7 @@ def load_checkpoint(trainer, path: str, *, optimizer_hparams: str = "checkpoint"
     check_choice(optimizer_hparams, "optimizer_hparams", OPTIMIZER_HPARAMS)
     check_bool(allow_model_config_change, "allow_model_config_change")
     path = str(path)
+    _finish_update(trainer)  # a pending all-gather (ZeRO-1) would overwrite the loaded weights
     group, timeout = trainer.checkpoint_group, trainer.timeout
     where = _where(trainer, f"loading checkpoint {path!r}")
     info = _checked(trainer, path, group, timeout, where, optimizer_hparams=optimizer_hparams,

@@ -20,8 +20,11 @@ Per step, in this order (the order the single-process reference follows, so resu
 With ``precision="bf16-mixed"`` the gradients above are the FP32 ``main_grad`` buffers and the
 optimizer updates FP32 masters, copied to the bf16 weights after the update (``precision.py``).
 With ``zero=1`` step 3 is a reduce-scatter: each data-parallel rank gets the summed gradients of the
-parameters it owns, updates only those (their optimizer state lives there alone) and all-gathers the
-new weights (``zero.py``); norms and checkpoints count each parameter at its owner.
+parameters it owns, updates only those (their optimizer state lives there alone) and starts the
+all-gathers of the new weights (``zero.py``): ``step()`` returns with them in flight, and each stage
+module awaits its own before its next forward (a forward pre-hook; ``defer_gather = False`` awaits
+them in ``step()``, the same bits); ``finish_update()`` awaits the rest before anything reads the
+weights between steps (checkpoints, ``mirrors_equal``). Norms and checkpoints count each parameter at its owner.
 With ``overlap_dp`` and one chain (no mirrored copies), step 3's dense collectives start inside
 step 1: each stage's buckets as soon as its last gradient-writing op has run (the pipeline's
 ``on_grads_ready``), and the trainer awaits them after ``step()`` returns. With mirrored copies the
@@ -34,6 +37,7 @@ collective whose sizes depend on it.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -307,6 +311,12 @@ class Trainer:
         masters = precision.make_masters(self._updated) if self.mixed else self._updated
         self._optimized = {id(p): t for p, t in zip(self._updated, masters)}  # parameter -> the tensor the optimizer updates
         self.pipe = Pipeline(modules, self.schedule, process_group=mesh.pp_group, timeout=self.timeout)
+        # ZeRO-1: the all-gathers of an update are awaited stage by stage, before the stage's next forward.
+        self.defer_gather = sharded  # False: awaited inside step() (the eager order; bench/bench_zero.py compares)
+        if sharded:
+            self.reducer.set_stages([[p for _, p in m.named_model_parameters()] for m in self.pipe.module])
+            for j, module in enumerate(self.pipe.module):
+                module.register_forward_pre_hook(functools.partial(self._await_weights, j))
         self.optimizer = optimizer_fn(masters)
         self._agree_optimizer()  # before the initial weights' broadcast
         self._agree_group = cpu_group(mesh.pp_group, self.timeout)  # small CPU exchanges (mirrors_equal)
@@ -530,6 +540,7 @@ class Trainer:
             self._refuse_update(step, problem)  # raises, or counts the step as skipped
         else:
             clip_grads(self._updated, factor)
+            self.finish_update()  # normally done: every stage's forward awaited its all-gathers
             self.optimizer.step()
             self._publish_update(step)
             self._move_biases(loads)
@@ -608,7 +619,22 @@ class Trainer:
         if self.mixed:
             precision.refresh(self._updated, [self._optimized[id(p)] for p in self._updated])
         if isinstance(self.reducer, ShardedReducer):
-            self.reducer.gather(self._where(f"step {step}"))
+            self.reducer.start_gather(self._where(f"step {step}"))
+            if not self.defer_gather:
+                self.finish_update()
+
+    def _await_weights(self, index: int, module, args) -> None:
+        """Forward pre-hook of stage module ``index`` (ZeRO-1): its weights' pending all-gathers awaited."""
+        if self.reducer.pending:
+            self.reducer.wait_gather(index, f"before the forward of stage {self.pipe.stages[index]}")
+
+    def finish_update(self) -> None:
+        """Await the all-gathers the last update left pending (ZeRO-1; nothing otherwise): afterwards
+        every parameter this rank holds has its updated value. Whatever reads the weights between steps
+        calls it first (checkpoints, ``mirrors_equal``, ``loaded_weights``); a stage's forward awaits its
+        own. Raises ``PipelineBrokenError`` when an all-gather failed or a failed step abandoned them."""
+        if isinstance(self.reducer, ShardedReducer):
+            self.reducer.wait_gather(None, "before reading the weights")
 
     def state_bytes(self) -> dict[str, int]:
         """This rank's bytes of model state, by part (``twinpipe.sim.memory.MemoryParts`` names):
@@ -629,6 +655,7 @@ class Trainer:
     def loaded_weights(self) -> None:
         """New values were written into the optimizer's tensors (a checkpoint): refresh the bf16
         weights from the masters (mixed precision)."""
+        self.finish_update()  # none pending after load_checkpoint (it awaits them before loading)
         if self.mixed:
             precision.refresh(self._updated, [self._optimized[id(p)] for p in self._updated])
 
@@ -649,6 +676,7 @@ class Trainer:
 
     def mirrors_equal(self) -> bool:
         """Whether every copy of every model stage is bitwise equal across the pipeline (collective)."""
+        self.finish_update()
         if not self.is_dual:
             return True
         digests = []

@@ -201,14 +201,19 @@ def _expert_parallel(ref: dict) -> list[str]:
 
 
 def _cli(root: Path) -> list[str]:
-    """``twinpipe train --model tests/data/tiny-deepseek-v3 --bias-update-speed 0.001`` (1F1B on 2
-    ranks, 1 step): its final checkpoint holds every gate's bias, moved by the unsplit model's loads of
-    the same batch from the same initial weights."""
+    """``twinpipe train --model tests/data/tiny-deepseek-v3 --bias-update-speed 0.001 --balance-alpha 0.1``
+    (1F1B on 2 ranks, 1 step): its final checkpoint holds every gate's bias, moved by the unsplit model's
+    loads of the same batch from the same initial weights, and its gradient norm is the unsplit model's
+    with the balance loss (float32: 1e-5 relative; without the loss it differs by more)."""
+    import json
+
     import numpy as np
     import torch.distributed as dist
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import twinpipe.train_command.cli as cli
+    from twinpipe.hf import TokenLoss
+    from twinpipe.moe.balance_loss import install_balance_loss
     from twinpipe.moe.bias import BiasBalancer
     from twinpipe.train.data import BatchSampler
 
@@ -219,7 +224,7 @@ def _cli(root: Path) -> list[str]:
     parser = cli.argparse.ArgumentParser()
     cli._add_arguments(parser)
     args = parser.parse_args(["--model", str(DATA / "tiny-deepseek-v3"), "--data", str(tokens), "--pp", "2",
-                              "--schedule", "1f1b", "--bias-update-speed", "0.001", "--steps", "1", "--seq-len", str(SEQ),
+                              "--schedule", "1f1b", "--bias-update-speed", "0.001", "--balance-alpha", "0.1", "--steps", "1", "--seq-len", str(SEQ),
                               "--batch-size", "2", "--microbatch-size", "1", "--out", str(root / "cli")])
     cli._check(args)
     cli._train(args, torch.device("cpu"))
@@ -232,13 +237,25 @@ def _cli(root: Path) -> list[str]:
     saved = torch.load(root / "final.pt", weights_only=True)
     torch.manual_seed(0)  # the trainer's seed, then the model, as the command builds it
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(DATA / "tiny-deepseek-v3"))).train()
+    x, y = BatchSampler(torch.from_numpy(np.load(tokens).astype(np.int64)), SEQ, seed=0).batch(0, 2)
+
+    def norm() -> float:  # of the mean of the two micro-batches' gradients (the balance loss's gradient has
+        model.zero_grad()  # factor 1 in each micro-batch's backward, as the trainer's: divided after the sum)
+        for rows in (slice(0, 1), slice(1, 2)):
+            TokenLoss()(model(x[rows]).logits, y[rows]).backward()
+        return float(torch.stack([p.grad.double().norm() for p in model.parameters() if p.grad is not None]).norm()) / 2
+
+    plain = norm()
+    install_balance_loss(model, 0.1)
     balancer = BiasBalancer(model, 0.001)
-    x, _ = BatchSampler(torch.from_numpy(np.load(tokens).astype(np.int64)), SEQ, seed=0).batch(0, 2)
-    for rows in (slice(0, 1), slice(1, 2)):
-        model(x[rows])
+    with_loss = norm()
     balancer.step()
+    logged = json.loads((root / "cli" / "train-log.json").read_text())["steps"][0]["grad_norm"]
+    problems = [] if logged == pytest.approx(with_loss, rel=1e-5) else [f"gradient norm {logged} != reference {with_loss} (without the loss {plain})"]
+    if abs(plain - with_loss) < 1e-4 * with_loss:
+        problems.append(f"the balance loss hardly changes the norm ({plain} vs {with_loss})")
     want = {f"buffer.{name}": t for name, t in model.named_buffers() if name.endswith(BIAS)}
-    problems = [f"{key}: {saved.get(key)} != {t}" for key, t in want.items() if not torch.equal(saved.get(key, torch.zeros(0)), t)]
+    problems += [f"{key}: {saved.get(key)} != {t}" for key, t in want.items() if not torch.equal(saved.get(key, torch.zeros(0)), t)]
     if not want or not any(t.abs().sum() > 0 for t in want.values()):
         problems.append("no bias moved in the reference")
     return problems

@@ -5,7 +5,9 @@
 and dualpipe on 2 pipeline ranks and with 2 expert-parallel ranks, every copy alike; the first step's
 losses bitwise and gradients within 1e-13; the biases in the DCP checkpoint (a resumed run bitwise the
 uninterrupted one) and in the safetensors ``save`` writes; ``twinpipe train --model DIR
---bias-update-speed`` end to end, and the command line's refusals. One 2-rank world for the module."""
+--bias-update-speed --balance-alpha`` end to end; the trainer's and the command line's refusals;
+and (twinpipe's GPT) the biases a checkpoint writes under bf16-mixed are the moved ones. One 2-rank
+world for the module."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """``Trainer(stages=HFStages(...))`` on 2 ranks: a ``transformers`` causal LM with tied input/output
 embeddings trains as the unsplit model does, under a V schedule (one rank holds both ends: one
-tensor, ``tie="shared"``) and 1F1B (the ends on two ranks: the head has its own copy, ``"split"``).
+tensor, ``tie="shared"``) and 1F1B (the ends on two ranks: the head has its own copy, ``"split"``);
+its checkpoint stores the tied weight once and loads under either tie (AdamW: resumed bitwise).
 One world for the module; each case's outcome comes back as data."""
 
 from __future__ import annotations
@@ -58,20 +59,46 @@ def _reference() -> tuple[list[float], list[float], dict]:
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _trained(rank: int, world: int) -> dict:
+def _tied_trainer(schedule: str, adam: bool = False):
     import torch
-    import torch.distributed as dist
 
     from twinpipe.hf import HFStages, TokenLoss
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.trainer import TrainConfig, Trainer
 
-    out = {}
+    config = TrainConfig(schedule=schedule, batch_size=BATCH, microbatch_size=MICRO, seed=0, max_norm=1e9)
+    optimizer = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if adam else (lambda ps: torch.optim.SGD(ps, lr=0.5))
+    return Trainer(_tied_model, _sampler(), TokenLoss(), optimizer, build_mesh(1, 2), config,
+                   dtype=torch.float64, stages=HFStages(str(TINY_LLAMA), LAYOUTS[schedule]))
+
+
+def _adam_resumed(root: str) -> list:
+    """1F1B (the head a copy on the last rank) with AdamW: a run resumed from the checkpoint of step 1
+    takes step 1 bitwise as the run that did not stop (the copy's optimizer state: the embedding's)."""
+    from twinpipe.train.checkpoint import load_checkpoint, save_checkpoint
+
+    trainer = _tied_trainer("1f1b", adam=True)
+    trainer.step(0)
+    save_checkpoint(trainer, f"{root}/adam", 1)
+    trainer.step(1)
+    want = {name: p.detach().clone() for name, p, _ in trainer.held}
+    trainer.pipe.close()
+    trainer = _tied_trainer("1f1b", adam=True)
+    load_checkpoint(trainer, f"{root}/adam")
+    trainer.step(1)
+    problems = [name for name, p, _ in trainer.held if not p.detach().equal(want[name])]
+    trainer.pipe.close()
+    return problems or "ok"
+
+
+def _trained(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    from twinpipe.train.checkpoint import load_checkpoint, save_checkpoint
+
+    out, embeds = {}, {}
     for schedule in TIED_SCHEDULES:
-        mesh = build_mesh(1, 2)
-        config = TrainConfig(schedule=schedule, batch_size=BATCH, microbatch_size=MICRO, seed=0, max_norm=1e9)
-        trainer = Trainer(_tied_model, _sampler(), TokenLoss(), lambda ps: torch.optim.SGD(ps, lr=0.5), mesh, config,
-                          dtype=torch.float64, stages=HFStages(str(TINY_LLAMA), LAYOUTS[schedule]))
+        trainer = _tied_trainer(schedule)
         results = [trainer.step(step) for step in range(STEPS)]
         held = {}
         for name, p, _ in trainer.held:
@@ -79,16 +106,46 @@ def _trained(rank: int, world: int) -> dict:
         mine = [held, trainer.stages.built.tie, len(trainer.params), len(trainer.held)]
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
+        save_checkpoint(trainer, f"{root}/{schedule}", STEPS)
+        embeds[schedule] = next(h["model.embed_tokens.weight"] for h, *_ in everyone if "model.embed_tokens.weight" in h)
         trainer.pipe.close()
         if rank == 0:
             out[schedule] = {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
                              "ranks": everyone}
+    # Each checkpoint into the other schedule's trainer (the tied ends one tensor there, or two): both
+    # names hold the saved weight.
+    loaded = {}
+    for saved, into in zip(TIED_SCHEDULES, reversed(TIED_SCHEDULES)):
+        trainer = _tied_trainer(into)
+        load_checkpoint(trainer, f"{root}/{saved}")
+        loaded[f"{saved} into {into}"] = [name for name, p, _ in trainer.held if name in ("model.embed_tokens.weight", "lm_head.weight")
+                                          and not p.detach().equal(embeds[saved])] or "ok"
+        trainer.pipe.close()
+    out["loaded"] = loaded
+    out["adam"] = _adam_resumed(root)
+    if rank == 0:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        out["stored"] = {s: sorted(k for k in FileSystemReader(f"{root}/{s}").read_metadata().state_dict_metadata
+                                   if "embed_tokens" in k or "lm_head" in k) for s in TIED_SCHEDULES}
     return out
 
 
 @pytest.fixture(scope="module")
-def tied_world():
-    return run_world(2, _trained, timeout=300)[0], _reference()
+def tied_world(tmp_path_factory):
+    world = run_world(2, _trained, str(tmp_path_factory.mktemp("tied")), timeout=300)
+    world[0]["loaded by rank"] = [r["loaded"] for r in world]
+    world[0]["adam by rank"] = [r["adam"] for r in world]
+    return world[0], _reference()
+
+
+def test_a_tied_weight_is_stored_once_and_loads_under_either_tie(tied_world):
+    """The checkpoint holds the tied weight once, under the embedding's name; a checkpoint of the
+    V schedule (one tensor) loads into 1F1B's two ends and the other way round, both names bitwise."""
+    got, _ = tied_world
+    assert got["stored"] == {s: ["model.model.embed_tokens.weight"] for s in TIED_SCHEDULES}
+    assert got["loaded by rank"] == [{"dualpipev into 1f1b": "ok", "1f1b into dualpipev": "ok"}] * 2
+    assert got["adam by rank"] == ["ok", "ok"]
 
 
 @pytest.mark.parametrize("schedule", TIED_SCHEDULES)

@@ -57,6 +57,23 @@ class HFStages:
             pairs += (("model.embed_tokens.weight", copy_name(model.config)),)
         return pairs
 
+    def routing_biases(self, model) -> list:
+        """``(name, experts)`` of every DeepSeek-V3 routing bias of the unsplit model
+        (``model.layers.N.mlp.gate.e_score_correction_bias``), then its MTP layers', in order: the
+        trainer's vector of loads (``TrainConfig.bias_update_speed``) has a slot per expert of each."""
+        import torch
+
+        from twinpipe.moe.bias import HF_BIAS
+
+        out = [(f"{name}.{HF_BIAS}", len(getattr(m, HF_BIAS))) for name, m in model.named_modules()
+               if isinstance(getattr(m, HF_BIAS, None), torch.Tensor)]
+        if self.mtp_depth and out:  # the MTP layers are DeepSeek-V3 MoE layers, not in the transformers model
+            from twinpipe.hf.mtp import checkpoint_names
+
+            out += [(name, shape[0]) for name, shape in checkpoint_names(model.config, self.mtp_depth)
+                    if name.endswith(f".{HF_BIAS}")]
+        return out
+
     def build(self, model, schedule, pp_rank: int) -> list:
         wrap = None
         if self.ep_group is not None:  # each rank keeps its rows of the fused experts; layers declare parts

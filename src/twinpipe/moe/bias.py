@@ -24,7 +24,7 @@ from twinpipe.checks import check_float
 from twinpipe.moe.agree import agree, all_reduce, ep_timeout, frame_device
 from twinpipe.moe.router import TopKRouter
 
-__all__ = ["bias_step", "update_bias_", "bias_routers", "BiasBalancer", "HF_BIAS"]
+__all__ = ["bias_step", "update_bias_", "bias_routers", "BiasBalancer", "CountedRouter", "HF_BIAS"]
 
 HF_BIAS = "e_score_correction_bias"  # the buffer of transformers' DeepseekV3TopkRouter
 
@@ -57,8 +57,10 @@ class _GateCounter:
             self.loads += torch.bincount(indices.reshape(-1), minlength=len(self.loads)).to(self.loads.device)
 
 
-class _Slot:
-    """One router: its bias and where its loads are counted."""
+class CountedRouter:
+    """One router of ``bias_routers``: its ``bias`` and its ``loads`` (token copies routed to each
+    expert since the last reset): a ``TopKRouter`` counts them itself, a Hugging Face gate through a
+    forward hook put on it here (``counter.handle.remove()`` takes it off)."""
 
     def __init__(self, name: str, module: nn.Module):
         self.name, self.module = name, module
@@ -74,6 +76,9 @@ class _Slot:
     @property
     def loads(self) -> torch.Tensor:
         return self.module.loads if self.counter is None else self.counter.loads
+
+
+_Slot = CountedRouter
 
 
 def bias_routers(model) -> list[tuple[str, nn.Module]]:
@@ -104,7 +109,7 @@ class BiasBalancer:
     def __init__(self, model, gamma: float, group=None, timeout: float | None = None):
         self.gamma = check_float(gamma, "gamma", low=0.0)
         self.group, self.timeout = group, ep_timeout(timeout)
-        self.slots = [_Slot(name, m) for name, m in bias_routers(model)]
+        self.slots = [CountedRouter(name, m) for name, m in bias_routers(model)]
         if not self.slots:
             raise ValueError(f"model ({type(model).__name__}) has no router with a bias (TopKRouter, or a module with "
                              f"an {HF_BIAS} buffer): nothing to balance")

@@ -2,9 +2,12 @@
 
 Tensor keys: ``model.<name>`` for each parameter (the value the optimizer updates: the FP32 master
 under mixed precision), ``optim.<name>.<state>`` for its optimizer state and ``buffer.<name>`` for
-each MoE router's routing bias (``twinpipe.moe.bias``). Each model parameter is written once: by
+each MoE router's routing bias (``twinpipe.moe.bias``; a transformers DeepSeek-V3 gate's under its
+own name, ``buffer.model.layers.N.mlp.gate.e_score_correction_bias``). Each model parameter is written once: by
 data-parallel replica 0 (a MoE expert by the data-parallel rank that holds it, under the expert's own
-name; with ZeRO-1 by the rank that owns its shard), from the copy that is not DualPipe's mirror.
+name; with ZeRO-1 by the rank that owns its shard), from the copy that is not DualPipe's mirror; a
+tied copy (``Trainer.tied``: a transformers model's tied head, an MTP head's embedding copy) is its
+main parameter's value and is not written (the marker lists the pairs), and loads from the main's keys.
 Because keys name model parameters, not ranks or stages, a checkpoint loads under any schedule,
 pipeline size, data-parallel size, ZeRO stage or precision (each rank reads the experts it holds, and
 the optimizer state of the parameters it updates).
@@ -90,13 +93,21 @@ def _rows(trainer, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(t, trainer.row_mesh, [Shard(0)], run_check=False)
 
 
+def _stored_name(trainer) -> dict[str, str]:
+    """Copy name -> main name of the trainer's tied pairs (``Trainer.tied``: a transformers model's
+    tied head, an MTP head's embedding copy): the copy is always equal to its main parameter, and a
+    checkpoint stores the weight and its optimizer state once, under the main name."""
+    return {copy: main for main, copy in getattr(trainer, "tied", ())}
+
+
 def _rank_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """The tensors this rank writes, and its optimizer state that is not a tensor (JSON-able values)."""
     tensors: dict[str, torch.Tensor] = {}
     plain: dict[str, dict] = {}
+    copies = _stored_name(trainer)
     for name, p, owned in trainer.held:
-        if not owned:  # dp replica 0's (ZeRO-1: the owning rank's) first copy writes; a MoE expert the one rank holding it
-            continue
+        if not owned or name in copies:  # dp replica 0's (ZeRO-1: the owning rank's) first copy writes; a MoE expert
+            continue                     # the one rank holding it; a tied copy is its main parameter's value
         t = trainer.optimized_tensor(p)  # the owner updates it: the FP32 master under mixed precision
         tensors[f"model.{name}"] = _rows(trainer, p, t.detach())
         for key, value in trainer.optimizer.state.get(t, {}).items():
@@ -204,7 +215,8 @@ def _marker_record(trainer, step: int, files: dict) -> dict:
     return {
         "step": int(step),
         "twinpipe": twinpipe.__version__,
-        "model": {"parameters": [[n, list(s)] for n, s in trainer.parameter_names], "record": trainer.model_record},
+        "model": {"parameters": [[n, list(s)] for n, s in trainer.parameter_names], "record": trainer.model_record,
+                  "tied": [[main, copy] for copy, main in _stored_name(trainer).items()]},
         "optimizer": {"class": type(trainer.optimizer).__name__, "param_groups": _param_groups(trainer.optimizer)},
         "optimizer_state_files": sorted(n for n in files if n.startswith("optimizer-state-")),
         "written_by": {"schedule": trainer.config.schedule, "dp": trainer.mesh.dp, "pp": trainer.mesh.pp,
@@ -291,29 +303,41 @@ def load_checkpoint(trainer, path: str, *, optimizer_hparams: str = "checkpoint"
     state: dict[str, torch.Tensor] = {}
     optim_keys: dict[int, list[tuple[str, str]]] = {}
     casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read, into): a model value stored in another dtype
+    stored_as = _stored_name(trainer)  # a tied copy reads its main parameter's keys (older checkpoints hold both, equal)
+    into: dict[str, torch.Tensor] = {}  # model key -> the tensor that holds its value once read
+    again: list[tuple[str, torch.Tensor]] = []  # (model key, tensor): a second tensor of this rank taking a key's value
     for name, p, _ in trainer.held:
         t = trainer.optimized_tensor(p)  # the master (mixed precision), p, or None (ZeRO-1: another rank updates it)
         target = (p if t is None else t).detach()
-        stored = info.metadata.state_dict_metadata[f"model.{name}"].properties.dtype
-        if stored != target.dtype:  # e.g. FP32 masters into a parameter another rank updates
-            read = torch.empty(target.shape, dtype=stored, device=target.device)
-            casts.append((read, target))
-            target = read
-        state[f"model.{name}"] = _rows(trainer, p, target)
-        if t is None:
-            continue  # no optimizer state here
-        prefix = f"optim.{name}."
+        source = stored_as.get(name, name)
+        if f"model.{source}" in into:  # this rank holds the main parameter too: its value, once read
+            if into[f"model.{source}"].data_ptr() != target.data_ptr():
+                again.append((f"model.{source}", target))
+        else:
+            into[f"model.{source}"] = target
+            stored = info.metadata.state_dict_metadata[f"model.{source}"].properties.dtype
+            if stored != target.dtype:  # e.g. FP32 masters into a parameter another rank updates
+                read = torch.empty(target.shape, dtype=stored, device=target.device)
+                casts.append((read, target))
+                target = read
+            state[f"model.{source}"] = _rows(trainer, p, target)
+        if t is None or id(t) in optim_keys:
+            continue  # no optimizer state here, or read already (one tensor under both names of a tied pair)
+        prefix = f"optim.{source}."
         for key, meta in info.metadata.state_dict_metadata.items():
             if key.startswith(prefix):
-                size = p.shape if id(p) in getattr(trainer, "row_shards", ()) and len(meta.size) else meta.size  # rows: this rank's
-                state[key] = _rows(trainer, p, torch.empty(size, dtype=meta.properties.dtype, device=p.device if meta.size else "cpu"))
+                if key not in state:  # else the main parameter's, read once and cloned below
+                    size = p.shape if id(p) in getattr(trainer, "row_shards", ()) and len(meta.size) else meta.size  # rows: this rank's
+                    state[key] = _rows(trainer, p, torch.empty(size, dtype=meta.properties.dtype,
+                                                               device=p.device if meta.size else "cpu"))
                 optim_keys.setdefault(id(t), []).append((key, key[len(prefix):]))
     saved_keys = info.metadata.state_dict_metadata
     for name, buffer, _ in getattr(trainer, "held_buffers", ()):
         if f"buffer.{name}" in saved_keys:
             state[f"buffer.{name}"] = buffer
-        else:  # written before routing biases were saved, when nothing moved them: zero
+        elif getattr(trainer, "stages", None) is None:  # written before routing biases were saved, when nothing moved them: zero
             buffer.zero_()
+        # (a transformers model's: nothing moved them then either; they keep the --model folder's values)
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=TensorsOnlyLoadPlanner(), process_group=group)
     except CheckpointException as error:
@@ -322,13 +346,23 @@ def load_checkpoint(trainer, path: str, *, optimizer_hparams: str = "checkpoint"
     for name in info.optimizer_state_files:
         plain.update(json.loads((Path(path) / name).read_text()))
     with torch.no_grad():
-        for read, into in casts:
-            into.copy_(read)
+        for read, target in casts:
+            target.copy_(read)
+        for key, target in again:
+            target.copy_(into[key])
+    used: set[str] = set()  # optimizer state keys given to a tensor already: the next one gets its own clone
+    done: set[int] = set()  # one tensor under both names of a tied pair: given its state once
     for name, p, _ in trainer.held:
         t = trainer.optimized_tensor(p)
-        if t is not None and (id(t) in optim_keys or name in plain):
-            tensors = {short: _state_dtype(_local(state[key]), short, t) for key, short in optim_keys.get(id(t), [])}
-            trainer.optimizer.state[t] = {**tensors, **plain.get(name, {})}
+        source = stored_as.get(name, name)
+        if t is not None and id(t) not in done and (id(t) in optim_keys or source in plain):
+            done.add(id(t))
+            tensors = {}
+            for key, short in optim_keys.get(id(t), []):
+                value = _state_dtype(_local(state[key]), short, t)
+                tensors[short] = value.clone() if key in used else value
+                used.add(key)
+            trainer.optimizer.state[t] = {**tensors, **plain.get(source, {})}
     trainer.loaded_weights()  # the bf16 compute copy from the masters (mixed precision)
     _apply_hparams(trainer.optimizer, info.optimizer.get("param_groups") or [], optimizer_hparams, where)
     return info.step

@@ -153,6 +153,11 @@ def read_checkpoint_info(path, verify_data: bool = False) -> CheckpointInfo:
     except (TypeError, ValueError):
         raise CheckpointError(path, f"file {MARKER}: its parameter list is damaged") from None
     stored = {k[len("model."):]: list(m.size) for k, m in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    tied = record["model"].get("tied", [])  # (main, copy) pairs: a tied copy is stored once, under its main name
+    if not (isinstance(tied, list) and all(isinstance(pair, list) and len(pair) == 2 and all(isinstance(n, str) for n in pair)
+                                           for pair in tied)):
+        raise CheckpointError(path, f"file {MARKER}: its list of tied parameters is damaged")
+    stored.update((copy, stored[main]) for main, copy in tied if main in stored and copy not in stored)
     if stored != parameters:
         differ = sorted(set(stored) ^ set(parameters)) or sorted(n for n in stored if stored[n] != parameters[n])
         raise CheckpointError(path, f"files {METADATA} and {MARKER} disagree on the model's parameters ({', '.join(differ[:4])}): "

@@ -31,7 +31,12 @@ class TrainConfig:
     a step whose loss or gradient norm is not finite does: ``"skip"`` (no update on any rank, the step
     is counted in ``Trainer.skipped_steps``) or ``"raise"`` (``NonFiniteStepError`` on every rank).
     ``bias_update_speed`` (gamma >= 0): after each step every MoE router's bias moves by gamma
-    against its expert's load (``twinpipe.moe.bias``; 0: the biases stay). ``mtp_depth`` (D >= 0),
+    against its expert's load (``twinpipe.moe.bias``; 0: the biases stay): a ``twinpipe.moe``
+    router's ``bias``, a ``transformers`` DeepSeek-V3 gate's ``e_score_correction_bias``.
+    ``balance_alpha`` (alpha >= 0): DeepSeek-V3's sequence-wise balance loss on a ``transformers``
+    DeepSeek-V3 model's gates (``Trainer(stages=...)``; ``twinpipe.moe.balance_loss``), its gradient
+    only (the losses reported are the criterion's); a ``twinpipe.moe`` model sets its routers' own
+    (``GPTConfig.balance_alpha``). ``mtp_depth`` (D >= 0),
     ``mtp_weight`` (lambda >= 0): the loss is ``L_main + lambda / D * sum_k L_MTP^k``, the model
     holding D multi-token-prediction modules (docs/deepseek-v3.md).
     ``precision``: ``"pure"`` (everything in the model's dtype, ``Trainer(dtype=...)``) or
@@ -56,6 +61,7 @@ class TrainConfig:
     mtp_weight: float = 0.0  # lambda: the MTP losses' weight, lambda / depth each
     precision: str = "pure"
     zero: int = 0
+    balance_alpha: float = 0.0  # DeepSeek-V3's sequence-wise balance loss on a transformers model's gates
 
     def __post_init__(self):
         from twinpipe.schedule import registry
@@ -78,6 +84,7 @@ class TrainConfig:
         check_bool(self.overlap_dp, "overlap_dp")
         check_choice(self.on_nonfinite, "on_nonfinite", ON_NONFINITE)
         check_float(self.bias_update_speed, "bias_update_speed", low=0.0)
+        check_float(self.balance_alpha, "balance_alpha", low=0.0)
         check_int(self.mtp_depth, "mtp_depth", low=0)
         check_float(self.mtp_weight, "mtp_weight", low=0.0)
         if self.mtp_weight and not self.mtp_depth:

@@ -52,7 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinpipe.moe.bias import update_bias_
+from twinpipe.moe.balance_loss import install_balance_loss
+from twinpipe.moe.bias import HF_BIAS, CountedRouter, update_bias_
 from twinpipe.moe.grads import reduce_replica_grads
 from twinpipe.moe.router import TopKRouter
 from twinpipe.runtime.batches import batch_layout
@@ -146,11 +147,36 @@ def _stage_routers(stage) -> list[tuple[str, TopKRouter]]:
 
 def _router_slices(model: nn.Module, held: Sequence[str]) -> tuple[list[tuple[int, int]], int]:
     """Where each held router's loads sit in the model's vector of loads (all routers, in order), and its length."""
+    return _slices([(name, router.num_experts) for name, router in model_routers(model)], held)
+
+
+def _slices(every: Sequence[tuple[str, int]], held: Sequence[str]) -> tuple[list[tuple[int, int]], int]:
+    """Where each of the ``held`` routers' loads sit in the vector of ``every`` router's ``(name,
+    experts)``, in order, and the vector's length."""
     where, offset = {}, 0
-    for name, router in model_routers(model):
-        where[name] = (offset, offset + router.num_experts)
-        offset += router.num_experts
+    for name, experts in every:
+        where[name] = (offset, offset + experts)
+        offset += experts
+    missing = [name for name in held if name not in where]
+    if missing:
+        raise ValueError(f"routing bias {missing[0]!r} of this rank's stages is not among the model's "
+                         f"({_few([n for n, _ in every]) or 'none'}): the stages and the model disagree")
     return [where[name] for name in held], offset
+
+
+def _gates(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(bias name in the unsplit model, gate)`` of every Hugging Face DeepSeek-V3 gate of a stage
+    built by ``Trainer(stages=...)`` (the biases among its ``named_model_buffers``), in order."""
+    if not hasattr(module, "named_model_buffers"):
+        return []
+    gates = {id(getattr(m, HF_BIAS)): m for m in module.modules() if isinstance(getattr(m, HF_BIAS, None), torch.Tensor)}
+    return [(name, gates[id(t)]) for name, t in module.named_model_buffers() if id(t) in gates]
+
+
+def _model_gates(model: nn.Module) -> list[tuple[str, int]]:
+    """``(bias name, experts)`` of every Hugging Face DeepSeek-V3 gate of an unsplit model, in order."""
+    return [(f"{name}.{HF_BIAS}", len(getattr(m, HF_BIAS))) for name, m in model.named_modules()
+            if isinstance(getattr(m, HF_BIAS, None), torch.Tensor)]
 
 
 def _few(items: Sequence, limit: int = 4) -> str:
@@ -238,15 +264,22 @@ class Trainer:
         tied_held = list({id(p): p for _, name, p in named if name in tied_names}.values())
         self._criterion = self._mtp_criterion(model, modules)
         self._dense = [p for p in self.params if id(p) not in experts]  # the same on every data-parallel replica
-        # Routing biases (buffers, DeepSeek-V3's balancing), owned as dense parameters are; loads by model router.
-        self.held_buffers = [(f"{name}.bias", router.bias, not is_mirror_copy(self.placement, s) and mesh.dp_rank == 0)
-                             for s, m in zip(pipeline_stages, modules) for name, router in _stage_routers(m)]
-        self._routers = [router for s, m in zip(pipeline_stages, modules) for _, router in _stage_routers(m)]
-        # Stages built by ``stages`` (a transformers model) hold no twinpipe.moe router: nothing to move.
-        self._router_slices = (_router_slices(model, [name for m in modules for name, _ in _stage_routers(m)])
-                               if stages is None else ([], 0))
-        if config.bias_update_speed and not self._router_slices[1]:
-            raise bad("bias_update_speed", config.bias_update_speed, "must be 0 for a model without MoE routers (nothing to balance)")
+        # Routing biases (buffers, DeepSeek-V3's balancing), owned as dense parameters are; loads by model
+        # router, in one vector of the whole model's routers. Stages built by ``stages`` (a transformers
+        # model): its DeepSeek-V3 gates, whose choices a forward hook counts (``CountedRouter``).
+        if stages is None:
+            routers = [(s, f"{name}.bias", name, router) for s, m in zip(pipeline_stages, modules)
+                       for name, router in _stage_routers(m)]
+            every = [(name, router.num_experts) for name, router in model_routers(model)]
+        else:
+            routers = [(s, name, name, CountedRouter(name, gate)) for s, m in zip(pipeline_stages, modules)
+                       for name, gate in _gates(m)]
+            every = list(stages.routing_biases(model)) if hasattr(stages, "routing_biases") else _model_gates(model)
+        self._bias_slots = [(name, router, not is_mirror_copy(self.placement, s) and mesh.dp_rank == 0)
+                            for s, name, _, router in routers]
+        self._routers = [router for *_, router in routers]
+        self._router_slices = _slices(every, [key for _, _, key, _ in routers])
+        self._check_balancing(config, model, modules)
         # Overlapped: one part per stage, started by the pipeline's on_grads_ready; else one part of all.
         # A tensor held by two stages (shared tied weight) is final only when both are: not per stage.
         self.overlap_dp = config.overlap_dp and not self.is_dual and not shared
@@ -311,6 +344,34 @@ class Trainer:
             for p, m in zip(self._updated, masters):
                 m.grad = p.main_grad  # one tensor: what the trainer reduces is what the optimizer reads
 
+    @property
+    def held_buffers(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """``(name, buffer, owned)`` of the routing biases this rank holds (checkpoints store them):
+        ``<router>.bias`` of a ``twinpipe.moe`` router, ``model.layers.N.mlp.gate.e_score_correction_bias``
+        of a transformers DeepSeek-V3 gate; owned by data-parallel rank 0's first copy. Read from the
+        routers each time (a dtype cast replaces a module's buffers)."""
+        return [(name, router.bias, owned) for name, router, owned in self._bias_slots]
+
+    def _check_balancing(self, config: TrainConfig, model: nn.Module, modules: Sequence[nn.Module]) -> None:
+        """DeepSeek-V3's balancing needs routers with a bias; ``balance_alpha`` hooks a transformers
+        model's gates (``install_balance_loss``: every copy of each)."""
+        gamma, alpha = config.bias_update_speed, config.balance_alpha
+        if gamma and not self._router_slices[1]:
+            what = ("a model without MoE routers" if self.stages is None else
+                    f"a model without DeepSeek-V3 gates ({type(model).__name__}: no module with an {HF_BIAS} buffer)")
+            raise bad("bias_update_speed", gamma, f"must be 0 for {what}: nothing to balance")
+        if not alpha:
+            return
+        if self.stages is None:
+            raise bad("balance_alpha", alpha, "must be 0 for a model cut by split: a twinpipe.moe router takes its own "
+                      "(TopKRouter(balance_alpha=...), GPTConfig.balance_alpha)")
+        if not self._router_slices[1]:
+            raise bad("balance_alpha", alpha, f"must be 0 for a model without DeepSeek-V3 gates ({type(model).__name__}: "
+                      f"no module with an {HF_BIAS} buffer): no sequence-wise balance loss to add")
+        for module in modules:
+            if _gates(module):
+                install_balance_loss(module, alpha)
+
     def _agree_settings(self, model: nn.Module, device) -> None:
         """Every rank's configuration, model and precision, compared (``agreement.agree``)."""
         c = self.config
@@ -320,6 +381,7 @@ class Trainer:
             "batch_size": c.batch_size, "microbatch_size": c.microbatch_size, "max_norm": canonical(c.max_norm),
             "balance": c.balance, "seed": c.seed, "timeout": canonical(c.timeout), "dp_reduce": c.dp_reduce, "overlap_dp": c.overlap_dp,
             "on_nonfinite": c.on_nonfinite, "bias_update_speed": canonical(c.bias_update_speed),
+            "balance_alpha": canonical(c.balance_alpha),
             "mtp_depth": c.mtp_depth, "mtp_weight": canonical(c.mtp_weight), "precision": c.precision, "zero": c.zero,
             "dtype": ",".join(sorted({str(p.dtype) for p in model.parameters()})), "device": torch.device(device).type,
             "criterion": _qualname(self.criterion),

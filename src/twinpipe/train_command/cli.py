@@ -73,9 +73,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the routers' affinities: softmax (default) or sigmoid (DeepSeek-V3); only with --experts")
     parser.add_argument("--bias-update-speed", type=float, default=0.0, metavar="GAMMA",
                         help="DeepSeek-V3's auxiliary-loss-free balancing: after each step every routing bias moves by GAMMA "
-                             "against its expert's load (default: 0, off); only with --experts")
+                             "against its expert's load (default: 0, off); only with --experts, or --model with DeepSeek-V3's gates")
     parser.add_argument("--balance-alpha", type=float, default=0.0, metavar="ALPHA",
-                        help="DeepSeek-V3's sequence-wise balance loss factor (default: 0, off); only with --experts")
+                        help="DeepSeek-V3's sequence-wise balance loss factor (default: 0, off); only with --experts, or --model "
+                             "with DeepSeek-V3's gates")
     parser.add_argument("--mtp-depth", type=int, default=0, metavar="D",
                         help="multi-token prediction modules on the last stage (default: 0, off); below --seq-len")
     parser.add_argument("--mtp-weight", type=float, default=0.3, metavar="LAMBDA",
@@ -428,7 +429,7 @@ def _model_config(args):
     _check_ds3(args)
     return GPTConfig(vocab=cli_data.vocab(args), seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers,
                      experts=args.experts, top_k=top_k if args.experts else _DEFAULT_TOP_K, score=args.score,
-                     balance_alpha=args.balance_alpha, mtp_depth=args.mtp_depth)
+                     balance_alpha=args.balance_alpha if args.model is None else 0.0, mtp_depth=args.mtp_depth)
 
 
 def _check_ds3(args) -> None:
@@ -438,18 +439,21 @@ def _check_ds3(args) -> None:
     check_float(args.balance_alpha, "--balance-alpha", low=0)
     check_int(args.mtp_depth, "--mtp-depth", low=0, high=args.seq_len - 1)
     check_float(args.mtp_weight, "--mtp-weight", low=0)
+    if args.score != "softmax" and args.model is not None:
+        raise bad("--score", args.score, "not with --model: it sets the built-in GPT's MoE routers (--experts); a "
+                  "transformers model scores its experts as its config.json says (DeepSeek-V3: sigmoid)")
     for flag, value, off in (("--score", args.score, "softmax"), ("--bias-update-speed", args.bias_update_speed, 0.0),
                              ("--balance-alpha", args.balance_alpha, 0.0)):
-        if value != off and args.model is not None:
-            raise bad(flag, value, "not with --model: it sets the built-in GPT's MoE routers (--experts); a transformers "
-                                   "model routes as its config.json says")
-        if value != off and not args.experts:
+        if value != off and args.model is None and not args.experts:
             raise bad(flag, value, "needs --experts: a dense model (--experts 0) routes no tokens")
 
 
 def _ds3_config(args) -> dict:
     """The TrainConfig fields of DeepSeek-V3's options."""
+    # --balance-alpha: the built-in GPT's routers take it from its config (_model_config), a
+    # transformers DeepSeek-V3's gates from the trainer (cli_model._check_balancing checked them)
     return {"bias_update_speed": args.bias_update_speed, "mtp_depth": args.mtp_depth,
+            "balance_alpha": args.balance_alpha if args.model is not None else 0.0,
             "mtp_weight": args.mtp_weight if args.mtp_depth else 0.0}
 
 

@@ -105,6 +105,7 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
         _check_ep(args, model)
     if args.mtp_depth:
         _check_mtp(args, model)
+    _check_balancing(args, model)
     layers = len(parts.layers)
     if args.layout is not None:
         try:
@@ -152,6 +153,22 @@ def _check_mtp(args, model) -> None:
         mtp_depth_of(model, args.mtp_depth)
     except ValueError as error:  # "mtp_depth=1: must be 0 for ..."
         raise ValueError(f"--{_first_line(error).replace('_', '-', 1)} (--model={args.model!r})") from None
+
+
+def _check_balancing(args, model) -> None:
+    """``--bias-update-speed`` and ``--balance-alpha`` act on DeepSeek-V3's gates (their
+    ``e_score_correction_bias``): refused for a model without one."""
+    import torch
+
+    from twinpipe.moe.bias import HF_BIAS
+
+    if any(isinstance(getattr(m, HF_BIAS, None), torch.Tensor) for m in model.modules()):
+        return
+    for flag, value in (("--bias-update-speed", args.bias_update_speed), ("--balance-alpha", args.balance_alpha)):
+        if value:
+            raise ValueError(f"{flag}={value}: must be 0 with --model={args.model!r} "
+                             f"(model_type={getattr(model.config, 'model_type', None)!r}): it acts on DeepSeek-V3's "
+                             f"routers (their {HF_BIAS}), and this model has none")
 
 
 def load(args, *, need_tokenizer: bool = False) -> ModelInfo:

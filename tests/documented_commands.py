@@ -249,6 +249,7 @@ COMMANDS: list[Command] = [
     _bench("python bench/bench_precision.py --steps 600 --lr 3e-4 --out docs/img/precision-loss.png"),
     _bench("python bench/bench_zero.py --dps 2,4 --precision bf16-mixed"),
     _bench("python bench/bench_zero.py --dps 2 --pp 2 --schedule dualpipev"),
+    _bench("python bench/bench_zero.py --dps 2 --pp 2 --schedule dualpipe --precision bf16-mixed --rounds 1 --steps 1"),
     # ---- docs/train.md: --data and --model
     Command("python -c \"import numpy as np; np.save('tokens.npy', np.random.default_rng(0).integers(0, 128, 100_000)"
             ".astype(np.uint16))\"", folder="train-data", files=("tokens.npy",)),

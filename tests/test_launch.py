@@ -49,6 +49,25 @@ def test_a_rank_that_fails_or_dies_is_named(how, message):
         assert "ValueError: rank one refuses" in str(info.value)
 
 
+def _start(rank: int, world: int) -> tuple:
+    import sys
+
+    return os.getppid(), os.environ.get("TWINPIPE_LAUNCH_MARK"), sys.modules["torch"].__name__
+
+
+def test_ranks_fork_from_one_server_with_torch_and_get_the_callers_environment_now(monkeypatch):
+    # A rank starts from multiprocessing's fork server (torch imported there once), not as a fresh
+    # interpreter that imports torch again: its parent is the server, the same for every call. The
+    # server's environment is the caller's when it started: each rank gets the caller's of now.
+    first = run_local(2, _start, timeout=120)
+    monkeypatch.setenv("TWINPIPE_LAUNCH_MARK", "set after the server started")
+    second = run_local(2, _start, timeout=120)
+    servers = {ppid for ppid, _, _ in first + second}
+    assert len(servers) == 1 and os.getpid() not in servers, (os.getpid(), servers)
+    assert [mark for _, mark, _ in second] == ["set after the server started"] * 2
+    assert [mark for _, mark, _ in first] == [None, None]
+
+
 def test_world_must_be_a_positive_int():
     with pytest.raises(ValueError, match="world=0"):
         run_local(0, _sum_ranks, 0)

@@ -1,10 +1,12 @@
 """Run one function as N ranks of a process group on this host: how the demos, the bench
 scripts, ``twinpipe train`` and the multi-process tests start their ranks when torchrun does not.
 
-Each rank is a fresh (spawned) process that joins the group, runs ``fn(rank, world, *args)``
-and sends back what it returned; the caller gets every rank's value in rank order, or an error
-naming the rank that failed, died or ran out of time, never a wait without end. torch is
-imported only when ranks start, so importing this module stays cheap for ``--help``.
+Each rank is a process forked from multiprocessing's fork server (which imported torch once;
+spawned where there is none) that joins the group, runs ``fn(rank, world, *args)`` with the
+caller's environment of the call, and sends back what it returned; the caller gets every rank's
+value in rank order, or an error naming the rank that failed, died or ran out of time, never a
+wait without end. torch is imported only when ranks start, so importing this module stays cheap
+for ``--help``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, fn, args: tuple, results, backend: str, threads: int | None,
-               group_timeout: float | None) -> None:
+               group_timeout: float | None, environ: dict) -> None:
+    os.environ.clear()  # the caller's environment now, not the fork server's from when it started
+    os.environ.update(environ)
     import datetime
 
     import torch
@@ -55,6 +59,17 @@ def _rank_main(rank: int, world: int, port: int, fn, args: tuple, results, backe
             dist.destroy_process_group()
 
 
+def _context(mp):
+    """Where ranks start: forked from multiprocessing's fork server, which imported torch once (a
+    rank then starts in milliseconds, not the second or two of a fresh interpreter importing torch);
+    spawned where there is no fork server (Windows)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])  # no-op once the server runs
+    return ctx
+
+
 def run_local(world: int, fn, *args, timeout: float | None = None, threads: int | None = 1,
               backend: str = "gloo", group_timeout: float | None = None, allow_deaths: bool = False) -> list:
     """``[fn(rank, world, *args) for rank in range(world)]``, each rank in its own process, all in
@@ -71,10 +86,11 @@ def run_local(world: int, fn, *args, timeout: float | None = None, threads: int 
     if group_timeout is not None:
         group_timeout = checked_timeout(group_timeout, "group_timeout")
 
-    ctx = mp.get_context("spawn")
+    ctx = _context(mp)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results, backend, threads, group_timeout))
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results, backend, threads, group_timeout, environ))
              for r in range(world)]
     for p in procs:
         p.start()

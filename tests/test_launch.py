@@ -49,6 +49,35 @@ def test_a_rank_that_fails_or_dies_is_named(how, message):
         assert "ValueError: rank one refuses" in str(info.value)
 
 
+def _start(rank: int, world: int, tensors=()) -> tuple:
+    import sys
+
+    print(f"rank {rank} says hello", flush=True)
+    print(f"rank {rank} warns", file=sys.stderr, flush=True)
+    return os.getppid(), os.environ.get("TWINPIPE_LAUNCH_MARK"), int(sum(t.sum() for t in tensors))
+
+
+def test_ranks_fork_from_one_server_with_torch_and_get_the_callers_environment_and_output_now(monkeypatch, capfd):
+    # A rank starts from multiprocessing's fork server (torch imported there once), not as a fresh
+    # interpreter that imports torch again: its parent is the server, the same for every call. The
+    # server's environment and output are the caller's when it started: each rank gets the caller's
+    # of now (here pytest's capture). 300 tensors as arguments: by value, not 300 shared-memory
+    # file descriptors (a fork server takes at most a few hundred).
+    import torch
+
+    first = run_local(2, _start, timeout=120)
+    monkeypatch.setenv("TWINPIPE_LAUNCH_MARK", "set after the server started")
+    second = run_local(2, _start, [torch.ones(2) for _ in range(300)], timeout=120)
+    servers = {ppid for ppid, _, _ in first + second}
+    assert len(servers) == 1 and os.getpid() not in servers, (os.getpid(), servers)
+    assert [mark for _, mark, _ in second] == ["set after the server started"] * 2
+    assert [mark for _, mark, _ in first] == [None, None]
+    assert [total for _, _, total in first + second] == [0, 0, 600, 600]
+    out, err = capfd.readouterr()
+    assert sorted(out.splitlines()) == ["rank 0 says hello"] * 2 + ["rank 1 says hello"] * 2, out
+    assert sorted(err.splitlines()) == ["rank 0 warns"] * 2 + ["rank 1 warns"] * 2, err
+
+
 def test_world_must_be_a_positive_int():
     with pytest.raises(ValueError, match="world=0"):
         run_local(0, _sum_ranks, 0)

@@ -31,7 +31,7 @@ from distributed import run_world
 
 WORLD = 4
 HIDDEN, HEADS = 8, 2
-LAYOUTS = {(2, 2): 24, (1, 2): 16, (1, 4): 16, (2, 1): 12, (1, 1): 12}  # (pp, ep): cases drawn
+LAYOUTS = {(2, 2): 12, (1, 2): 8, (1, 4): 8, (2, 1): 6, (1, 1): 6}  # (pp, ep): cases drawn (each layout sees every schedule: test below)
 ROUTINGS = ("random", "ties", "starved", "dead", "skewed")
 
 
@@ -178,7 +178,33 @@ def _local_run(ex: Example, model, chain_stages, x_mb, y_mb):
     return losses, [[_grads(stage) for stage in copies[r]] for r in range(ex.ep)]
 
 
-def run_example(ex: Example, pp_group, ep_group) -> list[str]:
+def expected(ex: Example) -> dict:
+    """What the case's pipeline must give, computed once (on one rank of the world, for every rank):
+    the written-down order's losses (per EP rank and micro-batch) and gradients (per model stage and
+    name), and the local EP run's losses and gradients (per EP rank and model stage)."""
+    import moe_models as mm
+    from twinpipe.schedule.registry import placement_for
+
+    placement = placement_for(ex.schedule, ex.pp)
+    [chain] = placement.chains
+    model = _model(ex, placement.num_model_stages)
+    x_mb, y_mb = _data(ex)
+    chain_stages = [placement.model_stage(s) for s in chain]
+    # The written-down order: every EP rank's micro-batch j at once, in plain autograd.
+    reference = copy.deepcopy(model)
+    ref_loss = [[None] * ex.chunks for _ in range(ex.ep)]
+    for j in range(ex.chunks):
+        outs = mm.reference_stages([reference[k] for k in chain_stages], [x[j] for x in x_mb], ex.phy2log)
+        losses = [mm.mse(o, y[j]) for o, y in zip(outs, y_mb)]
+        sum(losses).backward()
+        for r, loss in enumerate(losses):
+            ref_loss[r][j] = loss.detach()
+    local_loss, local_grads = _local_run(ex, model, chain_stages, x_mb, y_mb)
+    ref_grads = [{n: p.grad for n, p in stage.named_parameters()} for stage in reference]
+    return dict(ref_loss=ref_loss, ref_grads=ref_grads, local_loss=local_loss, local_grads=local_grads)
+
+
+def run_example(ex: Example, pp_group, ep_group, expect: dict) -> list[str]:
     import torch
     import torch.distributed as dist
 
@@ -198,16 +224,8 @@ def run_example(ex: Example, pp_group, ep_group) -> list[str]:
         m.overlap = ex.overlap
     x_mb, y_mb = _data(ex)
     chain_stages = [placement.model_stage(s) for s in chain]
-
-    # The written-down order: every EP rank's micro-batch j at once, in plain autograd.
-    reference = copy.deepcopy(model)
-    ref_loss = {}
-    for j in range(ex.chunks):
-        outs = mm.reference_stages([reference[k] for k in chain_stages], [x[j] for x in x_mb], ex.phy2log)
-        losses = [mm.mse(o, y[j]) for o, y in zip(outs, y_mb)]
-        sum(losses).backward()
-        ref_loss[j] = losses[ep_rank].detach()
-    local_loss, local_grads = _local_run(ex, model, chain_stages, x_mb, y_mb)
+    ref_loss, ref_grads = expect["ref_loss"][ep_rank], expect["ref_grads"]
+    local_loss, local_grads = expect["local_loss"], expect["local_grads"]
 
     if ex.schedule == "dualpipev":
         pipe = twinpipe.DualPipeV(modules, process_group=pp_group, timeout=60)
@@ -219,7 +237,7 @@ def run_example(ex: Example, pp_group, ep_group) -> list[str]:
     loss, _ = pipe.step(*args, num_chunks=ex.chunks, criterion=mm.mse, labels=labels)
     problems = []
     if last:
-        want = torch.stack([ref_loss[j] for j in range(ex.chunks)])
+        want = torch.stack(ref_loss)
         if not torch.equal(loss, want):
             problems.append(f"losses {loss.tolist()} != the written-down order's {want.tolist()}")
         local = torch.stack([local_loss[ep_rank][j] for j in range(ex.chunks)])
@@ -241,7 +259,8 @@ def run_example(ex: Example, pp_group, ep_group) -> list[str]:
             continue
         # The chain's last block: its experts' weight gradients (and with one EP rank its shared
         # expert's) follow from its forward values and output gradient alone: bitwise the reference's.
-        block, ref = module.blocks[-1], dict(reference[k].blocks[-1].named_parameters())
+        last_block = next(n for n, m in module.named_modules() if m is module.blocks[-1]) + "."
+        block, ref = module.blocks[-1], {n.removeprefix(last_block): g for n, g in ref_grads[k].items() if n.startswith(last_block)}
         for name, p in block.named_parameters():
             where, _, rest = name.partition(".")
             if where == "experts":
@@ -255,7 +274,7 @@ def run_example(ex: Example, pp_group, ep_group) -> list[str]:
             else:
                 continue
             got = p.grad if p.grad is not None else torch.zeros_like(p)
-            want_g = ref[ref_name].grad if ref[ref_name].grad is not None else torch.zeros_like(p)
+            want_g = ref[ref_name] if ref[ref_name] is not None else torch.zeros_like(p)
             checked += 1
             if not torch.equal(got, want_g):
                 problems.append(f"stage {k} last block {name}: gradient differs from the written-down order's by "
@@ -265,12 +284,12 @@ def run_example(ex: Example, pp_group, ep_group) -> list[str]:
     for module in modules:  # every gradient, reduced as training does, within TOL of the reference's
         reduce_replica_grads(module)
     for s, module in zip(placement.stages_of(pp_rank), modules):
-        ref = dict(reference[placement.model_stage(s)].named_parameters())
+        ref = ref_grads[placement.model_stage(s)]
         for name, p in module.named_parameters():
             got = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
             if "experts" not in name.split("."):
                 dist.all_reduce(got, group=ep_group)
-            want_g = ref[mm.reference_name(module, name)].grad
+            want_g = ref[mm.reference_name(module, name)]
             err = grad_error(got, want_g if want_g is not None else torch.zeros_like(got))
             if not err <= TOL:
                 problems.append(f"stage {placement.model_stage(s)} {name}: gradient error {err:.3g} > {TOL}")
@@ -287,12 +306,26 @@ def _world(rank: int, world: int, cases: list) -> dict:
         eps = [dist.new_group([p * ep + e for e in range(ep)]) for p in range(pp)]
         if rank < pp * ep:
             groups[pp, ep] = (pps[rank % ep], eps[rank // ep])
+    # Each case's expected values once, by one rank (case i by rank i % world), then shared: every
+    # rank of a case would otherwise compute the same reference and local run.
+    mine = {}
+    for i in range(rank, len(cases), world):
+        torch.manual_seed(0)
+        try:
+            mine[i] = expected(cases[i])
+        except Exception as exc:  # the case fails with this message on its ranks
+            mine[i] = f"{type(exc).__name__}: {exc}"
+    shared = [None] * world
+    dist.all_gather_object(shared, mine)
+    expect = {i: e for part in shared for i, e in part.items()}
     results = {}
     for i, ex in enumerate(cases):
         if rank < ex.pp * ex.ep:
             torch.manual_seed(0)
             try:
-                results[i] = run_example(ex, *groups[ex.pp, ex.ep])
+                if isinstance(expect[i], str):
+                    raise RuntimeError(f"computing the expected values: {expect[i]}")
+                results[i] = run_example(ex, *groups[ex.pp, ex.ep], expect[i])
             except Exception as exc:  # report the case, keep the world going
                 results[i] = [f"{type(exc).__name__}: {exc}"]
         dist.barrier()
@@ -331,3 +364,10 @@ def test_the_cases_cover_what_they_claim():
     assert {c.top_k for c in drawn_cases} == {1, 2, 3, 4} and {c.normalize for c in drawn_cases} == {None, True, False}
     assert any(c.route_scale != 1.0 for c in drawn_cases)
     assert sum(c.schedule == "dualpipev" and c.overlap and c.ep > 1 and c.chunks >= 2 for c in drawn_cases) >= 5
+    for layout in LAYOUTS:  # and within each layout: every schedule, overlap on and off, both scores, redundant
+        cases = [c for c in drawn_cases if (c.pp, c.ep) == layout]  # slots, group-limited routing, 2 to 8 experts
+        for field, values in [("schedule", {"1f1b", "zbv", "dualpipev"}), ("overlap", {True, False}),
+                              ("score", {"softmax", "sigmoid"}), ("experts", {2, 4, 8})]:
+            assert {getattr(c, field) for c in cases} == values, (layout, field)
+        assert any(c.phy2log is not None for c in cases) and any(c.groups > 1 and c.top_groups < c.groups for c in cases), layout
+        assert len({c.routing for c in cases}) >= 4, layout

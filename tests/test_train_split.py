@@ -117,6 +117,31 @@ def test_stdlib_corpus_is_bytes():
     assert b"import" in bytes(corpus.tolist())
 
 
+def test_stdlib_corpus_reads_the_sources_in_path_order_and_never_lists_skipped_folders(tmp_path, monkeypatch):
+    # A made-up standard library: files in path order; site-packages, dist-packages, test and idlelib
+    # skipped at the top (a nested "test" is read), "tests" anywhere; only *.py; a symlinked folder
+    # is not entered. The skipped folders are not even listed (site-packages alone can hold far more
+    # files than the standard library, and every rank reads the corpus at start).
+    import os
+    import sysconfig
+
+    files = {"a.py": b"A", "b/c.py": b"C", "b/test/d.py": b"D", "b/tests/e.py": b"x", "b_z.py": b"B",
+             "site-packages/f.py": b"x", "dist-packages/g.py": b"x", "test/h.py": b"x", "idlelib/i.py": b"x",
+             "tests/j.py": b"x", "k.txt": b"x", ".hidden/l.py": b"L"}
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "linked").symlink_to(tmp_path / "b", target_is_directory=True)
+    listed = []
+    scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path=".": (listed.append(os.fspath(path)), scandir(path))[1])
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    assert bytes(stdlib_corpus(100).tolist()) == b"LACDB"  # .hidden/l.py, a.py, b/c.py, b/test/d.py, b_z.py
+    assert bytes(stdlib_corpus(3).tolist()) == b"LAC"
+    skipped = ("site-packages", "dist-packages", "test", "idlelib", "tests", "b/tests", "linked")
+    assert not [p for p in listed if os.path.relpath(p, tmp_path) in skipped], listed
+
+
 def test_batch_must_divide_into_microbatches_per_replica():
     with pytest.raises(ValueError, match=r"batch_size=10: must be a multiple of dp=2 x microbatch_size=4"):
         TrainConfig(batch_size=10, microbatch_size=4).num_microbatches(2)

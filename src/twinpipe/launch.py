@@ -1,10 +1,12 @@
 """Run one function as N ranks of a process group on this host: how the demos, the bench
 scripts, ``twinpipe train`` and the multi-process tests start their ranks when torchrun does not.
 
-Each rank is a fresh (spawned) process that joins the group, runs ``fn(rank, world, *args)``
-and sends back what it returned; the caller gets every rank's value in rank order, or an error
-naming the rank that failed, died or ran out of time, never a wait without end. torch is
-imported only when ranks start, so importing this module stays cheap for ``--help``.
+Each rank is a process forked from multiprocessing's fork server (which imported torch once;
+spawned where there is none) that joins the group, runs ``fn(rank, world, *args)`` with the
+caller's environment, standard output and error of the call, and sends back what it returned;
+the caller gets every rank's value in rank order, or an error naming the rank that failed, died
+or ran out of time, never a wait without end. torch is imported only when ranks start, so
+importing this module stays cheap for ``--help``.
 """
 
 from __future__ import annotations
@@ -30,8 +32,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, fn, args: tuple, results, backend: str, threads: int | None,
-               group_timeout: float | None) -> None:
+class _Fd:
+    """A file descriptor of the caller, handed to a rank as the rank starts (``multiprocessing.reduction.DupFd``)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _received_fd, (reduction.DupFd(self.fd),)
+
+
+def _received_fd(dup) -> int:
+    return dup.detach()
+
+
+def _as_caller(environ: dict, outputs: tuple) -> None:
+    """This rank with the caller's environment and standard output and error of the call, not the
+    fork server's from when it started."""
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd, target in zip(outputs, (1, 2)):
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _rank_main(rank: int, world: int, port: int, call: bytes, results, backend: str, threads: int | None,
+               group_timeout: float | None, environ: dict, outputs: tuple) -> None:
+    _as_caller(environ, outputs)
     import datetime
 
     import torch
@@ -47,6 +77,7 @@ def _rank_main(rank: int, world: int, port: int, fn, args: tuple, results, backe
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         # Pickled here, by value: a queue would hand tensors over as shared memory through a socket
         # this process closes when it exits, possibly before the caller reads them.
+        fn, args = pickle.loads(call)
         results.put((rank, None, pickle.dumps(fn(rank, world, *args))))
     except BaseException:  # reported to the parent, which would otherwise wait for this rank
         results.put((rank, traceback.format_exc(), None))
@@ -55,11 +86,22 @@ def _rank_main(rank: int, world: int, port: int, fn, args: tuple, results, backe
             dist.destroy_process_group()
 
 
+def _context(mp):
+    """Where ranks start: forked from multiprocessing's fork server, which imported torch once (a
+    rank then starts in milliseconds, not the second or two of a fresh interpreter importing torch);
+    spawned where there is no fork server (Windows)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])  # no-op once the server runs
+    return ctx
+
+
 def run_local(world: int, fn, *args, timeout: float | None = None, threads: int | None = 1,
               backend: str = "gloo", group_timeout: float | None = None, allow_deaths: bool = False) -> list:
     """``[fn(rank, world, *args) for rank in range(world)]``, each rank in its own process, all in
     one process group (``backend``; with ``"nccl"`` rank r uses GPU r % count). ``fn`` must be a
-    module-level function and its arguments and result picklable (tensors come back by value); ``threads``: torch threads per
+    module-level function and its arguments and result picklable (tensors go and come back by value); ``threads``: torch threads per
     rank (None: torch's default); ``group_timeout``: the process group's own timeout in seconds
     (None: torch's default). Raises RuntimeError with a rank's traceback if it fails or dies,
     TimeoutError when not every rank returned within ``timeout`` seconds (None: no limit). With
@@ -71,10 +113,14 @@ def run_local(world: int, fn, *args, timeout: float | None = None, threads: int 
     if group_timeout is not None:
         group_timeout = checked_timeout(group_timeout, "group_timeout")
 
-    ctx = mp.get_context("spawn")
+    ctx = _context(mp)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results, backend, threads, group_timeout))
+    # (fn, args) pickled here, by value: as a process's arguments, torch would hand tensors over as
+    # shared memory, one file descriptor each, and a fork server takes at most a few hundred.
+    call = pickle.dumps((fn, args))
+    environ, outputs = dict(os.environ), (_Fd(1), _Fd(2))
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, call, results, backend, threads, group_timeout, environ, outputs))
              for r in range(world)]
     for p in procs:
         p.start()

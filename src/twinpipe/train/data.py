@@ -8,6 +8,7 @@ then the pipeline's ``batch_layout``).
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -27,10 +28,7 @@ def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
     """
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).parts
-        if rel[0] in ("site-packages", "dist-packages", "test", "idlelib") or "tests" in rel:
-            continue
+    for path in _sources(root):
         try:
             data = path.read_bytes()
         except OSError:
@@ -42,6 +40,21 @@ def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
     if total == 0:
         raise RuntimeError(f"found no Python source under {root}")
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+
+
+_SKIPPED_TOP = ("site-packages", "dist-packages", "test", "idlelib")  # installed packages, the stdlib's own tests
+
+
+def _sources(root: Path) -> list[Path]:
+    """The ``*.py`` files under ``root``, sorted by path, without the folders ``_SKIPPED_TOP`` (at the
+    top) and ``tests`` (anywhere). Those folders are never listed: site-packages alone can hold far
+    more files than the standard library, and every rank reads the corpus at start."""
+    found = []
+    for folder, dirs, files in os.walk(root):  # symlinked folders are not entered
+        top = folder == str(root)
+        dirs[:] = [d for d in dirs if d != "tests" and not (top and d in _SKIPPED_TOP)]
+        found += [Path(folder, f) for f in files if f.endswith(".py")]
+    return sorted(found)
 
 
 class BatchSampler:

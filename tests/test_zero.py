@@ -410,3 +410,22 @@ def test_a_peer_failing_before_its_all_gather_makes_its_peer_raise_naming_it(out
     assert peer["seconds"] < 20, peer  # the trainer's timeout is 30 s: the failure notice is heard at once
     assert "the weights are incomplete" in peer["after"] and "rank dp=0 pp=0" in peer["after"], peer
     assert all("error" in o for o in by.values()), by  # every rank raised: nothing hangs
+
+
+def test_the_forward_pre_hook_sees_every_stages_first_forward_in_the_built_in_schedules():
+    """The deferred all-gather is awaited by a stage module's forward pre-hook, which an F&B op's
+    forward half (run through the stage's parts) bypasses: no built-in schedule starts a stage with
+    one; a schedule that does (``first_forward_in_fb``) makes the trainer await them before the step."""
+    from twinpipe.schedule import registry
+    from twinpipe.schedule.ops import parse_op
+    from twinpipe.train.trainer import first_forward_in_fb
+
+    for name in registry.names():
+        for p, m in ((2, 4), (4, 8), (4, 5)):
+            try:
+                schedule = registry.build(name, p, m)
+            except ValueError:  # a size the schedule does not take
+                continue
+            assert not any(first_forward_in_fb(ops) for ops in schedule.ops), (name, p, m)
+    assert first_forward_in_fb([parse_op("0F0"), parse_op("(1F0;0BW0)")])
+    assert not first_forward_in_fb([parse_op("0F0"), parse_op("1F0"), parse_op("(1F1;0BW0)")])

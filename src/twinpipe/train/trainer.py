@@ -67,6 +67,7 @@ from twinpipe.runtime.errors import (
 from twinpipe.runtime.pipeline import Pipeline
 from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule import registry
+from twinpipe.schedule.ops import Op, OpKind
 from twinpipe.schedule.spec import resolve
 from twinpipe.checks import bad
 from twinpipe.train.agreement import agree, canonical
@@ -177,6 +178,17 @@ def _model_gates(model: nn.Module) -> list[tuple[str, int]]:
     """``(bias name, experts)`` of every Hugging Face DeepSeek-V3 gate of an unsplit model, in order."""
     return [(f"{name}.{HF_BIAS}", len(getattr(m, HF_BIAS))) for name, m in model.named_modules()
             if isinstance(getattr(m, HF_BIAS, None), torch.Tensor)]
+
+
+def first_forward_in_fb(ops: Sequence[Op]) -> bool:
+    """Whether some stage's first forward in one rank's ``ops`` is the forward half of an F&B op."""
+    seen: set[int] = set()
+    for op in ops:
+        if op.kind in (OpKind.F, OpKind.FB) and op.stage not in seen:
+            if op.kind is OpKind.FB:
+                return True
+            seen.add(op.stage)
+    return False
 
 
 def _few(items: Sequence, limit: int = 4) -> str:
@@ -332,6 +344,9 @@ class Trainer:
             self.reducer.set_stages([[p for _, p in m.named_model_parameters()] for m in self.pipe.module])
             for j, module in enumerate(self.pipe.module):
                 module.register_forward_pre_hook(functools.partial(self._await_weights, j))
+        # The pre-hook does not see a forward run through a stage's parts (the forward half of an F&B
+        # op): a schedule whose first forward of a stage is one awaits every all-gather before the step.
+        self._gather_before_step = sharded and first_forward_in_fb(self.pipe.schedule_for(self.num_chunks).ops[self.pipe.rank])
         self.optimizer = optimizer_fn(masters)
         self._agree_optimizer()  # before the initial weights' broadcast
         self._agree_group = cpu_group(mesh.pp_group, self.timeout)  # small CPU exchanges (mirrors_equal)
@@ -533,6 +548,8 @@ class Trainer:
         x, y = x[rows].to(device), y[rows].to(device)
         precision.zero_main_grads(self.params)  # .grad dropped, FP32 main_grad (mixed precision) zeroed
         overlap = self.overlap_dp and self.reducer.active
+        if self._gather_before_step:
+            self.finish_update()
         try:
             inputs, labels = ((self.layout.inputs(x), self.layout.labels(y)) if self.stages is None
                               else self.stages.batch(self.layout, x, y))

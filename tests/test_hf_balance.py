@@ -21,7 +21,7 @@ pytest.importorskip("transformers", reason="twinpipe.hf needs transformers (pip 
 import torch  # noqa: E402
 
 import hf_models  # noqa: E402
-from distributed import run_world  # noqa: E402
+from distributed import run_named, run_world  # noqa: E402
 from models import grad_error  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
@@ -317,11 +317,9 @@ def _mixed_gpt_biases() -> list[str]:
 
 
 def _world(rank: int, world: int, root: str) -> dict:
-    import torch.distributed as dist
-
     root = Path(root)
     ref, plain = _reference(STEPS, ALPHA), _reference(2, 0.0)
-    results, final = {}, {}
+    final = {}
 
     def first():
         problems, done = _dualpipev(root, ref)
@@ -331,12 +329,7 @@ def _world(rank: int, world: int, root: str) -> dict:
     named = [("dualpipev", first), ("resumed", lambda: _resumed(root, final)), ("dualpipe", lambda: _dualpipe(plain)),
              ("ep", lambda: _expert_parallel(plain)), ("cli", lambda: _cli(root)), ("refused", _refused),
              ("mixed", _mixed_gpt_biases)]
-    for name, fn in named:
-        try:
-            results[name] = fn()
-        except Exception as exc:
-            results[name] = [f"{type(exc).__name__}: {exc}"]
-        dist.barrier()
+    results = run_named(named)
     # the balance loss changes the gradients (the dualpipev case would not notice its absence otherwise)
     gate = "model.layers.1.mlp.gate.weight"
     results["alpha matters"] = [] if grad_error(plain["grads"][gate], ref["grads"][gate]) > 1e-6 else ["no effect"]

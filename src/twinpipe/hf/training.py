@@ -61,12 +61,9 @@ class HFStages:
         """``(name, experts)`` of every DeepSeek-V3 routing bias of the unsplit model
         (``model.layers.N.mlp.gate.e_score_correction_bias``), then its MTP layers', in order: the
         trainer's vector of loads (``TrainConfig.bias_update_speed``) has a slot per expert of each."""
-        import torch
+        from twinpipe.moe.bias import HF_BIAS, hf_gates
 
-        from twinpipe.moe.bias import HF_BIAS
-
-        out = [(f"{name}.{HF_BIAS}", len(getattr(m, HF_BIAS))) for name, m in model.named_modules()
-               if isinstance(getattr(m, HF_BIAS, None), torch.Tensor)]
+        out = [(f"{name}.{HF_BIAS}", len(getattr(m, HF_BIAS))) for name, m in hf_gates(model)]
         if self.mtp_depth and out:  # the MTP layers are DeepSeek-V3 MoE layers, not in the transformers model
             from twinpipe.hf.mtp import checkpoint_names
 

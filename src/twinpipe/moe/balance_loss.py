@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from twinpipe.checks import check_float
-from twinpipe.moe.bias import HF_BIAS
+from twinpipe.moe.bias import HF_BIAS, hf_gates
 from twinpipe.moe.router import sequence_balance_loss
 from twinpipe.runtime.aux_loss import with_aux_loss
 
@@ -24,7 +24,7 @@ __all__ = ["install_balance_loss"]
 def install_balance_loss(model: nn.Module, alpha: float) -> list:
     """Hook every Hugging Face DeepSeek-V3 gate of ``model``; returns the hooks' handles."""
     alpha = check_float(alpha, "alpha", low=0.0, low_open=True)
-    gates = [m for m in model.modules() if isinstance(getattr(m, HF_BIAS, None), torch.Tensor)]
+    gates = [m for _, m in hf_gates(model)]
     if not gates:
         raise ValueError(f"model ({type(model).__name__}) has no DeepSeek-V3 gate (a module with an {HF_BIAS} buffer)")
 

@@ -24,9 +24,19 @@ from twinpipe.checks import check_float
 from twinpipe.moe.agree import agree, all_reduce, ep_timeout, frame_device
 from twinpipe.moe.router import TopKRouter
 
-__all__ = ["bias_step", "update_bias_", "bias_routers", "BiasBalancer", "CountedRouter", "HF_BIAS"]
+__all__ = ["bias_step", "update_bias_", "bias_routers", "hf_gates", "BiasBalancer", "CountedRouter", "HF_BIAS"]
 
 HF_BIAS = "e_score_correction_bias"  # the buffer of transformers' DeepseekV3TopkRouter
+
+
+def is_hf_gate(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face DeepSeek-V3 gate: a module with an ``e_score_correction_bias`` tensor."""
+    return isinstance(getattr(module, HF_BIAS, None), torch.Tensor)
+
+
+def hf_gates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, gate)`` of every Hugging Face DeepSeek-V3 gate in ``model`` (``is_hf_gate``), in module order."""
+    return [(name, m) for name, m in model.named_modules() if is_hf_gate(m)]
 
 
 def bias_step(loads: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -90,7 +100,7 @@ def bias_routers(model) -> list[tuple[str, nn.Module]]:
         if not isinstance(module, nn.Module):
             raise ValueError(f"model holds a {type(module).__name__}: must be a module or a sequence of modules")
         found += [(prefix + name, m) for name, m in module.named_modules()
-                  if isinstance(m, TopKRouter) or isinstance(getattr(m, HF_BIAS, None), torch.Tensor)]
+                  if isinstance(m, TopKRouter) or is_hf_gate(m)]
     return found
 
 

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from twinpipe.moe.balance_loss import install_balance_loss
-from twinpipe.moe.bias import HF_BIAS, CountedRouter, update_bias_
+from twinpipe.moe.bias import HF_BIAS, CountedRouter, hf_gates, update_bias_
 from twinpipe.moe.grads import reduce_replica_grads
 from twinpipe.moe.router import TopKRouter
 from twinpipe.runtime.batches import batch_layout
@@ -170,14 +170,13 @@ def _gates(module: nn.Module) -> list[tuple[str, nn.Module]]:
     built by ``Trainer(stages=...)`` (the biases among its ``named_model_buffers``), in order."""
     if not hasattr(module, "named_model_buffers"):
         return []
-    gates = {id(getattr(m, HF_BIAS)): m for m in module.modules() if isinstance(getattr(m, HF_BIAS, None), torch.Tensor)}
+    gates = {id(getattr(m, HF_BIAS)): m for _, m in hf_gates(module)}
     return [(name, gates[id(t)]) for name, t in module.named_model_buffers() if id(t) in gates]
 
 
 def _model_gates(model: nn.Module) -> list[tuple[str, int]]:
     """``(bias name, experts)`` of every Hugging Face DeepSeek-V3 gate of an unsplit model, in order."""
-    return [(f"{name}.{HF_BIAS}", len(getattr(m, HF_BIAS))) for name, m in model.named_modules()
-            if isinstance(getattr(m, HF_BIAS, None), torch.Tensor)]
+    return [(f"{name}.{HF_BIAS}", len(getattr(m, HF_BIAS))) for name, m in hf_gates(model)]
 
 
 def first_forward_in_fb(ops: Sequence[Op]) -> bool:

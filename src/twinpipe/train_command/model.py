@@ -158,11 +158,9 @@ def _check_mtp(args, model) -> None:
 def _check_balancing(args, model) -> None:
     """``--bias-update-speed`` and ``--balance-alpha`` act on DeepSeek-V3's gates (their
     ``e_score_correction_bias``): refused for a model without one."""
-    import torch
+    from twinpipe.moe.bias import HF_BIAS, hf_gates
 
-    from twinpipe.moe.bias import HF_BIAS
-
-    if any(isinstance(getattr(m, HF_BIAS, None), torch.Tensor) for m in model.modules()):
+    if hf_gates(model):
         return
     for flag, value in (("--bias-update-speed", args.bias_update_speed), ("--balance-alpha", args.balance_alpha)):
         if value:

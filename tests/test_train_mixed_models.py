@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from distributed import run_named, run_world
+from typed import typed_env
 from train_setup import gather_state, predicted_from_sizes, reference_state, state_differences, steps_against_reference
 
 WORLD = 4
@@ -230,9 +230,9 @@ SHAPE = ["--seq-len", "8", "--batch-size", "4", "--microbatch-size", "1", "--pre
 
 
 def _run(args, cwd) -> subprocess.CompletedProcess:
-    exe = shutil.which("twinpipe")
-    assert exe, "the twinpipe console script is not installed"
-    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), **os.environ}  # this tree, unless told
+    env = typed_env()  # the script next to this interpreter, found without an activated environment
+    exe = shutil.which("twinpipe", path=env["PATH"])
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), **env}  # this tree, unless told
     return subprocess.run([exe, "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
 
 

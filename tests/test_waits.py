@@ -16,7 +16,7 @@ import torch.distributed as dist
 from twinpipe.checks import DEFAULT_TIMEOUT
 from twinpipe.runtime import collectives, comm, waits
 from twinpipe.runtime.comm import wait_work
-from twinpipe.runtime.errors import PipelinePeerFailedError, PipelineTimeoutError
+from twinpipe.runtime.errors import PipelineCommError, PipelinePeerFailedError, PipelineTimeoutError
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "twinpipe"
 
@@ -185,13 +185,87 @@ def test_peer_failed_errors_survive_pickling():
     assert str(error) == "x: stopped" and error.first == "global rank 1 failed"
 
 
-def test_the_timeout_message_says_when_the_backend_gave_up_first():
-    class _Early:
-        def is_completed(self):
+class _BackendTimedOut:
+    """A collective that failed at once with the backend's own timeout error."""
+
+    def is_completed(self):
+        return True
+
+    def wait(self, timeout=None):
+        raise RuntimeError("[gloo] Timed out waiting 10000ms for recv operation to complete")
+
+
+class _TimedGroup(_Group):
+    """A stand-in group whose backend's own timeout is ``seconds``."""
+
+    def __init__(self, name, seconds):
+        super().__init__(name)
+        self.options = type("Options", (), {"_timeout": datetime.timedelta(seconds=seconds)})()
+
+    def _get_backend(self, device):
+        return self
+
+
+def test_the_timeout_message_says_when_the_backend_gave_up_first(store):
+    with pytest.raises(PipelineTimeoutError) as info:
+        wait_work(_BackendTimedOut(), 300.0, "w", _TimedGroup("short", 10))
+    message = str(info.value)
+    assert message.startswith("w: timed out after 0.0 s at the process group's own timeout, 10 s (set where the group was made")
+    assert "shorter than this wait's 300 s limit (the timeout= given to twinpipe" in message, message
+
+
+def test_the_group_s_timeout_is_blamed_only_when_it_is_shorter(store):
+    """A backend error that names a timeout, on a group whose own timeout is not shorter, is not
+    blamed on the group (the old rule blamed any early timeout on it)."""
+    for group in (_TimedGroup("long", 600), _Group("unknown")):
+        with pytest.raises(PipelineCommError) as info:
+            wait_work(_BackendTimedOut(), 300.0, "w", group)
+        assert "process group's own timeout" not in str(info.value), str(info.value)
+        assert "before this wait's 300 s limit" in str(info.value), str(info.value)
+
+
+class _CompletesAfterSlice:
+    """A collective that completes just after its ``slices``-th slice ran out: the slice's wait has
+    raised "Operation timed out!", and the work reads as completed when asked (the race of a busy
+    machine, made certain). ``error``: the work's own failure, raised by a wait once it completed."""
+
+    def __init__(self, slices, error=None):
+        self.left, self.error, self.completed, self.slice_waits = slices, error, False, 0
+
+    def is_completed(self):
+        return self.completed
+
+    def wait(self, timeout=None):
+        if self.completed:
+            if self.error is not None:
+                raise RuntimeError(self.error)
             return True
+        self.slice_waits += 1
+        self.left -= 1
+        if self.left <= 0:
+            self.completed = True  # between the slice's timeout and the caller's question
+        raise RuntimeError("Operation timed out!")
 
-        def wait(self, timeout=None):
-            raise RuntimeError("[gloo] Timed out waiting 10000ms for recv operation to complete")
 
-    with pytest.raises(PipelineTimeoutError, match=r"timed out after 0\.0 s, before this wait's 300 s limit"):
-        wait_work(_Early(), 300.0, "w")
+def test_a_collective_completing_as_its_slice_runs_out_is_not_a_failure(store):
+    for slices in (1, 2, 50):
+        work = _CompletesAfterSlice(slices)
+        wait_work(work, 60.0, "all-reduce", _Group("g"))  # returns: completed, not timed out
+        assert work.slice_waits == slices
+    with pytest.raises(PipelineCommError, match=r"all-reduce: failed \(Connection closed by peer\)"):
+        wait_work(_CompletesAfterSlice(3, "Connection closed by peer"), 60.0, "all-reduce", _Group("g"))
+
+
+def test_the_collective_helper_runs_an_async_collective_on_the_group_and_waits_within_the_limit(store, monkeypatch):
+    calls = []
+
+    def fake_all_reduce(tensor, group=None, async_op=False):
+        calls.append((tensor, group, async_op))
+        return _CompletesAfterSlice(2)
+
+    group = _Group("dp")
+    collectives.collective(fake_all_reduce, "t", group=group, timeout=30.0, what="sum")
+    assert calls == [("t", group, True)]
+    started = collectives.Collective(lambda group, async_op: _SlowWork(30), group=group, timeout=0.3, what="at start")
+    with pytest.raises(PipelineTimeoutError, match="named later: did not complete within 0.3 s"):
+        started.wait("named later")

@@ -269,3 +269,50 @@ def test_the_collective_helper_runs_an_async_collective_on_the_group_and_waits_w
     started = collectives.Collective(lambda group, async_op: _SlowWork(30), group=group, timeout=0.3, what="at start")
     with pytest.raises(PipelineTimeoutError, match="named later: did not complete within 0.3 s"):
         started.wait("named later")
+
+
+def test_a_polling_wait_takes_a_last_look_at_its_deadline():
+    """What arrived while the rank was not running counts (shared memory, the agreement board)."""
+    deadline = time.monotonic() + 0.05
+    assert waits.poll(lambda: time.monotonic() > deadline, deadline, "arrives as the deadline passes") is True
+    start = time.monotonic()
+    assert waits.poll(lambda: False, start + 0.05, "never arrives") is False
+    assert time.monotonic() - start >= 0.05
+
+
+def test_a_cuda_all_to_all_wait_is_bounded_by_its_limit():
+    """The CUDA path's wait polls its event until the limit (a stand-in event: no GPU here)."""
+    from twinpipe.overlap import comm as overlap_comm
+
+    class _NeverDone:
+        def query(self):
+            return False
+
+    work = overlap_comm._CudaWork(_NeverDone(), None, "EP rank 0: all-to-all receiving from EP ranks [1]", None, 0.2)
+    start = time.monotonic()
+    with pytest.raises(PipelineTimeoutError, match=r"EP rank 0: all-to-all receiving from EP ranks \[1\]: did not complete within 0.2 s"):
+        work.wait()
+    assert 0.2 <= time.monotonic() - start < 5
+
+
+def test_hf_time_balance_waits_the_user_s_limit(monkeypatch):
+    """hf.build(balance="time") sums the ranks' measurements within the call's timeout=, else the
+    limit in force (the trainer's), not a default of its own."""
+    import torch
+
+    pytest.importorskip("transformers")
+    import hf_models
+    from twinpipe import hf
+    from twinpipe.hf import stages as hf_stages
+
+    limits = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(hf_stages, "collective", lambda op, t, group, timeout, what: limits.append(timeout))
+    model, sample = hf_models.model("llama", layers=2), torch.randint(0, 64, (2, 8))
+    with waits.limit(7):
+        hf.build(model, "1f1b", 2, 1, balance="time", sample=sample)
+    hf.build(model, "1f1b", 2, 1, balance="time", sample=sample, timeout=3)
+    assert limits == [7.0, 3.0]
+    with pytest.raises(ValueError, match="timeout=-1"):
+        hf.build(model, "1f1b", 2, 1, balance="time", sample=sample, timeout=-1)

@@ -164,12 +164,28 @@ def case_expert_all_to_all(group):
 
 
 def case_genuine_timeout(group):
-    """Rank 1 arrives 2 s late at an all-reduce that rank 0 waits 0.5 s for: rank 0's error names the limit."""
+    """Rank 1 arrives 1.5 s late at an all-reduce that rank 0 waits 0.5 s for: rank 0's error names the limit."""
     from twinpipe.runtime.collectives import collective
 
-    _late(group, 2.0)
+    _late(group, 1.5)
     try:
         collective(dist.all_reduce, torch.ones(1), group=group, timeout=0.5, what="all-reduce with a silent peer")
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "returned"
+
+
+def case_group_timeout_shorter(group):
+    """On a group made with a 1 s timeout, rank 1 arrives 2 s late at an all-reduce that rank 0
+    may wait 30 s for: gloo gives up at 1 s, and rank 0's error says both numbers."""
+    import datetime
+
+    from twinpipe.runtime.collectives import collective
+
+    short = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))
+    _late(group, 2.0)
+    try:
+        collective(dist.all_reduce, torch.ones(1), group=short, timeout=LIMIT, what="all-reduce on a 1 s group")
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "returned"
@@ -220,3 +236,10 @@ def test_a_genuine_timeout_still_names_its_limit(outcomes):
     message = outcomes[0]["genuine_timeout"]
     assert message.startswith("PipelineTimeoutError: all-reduce with a silent peer: did not complete within 0.5 s"), message
     assert outcomes[1]["genuine_timeout"] == "returned", outcomes[1]
+
+
+def test_a_shorter_group_timeout_is_named_with_both_numbers(outcomes):
+    message = outcomes[0]["group_timeout_shorter"]
+    assert message.startswith("PipelineTimeoutError: all-reduce on a 1 s group: timed out after "), message
+    assert "at the process group's own timeout, 1 s" in message and "this wait's 30 s limit" in message, message
+    assert outcomes[1]["group_timeout_shorter"] != "returned", outcomes[1]  # its peer gave up: it fails too

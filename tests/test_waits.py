@@ -316,3 +316,23 @@ def test_hf_time_balance_waits_the_user_s_limit(monkeypatch):
     assert limits == [7.0, 3.0]
     with pytest.raises(ValueError, match="timeout=-1"):
         hf.build(model, "1f1b", 2, 1, balance="time", sample=sample, timeout=-1)
+
+
+def test_every_collective_runs_through_the_one_helper():
+    """Only runtime/collectives.py starts a collective (``Collective``: async, awaited within the
+    user's limit); elsewhere a collective is passed to it, never called, so no wait falls back on
+    the process group's own timeout. Two known exceptions: the CUDA all-to-all, launched on a side
+    stream and bounded by its event's wait, and the demo's own collectives (bounded by its group's)."""
+    call = re.compile(r"\bdist\.(all_reduce|broadcast|barrier|monitored_barrier|all_gather\w*|all_to_all\w*|reduce_scatter\w*"
+                      r"|reduce|gather|scatter|gather_object|scatter_object_list|broadcast_object_list)\(")
+    allowed = {"runtime/collectives.py", "overlap/comm.py", "demo/dense.py", "demo/moe.py"}
+    found = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        text = path.read_text()
+        if rel not in allowed:
+            found += [f"{rel}: {m.group(0)}" for m in call.finditer(text)]
+        if rel != "runtime/collectives.py" and "async_op" in text:
+            found.append(f"{rel}: async_op")
+    assert found == [], found
+    assert len(call.findall((SRC / "overlap" / "comm.py").read_text())) == 1  # the CUDA launch only

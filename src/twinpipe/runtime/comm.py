@@ -212,7 +212,9 @@ def _failure(exc: RuntimeError, what: str, timeout: float, elapsed: float, group
             f"torch's default otherwise), shorter than this wait's {timeout:g} s limit (the timeout= given to twinpipe, "
             f"else the limit in force, else twinpipe.checks.DEFAULT_TIMEOUT); give the group a timeout at least as "
             f"long ({text})")
-    if elapsed + 1e-3 >= timeout:  # gloo counts whole milliseconds
+    # The group's timeout, when not shorter, runs from the collective's start (before this wait):
+    # the work is over this wait's limit. gloo counts whole milliseconds.
+    if (own is not None and own + 1e-3 >= timeout) or elapsed + 1e-3 >= timeout:
         return PipelineTimeoutError(f"{what}: did not complete within {timeout:g} s ({text})")
     return PipelineCommError(f"{what}: the transport gave up after {elapsed:.1f} s, before this wait's {timeout:g} s "
                              f"limit ({text}); the peer may have died")

@@ -204,7 +204,7 @@ def _failure(exc: RuntimeError, what: str, timeout: float, elapsed: float, group
     text = str(exc)
     if "timed out" not in text.lower() and "timeout" not in text.lower():
         return PipelineCommError(f"{what}: failed ({text}); the peer may have died")
-    own = group_timeout(group)
+    own = _group_timeout(group)
     if own is not None and own < timeout:
         return PipelineTimeoutError(
             f"{what}: timed out after {elapsed:.1f} s at the process group's own timeout, {own:g} s (set where the "
@@ -220,7 +220,7 @@ def _failure(exc: RuntimeError, what: str, timeout: float, elapsed: float, group
                              f"limit ({text}); the peer may have died")
 
 
-def group_timeout(group) -> float | None:
+def _group_timeout(group) -> float | None:
     """``group``'s own timeout in seconds (what its backend gives up at), or None when unknown."""
     if group is None:
         return None

@@ -210,8 +210,12 @@ def test_the_timeout_message_says_when_the_backend_gave_up_first(store):
     with pytest.raises(PipelineTimeoutError) as info:
         wait_work(_BackendTimedOut(), 300.0, "w", _TimedGroup("short", 10))
     message = str(info.value)
-    assert message.startswith("w: timed out after 0.0 s at the process group's own timeout, 10 s (set where the group was made")
-    assert "shorter than this wait's 300 s limit (the timeout= given to twinpipe" in message, message
+    assert message.startswith("w: timed out after 0.0 s at the process group's own timeout, 10 s (the timeout= the group "
+                              "was made with: init_process_group or new_group"), message
+    assert "shorter than this wait's 300 s limit (the timeout= of this call or of the object making it" in message, message
+    with waits.limit(300), pytest.raises(PipelineTimeoutError) as info:
+        wait_work(_BackendTimedOut(), 300.0, "w", _TimedGroup("short", 10))
+    assert "300 s limit (the limit in force: the pipeline's or trainer's timeout= during its step" in str(info.value)
 
 
 def test_the_group_s_timeout_is_blamed_only_when_it_is_shorter(store):

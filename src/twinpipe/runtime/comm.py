@@ -207,11 +207,9 @@ def _failure(exc: RuntimeError, what: str, timeout: float, elapsed: float, group
     own = _group_timeout(group)
     if own is not None and own < timeout:
         return PipelineTimeoutError(
-            f"{what}: timed out after {elapsed:.1f} s at the process group's own timeout, {own:g} s (set where the "
-            f"group was made: timeout= of init_process_group or new_group, group_timeout= of twinpipe.launch.run_local; "
-            f"torch's default otherwise), shorter than this wait's {timeout:g} s limit (the timeout= given to twinpipe, "
-            f"else the limit in force, else twinpipe.checks.DEFAULT_TIMEOUT); give the group a timeout at least as "
-            f"long ({text})")
+            f"{what}: timed out after {elapsed:.1f} s at the process group's own timeout, {own:g} s ({_group_timeout_source(own)}), "
+            f"shorter than this wait's {timeout:g} s limit ({_limit_source(timeout)}); give the group a timeout at "
+            f"least as long ({text})")
     # The group's timeout, when not shorter, runs from the collective's start (before this wait):
     # the work is over this wait's limit. gloo counts whole milliseconds.
     if (own is not None and own + 1e-3 >= timeout) or elapsed + 1e-3 >= timeout:
@@ -235,6 +233,20 @@ def _group_timeout(group) -> float | None:
         return backend.options._timeout.total_seconds()
     except Exception:
         return None
+
+
+def _group_timeout_source(seconds: float) -> str:
+    if seconds == dist.default_pg_timeout.total_seconds():
+        return "torch's default: the group was made without timeout="
+    return ("the timeout= the group was made with: init_process_group or new_group, or twinpipe.launch.run_local's "
+            "group_timeout=")
+
+
+def _limit_source(seconds: float) -> str:
+    scope = waits.current()
+    if scope is not None and scope.timeout == seconds:
+        return "the limit in force: the pipeline's or trainer's timeout= during its step, or waits.limit"
+    return "the timeout= of this call or of the object making it (Pipeline, Trainer, reducer, balancer), else DEFAULT_TIMEOUT"
 
 
 def _gloo_only(group) -> bool:

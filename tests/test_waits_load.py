@@ -1,14 +1,14 @@
 """Late is not failed: waits under heavy CPU load, with a peer that arrives late, end at completion.
 
-One world of two gloo ranks. Rank 0 loads every core with busy processes (``LOAD_PER_CORE`` a
-core, always stopped) and both ranks shorten the slice of a collective's wait (``waits.POLL``) to
-``SLICE``, so that every wait crosses hundreds of slice boundaries, each a chance for the race of
-a work that completes just as its slice runs out (issue 29: "timed out after 0.2 s"). In each
-case rank 1 is late, by a few milliseconds many times or by ``LATE`` seconds once, in one kind of
-wait: collectives through the one helper (all-reduce, all-gather, barrier), a gloo send, a
-pipeline's step on both transports (step agreement, gloo and shared-memory messages), and the
-expert all-to-alls of a ``twinpipe.moe`` block. None may raise; a genuine timeout still does,
-naming its limit.
+One world of two gloo ranks. Rank 0 loads the machine with busy processes (``LOAD_PER_CORE`` a
+core, at most ``LOAD_MAX``, always stopped) and both ranks shorten the slice of a collective's
+wait (``waits.POLL``) to ``SLICE``, so that waits cross many slice boundaries, each a chance for
+the race of a work that completes just as its slice runs out (issue 29: "timed out after 0.2 s").
+In each case rank 1 is late, by a few milliseconds many times or by ``LATE`` seconds once, in one
+kind of wait: collectives through the one helper (all-reduce, all-gather, barrier, a data-parallel
+sum), a gloo send, a pipeline's step on both transports (step agreement, gloo and shared-memory
+messages), and the expert all-to-alls of a ``twinpipe.moe`` stage. None may raise; a genuine
+timeout still does, naming its limit, and a group whose own timeout is shorter is named with both.
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ LIMIT = 30.0  # every wait's limit: far longer than any lateness here
 LATE = 1.0  # seconds a late peer arrives after the other
 SLICE = 0.001  # seconds of one slice of a collective's wait (waits.POLL, 0.2 s by default; gloo counts whole ms)
 LOAD_PER_CORE = 20  # busy processes per core (the issue: 40 on 2 cores)
+LOAD_MAX = 40  # at most this many in all (a machine with many cores)
 LOAD_SECONDS = 120  # a busy process ends by itself after this, should its rank die
 
 
 def _load() -> list[subprocess.Popen]:
     spin = f"import time\nend = time.monotonic() + {LOAD_SECONDS}\nwhile time.monotonic() < end:\n    pass\n"
-    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(LOAD_PER_CORE * (os.cpu_count() or 1))]
+    count = min(LOAD_PER_CORE * (os.cpu_count() or 1), LOAD_MAX)
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
 
 
 def _late(group, seconds: float) -> None:

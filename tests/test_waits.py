@@ -16,7 +16,7 @@ import torch.distributed as dist
 from twinpipe.checks import DEFAULT_TIMEOUT
 from twinpipe.runtime import collectives, comm, waits
 from twinpipe.runtime.comm import wait_work
-from twinpipe.runtime.errors import PipelinePeerFailedError, PipelineTimeoutError
+from twinpipe.runtime.errors import PipelineCommError, PipelinePeerFailedError, PipelineTimeoutError
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "twinpipe"
 
@@ -185,13 +185,163 @@ def test_peer_failed_errors_survive_pickling():
     assert str(error) == "x: stopped" and error.first == "global rank 1 failed"
 
 
-def test_the_timeout_message_says_when_the_backend_gave_up_first():
-    class _Early:
-        def is_completed(self):
+class _BackendTimedOut:
+    """A collective that failed at once with the backend's own timeout error."""
+
+    def is_completed(self):
+        return True
+
+    def wait(self, timeout=None):
+        raise RuntimeError("[gloo] Timed out waiting 10000ms for recv operation to complete")
+
+
+class _TimedGroup(_Group):
+    """A stand-in group whose backend's own timeout is ``seconds``."""
+
+    def __init__(self, name, seconds):
+        super().__init__(name)
+        self.options = type("Options", (), {"_timeout": datetime.timedelta(seconds=seconds)})()
+
+    def _get_backend(self, device):
+        return self
+
+
+def test_the_timeout_message_says_when_the_backend_gave_up_first(store):
+    with pytest.raises(PipelineTimeoutError) as info:
+        wait_work(_BackendTimedOut(), 300.0, "w", _TimedGroup("short", 10))
+    message = str(info.value)
+    assert message.startswith("w: timed out after 0.0 s at the process group's own timeout, 10 s (the timeout= the group "
+                              "was made with: init_process_group or new_group"), message
+    assert "shorter than this wait's 300 s limit (the timeout= of this call or of the object making it" in message, message
+    with waits.limit(300), pytest.raises(PipelineTimeoutError) as info:
+        wait_work(_BackendTimedOut(), 300.0, "w", _TimedGroup("short", 10))
+    assert "300 s limit (the limit in force: the pipeline's or trainer's timeout= during its step" in str(info.value)
+
+
+def test_the_group_s_timeout_is_blamed_only_when_it_is_shorter(store):
+    """A backend error that names a timeout, on a group whose own timeout is not shorter, is not
+    blamed on the group (the old rule blamed any early timeout on it): with the group's timeout as
+    long as the wait's or longer (it runs from the collective's start), the work is over the limit;
+    with no timeout known, the transport gave up early."""
+    for seconds in (300, 600):
+        with pytest.raises(PipelineTimeoutError) as info:
+            wait_work(_BackendTimedOut(), 300.0, "w", _TimedGroup(f"as long {seconds}", seconds))
+        assert str(info.value).startswith("w: did not complete within 300 s ([gloo] Timed out"), str(info.value)
+    with pytest.raises(PipelineCommError) as info:
+        wait_work(_BackendTimedOut(), 300.0, "w", _Group("unknown"))
+    assert "process group's own timeout" not in str(info.value), str(info.value)
+    assert "before this wait's 300 s limit" in str(info.value), str(info.value)
+
+
+class _CompletesAfterSlice:
+    """A collective that completes just after its ``slices``-th slice ran out: the slice's wait has
+    raised "Operation timed out!", and the work reads as completed when asked (the race of a busy
+    machine, made certain). ``error``: the work's own failure, raised by a wait once it completed."""
+
+    def __init__(self, slices, error=None):
+        self.left, self.error, self.completed, self.slice_waits = slices, error, False, 0
+
+    def is_completed(self):
+        return self.completed
+
+    def wait(self, timeout=None):
+        if self.completed:
+            if self.error is not None:
+                raise RuntimeError(self.error)
             return True
+        self.slice_waits += 1
+        self.left -= 1
+        if self.left <= 0:
+            self.completed = True  # between the slice's timeout and the caller's question
+        raise RuntimeError("Operation timed out!")
 
-        def wait(self, timeout=None):
-            raise RuntimeError("[gloo] Timed out waiting 10000ms for recv operation to complete")
 
-    with pytest.raises(PipelineTimeoutError, match=r"timed out after 0\.0 s, before this wait's 300 s limit"):
-        wait_work(_Early(), 300.0, "w")
+def test_a_collective_completing_as_its_slice_runs_out_is_not_a_failure(store):
+    for slices in (1, 2, 50):
+        work = _CompletesAfterSlice(slices)
+        wait_work(work, 60.0, "all-reduce", _Group("g"))  # returns: completed, not timed out
+        assert work.slice_waits == slices
+    with pytest.raises(PipelineCommError, match=r"all-reduce: failed \(Connection closed by peer\)"):
+        wait_work(_CompletesAfterSlice(3, "Connection closed by peer"), 60.0, "all-reduce", _Group("g"))
+
+
+def test_the_collective_helper_runs_an_async_collective_on_the_group_and_waits_within_the_limit(store, monkeypatch):
+    calls = []
+
+    def fake_all_reduce(tensor, group=None, async_op=False):
+        calls.append((tensor, group, async_op))
+        return _CompletesAfterSlice(2)
+
+    group = _Group("dp")
+    collectives.collective(fake_all_reduce, "t", group=group, timeout=30.0, what="sum")
+    assert calls == [("t", group, True)]
+    started = collectives.Collective(lambda group, async_op: _SlowWork(30), group=group, timeout=0.3, what="at start")
+    with pytest.raises(PipelineTimeoutError, match="named later: did not complete within 0.3 s"):
+        started.wait("named later")
+
+
+def test_a_polling_wait_takes_a_last_look_at_its_deadline():
+    """What arrived while the rank was not running counts (shared memory, the agreement board)."""
+    deadline = time.monotonic() + 0.05
+    assert waits.poll(lambda: time.monotonic() > deadline, deadline, "arrives as the deadline passes") is True
+    start = time.monotonic()
+    assert waits.poll(lambda: False, start + 0.05, "never arrives") is False
+    assert time.monotonic() - start >= 0.05
+
+
+def test_a_cuda_all_to_all_wait_is_bounded_by_its_limit():
+    """The CUDA path's wait polls its event until the limit (a stand-in event: no GPU here)."""
+    from twinpipe.overlap import comm as overlap_comm
+
+    class _NeverDone:
+        def query(self):
+            return False
+
+    work = overlap_comm._CudaWork(_NeverDone(), None, "EP rank 0: all-to-all receiving from EP ranks [1]", None, 0.2)
+    start = time.monotonic()
+    with pytest.raises(PipelineTimeoutError, match=r"EP rank 0: all-to-all receiving from EP ranks \[1\]: did not complete within 0.2 s"):
+        work.wait()
+    assert 0.2 <= time.monotonic() - start < 5
+
+
+def test_hf_time_balance_waits_the_user_s_limit(monkeypatch):
+    """hf.build(balance="time") sums the ranks' measurements within the call's timeout=, else the
+    limit in force (the trainer's), not a default of its own."""
+    import torch
+
+    pytest.importorskip("transformers")
+    import hf_models
+    from twinpipe import hf
+    from twinpipe.hf import stages as hf_stages
+
+    limits = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(hf_stages, "collective", lambda op, t, group, timeout, what: limits.append(timeout))
+    model, sample = hf_models.model("llama", layers=2), torch.randint(0, 64, (2, 8))
+    with waits.limit(7):
+        hf.build(model, "1f1b", 2, 1, balance="time", sample=sample)
+    hf.build(model, "1f1b", 2, 1, balance="time", sample=sample, timeout=3)
+    assert limits == [7.0, 3.0]
+    with pytest.raises(ValueError, match="timeout=-1"):
+        hf.build(model, "1f1b", 2, 1, balance="time", sample=sample, timeout=-1)
+
+
+def test_every_collective_runs_through_the_one_helper():
+    """Only runtime/collectives.py starts a collective (``Collective``: async, awaited within the
+    user's limit); elsewhere a collective is passed to it, never called, so no wait falls back on
+    the process group's own timeout. Two known exceptions: the CUDA all-to-all, launched on a side
+    stream and bounded by its event's wait, and the demo's own collectives (bounded by its group's)."""
+    call = re.compile(r"\bdist\.(all_reduce|broadcast|barrier|monitored_barrier|all_gather\w*|all_to_all\w*|reduce_scatter\w*"
+                      r"|reduce|gather|scatter|gather_object|scatter_object_list|broadcast_object_list)\(")
+    allowed = {"runtime/collectives.py", "overlap/comm.py", "demo/dense.py", "demo/moe.py"}
+    found = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        text = path.read_text()
+        if rel not in allowed:
+            found += [f"{rel}: {m.group(0)}" for m in call.finditer(text)]
+        if rel != "runtime/collectives.py" and "async_op" in text:
+            found.append(f"{rel}: async_op")
+    assert found == [], found
+    assert len(call.findall((SRC / "overlap" / "comm.py").read_text())) == 1  # the CUDA launch only

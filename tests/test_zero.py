@@ -312,13 +312,14 @@ def _deferred_against_eager(rank: int, schedule, pp, dp, overlap_dp) -> list[str
 
 
 def _peer_fails_in_update(rank: int) -> dict:
-    """DP rank 1 of pipeline rank 0 raises in its update of step 0, before its all-gathers: its
-    data-parallel peer's step 0 returns, and its step 1 raises within the timeout naming the all-gather;
-    afterwards its weights are refused (incomplete), not used."""
+    """DP rank 1 of pipeline rank 0 fails to start its first all-gather of step 0: its data-parallel
+    peer's step 0 returns, and its step 1 raises within the timeout naming the all-gather; afterwards
+    the weights of both are refused (incomplete), not used."""
     import dataclasses
     import time
 
     import torch
+    import torch.distributed as dist
 
     from twinpipe.runtime.errors import PipelineBrokenError
     from twinpipe.train.mesh import build_mesh
@@ -328,18 +329,25 @@ def _peer_fails_in_update(rank: int) -> dict:
     trainer = Trainer(model_fn, sampler, criterion, make_opt, build_mesh(2, 2), dataclasses.replace(config, timeout=30.0),
                       dtype=torch.float64)
     mesh, out = trainer.mesh, {}
-    if (mesh.dp_rank, mesh.pp_rank) == (1, 0):
-        def failing(where):
-            raise RuntimeError("injected failure before the all-gathers")
-        trainer.reducer.start_gather = failing
+    failing = (mesh.dp_rank, mesh.pp_rank) == (1, 0)
+    gather = dist.all_gather_single
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("injected failure starting the all-gathers")
+
     start = time.monotonic()
-    for step in range(2):
-        try:
-            trainer.step(step)
-        except Exception as error:
-            out.update(step=step, error=f"{type(error).__name__}: {error}", seconds=time.monotonic() - start)
-            break
-    if (mesh.dp_rank, mesh.pp_rank) == (0, 0):
+    try:
+        if failing:
+            dist.all_gather_single = refused
+        for step in range(2):
+            try:
+                trainer.step(step)
+            except Exception as error:
+                out.update(step=step, error=f"{type(error).__name__}: {error}", seconds=time.monotonic() - start)
+                break
+    finally:
+        dist.all_gather_single = gather
+    if mesh.pp_rank == 0:
         try:
             trainer.finish_update()
             out["after"] = "finish_update returned"
@@ -409,6 +417,7 @@ def test_a_peer_failing_before_its_all_gather_makes_its_peer_raise_naming_it(out
     assert "before the forward of stage 0" in peer["error"] and "global ranks [0, 2]" in peer["error"], peer
     assert peer["seconds"] < 20, peer  # the trainer's timeout is 30 s: the failure notice is heard at once
     assert "the weights are incomplete" in peer["after"] and "rank dp=0 pp=0" in peer["after"], peer
+    assert "the weights are incomplete" in failed["after"] and "injected failure" in failed["after"], failed
     assert all("error" in o for o in by.values()), by  # every rank raised: nothing hangs
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_choice, check_float, check_int
+from twinpipe.checks import bad, check_bool, check_choice, check_float, check_int
 from twinpipe.hf.experts import ep_group_of
 from twinpipe.hf.layer import Context, DecoderLayer, drops_router_logits
 from twinpipe.hf.layout import BALANCE, balanced_layout, format_layout, parse_layout
@@ -27,7 +27,8 @@ from twinpipe.hf.support import ModelParts, model_parts
 from twinpipe.overlap import stage as overlap_stage
 from twinpipe.overlap.parts import Compute
 from twinpipe.runtime.batches import batch_layout
-from twinpipe.runtime.comm import wait_work
+from twinpipe.runtime import waits
+from twinpipe.runtime.collectives import collective
 from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule.spec import ScheduleSpec, resolve
 
@@ -369,9 +370,8 @@ class HFPipelineStages:
         for p, chain in mine:
             if chain == 0 and p.grad is not None:
                 total += p.grad
-        work = dist.all_reduce(total, group=pipe.group, async_op=True)
-        wait_work(work, pipe.timeout if timeout is None else timeout,
-                  f"rank {self.rank}: all-reduce of the tied embedding's gradients", group=pipe.group)
+        collective(dist.all_reduce, total, group=pipe.group, timeout=pipe.timeout if timeout is None else timeout,
+                   what=f"rank {self.rank}: all-reduce of the tied embedding's gradients")
         for p, _ in mine:
             p.grad = total.clone()
 
@@ -384,14 +384,15 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
           layout: str | None = None, balance: str = "params", sample: torch.Tensor | None = None,
           rotary: str = "recompute", defer: bool = True, untested: bool = False, process_group=None,
           wrap_layer=None, mtp_depth: int | str = 0, mtp_weight: float = 0.3, mtp_seed: int = 0,
-          **schedule_options) -> HFPipelineStages:
+          timeout: float | None = None, **schedule_options) -> HFPipelineStages:
     """Rank ``rank``'s stages of ``model`` (a ``transformers`` causal LM) under ``schedule`` on
     ``num_ranks`` ranks (both default to the process group's, when torch.distributed is up).
 
     ``layout``: a layout string (``twinpipe.hf.layout``); without one the stages are balanced by
     ``balance``: ``"params"`` (parameter counts, the embedding and the head included) or ``"time"``
     (forward+backward time of each item measured on ``sample``, a ``[batch, sequence]`` tensor of
-    token ids; the ranks' measurements are summed over ``process_group`` so that all cut alike).
+    token ids; the ranks' measurements are summed over ``process_group`` so that all cut alike, waiting at
+    most ``timeout`` seconds: default the limit in force, ``twinpipe.runtime.waits``, else ``DEFAULT_TIMEOUT``).
     ``rotary``: ``"recompute"`` (each stage computes the rotary tables from the position ids: a
     little compute per stage, nothing sent) or ``"pass"`` (the first stage computes them once and
     they travel with the hidden states: two ``[1, S, rotary dim]`` tensors per message, and their
@@ -420,6 +421,7 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
     depth = mtp_depth_of(model, mtp_depth)
     check_float(mtp_weight, "mtp_weight", low=0.0)
     check_int(mtp_seed, "mtp_seed", low=0)
+    timeout = waits.timeout_for(timeout)
     if depth and parts.aux:
         raise bad("mtp_depth", depth, "must be 0 with the router auxiliary loss on (output_router_logits)")
     spec = resolve(schedule, num_ranks, **schedule_options)
@@ -430,7 +432,7 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
         items = parse_layout(layout, n_stages, n_layers)
     else:
         check_choice(balance, "balance", BALANCE)
-        weights = _param_weights(parts) if balance == "params" else _time_weights(parts, sample, process_group)
+        weights = _param_weights(parts) if balance == "params" else _time_weights(parts, sample, process_group, timeout)
         items = balanced_layout(weights, n_stages)
     mine = list(spec.stages_of(rank))
     model_stages = [placement.model_stage(s) for s in mine]
@@ -501,7 +503,7 @@ def _param_weights(parts: ModelParts) -> list[float]:
     return [count(parts.embed_tokens)] + [count(layer) for layer in parts.layers] + [count(parts.norm, parts.lm_head)]
 
 
-def _time_weights(parts: ModelParts, sample, process_group, repeats: int = 3) -> list[float]:
+def _time_weights(parts: ModelParts, sample, process_group, timeout: float, repeats: int = 3) -> list[float]:
     """Median forward+backward seconds of the embedding, each layer and the head on ``sample``,
     summed over the ranks of ``process_group`` (so that every rank cuts alike)."""
     if not isinstance(sample, torch.Tensor) or sample.dim() != 2 or sample.is_floating_point():
@@ -532,8 +534,7 @@ def _time_weights(parts: ModelParts, sample, process_group, repeats: int = 3) ->
             p.grad = g
     if dist.is_initialized():
         t = torch.tensor(weights, dtype=torch.float64)
-        work = dist.all_reduce(t, group=process_group, async_op=True)
-        wait_work(work, DEFAULT_TIMEOUT, f"rank {dist.get_rank()}: all-reduce of the measured layer times (balance='time')",
-                  group=process_group)
+        collective(dist.all_reduce, t, group=process_group, timeout=timeout,
+                   what=f"rank {dist.get_rank()}: all-reduce of the measured layer times (balance='time')")
         weights = t.tolist()
     return weights

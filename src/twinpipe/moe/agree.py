@@ -14,8 +14,7 @@ import torch.distributed as dist
 
 from twinpipe.runtime import waits
 from twinpipe.runtime.agreement import Claim, disagreements
-from twinpipe.runtime.collectives import Gathering, padded_frame
-from twinpipe.runtime.comm import wait_work
+from twinpipe.runtime.collectives import Gathering, collective, padded_frame
 
 __all__ = ["agree", "ep_timeout", "frame_device", "all_reduce"]
 
@@ -63,5 +62,5 @@ def frame_device(tensor: torch.Tensor) -> torch.device | None:
 def all_reduce(tensor: torch.Tensor, group, timeout: float, what: str) -> None:
     """Sum ``tensor`` over ``group`` in place, waiting at most ``timeout`` s (PipelineTimeoutError with ``what``)."""
     waits.note(group)
-    wait_work(dist.all_reduce(tensor, group=group, async_op=True), timeout,
-              f"{what}: EP rank {dist.get_rank(group)} waiting for its peers in the all-reduce", group)
+    collective(dist.all_reduce, tensor, group=group, timeout=timeout,
+               what=f"{what}: EP rank {dist.get_rank(group)} waiting for its peers in the all-reduce")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from twinpipe.moe.agree import agree, ep_timeout, frame_device
 from twinpipe.moe.block import MoEBlock
 from twinpipe.moe.placement import check_placement
-from twinpipe.runtime.comm import wait_work
+from twinpipe.runtime.collectives import collective
 
 __all__ = ["MovePlan", "MoveReport", "plan_moves", "apply_placement_"]
 
@@ -146,8 +146,8 @@ def apply_placement_(block: MoEBlock, phy2log, optimizer=None, timeout: float | 
         outgoing = sorted(out, key=lambda t: t[1])  # destination-major, plan order within
         send = torch.cat([_as_bytes(slots[t[3] - first]) for t in outgoing]) if outgoing else torch.empty(0, dtype=torch.uint8, device=device)
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=device)
-        wait_work(dist.all_to_all_single(recv, send, recv_splits, send_splits, group=block.ep_group, async_op=True),
-                  timeout, f"apply_placement_: EP rank {rank} waiting for its peers in the expert all-to-all", block.ep_group)
+        collective(dist.all_to_all_single, recv, send, recv_splits, send_splits, group=block.ep_group, timeout=timeout,
+                   what=f"apply_placement_: EP rank {rank} waiting for its peers in the expert all-to-all")
         for i, t in enumerate(sorted(into, key=lambda t: t[0])):
             received[(t[0], t[2])] = recv[i * size : (i + 1) * size]
     mine = [f for f in plan.fills if f[0] // block.local == rank]

@@ -2,11 +2,12 @@
 CUDA on a side stream ordered by events.
 
 The CUDA path is small and untested here (no GPU in the test machine): the collective is
-launched on a side stream after that stream waits for the compute stream; ``wait()`` makes the
-compute stream wait for an event recorded after it, and ``record_stream`` keeps both buffers
-alive until the side stream is done with them.
+launched on a side stream after that stream waits for the compute stream; ``wait()`` polls an event
+recorded after it until the limit (the CPU then waits for the all-to-all, as it would for a CPU
+one), then makes the compute stream wait for that event; ``record_stream`` keeps both buffers alive
+until the side stream is done with them.
 
-A CPU all-to-all waits as long as the limit in force where it starts (``twinpipe.runtime.waits``):
+An all-to-all waits as long as the limit in force where it starts (``twinpipe.runtime.waits``):
 inside ``Pipeline.step`` the pipeline's ``timeout``, else ``twinpipe.checks.DEFAULT_TIMEOUT``,
 unless ``timeout=`` says otherwise; it gives up early when an EP peer publishes a failure.
 """
@@ -14,6 +15,7 @@ unless ``timeout=`` says otherwise; it gives up early when an EP peer publishes 
 from __future__ import annotations
 
 import sys
+import time
 import types
 import warnings
 
@@ -24,7 +26,8 @@ from twinpipe.checks import DEFAULT_TIMEOUT
 from twinpipe.overlap import state
 from twinpipe.overlap.parts import Done, Pending
 from twinpipe.runtime import waits
-from twinpipe.runtime.comm import wait_work
+from twinpipe.runtime.collectives import Collective
+from twinpipe.runtime.errors import PipelineTimeoutError
 
 __all__ = ["all_to_all", "Then", "group_size"]
 
@@ -58,19 +61,23 @@ sys.modules[__name__].__class__ = _Module
 
 
 class _Work(Pending):
-    def __init__(self, work, value, what: str, group, timeout: float):
-        self.work, self.value, self.what, self.group, self.timeout = work, value, what, group, timeout
+    def __init__(self, started: Collective, value):
+        self.started, self.value = started, value
 
     def wait(self):
-        wait_work(self.work, self.timeout, self.what, self.group)
+        self.started.wait()
         return self.value
 
 
 class _CudaWork(Pending):
-    def __init__(self, event, value):
-        self.event, self.value = event, value
+    """A CUDA all-to-all launched on a side stream, followed by ``event``. Untested on a GPU."""
+
+    def __init__(self, event, value, what: str, group, timeout: float):
+        self.event, self.value, self.what, self.group, self.timeout = event, value, what, group, timeout
 
     def wait(self):
+        if not waits.poll(self.event.query, time.monotonic() + self.timeout, self.what, self.group):
+            raise PipelineTimeoutError(f"{self.what}: did not complete within {self.timeout:g} s")
         torch.cuda.current_stream(self.value.device).wait_event(self.event)
         return self.value
 
@@ -95,6 +102,8 @@ def all_to_all(tensor: torch.Tensor, out_splits: list[int], in_splits: list[int]
     waits.note(group)  # a failure of the step breaks this group too
     tensor = tensor.contiguous()
     out = tensor.new_empty((sum(out_splits), *tensor.shape[1:]))
+    peers = [r for r, n in enumerate(out_splits) if n]
+    what = f"EP rank {dist.get_rank(group)}: all-to-all receiving from EP ranks {peers}"
     if tensor.is_cuda:
         side = state.side_stream(tensor.device)
         side.wait_stream(torch.cuda.current_stream(tensor.device))
@@ -104,7 +113,5 @@ def all_to_all(tensor: torch.Tensor, out_splits: list[int], in_splits: list[int]
             event.record(side)
         tensor.record_stream(side)
         out.record_stream(side)
-        return _CudaWork(event, out)
-    work = dist.all_to_all_single(out, tensor, out_splits, in_splits, group=group, async_op=True)
-    peers = [r for r, n in enumerate(out_splits) if n]
-    return _Work(work, out, f"EP rank {dist.get_rank(group)}: all-to-all receiving from EP ranks {peers}", group, timeout)
+        return _CudaWork(event, out, what, group, timeout)
+    return _Work(Collective(dist.all_to_all_single, out, tensor, out_splits, in_splits, group=group, timeout=timeout, what=what), out)

@@ -82,9 +82,10 @@ class SharedBoard:
     def collect(self, round_: int, timeout: float, what: str) -> list[bytes]:
         """Every rank's frame of ``round_``, in group-rank order, or PipelineTimeoutError
         (PipelinePeerFailedError when a failure notice of the pipeline's groups is out)."""
-        parity, deadline, spins, watch = round_ % 2, time.monotonic() + timeout, 0, None
+        parity, deadline = round_ % 2, time.monotonic() + timeout
         frames: list[bytes | None] = [None] * self.size
-        while True:
+
+        def missing() -> list[int]:
             for r in range(self.size):
                 if frames[r] is None:
                     words = self._words(parity, r)
@@ -93,19 +94,11 @@ class SharedBoard:
                         if int(words[0]) != round_:  # overwritten while read: that rank is rounds ahead
                             raise PipelineMismatchError(f"{what}: group rank {r} is more than one step ahead of this rank")
                         frames[r] = frame
-            missing = [r for r, f in enumerate(frames) if f is None]
-            if not missing:
-                return frames
-            spins += 1
-            if spins > 64:  # ranks may share cores: yield after a short spin
-                time.sleep(0 if spins < 256 else 2e-5)
-                now = time.monotonic()
-                if now > deadline:
-                    raise PipelineTimeoutError(
-                        f"{what}: group rank(s) {missing} did not start this step within {timeout:g} s")
-                if watch is None:
-                    watch = waits.Watch(self.group, now)
-                watch.check(now, f"{what} (group rank(s) {missing})")
+            return [r for r, f in enumerate(frames) if f is None]
+
+        if not waits.poll(lambda: not missing(), deadline, lambda: f"{what} (group rank(s) {missing()})", self.group):
+            raise PipelineTimeoutError(f"{what}: group rank(s) {missing()} did not start this step within {timeout:g} s")
+        return frames
 
 
 _BOARDS: dict = {}  # process group -> its board (None: the group's ranks cannot share one)

@@ -13,29 +13,57 @@ from twinpipe.checks import MIN_TIMEOUT, checked_timeout  # noqa: F401  (re-expo
 from twinpipe.runtime import comm
 from twinpipe.runtime.errors import PipelineMismatchError
 
-__all__ = ["checked_timeout", "Gathering", "encode_frame", "padded_frame", "decode_frame", "gather_objects", "barrier", "cpu_group",
+__all__ = ["checked_timeout", "Collective", "collective", "Gathering", "encode_frame", "padded_frame", "decode_frame", "gather_objects", "barrier", "cpu_group",
            "release_cpu_group"]
+
+
+class Collective:
+    """``op`` (a ``torch.distributed`` collective such as ``dist.all_reduce``) over ``group``,
+    started now and awaited by ``wait()`` within ``timeout`` seconds: the one way twinpipe runs a
+    collective within the user's limit. ``wait()`` raises PipelineTimeoutError naming ``what`` at
+    the limit, PipelinePeerFailedError at a peer's published failure, PipelineCommError when the
+    collective fails; a late peer is waited for (``comm.wait_work``). ``group`` None: the default group."""
+
+    def __init__(self, op, *args, group, timeout: float, what: str = "", **kwargs):
+        self.group = group if group is not None else dist.group.WORLD
+        self.timeout, self.what = timeout, what
+        self.work = op(*args, group=self.group, async_op=True, **kwargs)
+
+    def done(self) -> bool:
+        """Whether the collective has finished (does not wait)."""
+        return self.work is None or self.work.is_completed()
+
+    def wait(self, what: str | None = None) -> None:
+        """Wait for it (once; later calls return at once). ``what``: the wait's name when it is
+        known only now (else the one given at the start)."""
+        if self.work is not None:
+            work, self.work = self.work, None
+            comm.wait_work(work, self.timeout, self.what if what is None else what, self.group)
+
+
+def collective(op, *args, group, timeout: float, what: str, **kwargs) -> None:
+    """Run ``op`` over ``group`` and wait for it within ``timeout`` seconds (``Collective``)."""
+    Collective(op, *args, group=group, timeout=timeout, what=what, **kwargs).wait()
 
 
 class Gathering:
     """An all-gather of one int or byte tensor per rank, started now and awaited with ``result()``."""
 
     def __init__(self, group, tensor: torch.Tensor, timeout: float, what: str):
-        self.group, self.timeout, self.what = group, timeout, what
         size = dist.get_world_size(group)
         self.parts = [torch.empty_like(tensor) for _ in range(size)]
-        self.work = dist.all_gather(self.parts, tensor, group=group, async_op=True) if size > 1 else None
-        if self.work is None:
+        self.started = (Collective(dist.all_gather, self.parts, tensor, group=group, timeout=timeout, what=what)
+                        if size > 1 else None)
+        if self.started is None:
             self.parts = [tensor]
 
     def done(self) -> bool:
         """Whether the all-gather has finished (does not wait)."""
-        return self.work is None or self.work.is_completed()
+        return self.started is None or self.started.done()
 
     def result(self) -> list[torch.Tensor]:
-        if self.work is not None:
-            comm.wait_work(self.work, self.timeout, self.what, self.group)
-            self.work = None
+        if self.started is not None:
+            self.started.wait()
         return self.parts
 
 

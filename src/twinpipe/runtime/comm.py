@@ -175,6 +175,9 @@ def wait_work(work, timeout: float, what: str, group=None) -> None:
     ``timeout`` s, PipelinePeerFailedError when another rank published a failure that breaks this
     wait (``twinpipe.runtime.waits``), or PipelineCommError if it failed (e.g. the peer died).
 
+    A wait ends only when the work completes, at a published failure, or at ``timeout``: a peer
+    that is late, or a rank that the operating system did not run for a while, is not a failure.
+
     ``group``: the group of a collective (never give it for a send or receive: gloo closes the
     connection of a send or receive whose wait times out, so those cannot wait in slices). A
     collective of a gloo group not finished at once is waited for in slices of ``waits.POLL``
@@ -191,16 +194,59 @@ def wait_work(work, timeout: float, what: str, group=None) -> None:
         first = waits.notice(group)
         if first is not None:  # the likely cause: a peer failed, and closed its connections
             raise waits.peer_failed(what, first) from exc
-        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-            elapsed = time.monotonic() - start
-            if elapsed < 0.9 * timeout:
-                raise PipelineTimeoutError(
-                    f"{what}: timed out after {elapsed:.1f} s, before this wait's {timeout:g} s limit: the process "
-                    f"group's own timeout is shorter ({exc})") from exc
-            raise PipelineTimeoutError(f"{what}: did not complete within {timeout:g} s ({exc})") from exc
-        raise PipelineCommError(f"{what}: failed ({exc}); the peer may have died") from exc
+        raise _failure(exc, what, timeout, time.monotonic() - start, group) from exc
     if done is False:
         raise PipelineTimeoutError(f"{what}: did not complete within {timeout:g} s")
+
+
+def _failure(exc: RuntimeError, what: str, timeout: float, elapsed: float, group) -> Exception:
+    """The error for a wait whose work raised ``exc`` after ``elapsed`` of its ``timeout`` seconds."""
+    text = str(exc)
+    if "timed out" not in text.lower() and "timeout" not in text.lower():
+        return PipelineCommError(f"{what}: failed ({text}); the peer may have died")
+    own = _group_timeout(group)
+    if own is not None and own < timeout:
+        return PipelineTimeoutError(
+            f"{what}: timed out after {elapsed:.1f} s at the process group's own timeout, {own:g} s ({_group_timeout_source(own)}), "
+            f"shorter than this wait's {timeout:g} s limit ({_limit_source(timeout)}); give the group a timeout at "
+            f"least as long ({text})")
+    # The group's timeout, when not shorter, runs from the collective's start (before this wait):
+    # the work is over this wait's limit. gloo counts whole milliseconds.
+    if (own is not None and own + 1e-3 >= timeout) or elapsed + 1e-3 >= timeout:
+        return PipelineTimeoutError(f"{what}: did not complete within {timeout:g} s ({text})")
+    return PipelineCommError(f"{what}: the transport gave up after {elapsed:.1f} s, before this wait's {timeout:g} s "
+                             f"limit ({text}); the peer may have died")
+
+
+def _group_timeout(group) -> float | None:
+    """``group``'s own timeout in seconds (what its backend gives up at), or None when unknown."""
+    if group is None:
+        return None
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except Exception:
+        try:
+            backend = group._get_backend(torch.device("cuda"))
+        except Exception:
+            return None
+    try:
+        return backend.options._timeout.total_seconds()
+    except Exception:
+        return None
+
+
+def _group_timeout_source(seconds: float) -> str:
+    if seconds == dist.default_pg_timeout.total_seconds():
+        return "torch's default: the group was made without timeout="
+    return ("the timeout= the group was made with: init_process_group or new_group, or twinpipe.launch.run_local's "
+            "group_timeout=")
+
+
+def _limit_source(seconds: float) -> str:
+    scope = waits.current()
+    if scope is not None and scope.timeout == seconds:
+        return "the limit in force: the pipeline's or trainer's timeout= during its step, or waits.limit"
+    return "the timeout= of this call or of the object making it (Pipeline, Trainer, reducer, balancer), else DEFAULT_TIMEOUT"
 
 
 def _gloo_only(group) -> bool:
@@ -218,16 +264,24 @@ def _wait_in_slices(work, deadline: float, group, what: str) -> bool:
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            return False
+            return _finished(work)  # a last look: done while this rank was not running is not late
         try:
             if work.wait(datetime.timedelta(seconds=max(min(waits.POLL, left), 1e-3))):
                 return True
         except RuntimeError:
-            if work.is_completed():  # it failed (not just this slice's timeout)
-                raise
+            # Either this slice ran out or the work failed. A slice that runs out just before the
+            # work completes raises too, and the work then reads as completed: only the completed
+            # work's own wait (at once: its result, or its real error) tells the two apart.
+            if work.is_completed():
+                return work.wait()
         first = waits.notice(group)
         if first is not None:
             raise waits.peer_failed(what, first)
+
+
+def _finished(work) -> bool:
+    """Whether ``work`` has completed (its real error raised if it failed); does not wait."""
+    return bool(work.is_completed() and work.wait())
 
 
 class PointToPoint:

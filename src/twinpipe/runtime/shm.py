@@ -13,6 +13,7 @@ so a reader that sees the head sees the bytes. Other architectures use the proce
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import platform
@@ -48,18 +49,9 @@ class _Work:
         return self.done
 
     def wait(self, timeout=None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
-        spins, watch = 0, None
-        while not self.is_completed():
-            spins += 1
-            if spins > 64:  # after a short spin, yield the core (ranks may share cores)
-                time.sleep(0 if spins < 256 else 2e-5)
-                now = time.monotonic()
-                if deadline is not None and now > deadline:
-                    raise RuntimeError("shared-memory transfer timed out")
-                if watch is None:
-                    watch = waits.Watch(self.pipes.group, now)
-                watch.check(now, "shared-memory transfer")  # a peer's published failure ends the wait
+        deadline = math.inf if timeout is None else time.monotonic() + timeout.total_seconds()
+        if not waits.poll(self.is_completed, deadline, "shared-memory transfer", self.pipes.group):
+            raise RuntimeError("shared-memory transfer timed out")
         return True
 
 

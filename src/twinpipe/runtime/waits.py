@@ -33,9 +33,11 @@ from twinpipe.checks import DEFAULT_TIMEOUT, checked_timeout
 from twinpipe.runtime.errors import PipelinePeerFailedError
 
 __all__ = ["POLL", "Scope", "limit", "entered", "enter", "leave", "current", "timeout_for", "note", "publish_failure", "notice",
-           "Watch", "peer_failed"]
+           "Watch", "peer_failed", "poll"]
 
-POLL = 0.2  # seconds between two looks at the store while a wait has not finished
+# Seconds between two looks at the store while a wait has not finished (also the slice of a gloo
+# collective's wait). Read at each wait, so a test may shorten it to cross many slice boundaries.
+POLL = 0.2
 NOTICE_CHARS = 1500  # a notice is one line of an error message
 _SEVER_TAG = 0x7FFF_FFF0  # a receive tag nothing else uses (twinpipe's own tags stay below 2**21)
 
@@ -196,12 +198,32 @@ class Watch:
         self.group = group
         self.due = (time.monotonic() if now is None else now) + POLL
 
-    def check(self, now: float, what: str) -> None:
+    def check(self, now: float, what) -> None:
+        """``what``: the wait's name, or a function giving it (called only to raise)."""
         if now >= self.due:
             self.due = now + POLL
             first = notice(self.group)
             if first is not None:
-                raise peer_failed(what, first)
+                raise peer_failed(what if isinstance(what, str) else what(), first)
+
+
+def poll(ready, deadline: float, what, group=None) -> bool:
+    """Ask ``ready()`` until it says True (True) or the ``time.monotonic()`` ``deadline`` passes
+    (False), yielding the core after a short spin and heeding ``group``'s failure notices (``Watch``;
+    ``what``: the wait's name, or a function giving it). ``ready()`` is asked once more after the
+    deadline: what arrived while this rank was not running is not late."""
+    spins, watch = 0, None
+    while not ready():
+        spins += 1
+        if spins > 64:  # after a short spin, yield the core (ranks may share cores)
+            time.sleep(0 if spins < 256 else 2e-5)
+            now = time.monotonic()
+            if now > deadline:
+                return bool(ready())
+            if watch is None:
+                watch = Watch(group, now)
+            watch.check(now, what)
+    return True
 
 
 def enter(scope: Scope):

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from twinpipe.runtime.comm import wait_work
+from twinpipe.runtime.collectives import Collective, collective
 from twinpipe.runtime.main_grad import grad_of, zeros_if_missing
 from twinpipe.sim.shards import BUCKET_BYTES, buckets
 
@@ -85,17 +85,17 @@ class DataParallelReducer:
             flat = torch.cat([zeros_if_missing(p).reshape(-1) for p in bucket])
             if self.mode == "ordered":
                 parts = [torch.empty_like(flat) for _ in range(dist.get_world_size(self.group))]
-                work = dist.all_gather(parts, flat, group=self.group, async_op=True)
+                work = Collective(dist.all_gather, parts, flat, group=self.group, timeout=self.timeout)
             else:
                 parts = [flat]
-                work = dist.all_reduce(flat, group=self.group, async_op=True)
+                work = Collective(dist.all_reduce, flat, group=self.group, timeout=self.timeout)
             self._started.append((bucket, parts, work, f"part {part + 1}/{len(self.parts)}"))
 
     def wait(self, where: str) -> None:
         """Await every started collective and write the sums into the gradients."""
         started, self._started = self._started, []
         for i, (bucket, parts, work, label) in enumerate(started):
-            wait_work(work, self.timeout, f"{where}: data-parallel {self.mode} of gradient bucket {i + 1}/{len(started)} ({label})", self.group)
+            work.wait(f"{where}: data-parallel {self.mode} of gradient bucket {i + 1}/{len(started)} ({label})")
             flat = parts[0]
             for part in parts[1:]:
                 flat.add_(part)  # replica 0 + replica 1 + ..., left to right
@@ -127,4 +127,4 @@ def clip_grads(params: Iterable[torch.Tensor], factor: float) -> None:
 def sum_across(tensor: torch.Tensor, group, timeout: float, what: str) -> None:
     """All-reduce (sum) ``tensor`` in place over ``group``, bounded by ``timeout``."""
     if group is not None and dist.get_world_size(group) > 1:
-        wait_work(dist.all_reduce(tensor, group=group, async_op=True), timeout, what, group)
+        collective(dist.all_reduce, tensor, group=group, timeout=timeout, what=what)

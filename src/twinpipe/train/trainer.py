@@ -57,8 +57,7 @@ from twinpipe.moe.bias import HF_BIAS, CountedRouter, hf_gates, update_bias_
 from twinpipe.moe.grads import reduce_replica_grads
 from twinpipe.moe.router import TopKRouter
 from twinpipe.runtime.batches import batch_layout
-from twinpipe.runtime.collectives import cpu_group, gather_objects
-from twinpipe.runtime.comm import wait_work
+from twinpipe.runtime.collectives import collective, cpu_group, gather_objects
 from twinpipe.runtime import waits
 from twinpipe.runtime.main_grad import grad_of
 from twinpipe.runtime.errors import (
@@ -246,7 +245,8 @@ class Trainer:
             self.stage_names = [s.names for s in cut]
             modules = [defer_weight_grads(m) for m in stage_modules(cut, self.schedule, mesh.pp, mesh.pp_rank)]
         else:
-            modules = list(stages.build(model, self.schedule, mesh.pp_rank))
+            with waits.limit(self.timeout):  # the cut's own collectives (balance="time") wait the trainer's limit
+                modules = list(stages.build(model, self.schedule, mesh.pp_rank))
             self.stage_names = None  # the custom cut names its stages its own way
         if mesh.dp > 1:
             shard_experts(modules, mesh.dp_group)  # expert parallelism over the stage's data-parallel group
@@ -478,8 +478,8 @@ class Trainer:
         if dist.get_rank() == 0:  # one measurement, sent to every rank
             sample = self.sampler.batch(0, self.config.microbatch_size)[0].to(device)
             counts = torch.tensor([len(s.names) for s in split(model, n, "time", sample=sample)], device=device)
-        wait_work(dist.broadcast(counts, src=0, async_op=True), self.timeout, self._where("agreeing on the time-balanced split"),
-                  dist.group.WORLD)
+        collective(dist.broadcast, counts, src=0, group=None, timeout=self.timeout,
+                   what=self._where("agreeing on the time-balanced split"))
         return counts.cpu().tolist()
 
     def _mirror_groups(self) -> dict[int, dict[int, Copies]] | None:
@@ -514,8 +514,8 @@ class Trainer:
         if self.mesh.dp > 1 and self._dense:
             flat = torch.cat([p.detach().reshape(-1) for p in self._dense])
             src = dist.get_global_rank(self.mesh.dp_group, 0)
-            wait_work(dist.broadcast(flat, src=src, group=self.mesh.dp_group, async_op=True), self.timeout,
-                      self._where("broadcasting the initial weights across data-parallel replicas"), self.mesh.dp_group)
+            collective(dist.broadcast, flat, src=src, group=self.mesh.dp_group, timeout=self.timeout,
+                       what=self._where("broadcasting the initial weights across data-parallel replicas"))
             offset = 0
             with torch.no_grad():
                 for p in self._dense:

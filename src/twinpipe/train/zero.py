@@ -36,7 +36,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from twinpipe.runtime.comm import wait_work
+from twinpipe.runtime.collectives import Collective
 from twinpipe.runtime.errors import PipelineBrokenError
 from twinpipe.runtime.main_grad import grad_of, zeros_if_missing
 from twinpipe.sim.shards import BUCKET_BYTES, runs  # the one rule, shared with the planner
@@ -142,17 +142,17 @@ class ShardedReducer(DataParallelReducer):
             flat = bucket.flat(grad_of, g0.dtype, g0.device)
             if self.mode == "ordered":
                 out = torch.empty_like(flat)
-                work = dist.all_to_all_single(out, flat, group=self.group, async_op=True)
+                work = Collective(dist.all_to_all_single, out, flat, group=self.group, timeout=self.timeout)
             else:
                 out = torch.empty(bucket.chunk, dtype=flat.dtype, device=flat.device)
-                work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+                work = Collective(dist.reduce_scatter_single, out, flat, group=self.group, timeout=self.timeout)
             self._started.append((bucket, [out], work, f"part {part + 1}/{len(self.parts)}, bucket {i + 1}"))
 
     def wait(self, where: str) -> None:
         started, self._started = self._started, []
         for i, (bucket, (out,), work, label) in enumerate(started):
-            wait_work(work, self.timeout, f"{where}: data-parallel {self.mode} reduce-scatter (ZeRO-1) of gradient bucket "
-                      f"{i + 1}/{len(started)} ({label})", self.group)
+            work.wait(f"{where}: data-parallel {self.mode} reduce-scatter (ZeRO-1) of gradient bucket "
+                      f"{i + 1}/{len(started)} ({label})")
             if self.mode == "ordered":  # the dp pieces of this rank's run, added replica by replica
                 pieces = out.view(self.world, bucket.chunk)
                 out = pieces[0].clone()
@@ -200,19 +200,28 @@ class ShardedReducer(DataParallelReducer):
 
     def start_gather(self, where: str) -> None:
         """Start every all-gather of the owners' updated weights (after the update); ``wait_gather``
-        awaits them. ``where`` names the step in the waits' messages."""
+        awaits them. ``where`` names the step in the waits' messages. When starting them fails, the
+        weights are incomplete here as on the peers: later waits raise ``PipelineBrokenError``."""
         if not self.active:
             return
         self.wait_gather(None, "before the next update's all-gathers")  # none pending normally
+        self._where = where
+        try:
+            self._start_gathers(where)
+        except BaseException as exc:
+            self._broken = f"starting the all-gathers of updated weights failed ({type(exc).__name__}: {exc})"
+            self._pending = []
+            raise
+
+    def _start_gathers(self, where: str) -> None:
         if self.units is None:
             self.units = self._gathers(None)
-        self._where = where
         with torch.no_grad():
             for i, unit in enumerate(self.units):
                 p0 = unit.params[0]
                 mine = unit.flat(torch.Tensor.detach, p0.dtype, p0.device, unit.rank)
                 out = torch.empty(len(unit.runs) * unit.chunk, dtype=p0.dtype, device=p0.device)
-                work = dist.all_gather_single(out, mine, group=unit.group, async_op=True)
+                work = Collective(dist.all_gather_single, out, mine, group=unit.group, timeout=self.timeout)
                 over = "data-parallel global ranks" if unit.group is self.group else "global ranks (every copy, every replica)"
                 what = (f"{where}: all-gather of updated weights (ZeRO-1) over {over} {dist.get_process_group_ranks(unit.group)}, "
                         f"bucket {i + 1}/{len(self.units)}")
@@ -231,7 +240,7 @@ class ShardedReducer(DataParallelReducer):
                 if stage is not None and unit.stages and stage not in unit.stages:
                     keep.append(entry)
                     continue
-                wait_work(work, self.timeout, f"{what}, awaited {why}", unit.group)
+                work.wait(f"{what}, awaited {why}")
                 with torch.no_grad():
                     unit.unflat(out, lambda p: p.data, None)
         except BaseException as exc:

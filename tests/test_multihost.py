@@ -178,3 +178,23 @@ def test_no_shared_memory_joins_the_two_hosts(runs, name):
     _, watch, _ = runs[name]
     assert watch.mapped_by, "no shared-memory segment seen at all: the watch saw nothing"
     assert watch.shared_across() == []
+
+
+def _in_a_launchers_group(rank: int, world: int, out: str) -> tuple:
+    """``python -m twinpipe.train`` called inside a process group its launcher already made, with
+    torchrun's variables set (as Ray's TorchTrainer does for its workers)."""
+    import torch.distributed as dist
+
+    from twinpipe.train_command.cli import main
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    code = main(["--schedule", "1f1b", "--pp", "2", "--layers", "2", "--batch-size", "4", *TINY, "--out", out])
+    dist.barrier()  # the launcher's group is still there: the command did not destroy what it did not make
+    return code, dist.is_initialized()
+
+
+def test_train_runs_in_a_process_group_its_launcher_made(tmp_path):
+    from distributed import run_world
+
+    assert run_world(2, _in_a_launchers_group, str(tmp_path)) == [(0, True), (0, True)]
+    assert len(json.loads((tmp_path / "train-log.json").read_text())["steps"]) == 2

@@ -117,22 +117,35 @@ def _two_hosts(args: list[str], out: Path, token: str) -> tuple[dict, _SegmentWa
     """``python -m twinpipe.train`` on two agents of 2 processes, hosts ``{token}-0`` and ``{token}-1``,
     writing to one ``out`` (a shared folder: every rank writes its checkpoint shard there): its log,
     and the watch of the shared-memory segments the agents' workers mapped."""
-    port = _free_port()
-    agents = []
+    port, agents, logs = _free_port(), [], [out.parent / f"{out.name}-agent{node}.log" for node in (0, 1)]
     try:
         with _SegmentWatch(agents) as watch:
             for node in (0, 1):
                 command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                            "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
                            "--rdzv-backend", "static", "-m", "twinpipe.train", *args, "--out", str(out)]
-                agents.append(subprocess.Popen(command, env=_environment(f"{token}-{node}"), stdout=subprocess.PIPE,
-                                               stderr=subprocess.STDOUT, text=True, start_new_session=True))
-            outputs = [_finish(agent, time.monotonic() + LIMIT_S) for agent in agents]
+                with open(logs[node], "w") as log:
+                    agents.append(subprocess.Popen(command, env=_environment(f"{token}-{node}"), stdout=log,
+                                                   stderr=subprocess.STDOUT, start_new_session=True))
+            _wait(agents, logs)
     finally:
         _stop(agents)
-    for node, (agent, output) in enumerate(zip(agents, outputs)):
-        assert agent.returncode == 0, f"agent {node} exited {agent.returncode}:\n{output[-4000:]}"
     return json.loads((out / "train-log.json").read_text()), watch
+
+
+def _wait(agents: list[subprocess.Popen], logs: list[Path]) -> None:
+    """Until every agent exits 0; AssertionError with its output when one fails (its peer may wait
+    for it until a rendezvous timeout: it is not waited for) or LIMIT_S passes."""
+    deadline = time.monotonic() + LIMIT_S
+    while any(agent.poll() is None for agent in agents):
+        failed = [node for node, agent in enumerate(agents) if agent.poll() not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            node = failed[0] if failed else 0
+            why = f"exited {agents[node].returncode}" if failed else f"did not finish within {LIMIT_S} s"
+            raise AssertionError(f"agent {node} {why}:\n{logs[node].read_text()[-4000:]}")
+        time.sleep(0.1)
+    for node, agent in enumerate(agents):
+        assert agent.returncode == 0, f"agent {node} exited {agent.returncode}:\n{logs[node].read_text()[-4000:]}"
 
 
 def _one_host(args: list[str], out: Path) -> dict:
@@ -140,14 +153,6 @@ def _one_host(args: list[str], out: Path) -> dict:
                           capture_output=True, text=True, timeout=LIMIT_S)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads((out / "train-log.json").read_text())
-
-
-def _finish(proc: subprocess.Popen, deadline: float) -> str:
-    try:
-        return proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
-    except subprocess.TimeoutExpired:
-        _stop([proc])
-        raise AssertionError(f"a torchrun agent did not finish within {LIMIT_S} s") from None
 
 
 @pytest.fixture(scope="module")

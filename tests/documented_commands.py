@@ -65,6 +65,22 @@ LOADS_CSV = "90,132,40,61,104,165,39,4,73,56,183,86", "20,107,104,64,19,197,187,
 TRACE_FILES = ("out/trace.json", "out/measured.png", "out/predicted.png", "out/compare.png")
 
 
+FREE_PORT = "P=$(python -c \"import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])\")"
+TWO_NODES = ("the nodes are two torchrun agents on this machine (127.0.0.1, a free port; TWINPIPE_HOST_ID node0 and node1, so "
+             "they share no memory, as two machines), one CPU process each (CI has no GPU): PP=2, a tiny model, 2 steps; "
+             "--out a folder both see")
+NODES_FILES = ("shared/gpt/train-log.json", "shared/gpt/checkpoint-final/")  # the checkpoint holds both nodes' shards
+
+
+def _two_nodes(agent: str) -> str:
+    """CI's line for a multi-node torchrun command: ``agent`` (its options, ``{node}`` for the node's
+    rank, ``$P`` the port) started twice on this machine, each with its own host identity; it fails
+    when either agent fails."""
+    train = f"-m twinpipe.train --pp 2 --steps 2 {TINY} --out shared/gpt"
+    first, second = (f"TWINPIPE_HOST_ID=node{n} torchrun {agent.format(node=n)} {train}" for n in (0, 1))
+    return f"{FREE_PORT}; {first} & a=$!; {second}; b=$?; wait $a && test $b = 0"
+
+
 def _help(shown: str, why: str = MENTION, copy: tuple[str, ...] = ()) -> Command:
     """A command CI only asks for its help: its first words (up to the first option or placeholder)."""
     words = []
@@ -268,6 +284,16 @@ COMMANDS: list[Command] = [
     Command("torchrun --standalone --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda",
             f"torchrun --standalone --nproc-per-node 2 -m twinpipe.train --pp 2 --steps 2 {TINY}",
             NO_GPU + "; 2 processes, a tiny model, 2 steps", files=TRAIN_FILES),
+    # ---- docs/train.md: several machines
+    *(Command(f"torchrun --nnodes 2 --node-rank {n} --nproc-per-node 8 --master-addr node0 --master-port 29500 -m twinpipe.train "
+              "--pp 8 --dp 2 --device cuda --out /shared/gpt",
+              _two_nodes("--nnodes 2 --node-rank {node} --nproc-per-node 1 --master-addr 127.0.0.1 --master-port $P"),
+              TWO_NODES + "; one run for both nodes' lines", folder="nodes-static", files=NODES_FILES,
+              stdout=("bits per byte, first step",)) for n in (0, 1)),
+    Command("torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29500 --rdzv-id gpt -m twinpipe.train "
+            "--pp 8 --dp 2 --device cuda --out /shared/gpt",
+            _two_nodes("--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:$P --rdzv-id gpt"),
+            TWO_NODES + "; the same line on both", folder="nodes-c10d", files=NODES_FILES, stdout=("bits per byte, first step",)),
     # ---- docs/hf.md
     Command("python examples/hf_llama.py", copy=("examples",), stdout=("step 2: loss",)),
     Command("torchrun --standalone --nproc-per-node 2 examples/hf_llama.py", "python examples/hf_llama.py",

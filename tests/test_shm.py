@@ -1,6 +1,6 @@
 """Shared-memory pipes: bytes arrive intact and in order, across wrap-around and messages larger
-than the ring, in both directions at once; a wait with nobody sending times out. One 2-rank world
-runs every case."""
+than the ring, in both directions at once; a wait with nobody sending times out; TWINPIPE_HOST_ID
+decides which ranks count as one host. One 2-rank world runs every case."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def outcomes() -> dict[str, list]:
 
 def _world(rank, world):
     return run_named([("exchange", lambda: _exchange(rank, world)), ("bad_transport", lambda: _bad_transport(rank, world)),
-                      ("setups_that_fail", lambda: _setups_that_fail(rank, world))])
+                      ("setups_that_fail", lambda: _setups_that_fail(rank, world)), ("host_ids", lambda: _host_ids(rank))])
 
 
 def _exchange(rank, world):
@@ -119,3 +119,50 @@ def test_failed_shared_memory_setup_falls_back_to_the_process_group(outcomes):
         assert out["separate_dirs"] == ([], True), (rank, out)
         assert out["full"] == ([], True), (rank, out)
         assert out["leftovers"] == [], (rank, out)
+
+
+HOST_ID_CASES = {"unset": (None, None), "same": ("a", "a"), "different": ("a", "b"), "empty": ("", ""), "blank": (" ", " ")}
+
+
+def _host_ids(rank):
+    """Pipes and the agreement board under each TWINPIPE_HOST_ID setting (each on a fresh group: a
+    board is made once per group)."""
+    import os
+
+    from twinpipe.runtime import board, shm
+
+    out, before = {}, os.environ.get("TWINPIPE_HOST_ID")
+    for name, values in HOST_ID_CASES.items():
+        group = dist.new_group([0, 1])
+        os.environ.pop("TWINPIPE_HOST_ID", None)
+        if values[rank] is not None:
+            os.environ["TWINPIPE_HOST_ID"] = values[rank]
+        try:
+            pipes = shm.shm_pipes(group, rank, {0: 0, 1: 1}, {1 - rank}, torch.device("cpu"), timeout=10, capacity=1000)
+            shared = board.shared_board(group, rank, 2, timeout=10)
+            out[name] = (sorted(pipes.peers()), shared is not None)
+            pipes.close()
+            board.release_board(shared)
+        except ValueError as exc:
+            out[name] = str(exc)
+        finally:
+            os.environ.pop("TWINPIPE_HOST_ID", None)
+            if before is not None:
+                os.environ["TWINPIPE_HOST_ID"] = before
+    return out
+
+
+def test_host_id_override_decides_which_ranks_share_memory(outcomes):
+    # Two names on one machine: no pipe, no board, as on two machines; one name (or none): both.
+    for rank, out in enumerate(outcomes["host_ids"]):
+        assert out["unset"] == ([1 - rank], True), (rank, out)
+        assert out["same"] == ([1 - rank], True), (rank, out)
+        assert out["different"] == ([], False), (rank, out)
+
+
+@pytest.mark.parametrize("name", ["empty", "blank"])
+def test_empty_host_id_is_refused_naming_the_variable(outcomes, name):
+    value = HOST_ID_CASES[name][0]
+    for out in outcomes["host_ids"]:
+        assert out[name] == f"TWINPIPE_HOST_ID={value!r}: must be a non-empty name (ranks with the same name may share memory), " \
+                            "or unset (the host name and boot decide)", out

@@ -116,7 +116,7 @@ def shared_board(group, rank: int, size: int, timeout: float) -> SharedBoard | N
         return board
     what = f"group rank {rank}: setting up the agreement board"
     ok = shm._eligible(torch.device("cpu"), 2 * size * (_HEADER + FRAME_BYTES))
-    everyone = gather_objects(group, (shm._host_id(), ok, os.urandom(8).hex()), timeout, what)
+    everyone = gather_objects(group, (shm.host_id(), ok, os.urandom(8).hex()), timeout, what)
     if not all(e[1] for e in everyone) or len({e[0] for e in everyone}) != 1:
         _BOARDS[group] = None
         return None

@@ -24,11 +24,11 @@ from collections import deque
 
 import torch
 
-from twinpipe.checks import DEFAULT_TIMEOUT
+from twinpipe.checks import DEFAULT_TIMEOUT, bad
 from twinpipe.runtime import waits
 from twinpipe.runtime.collectives import gather_objects
 
-__all__ = ["ShmPipes", "shm_pipes"]
+__all__ = ["HOST_ID_VARIABLE", "ShmPipes", "host_id", "shm_pipes"]
 
 _HEAD, _TAIL = 0, 8  # int64 indices: head at byte 0, tail at byte 64 (separate cache lines)
 _CONTROL = 128  # bytes before the ring
@@ -162,7 +162,22 @@ class ShmPipes:
 _SHM_DIR = "/dev/shm"
 
 
-def _host_id() -> str:
+HOST_ID_VARIABLE = "TWINPIPE_HOST_ID"
+
+
+def host_id() -> str:
+    """Which host this rank is on: ranks share memory only with ranks of the same identity.
+
+    ``$TWINPIPE_HOST_ID`` overrides it (an empty value is refused): give two groups of ranks on one
+    machine different values and they talk only through the process group, as two machines do.
+    Otherwise the host name and boot (a name alone may repeat across containers).
+    """
+    override = os.environ.get(HOST_ID_VARIABLE)
+    if override is not None:
+        if not override.strip():
+            raise bad(HOST_ID_VARIABLE, override, "must be a non-empty name (ranks with the same name may share memory), "
+                      "or unset (the host name and boot decide)")
+        return f"set:{override}"  # never a host name's form (a host name has no colon)
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -196,7 +211,7 @@ def shm_pipes(group, rank: int, group_rank_of: dict[int, int], neighbours: set[i
     and whatever happens (a failure, a peer dying), before this returns or raises.
     """
     needed = len(neighbours) * (_CONTROL + capacity)
-    info = (rank, _host_id(), _eligible(device, needed), sorted(neighbours), uuid.uuid4().hex)
+    info = (rank, host_id(), _eligible(device, needed), sorted(neighbours), uuid.uuid4().hex)
     what = f"rank {rank}: setting up shared-memory pipes"
     everyone = gather_objects(group, info, timeout, what)
     by_rank = {r: (host, ok, set(nb)) for r, host, ok, nb, _ in everyone}

@@ -303,7 +303,8 @@ def _spawned_worker(rank: int, world: int, args) -> None:
 
 
 def _torchrun_worker(local_rank: int, args) -> None:
-    """One rank started by torchrun: the process group comes from its environment."""
+    """One rank started by torchrun (or a launcher that sets its variables): the process group comes
+    from its environment, or is the one the launcher made already (Ray's TorchTrainer), left to it."""
     import torch
     import torch.distributed as dist
 
@@ -311,11 +312,14 @@ def _torchrun_worker(local_rank: int, args) -> None:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     else:
         torch.set_num_threads(_threads(args))
-    dist.init_process_group(_backend(args), timeout=datetime.timedelta(seconds=args.timeout))  # bounds mesh setup too
+    ours = not dist.is_initialized()
+    if ours:
+        dist.init_process_group(_backend(args), timeout=datetime.timedelta(seconds=args.timeout))  # bounds mesh setup too
     try:
         _train(args, _device(args))
     finally:
-        dist.destroy_process_group()
+        if ours:
+            dist.destroy_process_group()
 
 
 def _device(args):

@@ -80,3 +80,12 @@ def test_without_flock_the_record_decides(record, run_id, is_gone):
     record = {**record, "host": this_host() if record["host"] == "this" else record["host"],
               "pid": {"dead": dead.pid, "self": os.getpid()}.get(record["pid"], record["pid"])}
     assert holder_gone(record, run_id) is is_gone
+
+
+def test_a_run_removes_the_temporary_folders_a_killed_run_left_in_its_out(tmp_path):
+    out = tmp_path / "out"
+    left = out / ".checkpoint-step2.partial-77@another-host-0123456789ab"  # its owner cannot be checked from here
+    left.mkdir(parents=True)
+    (left / "__0_0.distcp").write_bytes(b"x")
+    assert _run_train(*TINY, "--out", str(out)) == 0
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [], "hidden files or folders left"

@@ -264,14 +264,15 @@ def _abandoned(entry: Path, match: re.Match) -> bool:
         return False
 
 
-def remove_abandoned(parent) -> list[str]:
+def remove_abandoned(parent, all_abandoned: bool = False) -> list[str]:
     """Remove the temporary folders of unfinished saves in ``parent`` that no live save owns: made by
     a process of this host that is gone, or (their owner cannot be checked from here) unchanged for
-    ``PARTIAL_MAX_AGE_S``. Returns their names."""
+    ``PARTIAL_MAX_AGE_S``; with ``all_abandoned`` (the caller knows no save into ``parent`` runs: it
+    holds the run lock and its ranks have not started), every one. Returns their names."""
     removed = []
     for entry in Path(parent).iterdir():
         match = _PARTIAL.fullmatch(entry.name)
-        if match and not entry.is_symlink() and entry.is_dir() and _abandoned(entry, match):
+        if match and not entry.is_symlink() and entry.is_dir() and (all_abandoned or _abandoned(entry, match)):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
     return sorted(removed)

@@ -276,6 +276,10 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     if lock is not None and lock.note:
         print(f"twinpipe train: note: {lock.note}", file=sys.stderr)
+    if lock is not None:  # no save into --out runs now: a temporary folder there is a killed run's
+        from twinpipe.train.checkpoint_files import remove_abandoned
+
+        remove_abandoned(args.out, all_abandoned=True)
     try:
         return _run_ranks(args)
     finally:

@@ -119,24 +119,30 @@ def _marker(path: str, folder: Path) -> tuple[dict, str]:
           and isinstance(record.get("optimizer"), dict) and isinstance(record.get("optimizer_state_files", []), list))
     if not ok:
         raise CheckpointError(path, f"file {MARKER}: not a twinpipe completion marker of version {VERSION} (damaged, or another format)")
-    for name in record["files"]:
-        if not plain_name(name) or name == MARKER:
-            raise CheckpointError(path, f"file {MARKER}: lists {name!r}, which is not a file of the folder (damaged or crafted)")
-    for name in record.get("optimizer_state_files", []):
-        if not isinstance(name, str) or name not in record["files"] or name == METADATA:  # so each is a plain name, and its digest is checked
-            raise CheckpointError(path, f"file {MARKER}: lists optimizer state file {name!r}, which is not among its digested "
-                                        "files of the folder (damaged or crafted)")
-    for name, bound in [(METADATA, METADATA_MAX_BYTES)] + [(n, STATE_FILE_MAX_BYTES) for n in record.get("optimizer_state_files", [])]:
-        size = record["files"].get(name, {}).get("bytes", 0)
-        if size > bound:
-            raise CheckpointError(path, f"file {MARKER}: says {name} holds {size} bytes, more than the {bound >> 20} MiB "
-                                        "such a file may hold (damaged or crafted)")
+    _check_listing(path, record["files"], record.get("optimizer_state_files", []))
     return record, hashlib.sha256(data).hexdigest()
 
 
+def _check_listing(path: str, files: dict, state_files: list) -> None:
+    """The marker's file names: plain names of the folder; the optimizer-state files among the
+    digested ones; the sizes it states for ``.metadata`` and them within their bounds."""
+    for name in files:
+        if not plain_name(name) or name == MARKER:
+            raise CheckpointError(path, f"file {MARKER}: lists {name!r}, which is not a file of the folder (damaged or crafted)")
+    for name in state_files:
+        if not isinstance(name, str) or name not in files or name == METADATA:  # so a plain name whose digest is checked
+            raise CheckpointError(path, f"file {MARKER}: lists optimizer state file {name!r}, which is not among its "
+                                        "digested files of the folder (damaged or crafted)")
+    for name, bound in [(METADATA, METADATA_MAX_BYTES)] + [(n, STATE_FILE_MAX_BYTES) for n in state_files]:
+        size = files.get(name, {}).get("bytes", 0)
+        if size > bound:
+            raise CheckpointError(path, f"file {MARKER}: says {name} holds {size} bytes, more than the {bound >> 20} MiB "
+                                        "such a file may hold (damaged or crafted)")
+
+
 def verify_files(path: str, files: dict[str, dict], names, digests: bool = True) -> list[str]:
-    """Problems (empty: none) of the files ``names`` against the marker's ``files``: missing, another
-    size (torn or corrupted) or, with ``digests``, another SHA-256."""
+    """Problems (empty: none) of the files ``names`` against the marker's ``files``: missing, not a
+    regular file or a symbolic link, another size (torn or corrupted) or, with ``digests``, another SHA-256."""
     folder, problems = Path(path), []
     for name in names:
         want = files[name]

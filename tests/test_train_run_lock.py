@@ -89,3 +89,11 @@ def test_a_run_removes_the_temporary_folders_a_killed_run_left_in_its_out(tmp_pa
     (left / "__0_0.distcp").write_bytes(b"x")
     assert _run_train(*TINY, "--out", str(out)) == 0
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [], "hidden files or folders left"
+
+
+def test_a_link_in_place_of_the_lock_file_is_refused_not_followed(tmp_path):
+    (tmp_path / "elsewhere").write_text("keep")
+    (tmp_path / LOCK_FILE).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=r"^--out='.*': its run lock .* cannot be opened \("):
+        take_run_lock(tmp_path)
+    assert (tmp_path / "elsewhere").read_text() == "keep"

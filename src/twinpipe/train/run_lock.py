@@ -112,7 +112,11 @@ def take_run_lock(folder, option: str = "--out") -> RunLock:
     path = Path(folder) / LOCK_FILE
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or None
     for _ in range(5):  # again when the holder removed the file between our open and our lock
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as error:  # ELOOP: a symbolic link planted there
+            raise bad(option, str(folder), f"its run lock {path} cannot be opened ({error.strerror or error}); "
+                      "remove it if it is not a file twinpipe wrote") from None
         try:
             held, previous = _flock(fd), _record(fd)
             if held is False or (held is None and previous is not None and not holder_gone(previous, run_id)):

@@ -21,7 +21,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "twinpipe"
 LAYERS = [
     ("checks", "argument validators and the one timeout default (pure Python)"),
     ("cli_options", "the command line's one vocabulary: each shared option spelled once (pure Python)"),
-    ("folders", "the folder a command writes into, checked (pure Python)"),
+    ("folders", "the folder a command writes into, and the files a folder's own index names, checked (pure Python)"),
     ("schedule", "schedules as data: ops, placements, generators, lowering, the dependency rule (pure Python)"),
     ("timeline", "what a run or a simulation did: slices per rank (pure Python)"),
     ("sim", "the simulator: costs -> Timeline (pure Python)"),

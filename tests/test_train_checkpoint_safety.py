@@ -5,9 +5,12 @@ saving over it (a rank's disk full in the middle of its write, the final rename 
 killed by ``os._exit`` as it starts its write); damaged copies (a flipped byte, a truncated file, a
 damaged ``.metadata``, no marker); crafted copies (a ``.metadata`` pickle that runs code, a pickled
 ``trainer`` item); another model configuration with the same shapes; other optimizer
-hyper-parameters; optimizer state that is not a tensor. Before the kill, rank 1 hands its results
-to rank 0, which returns every rank's. The tests in this process (no world) check the crafted
-folders through ``read_checkpoint_info`` and ``twinpipe train --resume``.
+hyper-parameters; optimizer state that is not a tensor; saves interrupted by a SystemExit (what a
+SIGTERM handler raises) or a KeyboardInterrupt; optimizer-state files outside the folder or nested
+too deeply. Before the kill, rank 1 hands its results to rank 0, which returns every rank's. The
+tests in this process (no world) check the crafted folders (a table: names escaping the folder,
+symbolic links, a FIFO, oversized and deeply nested files) through ``read_checkpoint_info`` and
+``twinpipe train --resume``, and which temporary folders a save removes.
 """
 
 from __future__ import annotations
@@ -83,6 +86,28 @@ def craft_bytes_item(source: Path, folder: Path, flag: str) -> None:
         metadata.planner_data["trainer"] = ("trainer",)
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
     _update_marker(folder, ".metadata", "__9_0.distcp")
+
+
+def _set_state_files(folder: Path, names) -> None:
+    """The marker's list of optimizer-state files set to ``names`` (digests untouched)."""
+    record = json.loads((folder / MARKER).read_text())
+    record["optimizer_state_files"] = names
+    (folder / MARKER).write_text(json.dumps(record))
+
+
+def state_file_outside(folder: Path) -> None:
+    """The marker points its optimizer state at a file beside the folder (values no save wrote)."""
+    record = json.loads((folder / MARKER).read_text())
+    state = json.loads((folder / record["optimizer_state_files"][0]).read_text())
+    (folder.parent / "outside.json").write_text(json.dumps({name: {"visits": 99} for name in state}))
+    _set_state_files(folder, ["../outside.json"])
+
+
+def state_file_nested(folder: Path) -> None:
+    """An optimizer-state file nested deeper than Python's recursion limit, with the marker agreeing."""
+    name = json.loads((folder / MARKER).read_text())["optimizer_state_files"][0]
+    (folder / name).write_text("[" * 100_000 + "]" * 100_000)
+    _update_marker(folder, name)
 
 
 @contextmanager
@@ -393,6 +418,39 @@ def _world(rank: int, world: int, root: str) -> dict:
     case("hparams", hparams)
     case("plain_state", plain_state)
 
+    def crafted_state(name, craft):
+        folder = root_path / name
+        on_rank0(lambda: (shutil.copytree(root_path / "plain", folder), craft(folder)))
+        try:
+            load_checkpoint(make(optimizer=lambda ps: CountingSGD(ps, lr=0.1, momentum=0.9)), str(folder))
+            return "loaded"
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    def interrupted(interruption, during):
+        """Every rank's save over the step-6 checkpoint raises ``interruption`` in the exchange ``during``."""
+        import twinpipe.train.checkpoint as checkpoint
+
+        def raising(original):
+            def gather(group, obj, timeout, what):
+                if what.endswith(during):
+                    raise interruption("injected")
+                return original(group, obj, timeout, what)
+            return gather
+
+        with _patched(checkpoint, "gather_json", raising):
+            try:
+                save_checkpoint(trainer, path, 7)
+                return "the save was not interrupted"
+            except (KeyboardInterrupt, SystemExit):
+                pass
+        return f"temporary folders left: {leftovers()}" if leftovers() else loads_as(6, saved[6])
+
+    case("state_file_outside", lambda: crafted_state("state-outside", state_file_outside))
+    case("state_file_nested", lambda: crafted_state("state-nested", state_file_nested))
+    case("exit_while_preparing", lambda: interrupted(SystemExit, ": preparing"))
+    case("ctrl_c_after_writing", lambda: interrupted(KeyboardInterrupt, ": waiting for every rank to finish writing"))
+
     # Last: rank 1 dies as it starts writing its part of a save over the step-6 checkpoint (rank 0 writes its part).
     for step in range(6, 9):
         trainer.step(step)
@@ -428,7 +486,8 @@ def _case(world, name) -> dict:
     return {r: results[0]["ranks"][r]["results"][name] for r in range(WORLD)}
 
 
-@pytest.mark.parametrize("name", ["round_trip", "disk_full", "rename_fails", "overwrite", "plain_state"])
+@pytest.mark.parametrize("name", ["round_trip", "disk_full", "rename_fails", "overwrite", "plain_state", "exit_while_preparing",
+                                  "ctrl_c_after_writing"])
 def test_a_failed_save_leaves_the_old_checkpoint_loadable_as_itself(world, name):
     outcomes = _case(world, name)
     assert all(v == "ok" for v in outcomes.values()), outcomes
@@ -455,6 +514,16 @@ def test_a_crafted_checkpoint_is_refused_and_runs_nothing(world, name):
     for outcome in _case(world, name).values():
         assert not outcome["ran"], "loading ran code from the checkpoint"
         assert outcome["outcome"].startswith("CheckpointError: checkpoint ") and "refused" in outcome["outcome"], outcome
+
+
+@pytest.mark.parametrize("name, wanted", [
+    ("state_file_outside", "file twinpipe-checkpoint.json: lists optimizer state file '../outside.json', which is not among "
+                           "its digested files"),
+    ("state_file_nested", "not readable JSON (RecursionError"),
+])
+def test_load_checkpoint_reads_no_optimizer_state_from_outside_or_unbounded(world, name, wanted):
+    for message in _case(world, name).values():
+        assert message.startswith("CheckpointError: checkpoint ") and wanted in message, message
 
 
 def test_a_folder_that_is_not_a_checkpoint_is_not_replaced(world):
@@ -572,3 +641,135 @@ def test_a_checkpoint_holds_no_pickled_item_and_says_what_it_holds(world):
     assert info.step == 6 and record["optimizer"]["class"] == "AdamW" and record["model"]["record"]["config"]["heads"] == 2
     assert set(record["files"]) == {p.name for p in (root / "ckpt").iterdir()} - {MARKER}
     assert all(type(m).__name__ == "TensorStorageMetadata" for m in info.metadata.state_dict_metadata.values())
+
+
+# Crafted and damaged folders, through the reader (copies of the world's "plain" checkpoint: it has
+# optimizer-state files). Each case failed before: the file outside the folder or behind the link was
+# read, the FIFO called missing, the nested marker raised RecursionError, the big files were read whole.
+
+def _marker_set(key, value):
+    def craft(folder):
+        record = json.loads((folder / MARKER).read_text())
+        record[key] = value
+        (folder / MARKER).write_text(json.dumps(record))
+    return craft
+
+
+def _sparse(name, size):
+    def craft(folder):
+        with open(folder / name, "wb") as f:
+            f.truncate(size)  # a sparse file: costs no disk, and no time unless read
+    return craft
+
+
+def _link_outside(name):
+    def craft(folder):
+        outside = folder.parent / f"{folder.name}-outside-{name.strip('.')}"
+        shutil.copyfile(folder / name, outside)  # the same bytes: digests and sizes still agree
+        (folder / name).unlink()
+        (folder / name).symlink_to(outside)
+    return craft
+
+
+def _fifo(name):
+    def craft(folder):
+        (folder / name).unlink()
+        os.mkfifo(folder / name)
+    return craft
+
+
+def _unlisted_state(folder):
+    (folder / "extra-state.json").write_text("{}")
+    _set_state_files(folder, ["extra-state.json"])
+
+
+def _metadata_claims(size):
+    def craft(folder):
+        record = json.loads((folder / MARKER).read_text())
+        record["files"][".metadata"]["bytes"] = size
+        (folder / MARKER).write_text(json.dumps(record))
+    return craft
+
+
+CRAFTED = [
+    ("state file '../outside.json'", state_file_outside, "lists optimizer state file '../outside.json', which is not among its digested"),
+    ("state file by absolute path", _marker_set("optimizer_state_files", ["/etc/passwd"]), "lists optimizer state file '/etc/passwd'"),
+    ("state file not digested", _unlisted_state, "lists optimizer state file 'extra-state.json', which is not among its digested"),
+    ("state file not a name", _marker_set("optimizer_state_files", [5]), "lists optimizer state file 5, which"),
+    ("nested marker", lambda folder: (folder / MARKER).write_text("[" * 100_000 + "]" * 100_000),
+     "file twinpipe-checkpoint.json: not readable JSON (RecursionError"),
+    ("marker over 64 MiB", _sparse(MARKER, (64 << 20) + 1),
+     f"file twinpipe-checkpoint.json: {(64 << 20) + 1} bytes, more than the 64 MiB such a file may hold"),
+    (".metadata said over 256 MiB", _metadata_claims((256 << 20) + 1), f"says .metadata holds {(256 << 20) + 1} bytes, more than the 256 MiB"),
+    ("marker a symbolic link", _link_outside(MARKER), "file twinpipe-checkpoint.json: is a symbolic link; refused"),
+    (".metadata a symbolic link", _link_outside(".metadata"), "file .metadata: is a symbolic link; refused"),
+    ("data file a symbolic link", _link_outside("__0_0.distcp"), "file __0_0.distcp: is a symbolic link; refused"),
+    ("data file a FIFO", _fifo("__1_0.distcp"), "file __1_0.distcp: is a FIFO, not a regular file; refused"),
+]
+
+
+@pytest.mark.parametrize("craft, wanted", [c[1:] for c in CRAFTED], ids=[c[0] for c in CRAFTED])
+def test_a_crafted_folder_is_refused_before_anything_outside_it_is_read(world, tmp_path, craft, wanted):
+    from twinpipe.train.checkpoint import CheckpointError, read_checkpoint_info
+
+    root, _ = world
+    folder = tmp_path / "crafted"
+    shutil.copytree(root / "plain", folder)
+    craft(folder)
+    with pytest.raises(CheckpointError) as refused:
+        read_checkpoint_info(folder, verify_data=True)
+    assert str(refused.value).startswith(f"checkpoint {str(folder)!r}: ") and wanted in str(refused.value), str(refused.value)
+
+
+def test_twinpipe_train_resume_refuses_a_nested_marker_in_one_line(tmp_path, capsys):
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "nested" / MARKER).write_text("{\"a\": " * 100_000)
+    assert _run_train(*TINY, "--out", str(tmp_path / "out"), "--resume", str(tmp_path / "nested")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"twinpipe train: error: --resume={tmp_path / 'nested'}: file {MARKER}: not readable JSON "
+                          "(RecursionError") and err.count("\n") == 1, err
+
+
+# Which temporary folders a save removes: only those no live save owns.
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid  # gone (a recycled id would look alive: then the folder is only kept, never wrongly removed)
+
+
+def test_a_save_removes_only_the_temporary_folders_no_live_save_owns(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from twinpipe.train.checkpoint_files import PARTIAL_MAX_AGE_S, prepare_folder
+    from twinpipe.train.owners import this_host
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    host, old = this_host(), time.time() - PARTIAL_MAX_AGE_S - 60
+    try:
+        folders = {  # name -> removed?
+            f".ckpt.partial-{_dead_pid()}@{host}-0123456789ab": True,   # its process died (SIGKILL, a crash)
+            f".step9.partial-{_dead_pid()}@{host}-0123456789ab": True,  # another target's, its process died too
+            f".ckpt.partial-{live.pid}@{host}-0123456789ab": False,     # a live save's
+            ".ckpt.partial-77@another-host-0123456789ab": False,        # another host's, recent
+            ".ckpt.partial-78@another-host-abcdef012345": True,         # another host's, untouched for a day
+            ".ckpt.partial-0123456789ab": False,                        # an older twinpipe's (no owner), recent
+            ".ckpt.partial-abcdef012345": True,                         # an older twinpipe's, untouched for a day
+        }
+        for name in folders:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "__0_0.distcp").write_bytes(b"x")
+        for name in (".ckpt.partial-78@another-host-abcdef012345", ".ckpt.partial-abcdef012345"):
+            os.utime(tmp_path / name, (old, old))
+        made = prepare_folder(tmp_path / "ckpt")
+        left = {p.name for p in tmp_path.iterdir()} - {made.name}
+        assert left == {name for name, removed in folders.items() if not removed}, sorted(left)
+        assert made.name.startswith(f".ckpt.partial-{os.getpid()}@{host}-"), made.name
+    finally:
+        live.kill()
+        live.wait()

@@ -10,6 +10,7 @@ import torch
 from .checks import EplbArgumentError
 
 SUFFIXES = (".csv", ".json", ".pt")
+MAX_BYTES = 64 << 20
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -31,6 +32,10 @@ def read_table(path: str | Path, argument: str = "loads") -> torch.Tensor:
         )
     if not path.is_file():
         raise EplbArgumentError(argument, f"{argument} file {str(path)!r} does not exist")
+    size = path.stat().st_size
+    if size > MAX_BYTES:  # checked before reading: a table of every layer's experts is far smaller
+        raise EplbArgumentError(argument, f"{argument} file {str(path)!r} holds {size} bytes; allowed: at most "
+                                          f"{MAX_BYTES >> 20} MiB (a [layers, experts] table)")
     try:
         if suffix == ".csv":
             table = _read_csv(path)

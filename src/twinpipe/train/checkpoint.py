@@ -39,8 +39,8 @@ import twinpipe
 from twinpipe.checks import check_bool, check_choice, check_int
 from twinpipe.train.agreement import gather_json
 from twinpipe.train.checkpoint_files import (
-    METADATA, CheckpointError, CheckpointInfo, file_digest, prepare_folder, put_in_place, read_checkpoint_info, verify_files,
-    write_marker,
+    METADATA, CheckpointError, CheckpointInfo, file_digest, prepare_folder, put_in_place, read_checkpoint_info,
+    read_optimizer_state, verify_files, write_marker,
 )
 from twinpipe.train.config import record_differences
 from twinpipe.train.safe_metadata import SafeFileSystemReader, TensorsOnlyLoadPlanner, load_metadata
@@ -147,18 +147,20 @@ def save_checkpoint(trainer, path: str, step: int) -> None:
     rank = dist.get_rank(group)
     where = _where(trainer, f"saving checkpoint {str(path)!r}")
     before = f"{str(path)!r} is as it was before the save"
-    # 1. Each rank gathers what it writes; rank 0 makes the temporary folder. Every rank learns of any failure.
-    mine: dict = {"error": None}
+    made = None  # rank 0: the temporary folder; removed when the save stops for any reason before it is in place
     try:
-        _finish_update(trainer)
-        tensors, plain = _rank_state(trainer)
-        if rank == 0:
-            mine["folder"] = str(prepare_folder(path))
-    except Exception as error:
-        mine["error"] = _describe(error)
-    said = gather_json(group, mine, timeout, f"{where}: preparing")
-    folder = Path(said[0]["folder"]) if said[0].get("folder") else None
-    try:
+        # 1. Each rank gathers what it writes; rank 0 makes the temporary folder. Every rank learns of any failure.
+        mine: dict = {"error": None}
+        try:
+            _finish_update(trainer)
+            tensors, plain = _rank_state(trainer)
+            if rank == 0:
+                made = prepare_folder(path)
+                mine["folder"] = str(made)
+        except Exception as error:
+            mine["error"] = _describe(error)
+        said = gather_json(group, mine, timeout, f"{where}: preparing")
+        folder = Path(said[0]["folder"]) if said[0].get("folder") else None
         _raise_if_failed(said, where, path, before)
         # 2. Every rank writes (DCP raises on every rank when one fails), then digests its own files.
         try:
@@ -185,9 +187,9 @@ def save_checkpoint(trainer, path: str, step: int) -> None:
                 mine["error"] = _describe(error)
         said = gather_json(group, mine, timeout, f"{where}: waiting for the checkpoint to be put in place")
         _raise_if_failed(said, where, path, before)
-    except BaseException:  # noqa: B036  (cleans up, then re-raises whatever it was)
-        if rank == 0 and folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)  # never the target: it is either the old or the new checkpoint
+    except BaseException:  # noqa: B036  (an error, KeyboardInterrupt, SystemExit: cleans up, then re-raises)
+        if made is not None:  # once in place it has the target's name: this removes nothing then
+            shutil.rmtree(made, ignore_errors=True)
         raise
 
 
@@ -256,17 +258,19 @@ def _check_optimizer(info: CheckpointInfo, trainer, optimizer_hparams: str) -> N
                               "to keep this run's hyper-parameters")
 
 
-def _checked(trainer, path: str, group, timeout: float, where: str, **checks) -> CheckpointInfo:
-    """The checkpoint's info after every rank checked it (each rank a share of the data files'
-    digests); every rank raises the same error when any rank found a problem."""
+def _checked(trainer, path: str, group, timeout: float, where: str, **checks) -> tuple[CheckpointInfo, dict]:
+    """The checkpoint's info and its optimizer state that is not a tensor, after every rank checked
+    it (each rank a share of the data files' digests); every rank raises the same error when any
+    rank found a problem."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    info, mine = None, {"problem": None, "marker": None}
+    info, plain, mine = None, {}, {"problem": None, "marker": None}
     try:
         info = read_checkpoint_info(path)
         _check_model(info, trainer, checks["allow_model_config_change"])
         _check_optimizer(info, trainer, checks["optimizer_hparams"])
         share = sorted(n for n in info.files if n != METADATA)[rank::world]
         problems = verify_files(path, info.files, share)
+        plain = read_optimizer_state(path, info.optimizer_state_files)  # used only once every rank found the digests right
         mine = {"problem": problems[0] if problems else None, "marker": info.marker_sha256}
     except CheckpointError as error:
         mine["problem"] = error.problem
@@ -278,7 +282,7 @@ def _checked(trainer, path: str, group, timeout: float, where: str, **checks) ->
         raise CheckpointError(path, problems[0])
     if len({s["marker"] for s in said}) > 1:
         raise CheckpointError(path, "the ranks read different completion markers (every rank must see the same folder: a shared filesystem)")
-    return info
+    return info, plain
 
 
 def load_checkpoint(trainer, path: str, *, optimizer_hparams: str = "checkpoint", allow_model_config_change: bool = False) -> int:
@@ -298,7 +302,7 @@ def load_checkpoint(trainer, path: str, *, optimizer_hparams: str = "checkpoint"
     _finish_update(trainer)  # a pending all-gather (ZeRO-1) would overwrite the loaded weights
     group, timeout = trainer.checkpoint_group, trainer.timeout
     where = _where(trainer, f"loading checkpoint {path!r}")
-    info = _checked(trainer, path, group, timeout, where, optimizer_hparams=optimizer_hparams,
+    info, plain = _checked(trainer, path, group, timeout, where, optimizer_hparams=optimizer_hparams,
                     allow_model_config_change=allow_model_config_change)
     state: dict[str, torch.Tensor] = {}
     optim_keys: dict[int, list[tuple[str, str]]] = {}
@@ -342,9 +346,6 @@ def load_checkpoint(trainer, path: str, *, optimizer_hparams: str = "checkpoint"
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=TensorsOnlyLoadPlanner(), process_group=group)
     except CheckpointException as error:
         raise CheckpointError(path, f"reading failed ({_describe(error)})") from error
-    plain: dict[str, dict] = {}
-    for name in info.optimizer_state_files:
-        plain.update(json.loads((Path(path) / name).read_text()))
     with torch.no_grad():
         for read, target in casts:
             target.copy_(read)

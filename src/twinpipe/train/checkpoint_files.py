@@ -8,6 +8,12 @@ renames the folder into place. Over an existing checkpoint the old folder is fir
 is the old checkpoint, the new one, or absent, never a mix. A reader refuses a folder without a
 marker, or whose files disagree with it, naming the file and what is wrong.
 
+Every file the marker lists is read through ``twinpipe.folders``: a plain name of the folder
+(nothing outside it), a regular file that is not a symbolic link (a FIFO never blocks a reader), and
+the marker, ``.metadata`` and the JSON files of bounded size, checked before they are read. A
+temporary folder's name says who makes it (``.NAME.partial-PID@HOST-XXXX``); a later save removes it
+only when no live save owns it (``remove_abandoned``).
+
 No torch collectives here: ``checkpoint.py`` decides which rank runs what.
 """
 
@@ -16,20 +22,32 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from twinpipe.train.safe_metadata import MetadataError, load_metadata
+from twinpipe.folders import UnsafeFile, decode_json, listed_stat, open_listed, plain_name, read_listed, read_listed_json
+from twinpipe.train.owners import gone, this_host
+from twinpipe.train.safe_metadata import METADATA_MAX_BYTES, MetadataError, load_metadata
 
 __all__ = ["MARKER", "CheckpointError", "CheckpointInfo", "read_checkpoint_info", "verify_files", "file_digest",
-           "prepare_folder", "write_marker", "put_in_place"]
+           "prepare_folder", "write_marker", "put_in_place", "read_optimizer_state", "remove_abandoned"]
 
 MARKER = "twinpipe-checkpoint.json"
 FORMAT = "twinpipe-checkpoint"
 VERSION = 1
 METADATA = ".metadata"
+# Bounds checked before a file is read (a 1 GiB marker was once read whole: 3.4 GB resident, 201 s).
+MARKER_MAX_BYTES = 64 << 20  # every parameter's name and shape, every file's digest (.metadata's: safe_metadata)
+STATE_FILE_MAX_BYTES = 64 << 20  # one rank's optimizer state that is not a tensor
+# A temporary folder whose owner cannot be checked from here (another host, or an older twinpipe's
+# unnamed one) is taken for abandoned once nothing in it changed for this long.
+PARTIAL_MAX_AGE_S = 24 * 3600
+_PARTIAL = re.compile(r"\.(?P<target>.+)\.partial-(?:(?P<pid>[0-9]+)@(?P<host>[A-Za-z0-9._-]+)-)?[0-9a-f]{12}")
+_PLAIN = (type(None), bool, int, float, str)
 
 
 class CheckpointError(ValueError):
@@ -57,11 +75,15 @@ class CheckpointInfo:
 
 def file_digest(path: Path) -> tuple[int, str]:
     """(size in bytes, SHA-256 hex digest) of a file."""
-    sha, size = hashlib.sha256(), 0
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            sha.update(chunk)
-            size += len(chunk)
+        return _digest(f)
+
+
+def _digest(f) -> tuple[int, str]:
+    sha, size = hashlib.sha256(), 0
+    while chunk := f.read(1 << 20):
+        sha.update(chunk)
+        size += len(chunk)
     return size, sha.hexdigest()
 
 
@@ -79,17 +101,16 @@ def _aside_hint(folder: Path) -> str:
 
 
 def _marker(path: str, folder: Path) -> tuple[dict, str]:
-    marker = folder / MARKER
-    if not marker.is_file():
-        if (folder / METADATA).exists():
-            raise CheckpointError(path, f"no completion marker {MARKER}: its save did not finish (a torn checkpoint), "
-                                        "or a twinpipe older than completion markers wrote it; it cannot be loaded")
-        raise CheckpointError(path, f"not a checkpoint directory (no {MARKER})")
-    data = marker.read_bytes()
     try:
-        record = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(path, f"file {MARKER}: not readable JSON ({error}): damaged") from None
+        if listed_stat(folder, MARKER) is None:
+            if os.path.lexists(folder / METADATA):
+                raise CheckpointError(path, f"no completion marker {MARKER}: its save did not finish (a torn checkpoint), "
+                                            "or a twinpipe older than completion markers wrote it; it cannot be loaded")
+            raise CheckpointError(path, f"not a checkpoint directory (no {MARKER})")
+        data = read_listed(folder, MARKER, MARKER_MAX_BYTES)
+        record = decode_json(MARKER, data)
+    except UnsafeFile as error:
+        raise CheckpointError(path, str(error)) from None
     ok = (isinstance(record, dict) and record.get("format") == FORMAT and record.get("version") == VERSION
           and isinstance(record.get("step"), int) and isinstance(record.get("files"), dict)
           and all(isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
@@ -98,27 +119,45 @@ def _marker(path: str, folder: Path) -> tuple[dict, str]:
           and isinstance(record.get("optimizer"), dict) and isinstance(record.get("optimizer_state_files", []), list))
     if not ok:
         raise CheckpointError(path, f"file {MARKER}: not a twinpipe completion marker of version {VERSION} (damaged, or another format)")
-    for name in record["files"]:
-        if not isinstance(name, str) or Path(name).name != name or name in (".", "..", MARKER):
-            raise CheckpointError(path, f"file {MARKER}: lists {name!r}, which is not a file of the folder (damaged or crafted)")
+    _check_listing(path, record["files"], record.get("optimizer_state_files", []))
     return record, hashlib.sha256(data).hexdigest()
 
 
+def _check_listing(path: str, files: dict, state_files: list) -> None:
+    """The marker's file names: plain names of the folder; the optimizer-state files among the
+    digested ones; the sizes it states for ``.metadata`` and them within their bounds."""
+    for name in files:
+        if not plain_name(name) or name == MARKER:
+            raise CheckpointError(path, f"file {MARKER}: lists {name!r}, which is not a file of the folder (damaged or crafted)")
+    for name in state_files:
+        if not isinstance(name, str) or name not in files or name == METADATA:  # so a plain name whose digest is checked
+            raise CheckpointError(path, f"file {MARKER}: lists optimizer state file {name!r}, which is not among its "
+                                        "digested files of the folder (damaged or crafted)")
+    for name, bound in [(METADATA, METADATA_MAX_BYTES)] + [(n, STATE_FILE_MAX_BYTES) for n in state_files]:
+        size = files.get(name, {}).get("bytes", 0)
+        if size > bound:
+            raise CheckpointError(path, f"file {MARKER}: says {name} holds {size} bytes, more than the {bound >> 20} MiB "
+                                        "such a file may hold (damaged or crafted)")
+
+
 def verify_files(path: str, files: dict[str, dict], names, digests: bool = True) -> list[str]:
-    """Problems (empty: none) of the files ``names`` against the marker's ``files``: missing, another
-    size (torn or corrupted) or, with ``digests``, another SHA-256."""
+    """Problems (empty: none) of the files ``names`` against the marker's ``files``: missing, not a
+    regular file or a symbolic link, another size (torn or corrupted) or, with ``digests``, another SHA-256."""
     folder, problems = Path(path), []
     for name in names:
         want = files[name]
-        file = folder / name
-        if not file.is_file():
-            problems.append(f"file {name}: missing (the marker lists it)")
-            continue
-        size = file.stat().st_size
-        if size != want["bytes"]:
-            problems.append(f"file {name}: {size} bytes, the marker says {want['bytes']} (torn or corrupted)")
-        elif digests and file_digest(file)[1] != want["sha256"]:
-            problems.append(f"file {name}: its SHA-256 differs from the marker's (corrupted, or written by another save)")
+        try:
+            st = listed_stat(folder, name)
+            if st is None:
+                problems.append(f"file {name}: missing (the marker lists it)")
+            elif st.st_size != want["bytes"]:
+                problems.append(f"file {name}: {st.st_size} bytes, the marker says {want['bytes']} (torn or corrupted)")
+            elif digests:
+                with open_listed(folder, name) as f:
+                    if _digest(f)[1] != want["sha256"]:
+                        problems.append(f"file {name}: its SHA-256 differs from the marker's (corrupted, or written by another save)")
+        except UnsafeFile as error:
+            problems.append(str(error))
     return problems
 
 
@@ -141,7 +180,9 @@ def read_checkpoint_info(path, verify_data: bool = False) -> CheckpointInfo:
     if problems:
         raise CheckpointError(path, problems[0])
     try:
-        metadata = load_metadata((folder / METADATA).read_bytes())
+        metadata = load_metadata(read_listed(folder, METADATA, METADATA_MAX_BYTES))
+    except UnsafeFile as error:
+        raise CheckpointError(path, str(error)) from None
     except MetadataError as error:
         raise CheckpointError(path, f"file {METADATA}: {error}") from None
     unlisted = sorted({info.relative_path for info in metadata.storage_data.values()} - set(files))
@@ -163,7 +204,24 @@ def read_checkpoint_info(path, verify_data: bool = False) -> CheckpointInfo:
         raise CheckpointError(path, f"files {METADATA} and {MARKER} disagree on the model's parameters ({', '.join(differ[:4])}): "
                                     "parts of different saves")
     return CheckpointInfo(path, record["step"], parameters, record["model"].get("record", {}), record["optimizer"], files,
-                          [str(n) for n in record.get("optimizer_state_files", [])], marker_sha, metadata)
+                          list(record.get("optimizer_state_files", [])), marker_sha, metadata)
+
+
+def read_optimizer_state(path, names) -> dict[str, dict]:
+    """The optimizer state that is not a tensor, ``{parameter: {key: value}}``, from the JSON files
+    ``names`` (``CheckpointInfo.optimizer_state_files``: files the marker lists and digests)."""
+    plain: dict[str, dict] = {}
+    for name in names:
+        try:
+            state = read_listed_json(path, name, STATE_FILE_MAX_BYTES)
+        except UnsafeFile as error:
+            raise CheckpointError(path, str(error)) from None
+        if not (isinstance(state, dict) and all(isinstance(v, dict) and all(isinstance(x, _PLAIN) for x in v.values())
+                                                for v in state.values())):
+            raise CheckpointError(path, f"file {name}: not optimizer state ({{parameter: {{key: number, string, boolean "
+                                        "or null}}}}): damaged or crafted")
+        plain.update(state)
+    return plain
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -189,20 +247,41 @@ def prepare_folder(target, refuse=_is_checkpoint) -> Path:
     """A fresh empty folder beside ``target`` to write a checkpoint into (one rank calls this).
 
     Refuses a ``target`` that exists and is not a checkpoint (it would be replaced), or, with
-    ``refuse``, one for which ``refuse(target)`` gives a reason; removes the temporary folders of
-    earlier saves to ``target`` that did not finish."""
+    ``refuse``, one for which ``refuse(target)`` gives a reason; removes the temporary folders beside
+    it that no live save owns (``remove_abandoned``). The new folder's name says who makes it."""
     target = Path(target)
     if target.name in ("", ".", ".."):
         raise CheckpointError(target, "must name the checkpoint's own folder (it is written beside it and renamed into place)")
     if target.exists() and (reason := refuse(target)):
         raise CheckpointError(target, reason)
     target.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{target.name}.partial-"
-    for stale in [p for p in target.parent.iterdir() if p.name.startswith(prefix)]:
-        shutil.rmtree(stale, ignore_errors=True)
-    folder = target.parent / f"{prefix}{uuid.uuid4().hex[:12]}"
+    remove_abandoned(target.parent)
+    folder = target.parent / f".{target.name}.partial-{os.getpid()}@{this_host()}-{uuid.uuid4().hex[:12]}"
     folder.mkdir()
     return folder
+
+
+def _abandoned(entry: Path, match: re.Match) -> bool:
+    if match["pid"] is not None and match["host"] == this_host():
+        return gone(match["host"], int(match["pid"]))
+    try:  # another host's, or an older twinpipe's without an owner: by age
+        return time.time() - entry.lstat().st_mtime > PARTIAL_MAX_AGE_S
+    except OSError:
+        return False
+
+
+def remove_abandoned(parent, all_abandoned: bool = False) -> list[str]:
+    """Remove the temporary folders of unfinished saves in ``parent`` that no live save owns: made by
+    a process of this host that is gone, or (their owner cannot be checked from here) unchanged for
+    ``PARTIAL_MAX_AGE_S``; with ``all_abandoned`` (the caller knows no save into ``parent`` runs: it
+    holds the run lock and its ranks have not started), every one. Returns their names."""
+    removed = []
+    for entry in Path(parent).iterdir():
+        match = _PARTIAL.fullmatch(entry.name)
+        if match and not entry.is_symlink() and entry.is_dir() and (all_abandoned or _abandoned(entry, match)):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return sorted(removed)
 
 
 def write_marker(folder: Path, record: dict) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import pickle
-from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -22,7 +21,11 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata,
 )
 
-__all__ = ["MetadataError", "load_metadata", "SafeFileSystemReader", "TensorsOnlyLoadPlanner"]
+from twinpipe.folders import UnsafeFile, plain_name, read_listed
+
+__all__ = ["MetadataError", "load_metadata", "SafeFileSystemReader", "TensorsOnlyLoadPlanner", "METADATA_MAX_BYTES"]
+
+METADATA_MAX_BYTES = 256 << 20  # DCP's index of every tensor chunk: a larger .metadata is refused before it is read
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 # Every global FileSystemWriter's pickle of ``Metadata`` refers to (torch 2.13), and nothing else.
@@ -90,7 +93,7 @@ def _check(metadata) -> None:
         if not (isinstance(index, MetadataIndex) and isinstance(info, _StorageInfo) and isinstance(info.relative_path, str)
                 and isinstance(info.offset, int) and isinstance(info.length, int) and info.offset >= 0 and info.length >= 0):
             fail(f"storage entry {index!r}")
-        if Path(info.relative_path).name != info.relative_path or info.relative_path in ("", ".", ".."):
+        if not plain_name(info.relative_path):
             fail(f"storage entry {index.fqn!r} points outside the folder: {info.relative_path!r}")
         if info.transform_descriptors:  # DCP's experimental stream extensions: twinpipe writes none
             fail(f"storage entry {index.fqn!r} asks for stream transforms {info.transform_descriptors!r}")
@@ -104,7 +107,11 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if kwargs.get("rank") is not None:  # DCP's fallback to per-rank metadata, which twinpipe never writes
             raise MetadataError("twinpipe checkpoints have no per-rank metadata")
-        metadata = load_metadata((Path(self.path) / ".metadata").read_bytes())
+        try:
+            data = read_listed(self.path, ".metadata", METADATA_MAX_BYTES)  # a regular file, not a link, bounded
+        except UnsafeFile as error:
+            raise MetadataError(str(error)) from None
+        metadata = load_metadata(data)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

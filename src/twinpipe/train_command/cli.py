@@ -28,6 +28,7 @@ import twinpipe.train_command.model as cli_model
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_float, check_int, checked_timeout
 from twinpipe.folders import writable_folder
 from twinpipe.train.fits import check_fits
+from twinpipe.train.run_lock import take_run_lock
 
 __all__ = ["add_train_parser", "run_train", "main"]
 
@@ -269,9 +270,24 @@ def run_train(args: argparse.Namespace) -> int:
     traceback on stderr) when a rank it started fails or dies."""
     try:
         _check(args)
+        lock = take_run_lock(args.out) if os.environ.get("RANK", "0") == "0" else None  # the rule: train/run_lock.py
     except ValueError as error:
         print(f"twinpipe train: error: {error}", file=sys.stderr)
         return 2
+    if lock is not None and lock.note:
+        print(f"twinpipe train: note: {lock.note}", file=sys.stderr)
+    if lock is not None:  # no save into --out runs now: a temporary folder there is a killed run's
+        from twinpipe.train.checkpoint_files import remove_abandoned
+
+        remove_abandoned(args.out, all_abandoned=True)
+    try:
+        return _run_ranks(args)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_ranks(args: argparse.Namespace) -> int:
     world = args.pp * args.dp
     if "RANK" in os.environ:  # started by torchrun
         _torchrun_worker(int(os.environ.get("LOCAL_RANK", 0)), args)

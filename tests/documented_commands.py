@@ -268,6 +268,10 @@ COMMANDS: list[Command] = [
     Command("torchrun --standalone --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda",
             f"torchrun --standalone --nproc-per-node 2 -m twinpipe.train --pp 2 --steps 2 {TINY}",
             NO_GPU + "; 2 processes, a tiny model, 2 steps", files=TRAIN_FILES),
+    Command("torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m twinpipe.train --pp 4 --resume auto",
+            f"torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m twinpipe.train --pp 2 --steps 2 {TINY} --resume auto",
+            FOUR_ON_TWO + ", a tiny model, 2 steps (tests/test_preemption.py kills a rank of such a run)", files=TRAIN_FILES,
+            stdout=("bits per byte, first step",)),
     # ---- docs/hf.md
     Command("python examples/hf_llama.py", copy=("examples",), stdout=("step 2: loss",)),
     Command("torchrun --standalone --nproc-per-node 2 examples/hf_llama.py", "python examples/hf_llama.py",

@@ -17,7 +17,8 @@ import pytest
 
 from twinpipe.launch import run_local
 from twinpipe.train.checkpoint import read_checkpoint_info
-from twinpipe.train_command import cli
+from twinpipe.train.checkpoint_files import MARKER
+from twinpipe.train_command import cli, run_state
 from typed import run_typed, typed_env
 
 TINY = "--layers 2 --dim 16 --heads 2 --seq-len 16 --batch-size 4 --corpus-bytes 65536"
@@ -95,8 +96,9 @@ def test_sigterm_mid_step_saves_at_a_step_boundary_and_resume_auto_continues_bit
     assert [s["step"] for s in json.loads((out / "train-log.json").read_text())["starts"]] == [0, step]
 
 
-def _saving_with_signals(rank: int, world: int, args, count: int):
-    """A rank of ``twinpipe train`` that gets ``count`` SIGTERMs as its save of step 4 starts writing."""
+def _saving_with_signals(rank: int, world: int, args, count: int, pause: float = 0.0):
+    """A rank of ``twinpipe train`` that gets ``count`` SIGTERMs as its save of step 4 starts writing,
+    then writes after ``pause`` seconds."""
     import twinpipe.train.checkpoint as checkpoint
 
     real = checkpoint.dcp.save
@@ -105,6 +107,7 @@ def _saving_with_signals(rank: int, world: int, args, count: int):
         if "checkpoint-step4" in str(storage_writer.path):
             for _ in range(count):
                 os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(pause)
         return real(state, storage_writer=storage_writer, **kwargs)
 
     checkpoint.dcp.save = save
@@ -135,6 +138,11 @@ def test_signals_mid_save_leave_a_complete_checkpoint_or_none_and_no_hidden_fold
         run_local(2, _saving_with_signals, _args(out), 2, group_timeout=60, timeout=LIMIT_S)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-step2", "train-log.json"]
     assert read_checkpoint_info(out / "checkpoint-step2", verify_data=True).step == 2
+    # One, and a save slower than the grace period: given up alike.
+    out = tmp_path / "slow"
+    with pytest.raises(RuntimeError, match="StopAbandoned: the grace period of 0.5 s after SIGTERM ran out"):
+        run_local(2, _saving_with_signals, _args(out, "--grace-period", "0.5"), 1, 30.0, group_timeout=60, timeout=LIMIT_S)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-step2", "train-log.json"]
 
 
 def _workers(torchrun: int) -> list[int]:
@@ -165,3 +173,42 @@ def test_a_rank_killed_under_torchrun_restarts_and_finishes_bitwise(tmp_path, un
     starts = json.loads((out / "train-log.json").read_text())["starts"]
     assert len(starts) == 2 and starts[1]["step"] >= 4, starts  # restarted by torchrun, from a checkpoint
     assert _losses(out) == uninterrupted and _hidden(out) == []
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_log_is_rewritten_every_10_s_whole_and_saves_follow_one_clock(tmp_path):
+    clock = _Clock()
+    log = run_state.TrainLog(tmp_path / "train-log.json", {"args": {}}, [{"step": 0}], clock=clock)
+    log.add({"step": 1})
+    log.write_if_due()
+    assert not (tmp_path / "train-log.json").exists()
+    clock.now = run_state.LOG_SECONDS
+    log.write_if_due(skipped_steps=0)
+    assert json.loads((tmp_path / "train-log.json").read_text()) == {"args": {}, "skipped_steps": 0, "steps": [{"step": 0}, {"step": 1}]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train-log.json"]  # the temporary file renamed over it
+    saves = run_state.SavePolicy(every_steps=100, every_minutes=10, clock=clock)
+    assert not saves.clock_due() and saves.due(200, False) and not saves.due(201, False) and saves.due(201, True)
+    clock.now += 600
+    assert saves.clock_due()
+    saves.saved()
+    assert not saves.clock_due() and not run_state.SavePolicy(0, 0, clock=clock).due(100, False)
+
+
+def test_keep_last_prunes_only_complete_periodic_checkpoints_and_auto_finds_none_in_an_empty_out(tmp_path):
+    for name, complete in (("checkpoint-step2", True), ("checkpoint-step4", True), ("checkpoint-step6", False),
+                           ("checkpoint-step8", True), ("checkpoint-final", True), ("notes", True)):
+        (tmp_path / name).mkdir()
+        if complete:
+            (tmp_path / name / MARKER).write_text("{}")
+    assert run_state.prune(tmp_path, 2) == ["checkpoint-step2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-final", "checkpoint-step4", "checkpoint-step6",
+                                                          "checkpoint-step8", "notes"]
+    assert run_state.prune(tmp_path, 0) == []
+    assert run_state.newest_checkpoint(tmp_path / "none") == (None, 0, [])

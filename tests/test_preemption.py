@@ -18,7 +18,7 @@ import pytest
 from twinpipe.launch import run_local
 from twinpipe.train.checkpoint import read_checkpoint_info
 from twinpipe.train.checkpoint_files import MARKER
-from twinpipe.train_command import cli, run_state
+from twinpipe.train_command import cli
 from typed import run_typed, typed_env
 
 TINY = "--layers 2 --dim 16 --heads 2 --seq-len 16 --batch-size 4 --corpus-bytes 65536"
@@ -184,6 +184,8 @@ class _Clock:
 
 
 def test_the_log_is_rewritten_every_10_s_whole_and_saves_follow_one_clock(tmp_path):
+    from twinpipe.train_command import run_state
+
     clock = _Clock()
     log = run_state.TrainLog(tmp_path / "train-log.json", {"args": {}}, [{"step": 0}], clock=clock)
     log.add({"step": 1})
@@ -202,6 +204,8 @@ def test_the_log_is_rewritten_every_10_s_whole_and_saves_follow_one_clock(tmp_pa
 
 
 def test_keep_last_prunes_only_complete_periodic_checkpoints_and_auto_finds_none_in_an_empty_out(tmp_path):
+    from twinpipe.train_command import run_state
+
     for name, complete in (("checkpoint-step2", True), ("checkpoint-step4", True), ("checkpoint-step6", False),
                            ("checkpoint-step8", True), ("checkpoint-final", True), ("notes", True)):
         (tmp_path / name).mkdir()

@@ -132,6 +132,10 @@ class TrainLog:
     def write(self, **fields) -> None:
         """Rewrite the file: the header, ``fields`` and the steps."""
         part = self.path.with_name(f".{self.path.name}.tmp")
-        part.write_text(json.dumps({**self.header, **fields, "steps": self.steps}, indent=1))
-        os.replace(part, self.path)
+        try:
+            part.write_text(json.dumps({**self.header, **fields, "steps": self.steps}, indent=1))
+            os.replace(part, self.path)
+        except BaseException:  # a signal giving up mid-write, a full disk: no half-written file left behind
+            part.unlink(missing_ok=True)
+            raise
         self._written = self.clock()

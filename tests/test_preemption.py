@@ -96,15 +96,15 @@ def test_sigterm_mid_step_saves_at_a_step_boundary_and_resume_auto_continues_bit
     assert [s["step"] for s in json.loads((out / "train-log.json").read_text())["starts"]] == [0, step]
 
 
-def _saving_with_signals(rank: int, world: int, args, count: int, pause: float = 0.0):
-    """A rank of ``twinpipe train`` that gets ``count`` SIGTERMs as its save of step 4 starts writing,
-    then writes after ``pause`` seconds."""
+def _saving_with_signals(rank: int, world: int, args, count: int, pause: float = 0.0, ranks=(0, 1)):
+    """A rank of ``twinpipe train``; those in ``ranks`` get ``count`` SIGTERMs as their save of step 4
+    starts writing, then write after ``pause`` seconds."""
     import twinpipe.train.checkpoint as checkpoint
 
     real = checkpoint.dcp.save
 
     def save(state, storage_writer, **kwargs):
-        if "checkpoint-step4" in str(storage_writer.path):
+        if "checkpoint-step4" in str(storage_writer.path) and rank in ranks:
             for _ in range(count):
                 os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(pause)
@@ -126,9 +126,10 @@ def _args(out: Path, *more: str):
 
 
 def test_signals_mid_save_leave_a_complete_checkpoint_or_none_and_no_hidden_folder(tmp_path, uninterrupted):
-    # One SIGTERM as the step-4 save writes: the save finishes, then every rank stops after the next step.
+    # One SIGTERM to rank 1 as the step-4 save writes: the save finishes, then every rank stops after the next step.
     out = tmp_path / "one"
-    assert run_local(2, _saving_with_signals, _args(out), 1, group_timeout=60, timeout=LIMIT_S) == [STOPPED_EXIT_CODE] * 2
+    assert run_local(2, _saving_with_signals, _args(out), 1, 0.0, (1,), group_timeout=60, timeout=LIMIT_S) == [STOPPED_EXIT_CODE] * 2
+    assert json.loads((out / "train-log.json").read_text())["stopped"]["why"] == "a signal on another rank"  # rank 0's log
     assert read_checkpoint_info(out / "checkpoint-step4", verify_data=True).step == 4
     assert read_checkpoint_info(out / "checkpoint-step5", verify_data=True).step == 5
     assert _hidden(out) == [] and _losses(out) == uninterrupted[:5]

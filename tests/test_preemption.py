@@ -96,16 +96,22 @@ def test_sigterm_mid_step_saves_at_a_step_boundary_and_resume_auto_continues_bit
     assert [s["step"] for s in json.loads((out / "train-log.json").read_text())["starts"]] == [0, step]
 
 
-def _saving_with_signals(rank: int, world: int, args, count: int, pause: float = 0.0, ranks=(0, 1)):
-    """A rank of ``twinpipe train``; those in ``ranks`` get ``count`` SIGTERMs as their save of step 4
-    starts writing, then write after ``pause`` seconds."""
+def _saving_with_signals(rank: int, world: int, args, gaps: tuple, pause: float = 0.0, ranks=(0, 1)):
+    """A rank of ``twinpipe train``; those in ``ranks`` get a SIGTERM after each of ``gaps`` seconds
+    (a gap of None: as long as makes it a second signal) as their save of step 4 starts writing, then
+    write after ``pause`` seconds."""
     import twinpipe.train.checkpoint as checkpoint
 
     real = checkpoint.dcp.save
 
     def save(state, storage_writer, **kwargs):
         if "checkpoint-step4" in str(storage_writer.path) and rank in ranks:
-            for _ in range(count):
+            for gap in gaps:
+                if gap is None:  # sooner, it would count as the same signal passed on by another process
+                    from twinpipe.train.stopping import SAME_SIGNAL_S
+
+                    gap = SAME_SIGNAL_S + 0.2
+                time.sleep(gap)
                 os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(pause)
         return real(state, storage_writer=storage_writer, **kwargs)
@@ -126,9 +132,11 @@ def _args(out: Path, *more: str):
 
 
 def test_signals_mid_save_leave_a_complete_checkpoint_or_none_and_no_hidden_folder(tmp_path, uninterrupted):
-    # One SIGTERM to rank 1 as the step-4 save writes: the save finishes, then every rank stops after the next step.
+    # A SIGTERM to rank 1 as the step-4 save writes (twice at once: a scheduler's, and the same passed on by
+    # its launcher): the save finishes, then every rank stops after the next step.
     out = tmp_path / "one"
-    assert run_local(2, _saving_with_signals, _args(out), 1, 0.0, (1,), group_timeout=60, timeout=LIMIT_S) == [STOPPED_EXIT_CODE] * 2
+    assert run_local(2, _saving_with_signals, _args(out), (0, 0), 0.0, (1,), group_timeout=60, timeout=LIMIT_S) == \
+        [STOPPED_EXIT_CODE] * 2
     assert json.loads((out / "train-log.json").read_text())["stopped"]["why"] == "a signal on another rank"  # rank 0's log
     assert read_checkpoint_info(out / "checkpoint-step4", verify_data=True).step == 4
     assert read_checkpoint_info(out / "checkpoint-step5", verify_data=True).step == 5
@@ -136,13 +144,13 @@ def test_signals_mid_save_leave_a_complete_checkpoint_or_none_and_no_hidden_fold
     # Two: the second gives up the save at once; its temporary folder goes, step 2's checkpoint stays.
     out = tmp_path / "two"
     with pytest.raises(RuntimeError, match="StopAbandoned: a second signal \\(SIGTERM\\) while stopping"):
-        run_local(2, _saving_with_signals, _args(out), 2, group_timeout=60, timeout=LIMIT_S)
+        run_local(2, _saving_with_signals, _args(out), (0, None), group_timeout=60, timeout=LIMIT_S)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-step2", "train-log.json"]
     assert read_checkpoint_info(out / "checkpoint-step2", verify_data=True).step == 2
     # One, and a save slower than the grace period: given up alike.
     out = tmp_path / "slow"
     with pytest.raises(RuntimeError, match="StopAbandoned: the grace period of 0.5 s after SIGTERM ran out"):
-        run_local(2, _saving_with_signals, _args(out, "--grace-period", "0.5"), 1, 30.0, group_timeout=60, timeout=LIMIT_S)
+        run_local(2, _saving_with_signals, _args(out, "--grace-period", "0.5"), (0,), 30.0, group_timeout=60, timeout=LIMIT_S)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-step2", "train-log.json"]
 
 

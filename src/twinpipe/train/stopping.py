@@ -5,8 +5,10 @@ the training loop passes ``requested`` to ``Trainer.step(stop=...)``, whose all-
 rank alike that some rank was asked to stop; then every rank saves the same step and exits. The
 first signal also starts the grace period (``grace`` seconds, the time a scheduler waits before it
 kills: SLURM's ``KillWait`` and Kubernetes' ``terminationGracePeriodSeconds`` are 30 s by default).
-A second signal, or the grace period running out, raises ``StopAbandoned`` wherever the main
-thread is: a save in progress removes its temporary folder as it unwinds, so the run gives up
+A second signal (``SAME_SIGNAL_S`` or more after the first: SLURM signals every process of a job,
+so a rank hears the scheduler's SIGTERM both directly and as torchrun or ``twinpipe train`` passes
+it on, moments apart, and that is one request), or the grace period running out, raises
+``StopAbandoned`` wherever the main thread is: a save in progress removes its temporary folder as it unwinds, so the run gives up
 without a torn checkpoint, the earlier checkpoints intact.
 
     with StopOnSignals(grace=25) as stopper:
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 from twinpipe.checks import check_float
 
@@ -30,6 +33,7 @@ __all__ = ["STOPPED_EXIT_CODE", "StopAbandoned", "StopOnSignals"]
 # sysexits.h's EX_TEMPFAIL ("try again later"): stopped by a signal with a complete checkpoint of the
 # step it reached; a scheduler can requeue on it, and ``--resume auto`` continues from there.
 STOPPED_EXIT_CODE = 75
+SAME_SIGNAL_S = 1.0  # signals this soon after the first are the same request, passed on by another process
 
 
 class StopAbandoned(BaseException):
@@ -48,6 +52,7 @@ class StopOnSignals:
             check_float(grace, "grace", low=0, low_open=True)
         self.grace, self.signals = grace, tuple(signals)
         self.signal: int | None = None  # the first signal received
+        self._first_at = 0.0
         self._previous: dict[int, object] = {}
         self._timer_started = False
 
@@ -89,8 +94,10 @@ class StopOnSignals:
 
     def _on_signal(self, signum, frame) -> None:
         if self.signal is None:  # note it; the loop acts on it after the step
-            self.signal = signum
+            self.signal, self._first_at = signum, time.monotonic()
             self._start_grace()
+            return
+        if time.monotonic() - self._first_at < SAME_SIGNAL_S:  # the same request, heard twice
             return
         raise StopAbandoned(f"a second signal ({signal.Signals(signum).name}) while stopping after "
                             f"{self.signal_name}: gave up without finishing")

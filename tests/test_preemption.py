@@ -70,7 +70,7 @@ def test_sigterm_mid_step_saves_at_a_step_boundary_and_resume_auto_continues_bit
     run = _start(f"twinpipe train --pp 2 --steps {STEPS} {TINY} --save-every 2", tmp_path)
     out = tmp_path / "twinpipe-train"
     _wait_for(out / "checkpoint-step2", run)
-    run.send_signal(signal.SIGTERM)  # to the command, as a scheduler does; it passes it to its ranks
+    os.killpg(run.pid, signal.SIGTERM)  # to every process of the command, as SLURM does: its ranks hear it twice
     code, err = _finish(run)
     assert code == STOPPED_EXIT_CODE, err[-3000:]
     stopped = json.loads((out / "train-log.json").read_text())["stopped"]
@@ -94,6 +94,24 @@ def test_sigterm_mid_step_saves_at_a_step_boundary_and_resume_auto_continues_bit
     # A save after every step (by the clock), the older ones pruned to the newest 3 (the torn one among them).
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-final", *(f"checkpoint-step{k}" for k in (17, 18, 19))]
     assert [s["step"] for s in json.loads((out / "train-log.json").read_text())["starts"]] == [0, step]
+
+
+def _until_sigterm(rank: int, world: int, caller: int) -> str:
+    """A rank that waits for SIGTERM; rank 0 sends one to ``caller`` (which passes it on) first."""
+    heard = []
+    signal.signal(signal.SIGTERM, lambda *_: heard.append(True))
+    time.sleep(0.5)  # the caller's handlers are in place (installed as the ranks start)
+    if rank == 0:
+        os.kill(caller, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while not heard and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return "heard" if heard else "not heard"
+
+
+def test_run_local_passes_a_signal_to_its_caller_on_to_every_rank():
+    assert run_local(2, _until_sigterm, os.getpid(), forward_signals=True, timeout=LIMIT_S) == ["heard", "heard"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the caller's own handler is back
 
 
 def _saving_with_signals(rank: int, world: int, args, gaps: tuple, pause: float = 0.0, ranks=(0, 1)):

@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 import traceback
+from pathlib import Path
 
 from twinpipe.checks import check_int, checked_timeout
 
@@ -99,6 +100,24 @@ def _context(mp):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch"])  # no-op once the server runs
     return ctx
+
+
+def _ended(proc) -> bool:
+    """Whether a rank's process has ended. Its exit code comes through the fork server, which reports
+    255 for every rank once it is gone itself (a scheduler's SIGTERM to every process of the job ends
+    it), while the ranks may still be finishing: then the process itself is asked."""
+    if proc.exitcode is None:
+        return False
+    if proc.exitcode != 255 or proc.pid is None:
+        return True
+    try:
+        os.kill(proc.pid, 0)  # no signal sent: whether the process exists
+    except (ProcessLookupError, PermissionError):  # gone (or its pid reused by another user's process)
+        return True
+    try:  # a zombie has ended too (its new parent has not reaped it yet)
+        return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):  # no /proc here, or it went meanwhile
+        return not Path("/proc").is_dir()
 
 
 class _Forwarder:
@@ -192,7 +211,7 @@ def run_local(world: int, fn, *args, timeout: float | None = None, threads: int 
             try:
                 rank, error, value = results.get(timeout=0.2 if forward_signals else 1.0)
             except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode is not None]
+                dead = [r for r, p in enumerate(procs) if r not in values and _ended(p)]
                 if dead and results.empty():
                     if not allow_deaths:
                         raise RuntimeError(f"rank {dead[0]} exited (code {procs[dead[0]].exitcode}) without a result") from None
@@ -203,7 +222,7 @@ def run_local(world: int, fn, *args, timeout: float | None = None, threads: int 
                 continue
             if error is not None:  # a rank that died first is the likelier cause: name it too
                 dead = [f"rank {r} exited (code {p.exitcode}) without a result" for r, p in enumerate(procs)
-                        if r != rank and r not in values and p.exitcode is not None]
+                        if r != rank and r not in values and _ended(p)]
                 raise RuntimeError(f"rank {rank} failed{'; ' + '; '.join(dead) if dead else ''}:\n{error}")
             values[rank] = pickle.loads(value)
     finally:

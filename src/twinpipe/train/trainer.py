@@ -12,8 +12,9 @@ Per step, in this order (the order the single-process reference follows, so resu
 4. one all-reduce over the pipeline, then one over the replicas, carry every parameter's squared
    gradient norm (each model parameter counted once: by data-parallel rank 0, an expert by its
    holder, never DualPipe's second copy), the micro-batch losses and a digest of the global batch
-   (ranks that sampled different batches raise ``PipelineMismatchError`` before the update) and a
-   count of ranks whose gradients are not finite;
+   (ranks that sampled different batches raise ``PipelineMismatchError`` before the update), a
+   count of ranks whose gradients are not finite and of ranks asking ``step(stop=, save=)`` (a
+   signal, a save due by one rank's clock: every rank learns alike whether any asked);
 5. a non-finite loss, gradient norm or gradient (every rank sees the same sums, so all decide
    alike): the update is skipped, or ``NonFiniteStepError`` raised (``TrainConfig.on_nonfinite``);
 6. clipping (if ``max_norm``), then the optimizer.

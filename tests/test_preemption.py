@@ -91,7 +91,7 @@ def test_sigterm_mid_step_saves_at_a_step_boundary_and_resume_auto_continues_bit
     assert f"skipped twinpipe-train/checkpoint-step{step + 1}: no completion marker" in again.stderr
     assert f"continuing from twinpipe-train/checkpoint-step{step} (step {step})" in again.stderr
     assert _losses(out) == uninterrupted  # every step, the earlier ones carried over: bitwise the run never stopped
-    # A save after every step (by the clock), the older ones pruned to the newest 3 (the torn one among them).
+    # A save after every step (by the clock; the torn folder's step saved over it), pruned to the newest 3.
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-final", *(f"checkpoint-step{k}" for k in (17, 18, 19))]
     assert [s["step"] for s in json.loads((out / "train-log.json").read_text())["starts"]] == [0, step]
 

@@ -294,6 +294,10 @@ COMMANDS: list[Command] = [
             "--pp 8 --dp 2 --device cuda --out /shared/gpt",
             _two_nodes("--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:$P --rdzv-id gpt"),
             TWO_NODES + "; the same line on both", folder="nodes-c10d", files=NODES_FILES, stdout=("bits per byte, first step",)),
+    Command("torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m twinpipe.train --pp 4 --resume auto",
+            f"torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m twinpipe.train --pp 2 --steps 2 {TINY} --resume auto",
+            FOUR_ON_TWO + ", a tiny model, 2 steps (tests/test_preemption.py kills a rank of such a run)", files=TRAIN_FILES,
+            stdout=("bits per byte, first step",)),
     # ---- docs/hf.md
     Command("python examples/hf_llama.py", copy=("examples",), stdout=("step 2: loss",)),
     Command("torchrun --standalone --nproc-per-node 2 examples/hf_llama.py", "python examples/hf_llama.py",

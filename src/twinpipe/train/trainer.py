@@ -12,8 +12,9 @@ Per step, in this order (the order the single-process reference follows, so resu
 4. one all-reduce over the pipeline, then one over the replicas, carry every parameter's squared
    gradient norm (each model parameter counted once: by data-parallel rank 0, an expert by its
    holder, never DualPipe's second copy), the micro-batch losses and a digest of the global batch
-   (ranks that sampled different batches raise ``PipelineMismatchError`` before the update) and a
-   count of ranks whose gradients are not finite;
+   (ranks that sampled different batches raise ``PipelineMismatchError`` before the update), a
+   count of ranks whose gradients are not finite and of ranks asking ``step(stop=, save=)`` (a
+   signal, a save due by one rank's clock: every rank learns alike whether any asked);
 5. a non-finite loss, gradient norm or gradient (every rank sees the same sums, so all decide
    alike): the update is skipped, or ``NonFiniteStepError`` raised (``TrainConfig.on_nonfinite``);
 6. clipping (if ``max_norm``), then the optimizer.
@@ -95,6 +96,8 @@ class StepResult:
     grad_norm: float | None
     times: dict[str, float] = field(default_factory=dict)
     skipped: bool = False  # the loss or the gradients were not finite: no rank updated (on_nonfinite="skip")
+    stop: bool = False  # some rank asked ``step(stop=True)``: the same on every rank (agreed in the step's all-reduce)
+    save: bool = False  # some rank asked ``step(save=True)``: the same on every rank
 
 
 class NonFiniteStepError(FloatingPointError):
@@ -524,10 +527,12 @@ class Trainer:
         if self.is_dual:
             self.pipe.sync_mirrored_weights()
 
-    def step(self, step: int) -> StepResult:
-        """Train on global batch ``step`` (from the sampler)."""
+    def step(self, step: int, *, stop: bool = False, save: bool = False) -> StepResult:
+        """Train on global batch ``step`` (from the sampler). ``stop``, ``save``: this rank's request (a
+        signal arrived, a save is due by its clock), agreed in the step's all-reduce: the result's
+        ``stop``/``save`` are True on every rank when any rank asked, so all ranks act alike."""
         try:
-            return self._step(step)
+            return self._step(step, (bool(stop), bool(save)))
         except _RAISED_ALIKE:
             raise  # every rank raises it, from the same sums or agreement: nothing to tell
         except BaseException as exc:  # the ranks waiting for this one hear of it now, not at their timeout
@@ -536,7 +541,7 @@ class Trainer:
                 [self.mesh.pp_group, self.mesh.dp_group, *getattr(self.reducer, "mirror_groups", ())])
             raise
 
-    def _step(self, step: int) -> StepResult:
+    def _step(self, step: int, requests: tuple[bool, bool]) -> StepResult:
         times = {}
         start = time.perf_counter()
         dp, m = self.mesh.dp, self.num_chunks
@@ -580,9 +585,10 @@ class Trainer:
         scale_grads(self._updated, m * dp)
         clip = self.config.max_norm is not None
         n_norms = len(self.parameter_names) if clip else 0
-        vec = self._sum_vector(step, loss, digest, n_norms)
+        vec = self._sum_vector(step, loss, digest, n_norms, requests)
         losses = vec[n_norms : n_norms + dp * m].clone()
-        loads = vec[n_norms + dp * m : len(vec) - 3]
+        loads = vec[n_norms + dp * m : len(vec) - 3 - len(requests)]
+        stop, save = (bool(v) for v in vec[-3 - len(requests) : -3].tolist())
         problem = self._nonfinite(vec, n_norms, losses)
         norm, factor = clip_coefficient(vec[:n_norms], self.config.max_norm) if clip else (None, 1.0)
         if problem is not None:
@@ -597,14 +603,16 @@ class Trainer:
             router.loads.zero_()
         times["update"] = time.perf_counter() - mark
         times["total"] = time.perf_counter() - start
-        return StepResult(step, float(losses.mean()), losses, norm, times, skipped=problem is not None)
+        return StepResult(step, float(losses.mean()), losses, norm, times, skipped=problem is not None, stop=stop, save=save)
 
-    def _sum_vector(self, step: int, loss: torch.Tensor | None, digest: int, n_norms: int) -> torch.Tensor:
+    def _sum_vector(self, step: int, loss: torch.Tensor | None, digest: int, n_norms: int,
+                    requests: tuple[bool, ...] = ()) -> torch.Tensor:
         """The step's one vector, summed over the pipeline, then the replicas (returned on the CPU).
 
         Entries: squared norms by model parameter (``n_norms``: when clipping), the losses of every
         micro-batch of the global batch, with ``bias_update_speed`` the token copies routed to each
-        expert of every router of the model (its copies on every replica and mirrored copy), the number of ranks whose gradients are not finite, and a
+        expert of every router of the model (its copies on every replica and mirrored copy), the number of ranks
+        asking for each of ``requests`` (``step(stop=, save=)``), the number of ranks whose gradients are not finite, and a
         16-bit digest of the global batch and its square. Each norm and loss entry has one non-zero
         contribution (its owner's): exact sums. Ranks asked for different steps (or with other samplers)
         would pair one batch's inputs with another's labels, and n digests are all equal only when
@@ -612,7 +620,9 @@ class Trainer:
         """
         dp, m, device = self.mesh.dp, self.num_chunks, self.pipe.device
         n_loads = self._router_slices[1] if self.config.bias_update_speed else 0
-        vec = torch.zeros(n_norms + dp * m + n_loads + 3, dtype=torch.float64, device=device)  # on the device: NCCL moves no CPU tensors
+        vec = torch.zeros(n_norms + dp * m + n_loads + len(requests) + 3, dtype=torch.float64, device=device)  # on the device: NCCL moves no CPU tensors
+        if requests:
+            vec[-3 - len(requests) : -3] = torch.tensor(requests, dtype=torch.float64)
         if n_loads:  # token copies per expert of every router of the model (counts: exact float64 sums)
             for router, (start, end) in zip(self._routers, self._router_slices[0]):
                 vec[n_norms + dp * m + start : n_norms + dp * m + end] += router.loads.to(torch.float64)

@@ -13,9 +13,7 @@ summary table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import os
 import re
 import sys
@@ -25,10 +23,12 @@ from pathlib import Path
 import twinpipe.cli_options as cli_options
 import twinpipe.train_command.data as cli_data
 import twinpipe.train_command.model as cli_model
+import twinpipe.train_command.run_state as run_state
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_float, check_int, checked_timeout
 from twinpipe.folders import writable_folder
 from twinpipe.train.fits import check_fits
 from twinpipe.train.run_lock import take_run_lock
+from twinpipe.train.stopping import STOPPED_EXIT_CODE, StopOnSignals
 
 __all__ = ["add_train_parser", "run_train", "main"]
 
@@ -43,6 +43,10 @@ _OPTIMIZER_HPARAMS = ("checkpoint", "current")
 _MAX_SEED = 2**32 - 1
 _DEFAULT_TOP_K = 2
 _SCORES = ("softmax", "sigmoid")
+_SAVE_EVERY = 100
+_SAVE_MINUTES = 10.0
+_KEEP_LAST = 2
+_GRACE = 25.0  # below the 30 s SLURM and Kubernetes wait by default between SIGTERM and SIGKILL
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
@@ -104,8 +108,19 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default: 0)")
     parser.add_argument("--corpus-bytes", type=int, default=4 << 20, help="bytes of the standard library to read (default: 4 MiB)")
     add("out", default="twinpipe-train", more="the folder for the picture, the log and checkpoints")
-    parser.add_argument("--save-every", type=int, default=0, help="write a checkpoint every N steps (default: 0, only at the end)")
-    parser.add_argument("--resume", default=None, metavar="CHECKPOINT", help="continue from a checkpoint directory (any schedule/pp/dp wrote it)")
+    parser.add_argument("--save-every", type=int, default=_SAVE_EVERY, metavar="N",
+                        help=f"write a checkpoint (--out/checkpoint-stepK) every N steps (default: {_SAVE_EVERY}; 0: not by steps)")
+    parser.add_argument("--save-minutes", type=float, default=_SAVE_MINUTES, metavar="MIN",
+                        help=f"also write one when MIN minutes have passed since the last (default: {_SAVE_MINUTES:g}; 0: not by time)")
+    parser.add_argument("--keep-last", type=int, default=_KEEP_LAST, metavar="N",
+                        help=f"keep the N newest checkpoint-stepK folders, removing older ones (default: {_KEEP_LAST}; 0: keep all; "
+                             "checkpoint-final is always kept)")
+    parser.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                        help="continue from a checkpoint directory (any schedule/pp/dp wrote it), or 'auto' (or 'latest'): the newest "
+                             "complete checkpoint in --out, a fresh start when there is none")
+    parser.add_argument("--grace-period", type=float, default=_GRACE, metavar="SECONDS",
+                        help=f"on SIGTERM or SIGINT: seconds to finish the step and write its checkpoint before giving up "
+                             f"(default: {_GRACE:g}); a second signal gives up at once")
     parser.add_argument("--optimizer-hparams", default="checkpoint", choices=_OPTIMIZER_HPARAMS,
                         help="with --resume: the optimizer's hyper-parameters (learning rate...) from the checkpoint "
                              "(default) or from the current options (--lr)")
@@ -122,7 +137,7 @@ def _check(args) -> None:
 
     for flag, low in (("--pp", 1), ("--dp", 1), ("--steps", 1), ("--batch-size", 1), ("--microbatch-size", 1),
                       ("--seq-len", 1), ("--dim", 1), ("--heads", 1), ("--layers", 1), ("--experts", 0),
-                      ("--save-every", 0), ("--corpus-bytes", 1)):
+                      ("--save-every", 0), ("--keep-last", 0), ("--corpus-bytes", 1)):
         check_int(_option(args, flag), flag, low=low)
     if args.vocab is not None:
         check_int(args.vocab, "--vocab", low=1)
@@ -130,6 +145,8 @@ def _check(args) -> None:
     check_int(args.seed, "--seed", low=0, high=_MAX_SEED, why="torch's generator keeps 32 bits of a seed")
     check_float(args.lr, "--lr", low=0, low_open=True)
     check_float(args.max_norm, "--max-norm", low=0)  # 0: no clipping
+    check_float(args.save_minutes, "--save-minutes", low=0)  # 0: not by time
+    check_float(args.grace_period, "--grace-period", low=0, low_open=True)
     checked_timeout(args.timeout, "--timeout")
     for flag, allowed in (("--device", _DEVICES), ("--dtype", _DTYPES), ("--balance", _BALANCES), ("--dp-reduce", _DP_REDUCES),
                           ("--on-nonfinite", _ON_NONFINITE), ("--optimizer-hparams", _OPTIMIZER_HPARAMS),
@@ -168,9 +185,23 @@ def _check(args) -> None:
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) != world:  # started by torchrun
         raise ValueError(f"--pp={args.pp} x --dp={args.dp} = {world} processes, but torchrun started "
                          f"{os.environ.get('WORLD_SIZE')}: the mesh sizes must multiply to the world size")
+    if args.resume in run_state.AUTO:
+        _resolve_auto(args)
     if args.resume is not None:
         _check_resume(args, info)
     writable_folder(args.out, "--out")  # last: it makes the folder, so only when nothing else is wrong
+
+
+def _resolve_auto(args) -> None:
+    """``--resume auto``: the newest complete checkpoint in ``--out`` (torn ones skipped, with a note),
+    or None (a fresh start)."""
+    path, step, notes = run_state.newest_checkpoint(args.out)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks: one says it
+        for note in notes:
+            print(f"note: --resume {args.resume}: {note}", file=sys.stderr)
+        print(f"note: --resume {args.resume}: " + (f"continuing from {path} (step {step})" if path else
+              f"no complete checkpoint in --out={args.out}: starting from step 0"), file=sys.stderr)
+    args.resume = path
 
 
 def _check_schedule(args, num_microbatches: int) -> int:
@@ -267,7 +298,8 @@ def _option(args, flag: str):
 
 def run_train(args: argparse.Namespace) -> int:
     """Run ``twinpipe train``; 0 on success, 2 (message on stderr) on bad input, 1 (the rank and its
-    traceback on stderr) when a rank it started fails or dies."""
+    traceback on stderr) when a rank it started fails or dies, ``STOPPED_EXIT_CODE`` (75) when a
+    signal stopped it after writing a checkpoint (``--resume auto`` continues from it)."""
     try:
         _check(args)
         lock = take_run_lock(args.out) if os.environ.get("RANK", "0") == "0" else None  # the rule: train/run_lock.py
@@ -290,18 +322,20 @@ def run_train(args: argparse.Namespace) -> int:
 def _run_ranks(args: argparse.Namespace) -> int:
     world = args.pp * args.dp
     if "RANK" in os.environ:  # started by torchrun
-        _torchrun_worker(int(os.environ.get("LOCAL_RANK", 0)), args)
-        return 0
+        return _torchrun_worker(int(os.environ.get("LOCAL_RANK", 0)), args)
     from twinpipe.launch import run_local
 
     if args.device == "cpu" and world > (os.cpu_count() or 1):
         print(f"note: {world} processes on {os.cpu_count()} CPU cores; they take turns", file=sys.stderr)
-    try:  # the group's timeout bounds mesh setup too
-        run_local(world, _spawned_worker, args, threads=_threads(args), backend=_backend(args), group_timeout=args.timeout)
+    try:  # the group's timeout bounds mesh setup too; a signal here reaches the ranks as SIGTERM
+        codes = run_local(world, _spawned_worker, args, threads=_threads(args), backend=_backend(args),
+                          group_timeout=args.timeout, forward_signals=True)
     except RuntimeError as error:  # names the rank that failed or died, with its traceback
         print(f"twinpipe train: {error}", file=sys.stderr)
         return 1
-    return 0
+    finally:  # what a rank killed mid-save left (the ranks are gone: no save runs)
+        run_state.sweep_partials(args.out)
+    return max(codes)  # every rank agreed: all 0, or all stopped
 
 
 def _backend(args) -> str:
@@ -313,16 +347,22 @@ def _threads(args) -> int | None:
     return max(1, (os.cpu_count() or 1) // (args.pp * args.dp)) if args.device == "cpu" else None
 
 
-def _spawned_worker(rank: int, world: int, args) -> None:
-    """One rank started by ``run_local``, which made the process group (and chose the GPU)."""
-    _train(args, _device(args))
+def _spawned_worker(rank: int, world: int, args) -> int:
+    """One rank started by ``run_local``, which made the process group (and chose the GPU), and passes
+    it SIGINT as SIGTERM; its exit code."""
+    import signal
+
+    with StopOnSignals(args.grace_period, signals=(signal.SIGTERM,)) as stopper:
+        return _train(args, _device(args), stopper)
 
 
-def _torchrun_worker(local_rank: int, args) -> None:
+def _torchrun_worker(local_rank: int, args) -> int:
     """One rank started by torchrun (or a launcher that sets its variables): the process group comes
     from its environment, or is the one the launcher made already (Ray's TorchTrainer), left to it."""
     import torch
     import torch.distributed as dist
+
+    from twinpipe.launch import init_torchrun_group
 
     if args.device == "cuda":
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -330,9 +370,10 @@ def _torchrun_worker(local_rank: int, args) -> None:
         torch.set_num_threads(_threads(args))
     ours = not dist.is_initialized()
     if ours:
-        dist.init_process_group(_backend(args), timeout=datetime.timedelta(seconds=args.timeout))  # bounds mesh setup too
+        init_torchrun_group(_backend(args), args.timeout)  # the timeout bounds mesh setup too
     try:
-        _train(args, _device(args))
+        with StopOnSignals(args.grace_period) as stopper:  # SIGTERM (torchrun passes its own on) and SIGINT
+            return _train(args, _device(args), stopper)
     finally:
         if ours:
             dist.destroy_process_group()
@@ -344,7 +385,9 @@ def _device(args):
     return torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
 
 
-def _train(args, device) -> None:
+def _train(args, device, stopper: StopOnSignals) -> int:
+    """One rank's run; its exit code: 0, or ``STOPPED_EXIT_CODE`` when ``stopper`` heard a signal and
+    every rank saved the step they agreed on."""
     import torch
 
     from twinpipe.train.checkpoint import load_checkpoint, save_checkpoint
@@ -386,11 +429,15 @@ def _train(args, device) -> None:
     if start >= args.steps:
         if first:
             print(f"twinpipe train: nothing to do: the checkpoint is at step {start} and --steps={args.steps}; raise --steps")
-        return
+        return 0
     if first:
         out.mkdir(parents=True, exist_ok=True)
+        run_state.sweep_partials(out)  # a killed earlier run's unfinished save (no rank saves yet)
     tokens = args.batch_size * args.seq_len
-    log: list[dict] = []
+    carried, starts = run_state.earlier_log(out, args.resume, start)
+    log = run_state.TrainLog(out / run_state.LOG, {"args": _options_record(args),
+                                                   "starts": [*starts, {"step": start, "resumed_from": args.resume}]}, carried)
+    saves = run_state.SavePolicy(args.save_every, args.save_minutes)
     times: dict[str, list[float]] = {}
     moe = f", {cfg.experts} experts (top-{cfg.top_k})" if cfg.experts else ""
     title = f"{args.schedule}, PP={args.pp} x DP={args.dp}, {sum(p.numel() for p in GPT(cfg).parameters()):,} parameters{moe}"
@@ -404,33 +451,61 @@ def _train(args, device) -> None:
         for step in range(start, args.steps):
             if step == args.steps - 1:  # the last step is measured (after the first, message layouts are known)
                 result, memory_entry = measured_step(trainer, step)
-            else:
-                result = trainer.step(step)
-            log.append({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped, **result.times})
+            else:  # a signal, or rank 0's clock, asks; the step's all-reduce tells every rank alike
+                result = trainer.step(step, stop=stopper.requested, save=first and saves.clock_due())
+            log.add({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped, **result.times})
             for key, value in result.times.items():
                 times.setdefault(key, []).append(value)
-            if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
-                save_checkpoint(trainer, str(out / f"checkpoint-step{step + 1}"), step + 1)
             if first:
                 progress.update(task, advance=1, loss=bits_per_byte(result.loss), tps=tokens / result.times["total"],
                                 skipped=trainer.skipped_steps)
+            if step + 1 < args.steps and (result.stop or saves.due(step + 1, result.save)):
+                if result.stop:
+                    stopper.agreed()  # the grace period runs on every rank now
+                path = _save_step(trainer, out, step + 1, args.keep_last, first, log)
+                saves.saved()
+                if result.stop:
+                    return _stopped(stopper, path, step + 1, args, first, log)
+            elif first:
+                log.write_if_due(skipped_steps=trainer.skipped_steps)
     elapsed = time.perf_counter() - began
     memory = gather_report(trainer, memory_entry)  # collective
-    if args.steps > start:
-        save_checkpoint(trainer, str(out / "checkpoint-final"), args.steps)
-    if not first or not log:
-        return
-    plot_losses([e["step"] for e in log], [e["loss"] for e in log], str(out / "train-loss.png"), title, unit=unit,
+    save_checkpoint(trainer, str(out / run_state.FINAL), args.steps)
+    if not first:
+        return 0
+    log.write(elapsed_s=elapsed, skipped_steps=trainer.skipped_steps, memory=[e.to_dict() for e in memory])
+    plot_losses([e["step"] for e in log.steps], [e["loss"] for e in log.steps], str(out / "train-loss.png"), title, unit=unit,
                 vocab=hf.vocab if hf is not None else cfg.vocab)
-    (out / "train-log.json").write_text(json.dumps({"args": _options_record(args), "elapsed_s": elapsed,
-                                                    "skipped_steps": trainer.skipped_steps, "steps": log,
-                                                    "memory": [e.to_dict() for e in memory]}, indent=1))
-    rows = summary_rows([e["loss"] for e in log], times, tokens, mirrored=trainer.is_dual, replicas=args.dp, unit=unit)
+    mine = log.steps[len(log.steps) - (args.steps - start):]  # this start's steps (the summary's times are its own)
+    rows = summary_rows([e["loss"] for e in mine], times, tokens, mirrored=trainer.is_dual, replicas=args.dp, unit=unit)
     rows.append(("steps skipped (not finite)", str(trainer.skipped_steps)))
     rows.append(("wall time", f"{elapsed:.1f} s"))
     rows += memory_rows(memory)
-    rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / 'checkpoint-final'}"))
+    rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / run_state.FINAL}"))
     print_summary(title, rows)
+    return 0
+
+
+def _save_step(trainer, out: Path, step: int, keep_last: int, first: bool, log) -> Path:
+    """The checkpoint of ``step`` (collective), the older ones pruned, the log rewritten (rank 0)."""
+    from twinpipe.train.checkpoint import save_checkpoint
+
+    path = run_state.step_folder(out, step)
+    save_checkpoint(trainer, str(path), step)
+    if first:
+        run_state.prune(out, keep_last)
+        log.write(skipped_steps=trainer.skipped_steps)
+    return path
+
+
+def _stopped(stopper: StopOnSignals, path: Path, step: int, args, first: bool, log) -> int:
+    """After the agreed stop's checkpoint: say so (rank 0) and give the exit code."""
+    if first:
+        why = f"{stopper.signal_name} on this rank" if stopper.requested else "a signal on another rank"
+        log.write(stopped={"step": step, "checkpoint": str(path), "why": why})
+        print(f"twinpipe train: stopped by {why} after step {step - 1}: wrote {path}; continue with --resume auto "
+              f"--out {args.out} (exit code {STOPPED_EXIT_CODE})", file=sys.stderr)
+    return STOPPED_EXIT_CODE
 
 
 def _model_config(args):

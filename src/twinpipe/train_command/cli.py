@@ -309,14 +309,19 @@ def run_train(args: argparse.Namespace) -> int:
     if lock is not None and lock.note:
         print(f"twinpipe train: note: {lock.note}", file=sys.stderr)
     if lock is not None:  # no save into --out runs now: a temporary folder there is a killed run's
-        from twinpipe.train.checkpoint_files import remove_abandoned
-
-        remove_abandoned(args.out, all_abandoned=True)
+        _remove_abandoned(args.out)
     try:
         return _run_ranks(args)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _remove_abandoned(out) -> None:
+    """Remove every temporary checkpoint folder in ``out``: called only where no save runs there."""
+    from twinpipe.train.checkpoint_files import remove_abandoned  # imports torch
+
+    remove_abandoned(out, all_abandoned=True)
 
 
 def _run_ranks(args: argparse.Namespace) -> int:
@@ -334,7 +339,7 @@ def _run_ranks(args: argparse.Namespace) -> int:
         print(f"twinpipe train: {error}", file=sys.stderr)
         return 1
     finally:  # what a rank killed mid-save left (the ranks are gone: no save runs)
-        run_state.sweep_partials(args.out)
+        _remove_abandoned(args.out)
     return max(codes)  # every rank agreed: all 0, or all stopped
 
 
@@ -432,7 +437,6 @@ def _train(args, device, stopper: StopOnSignals) -> int:
         return 0
     if first:
         out.mkdir(parents=True, exist_ok=True)
-        run_state.sweep_partials(out)  # a killed earlier run's unfinished save (no rank saves yet)
     tokens = args.batch_size * args.seq_len
     carried, starts = run_state.earlier_log(out, args.resume, start)
     log = run_state.TrainLog(out / run_state.LOG, {"args": _options_record(args),

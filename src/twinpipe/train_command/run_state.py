@@ -16,7 +16,7 @@ from pathlib import Path
 
 from twinpipe.train.checkpoint_files import MARKER, CheckpointError, read_checkpoint_info
 
-__all__ = ["AUTO", "FINAL", "LOG", "step_folder", "newest_checkpoint", "sweep_partials", "prune", "earlier_log",
+__all__ = ["AUTO", "FINAL", "LOG", "step_folder", "newest_checkpoint", "prune", "earlier_log",
            "SavePolicy", "TrainLog"]
 
 AUTO = ("auto", "latest")  # --resume values: the newest complete checkpoint in --out, or a fresh start
@@ -50,18 +50,6 @@ def newest_checkpoint(out) -> tuple[str | None, int, list[str]]:
         if best is None or info.step > best_step or (info.step == best_step and folder.name == FINAL):
             best, best_step = str(folder), info.step
     return best, best_step, notes
-
-
-def sweep_partials(out) -> list[str]:
-    """Remove the temporary folders (``.checkpoint-*.partial-*``) of saves in ``out`` that a killed
-    process left; the names removed. Only when no save runs there (before the ranks start, after they end)."""
-    out = Path(out)
-    if not out.is_dir():
-        return []
-    stale = [p for p in out.iterdir() if p.name.startswith(".checkpoint-") and ".partial-" in p.name]
-    for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
-    return sorted(p.name for p in stale)
 
 
 def prune(out, keep: int) -> list[str]:

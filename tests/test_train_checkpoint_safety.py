@@ -2,7 +2,8 @@
 
 One 2-process gloo world (PP=2, 1F1B, AdamW): a checkpoint at step 3, then faults injected while
 saving over it (a rank's disk full in the middle of its write, the final rename failing, last a rank
-killed by ``os._exit`` as it starts its write); damaged copies (a flipped byte, a truncated file, a
+killed by ``os._exit`` as it starts its write; a rank writing into a folder rank 0 does not see, as
+on several hosts without a shared filesystem); damaged copies (a flipped byte, a truncated file, a
 damaged ``.metadata``, no marker); crafted copies (a ``.metadata`` pickle that runs code, a pickled
 ``trainer`` item); another model configuration with the same shapes; other optimizer
 hyper-parameters; optimizer state that is not a tensor; saves interrupted by a SystemExit (what a
@@ -262,6 +263,33 @@ def _world(rank: int, world: int, root: str) -> dict:
             loaded = f"{type(exc).__name__}: {exc}"
         return "; ".join(problems + ([] if loaded == "ok" else [loaded])) or "ok"
 
+    def another_folder():
+        """Rank 1 writes into a folder of the same name that rank 0 does not see (another host's local
+        disk instead of a shared filesystem): the save must fail, not write a marker that vouches for
+        files rank 0 never saw."""
+        import twinpipe.train.checkpoint as checkpoint
+
+        elsewhere = root_path / "elsewhere"
+
+        def writer(original):
+            return lambda folder, *a, **k: original(elsewhere / Path(folder).name, *a, **k)
+
+        def own_files(original):
+            return lambda folder, *a, **k: original(elsewhere / Path(folder).name, *a, **k)
+
+        with (_patched(checkpoint, "FileSystemWriter", writer) if rank == 1 else _nothing()), \
+             (_patched(checkpoint, "_finish_own_files", own_files) if rank == 1 else _nothing()):
+            try:
+                save_checkpoint(trainer, path, 6)
+                return "the save reported no failure"
+            except Exception as exc:
+                message = f"{type(exc).__name__}: {exc}"
+        if "rank 1" not in message or "shared filesystem" not in message:
+            return f"unclear error: {message}"
+        if leftovers():
+            return f"temporary folders left: {leftovers()}"
+        return loads_as(3, saved[3])
+
     def rename_fails():
         import twinpipe.train.checkpoint_files as files
 
@@ -405,6 +433,7 @@ def _world(rank: int, world: int, root: str) -> dict:
     case("round_trip", round_trip)
     case("not_a_checkpoint", not_a_checkpoint)
     case("disk_full", disk_full)
+    case("another_folder", another_folder)
     case("rename_fails", rename_fails)
     case("overwrite", overwrite)
     case("flipped_byte", lambda: damaged("flipped", flip_byte))
@@ -486,7 +515,7 @@ def _case(world, name) -> dict:
     return {r: results[0]["ranks"][r]["results"][name] for r in range(WORLD)}
 
 
-@pytest.mark.parametrize("name", ["round_trip", "disk_full", "rename_fails", "overwrite", "plain_state", "exit_while_preparing",
+@pytest.mark.parametrize("name", ["round_trip", "disk_full", "another_folder", "rename_fails", "overwrite", "plain_state", "exit_while_preparing",
                                   "ctrl_c_after_writing"])
 def test_a_failed_save_leaves_the_old_checkpoint_loadable_as_itself(world, name):
     outcomes = _case(world, name)

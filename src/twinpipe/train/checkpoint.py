@@ -181,6 +181,7 @@ def save_checkpoint(trainer, path: str, step: int) -> None:
             try:
                 files = {name: {"bytes": size, "sha256": sha} for s in said for name, size, sha in s["files"]}
                 _check_listed(folder, files)
+                _check_seen(folder, said, files)
                 write_marker(folder, _marker_record(trainer, step, files))
                 put_in_place(folder, path)
             except Exception as error:
@@ -211,6 +212,17 @@ def _check_listed(folder: Path, files: dict) -> None:
     missing = sorted({info.relative_path for info in metadata.storage_data.values()} - set(files))
     if missing:
         raise RuntimeError(f"DCP wrote files no rank reported ({', '.join(missing)}): this torch's file naming is not the expected one")
+
+
+def _check_seen(folder: Path, said: list[dict], files: dict) -> None:
+    """Every file a rank reported is in the folder as rank 0 sees it: a rank whose ``path`` is another
+    folder (another host's local disk, not a shared filesystem) wrote where the marker cannot vouch for."""
+    for rank, report in enumerate(said):
+        problems = verify_files(str(folder), files, [name for name, _, _ in report["files"]], digests=False)
+        if problems:
+            raise RuntimeError(f"rank {rank} of the checkpoint group wrote its files where rank 0 does not see them "
+                               f"({problems[0]}): the checkpoint folder must be one folder that every rank sees, "
+                               "such as a shared filesystem on several hosts")
 
 
 def _marker_record(trainer, step: int, files: dict) -> dict:

@@ -108,8 +108,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer-hparams", default="checkpoint", choices=_OPTIMIZER_HPARAMS,
                         help="with --resume: the optimizer's hyper-parameters (learning rate...) from the checkpoint "
                              "(default) or from the current options (--lr)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                        help=f"seconds any wait for a peer may take (default: {DEFAULT_TIMEOUT:g})")
+    add("timeout", default=DEFAULT_TIMEOUT, default_text=f"{DEFAULT_TIMEOUT:g}")
     cli_data.add_arguments(parser)
     cli_model.add_arguments(parser)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
@@ -16,7 +17,7 @@ import pytest
 
 from twinpipe import demo
 from twinpipe.launch import RankFailedError, failure_line
-from twinpipe.train_command.progress import TrainProgress
+from twinpipe.train_command.progress import LOG_EVERY, LOG_SECONDS, TrainProgress
 from twinpipe.train_command.stragglers import WINDOW, slow_rank
 from test_train_cli import TINY
 from typed import typed_env
@@ -68,7 +69,7 @@ def test_the_line_names_a_straggler_and_a_resumed_run_counts_from_its_start(caps
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in lines[1:]] == ["11/100", f"{10 + WINDOW}/100"]
     assert "slow:" not in lines[1]  # one step is no pattern
-    assert lines[2].endswith(f"slow: rank dp=1 pp=1 1.50x the median rank's step time (last {WINDOW} steps, >= 1.2x)"), lines
+    assert lines[2].endswith(f"skipped 0  slow: rank dp=1 pp=1 1.50x the median rank (last {WINDOW} steps)"), lines
 
 
 def test_a_slow_step_brings_a_line_before_its_turn(capsys, monkeypatch):
@@ -81,7 +82,36 @@ def test_a_slow_step_brings_a_line_before_its_turn(capsys, monkeypatch):
     with progress:
         for step in range(3):
             progress.update(step, _result(), [0.1], skipped=0)
-    assert [line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]] == ["1/50", "2/50", "3/50"]
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[1] for line in lines] == ["1/50", "2/50", "3/50"]
+    assert "elapsed 0:00:40  ETA 0:32:40" in lines[0], lines  # 40 s for 1 step: 49 steps left take 49 x 40 s
+
+
+def test_on_a_terminal_the_bar_carries_the_straggler_note(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich's width here (not a terminal): the whole bar
+    progress = TrainProgress(title="t", start=0, total=WINDOW, unit="byte", tokens_per_step=1, pp=1, terminal=True)
+    with progress:
+        for step in range(WINDOW):
+            progress.update(step, _result(), [0.1, 0.2, 0.1], skipped=0)
+    out = capsys.readouterr().out
+    assert f"{WINDOW}/{WINDOW}" in out and "slow: rank dp=1 pp=0 2.00x" in out and "step 1/" not in out, out
+
+
+def test_the_docs_show_the_lines_the_code_prints():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "train.md").read_text()
+    section = text.split("## What the log shows", 1)[1].split("\n## ", 1)[0]
+    progress_line, failure = (block.removeprefix("text").strip() for block in section.split("```")[1::2])
+    shape = lambda line: re.sub(r"\d[\d,.:]*", "#", line)  # noqa: E731
+    made = TrainProgress(title="t", start=0, total=300, unit="byte", tokens_per_step=1024, pp=1, terminal=False)
+    made._since_line = (10, 1.6)
+    assert shape(made.line(139, 2.86, 0, "")) == shape(progress_line), (made.line(139, 2.86, 0, ""), progress_line)
+    summary = failure.removeprefix("twinpipe train: rank dp=0 pp=0: ").split("; if the ranks", 1)[0]
+    error = RankFailedError(0, "timeout", summary, tracebacks={0: "..."})
+    assert "twinpipe train: " + failure_line(error, lambda r: f"dp=0 pp={r}", 2.0, "twinpipe-train/failure-tracebacks.txt") == failure
+    assert "every `--log-every` steps (default 10), at least every 30 s" in " ".join(section.split())
+    made.history = [[0.1, 0.135, 0.1]] * WINDOW
+    assert shape(made.straggler_note()) == shape(re.search(r"`(slow: [^`]*)`", " ".join(section.split()))[1])
+    assert (LOG_EVERY, LOG_SECONDS) == (10, 30.0)
 
 
 def test_only_the_rank_that_shows_prints(capsys):

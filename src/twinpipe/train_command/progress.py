@@ -15,7 +15,7 @@ import time
 
 from twinpipe.train.mesh import rank_name
 from twinpipe.train.report import bits_per_byte
-from twinpipe.train_command.stragglers import RATIO, WINDOW, slow_rank
+from twinpipe.train_command.stragglers import WINDOW, slow_rank
 
 __all__ = ["LOG_EVERY", "LOG_SECONDS", "TrainProgress"]
 
@@ -87,12 +87,13 @@ class TrainProgress:
         return text + (f"  {note}" if note else "")
 
     def straggler_note(self) -> str:
-        """``slow: rank dp=.. pp=.. 1.35x the median rank (last 20 steps)``, or "" when no rank is."""
+        """``slow: rank dp=0 pp=1 1.35x the median rank (last 20 steps)``, or "" when no rank is
+        (``stragglers.slow_rank``: at least 1.2x)."""
         slow = slow_rank(self.history)
         if slow is None:
             return ""
         rank, slower = slow
-        return f"slow: rank {rank_name(rank, self.pp)} {slower:.2f}x the median rank's step time (last {WINDOW} steps, >= {RATIO:g}x)"
+        return f"slow: rank {rank_name(rank, self.pp)} {slower:.2f}x the median rank (last {WINDOW} steps)"
 
 
 def _bar(unit: str):

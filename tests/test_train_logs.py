@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from twinpipe import demo
 from twinpipe.launch import RankFailedError, failure_line
 from twinpipe.train_command.progress import LOG_EVERY, LOG_SECONDS, TrainProgress
 from twinpipe.train_command.stragglers import WINDOW, slow_rank
@@ -188,12 +187,20 @@ def test_a_rank_stopped_past_the_timeout_ends_the_run_with_one_line_and_progress
     assert tracebacks.startswith("--- rank ") and "Traceback (most recent call last)" in tracebacks
 
 
-def test_the_demo_takes_timeout_and_a_failed_wait_is_one_line(capfd):
-    code = demo.main(["--pp", "2", "--steps", "1", "--dim", "8", "--heads", "2", "--seq-len", "4", "--timeout", "0.001"])
+@pytest.mark.parametrize("argv, rank", [
+    (["demo", "--pp", "2", "--steps", "1", "--dim", "8", "--heads", "2", "--seq-len", "4"], r"rank \d: "),
+    (["demo", "--moe", "--pp", "1", "--ep", "2", "--steps", "1", "--microbatches", "2", "--microbatch-size", "1",
+      "--blocks-per-stage", "1", "--dim", "16", "--experts", "2", "--expert-ffn", "16"], r"rank pp=0 ep=\d: "),
+], ids=["demo", "demo --moe"])
+def test_the_demos_take_timeout_and_a_failed_wait_is_one_line(argv, rank, capfd):
+    from twinpipe.cli import main
+
+    code = main([*argv, "--timeout", "0.001"])  # every wait given 1 ms: the first one across ranks runs out
     err = capfd.readouterr().err
-    ours = [line for line in err.splitlines() if line.startswith("twinpipe demo:")]
+    command = " ".join(argv[:2]) if "--moe" in argv else "demo"
+    ours = [line for line in err.splitlines() if line.startswith(f"twinpipe {command}: ")]
     assert code == 1 and len(ours) == 1 and "Traceback" not in err, err
-    assert ours[0].startswith("twinpipe demo: rank ") and "raise --timeout (now 0.001 s); tracebacks in " in ours[0], ours
+    assert re.match(f"twinpipe {command}: {rank}", ours[0]) and "raise --timeout (now 0.001 s); tracebacks in " in ours[0], ours
     written = Path(ours[0].rsplit("tracebacks in ", 1)[1])
     assert "Traceback (most recent call last)" in written.read_text()
     written.unlink()

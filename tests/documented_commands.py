@@ -255,6 +255,7 @@ COMMANDS: list[Command] = [
             f"--mtp-depth 1 --mtp-weight 0.3 --pp 1 --dp 2 --steps 2 {TINY}",
             TRAIN_SMALL + "; PP=1 x DP=2 (EP=2), 4 experts", folder="train-ds3", files=TRAIN_FILES),
     _help("twinpipe train --no-overlap-dp"),
+    _help("twinpipe train --log-every 20 > train.log"),  # the lines: tests/test_train_logs.py
     _help("twinpipe train --resume"),
     _help("twinpipe train --on-nonfinite skip|raise"),
     _help("twinpipe train --resume DIR --optimizer-hparams checkpoint|current"),

@@ -74,6 +74,8 @@ def test_oversubscription_warning():
     (["--lr", "-1"], "--lr=-1.0: must be a finite number > 0"),  # was SGD's error in every rank
     (["--lr", "0"], "--lr=0.0: must be a finite number > 0"),
     (["--trace", "{file}"], "--trace='{file}': must be a folder; it is a file"),  # was FileExistsError after the run
+    (["--timeout", "0"], "--timeout=0.0: must be a finite number >= 0.001 and <= 2.592e+06"),
+    (["--timeout", "nan"], "--timeout=nan: must be a finite number >= 0.001 and <= 2.592e+06"),
 ])
 def test_bad_values_fail_before_launching(argv, message, tmp_path, capsys):
     file = tmp_path / "a-file"
@@ -86,7 +88,7 @@ def test_bad_values_fail_before_launching(argv, message, tmp_path, capsys):
 def test_float32_run_warns_checks_its_tolerance_and_writes_the_trace_files_it_names(tmp_path, capfd, monkeypatch):
     monkeypatch.setattr(demo.dense, "cpu_cores", lambda: 1)  # 2 ranks on "1 core"
     argv = ["--pp", "2", "--steps", "1", "--dim", "8", "--heads", "2", "--seq-len", "4",
-            "--dtype", "float32", "--trace", str(tmp_path)]
+            "--dtype", "float32", "--trace", str(tmp_path), "--timeout", "120"]
     code = demo.main(argv)
     out, err = capfd.readouterr()
     assert code == 0, err[-3000:]

@@ -108,3 +108,24 @@ def test_group_timeout_bounds_the_groups_own_collectives():
 
 def test_allow_deaths_reports_a_dead_rank_and_keeps_the_others():
     assert run_local(2, _fail, "die-alone", timeout=120, allow_deaths=True) == [None, ("died", 3)]
+
+
+def _second_is_the_cause(rank: int, world: int) -> None:
+    import time
+
+    from twinpipe.runtime.errors import PipelinePeerFailedError
+
+    if rank == 0:  # heard first, but it only gave up because of rank 1
+        raise PipelinePeerFailedError("step 0: stopped waiting, another rank failed: rank 1 refuses", "rank 1 refuses")
+    time.sleep(0.3)
+    raise ValueError("rank one refuses")
+
+
+def test_the_rank_whose_failure_caused_the_others_is_named_not_the_first_heard():
+    from twinpipe.launch import RankFailedError
+
+    with pytest.raises(RankFailedError) as info:
+        run_local(2, _second_is_the_cause, timeout=120)
+    error = info.value
+    assert (error.rank, error.kind, error.summary) == (1, "error", "ValueError: rank one refuses")
+    assert list(error.tracebacks) == [1, 0] and "PipelinePeerFailedError" in error.tracebacks[0]

@@ -33,6 +33,7 @@ def test_demo_runs_and_overlap_keeps_losses():
     (["--pp", "0"], "--pp=0: must be >= 1"),
     (["--eplb", "--redundant", "3"], "--redundant=3: must be a multiple of --ep=2"),
     (["--interval", "0"], "--interval=0: must be >= 1"),
+    (["--timeout", "1e300"], "--timeout=1e+300: must be a finite number >= 0.001 and <= 2.592e+06"),
     (["--dim", "6"], "--dim=6: must be a multiple of --heads=4"),
     (["--trace", "{file}"], "--trace='{file}': must be a folder (or a file name ending in .json); it is a file"),
     (["--trace", "{file}/fb.json"], "--trace='{file}': must be a folder; it is a file"),  # was an error after the run
@@ -55,7 +56,7 @@ def test_demo_options_of_the_other_demo_are_refused(capsys):
 def test_demo_eplb_shows_the_imbalance_falling(capsys):
     # Typed with the demo's old spellings (--chunks, --tokens, --hidden, --expert-hidden, --blocks): they still work.
     assert main(["demo", "--moe", "--pp", "1", "--ep", "2", "--steps", "3", "--chunks", "2", "--tokens", "64", "--hidden", "8",
-                 "--experts", "4", "--expert-hidden", "8", "--blocks", "1", "--eplb", "--interval", "1"]) == 0
+                 "--experts", "4", "--expert-hidden", "8", "--blocks", "1", "--eplb", "--interval", "1", "--timeout", "120"]) == 0
     out = capsys.readouterr().out
     assert "losses identical" in out
     steps = [line for line in out.splitlines() if line.startswith("  step ")]

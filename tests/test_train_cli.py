@@ -29,13 +29,16 @@ def test_python_m_twinpipe_train_shows_its_options():
 def test_the_command_saves_every_2_steps_and_resumes_from_the_command_line(tmp_path):
     # As typed: the console script, in a fresh folder. The old code died writing train-log.json.
     tiny = " ".join(TINY)
-    first = run_typed(f"twinpipe train --pp 2 --steps 4 --save-every 2 {tiny}", tmp_path, timeout=300)
+    first = run_typed(f"twinpipe train --pp 2 --steps 4 --save-every 2 --log-every 3 {tiny}", tmp_path, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
+    # Not a terminal: a plain line after the first step, every 3 steps and after the last (docs/train.md)
+    assert [line.split()[1] for line in first.stdout.splitlines() if line.startswith("step ")] == ["1/4", "3/4", "4/4"]
     out = tmp_path / "twinpipe-train"
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-final", "checkpoint-step2", "train-log.json", "train-loss.png"]
     log = json.loads((out / "train-log.json").read_text())
     assert set(log["args"]) == set(vars(_args())) and log["args"]["save_every"] == 2  # the options, nothing else
     assert [e["step"] for e in log["steps"]] == [0, 1, 2, 3]
+    assert all(len(e["rank_times"]) == 2 and 0 < min(e["rank_times"]) <= e["total"] for e in log["steps"]), log["steps"]
     # The last step measured, per rank: parts and total, measured and predicted (docs/memory.md).
     assert [e["rank"] for e in log["memory"]] == [0, 1] and "memory, rank 1 (pp 1, dp 0)" in first.stdout
     for entry in log["memory"]:
@@ -166,6 +169,7 @@ BAD = [
     (["--grace-period", "0"], "--grace-period=0.0: must be a finite number > 0"),
     (["--grace-period", "inf"], "--grace-period=inf: must be a finite number > 0"),
     (["--grace-period", "nan"], "--grace-period=nan: must be a finite number > 0"),
+    (["--log-every", "0"], "--log-every=0: must be >= 1"),
     (["--resume", "/nonexistent/ckpt"], "--resume=/nonexistent/ckpt: not a checkpoint directory"),
     (["--timeout", "0"], "--timeout=0.0: must be a finite number >= 0.001"),
     (["--timeout", "1e300"], "--timeout=1e+300: must be a finite number >= 0.001 and <= 2.592e+06"),

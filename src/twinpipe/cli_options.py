@@ -18,7 +18,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from twinpipe.checks import check_float, check_int
+from twinpipe.checks import MAX_TIMEOUT, MIN_TIMEOUT, check_float, check_int
 
 __all__ = ["Option", "VOCABULARY", "add", "check", "old_spellings", "missing"]
 
@@ -57,6 +57,7 @@ VOCABULARY: dict[str, Option] = {o.dest: o for o in (
     Option("--device", "cpu: gloo, one process per rank; cuda: NCCL, one GPU per rank", str, None),
     Option("--dtype", "parameter and activation dtype", str, None),
     Option("--threads", "torch threads per CPU rank", int, "N", low=1),
+    Option("--timeout", "seconds any wait for a peer may take", float, "SECONDS", low=MIN_TIMEOUT, high=MAX_TIMEOUT),
     # the model: the names of twinpipe.train.GPTConfig's fields
     Option("--layers", "transformer blocks", int, "L", low=1),
     Option("--dim", "model width (hidden size)", int, "DIM", old=("--hidden",), low=1),

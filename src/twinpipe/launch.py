@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_module
+import re
 import signal
 import socket
 import threading
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from twinpipe.checks import check_int, checked_timeout
 
-__all__ = ["free_port", "run_local", "init_torchrun_group"]
+__all__ = ["free_port", "run_local", "init_torchrun_group", "RankFailedError", "failure_line", "write_tracebacks"]
 
 HOST = "127.0.0.1"
 
@@ -49,6 +50,59 @@ class _Fd:
 
 def _received_fd(dup) -> int:
     return dup.detach()
+
+
+class RankFailedError(RuntimeError):
+    """A rank of ``run_local`` failed (``kind`` "timeout", "peer" or "error") or died ("died").
+
+    ``summary``: its error in one line (``Type: message``); ``first``: with "peer", the account of
+    the rank whose failure made this one give up; ``tracebacks``: the failed ranks' tracebacks by
+    rank. ``str()`` is the summary line followed by the tracebacks, as before this class."""
+
+    def __init__(self, rank: int, kind: str, summary: str, first: str = "", tracebacks: dict | None = None,
+                 dead: tuple = ()):
+        self.rank, self.kind, self.summary, self.first = rank, kind, summary, first
+        self.tracebacks, self.dead = dict(tracebacks or {}), tuple(dead)
+        text = f"rank {rank} " + (summary if kind == "died" else "failed")
+        notes = [f"rank {r} exited (code {code}) without a result" for r, code in self.dead]
+        super().__init__(text + "".join(f"; {n}" for n in notes) + "".join(f":\n{t}" for t in self.tracebacks.values()))
+
+    @classmethod
+    def caught(cls, rank: int, exc: BaseException) -> "RankFailedError":
+        """The error of ``rank`` that raised ``exc`` in this process (call it in the ``except`` block:
+        a torchrun worker reporting its own failure)."""
+        kind, summary, first = _account(exc)
+        return cls(rank, kind, summary, first, {rank: traceback.format_exc()})
+
+
+def _account(exc: BaseException) -> tuple[str, str, str]:
+    """(kind, one-line summary, first failure) of a rank's exception, read where its type is known."""
+    from twinpipe.runtime.errors import PipelinePeerFailedError, PipelineTimeoutError
+
+    summary = " ".join(f"{type(exc).__name__}: {exc}".split())
+    if isinstance(exc, PipelinePeerFailedError):
+        return "peer", summary, " ".join(exc.first.split())
+    timed_out = isinstance(exc, (PipelineTimeoutError, TimeoutError)) or re.search(r"timed out|timeout", str(exc), re.I) is not None
+    return ("timeout" if timed_out else "error"), summary, ""
+
+
+def failure_line(error: RankFailedError, rank_name, timeout: float | None, traceback_file=None) -> str:
+    """What went wrong, in one line: the rank (``rank_name(global rank)``), its error and the remedy
+    (for a wait that ran out of time, a longer ``--timeout``; for one that gave up because another
+    rank failed, that rank's own failure). ``traceback_file``: where the full tracebacks are."""
+    where = f"rank {rank_name(error.rank)}"
+    if error.kind == "timeout":
+        remedy = (f"if the ranks are only slow (a loaded machine), raise --timeout (now {timeout:g} s)" if timeout
+                  else "raise --timeout if the ranks are only slow")
+    elif error.kind == "peer":
+        remedy = "fix the first failure it quotes"
+    elif error.kind == "died":
+        remedy = "it was killed or crashed (out of memory? a signal?)"
+    else:
+        remedy = ""
+    more = f"tracebacks in {traceback_file}" if traceback_file else ""
+    tail = "; ".join(part for part in (remedy, more) if part)
+    return f"{where}: {error.summary}" + (f"; {tail}" if tail else "")
 
 
 def _as_caller(environ: dict, outputs: tuple) -> None:
@@ -84,8 +138,11 @@ def _rank_main(rank: int, world: int, port: int, call: bytes, results, backend: 
         # this process closes when it exits, possibly before the caller reads them.
         fn, args = pickle.loads(call)
         results.put((rank, None, pickle.dumps(fn(rank, world, *args))))
-    except BaseException:  # reported to the parent, which would otherwise wait for this rank
-        results.put((rank, traceback.format_exc(), None))
+    except BaseException as exc:  # reported to the parent, which would otherwise wait for this rank
+        results.put((rank, (traceback.format_exc(), _account(exc)), None))
+        # Alive until the parent ends every rank: rank 0 holds the group's store, and peers still
+        # running would otherwise find it gone and print torch's stack dumps, not their own error.
+        time.sleep(_LINGER)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -214,23 +271,61 @@ def run_local(world: int, fn, *args, timeout: float | None = None, threads: int 
                 dead = [r for r, p in enumerate(procs) if r not in values and _ended(p)]
                 if dead and results.empty():
                     if not allow_deaths:
-                        raise RuntimeError(f"rank {dead[0]} exited (code {procs[dead[0]].exitcode}) without a result") from None
+                        code = procs[dead[0]].exitcode
+                        raise RankFailedError(dead[0], "died", f"exited (code {code}) without a result") from None
                     values.update((r, ("died", procs[r].exitcode)) for r in dead)
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"ranks {sorted(set(range(world)) - set(values))} of {world} did not finish "
                                        f"within {timeout:g} s") from None
                 continue
-            if error is not None:  # a rank that died first is the likelier cause: name it too
-                dead = [f"rank {r} exited (code {p.exitcode}) without a result" for r, p in enumerate(procs)
-                        if r != rank and r not in values and _ended(p)]
-                raise RuntimeError(f"rank {rank} failed{'; ' + '; '.join(dead) if dead else ''}:\n{error}")
+            if error is not None:
+                raise _failure(rank, error, results, procs, values) from None
             values[rank] = pickle.loads(value)
     finally:
         forwarder.uninstall()
-        grace = 30.0 if len(values) == world else 1.0  # after a failure the others may wait on it
+        grace = 30.0 if len(values) == world else 0.0  # after a failure: ended at once (the error is in hand)
         for p in procs:
             p.join(timeout=grace)
             if p.is_alive():
                 p.kill()
                 p.join()
     return [values[r] for r in range(world)]
+
+
+_SETTLE = 1.0  # seconds to wait for the root cause when the first error heard only quotes it
+_LINGER = 10.0  # seconds a failed rank stays alive for the parent to end it
+
+
+def _failure(rank: int, error: tuple, results, procs, values: dict) -> RankFailedError:
+    """The error ``run_local`` raises when ``rank`` reported ``error``, naming the rank whose failure
+    caused the others: when ``error`` is a rank giving up because another failed ("peer"), the
+    others' reports are heard for up to ``_SETTLE`` s; a rank that died is named too (a likely cause)."""
+    reports = {rank: error}
+    deadline = time.monotonic() + _SETTLE
+    while (all(kind == "peer" for _, (kind, _, _) in reports.values()) and time.monotonic() < deadline
+           and len(reports) + len(values) < len(procs)):
+        try:
+            other, other_error, _ = results.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue_module.Empty:
+            break
+        if other_error is not None:
+            reports[other] = other_error
+    cause = next((r for r, (_, (kind, _, _)) in reports.items() if kind != "peer"), rank)
+    kind, summary, first = reports[cause][1]
+    dead = tuple((r, p.exitcode) for r, p in enumerate(procs) if r not in reports and r not in values and _ended(p))
+    tracebacks = {r: reports[r][0] for r in sorted(reports, key=lambda r: r != cause)}
+    return RankFailedError(cause, kind, summary, first, tracebacks, dead)
+
+
+def write_tracebacks(error: RankFailedError, path) -> str | None:
+    """The failed ranks' tracebacks written to ``path`` (the cause's first); its name, or None when
+    there are none or the file cannot be written (the one-line message then says so by omission)."""
+    if not error.tracebacks:
+        return None
+    text = "".join(f"--- rank {rank}\n{trace}\n" for rank, trace in error.tracebacks.items())
+    try:
+        with open(path, "w") as file:
+            file.write(text)
+    except OSError:
+        return None
+    return str(path)

@@ -22,9 +22,8 @@ from torch import nn
 import twinpipe.cli_options as cli_options
 from twinpipe.checks import DEFAULT_TIMEOUT, bad
 from twinpipe.folders import writable_folder
-from twinpipe.launch import run_local
-
-GROUP_TIMEOUT = DEFAULT_TIMEOUT  # seconds any of the demo's own collectives (barriers, result gathering) may wait
+from twinpipe.demo.failure import failure_message
+from twinpipe.launch import RankFailedError, run_local
 
 __all__ = ["add_options", "run", "grad_tolerance", "exactness_line", "cpu_cores", "oversubscription_warning",
            "model_config", "GRAD_TOLERANCE", "TRACE_FILES", "DESCRIPTION"]
@@ -80,9 +79,9 @@ def _run_rank(args) -> None:
     mine = placement.stages_of(rank)
     modules = [_stage(placement.model_stage(s), args, device) for s in mine]
     if args.schedule == "dualpipe":
-        pipe = twinpipe.DualPipe(modules)
+        pipe = twinpipe.DualPipe(modules, timeout=args.timeout)
     else:
-        pipe = twinpipe.Pipeline(modules, schedule)
+        pipe = twinpipe.Pipeline(modules, schedule, timeout=args.timeout)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr)
     chunks = args.microbatches or 2 * world
     gen = torch.Generator().manual_seed(0)
@@ -249,8 +248,16 @@ def add_options(p: argparse.ArgumentParser) -> None:
         more="gradients must match one process within " + ", ".join(f"{t:g} ({d})" for d, t in GRAD_TOLERANCE.items()))
     add("lr", default=0.05, more="SGD")
     add("threads", default=1)
+    add_timeout(p)
     add("trace", default=None, default_text="no trace",
         more="write " + ", ".join(f"{name} ({what})" for name, what in TRACE_FILES.items()) + " into DIR")
+
+
+def add_timeout(p: argparse.ArgumentParser) -> None:
+    """``--timeout``, as every demo spells it (and ``twinpipe train``)."""
+    cli_options.add(p, "timeout", default=DEFAULT_TIMEOUT, default_text=f"{DEFAULT_TIMEOUT:g}",
+                    more="the pipeline's messages and the demo's own collectives; a failed wait ends the run with one line "
+                         "naming the rank")
 
 
 def _under_torchrun() -> bool:
@@ -295,16 +302,16 @@ def run(args) -> int:
             print(f"twinpipe demo: {warning}", file=sys.stderr, flush=True)
     if _under_torchrun():
         torch.set_num_threads(args.threads)
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT))
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
         try:
             _run_rank(args)
         finally:
             dist.destroy_process_group()
         return 0
-    try:
+    try:  # the group's timeout bounds the demo's own collectives (barriers, the reference's gathering)
         run_local(args.pp, _worker, args, threads=args.threads, backend="nccl" if args.device == "cuda" else "gloo",
-                  group_timeout=GROUP_TIMEOUT)
-    except RuntimeError as exc:
-        print(f"twinpipe demo: {exc}", file=sys.stderr)
+                  group_timeout=args.timeout)
+    except RankFailedError as error:
+        print(f"twinpipe demo: {failure_message(error, args.timeout)}", file=sys.stderr)
         return 1
     return 0

@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 
 import twinpipe.cli_options as cli_options
-from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_int
+from twinpipe.checks import bad, check_int
 from twinpipe.folders import writable_folder
-from twinpipe.launch import run_local
+from twinpipe.demo.dense import add_timeout
+from twinpipe.demo.failure import failure_message
+from twinpipe.launch import RankFailedError, run_local
 
 __all__ = ["add_options", "run", "model_config", "DESCRIPTION"]
 
@@ -48,6 +50,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     add("blocks_per_stage", default=2)
     add("trace", default=None, default_text="no trace",
         more="write its overlapped F&B ops as Chrome/Perfetto DIR/trace.json (a name ending in .json: that file)")
+    add_timeout(p)
     p.add_argument("--eplb", action="store_true",
                    help="send every token to the last expert (and top-k - 1 others); twinpipe.eplb.Balancer re-places "
                         "experts live")
@@ -110,7 +113,7 @@ def _rank(rank: int, world: int, args) -> dict:
         modules.append(MoEStage([block(cfg, expert_ffn=args.expert_ffn, ep_group=None if args.eplb else ep_group)
                                  for _ in range(args.blocks_per_stage)]))
     balancer = _skewed_and_balanced(modules, ep_group, args) if args.eplb else None
-    pipe = twinpipe.DualPipeV(modules, process_group=pp_group)
+    pipe = twinpipe.DualPipeV(modules, process_group=pp_group, timeout=args.timeout)
     torch.manual_seed(7 + mesh.get_local_rank("ep"))
     x = torch.randn(args.microbatches * args.microbatch_size, args.seq_len, args.dim)
     label = torch.randn_like(x)
@@ -156,7 +159,7 @@ def _skewed_and_balanced(modules, ep_group, args):
         for block in m.blocks:
             block.router.bias[-1] = 0.5
             block.shard_experts_(ep_group, start)
-    return Balancer(modules, interval=args.interval, window=1, threshold=1.05)
+    return Balancer(modules, interval=args.interval, window=1, threshold=1.05, timeout=args.timeout)
 
 
 def _balance_line(step: int, balancer, report) -> str:
@@ -178,14 +181,22 @@ def _trace_path(trace: str) -> Path:
 
 
 def run(args) -> int:
-    """Run the MoE demo; 0 on success, 2 (message on stderr) on bad options."""
+    """Run the MoE demo; 0 on success, 2 (message on stderr) on bad options, 1 (one line on stderr) when a rank fails."""
     try:
         _check(args)
     except ValueError as error:
         print(f"twinpipe demo --moe: error: {error}", flush=True, file=sys.stderr)
         return 2
     world = args.pp * args.ep
-    results = dict(enumerate(run_local(world, _rank, args, timeout=600, group_timeout=DEFAULT_TIMEOUT)))
+    try:
+        results = dict(enumerate(run_local(world, _rank, args, timeout=600, group_timeout=args.timeout)))
+    except RankFailedError as error:
+        print(f"twinpipe demo --moe: {failure_message(error, args.timeout, lambda r: f'pp={r // args.ep} ep={r % args.ep}')}",
+              file=sys.stderr)
+        return 1
+    except TimeoutError as error:  # the whole run's own limit
+        print(f"twinpipe demo --moe: {error}", file=sys.stderr)
+        return 1
     m = statistics.median
     off = max(m(r["times"][False]) for r in results.values())
     on = max(m(r["times"][True]) for r in results.values())

@@ -9,6 +9,7 @@ gradients (``last_grad_writes``).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,7 @@ class StepResult:
     losses: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # last stage -> per-mb loss
     outputs: dict[int, list[tuple]] = field(default_factory=dict)  # last stage -> per-mb outputs
     peak_live: int = 0  # most (stage, micro-batch) activation sets held at once
+    busy_s: float = 0.0  # seconds this rank ran its ops (not waiting for messages); the host's clock
 
 
 def _profiling() -> bool:
@@ -282,12 +284,13 @@ class Executor:
                     rec.add("wait", f"recv for {op}", t0, rec.mark())
                 if meter is not None:
                     meter.sample()
-            t0 = rec.mark() if rec else 0.0
+            t0, began = rec.mark() if rec else 0.0, time.perf_counter()
             if _profiling():
                 with torch.profiler.record_function(str(op)):
                     self._run_op(op, data)
             else:
                 self._run_op(op, data)
+            self.result.busy_s += time.perf_counter() - began
             if rec:
                 rec.add("compute", str(op), t0, rec.mark())
             self.transport.open_if_agreed()

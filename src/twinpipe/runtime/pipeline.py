@@ -192,6 +192,7 @@ class Pipeline(nn.Module):
         self._lowered: dict[tuple[int, bool], LoweredSchedule] = {}
         self.last_trace: list | None = None
         self.last_peak_live = 0
+        self.last_busy_s = 0.0  # seconds the last step ran this rank's ops, not waiting (stragglers show here)
         self.last_memory: MemoryParts | None = None
         placement = self._placement()
         self.stages = placement.stages_of(self.rank)
@@ -348,6 +349,7 @@ class Pipeline(nn.Module):
         result = self._run(executor, data, num_chunks, agreement, round_index)
         self.last_memory = self._memory(executor.meter) if measure_memory else None
         self.last_peak_live = result.peak_live
+        self.last_busy_s = result.busy_s
         self.last_trace = recorder.events if recorder else None
         return self._collect(result)
 

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from twinpipe.checks import check_int
 
-__all__ = ["TrainMesh", "build_mesh"]
+__all__ = ["TrainMesh", "build_mesh", "rank_name"]
 
 DIMS = ("dp", "pp")
 
@@ -59,3 +59,8 @@ def build_mesh(dp: int, pp: int, device_type: str = "cpu") -> TrainMesh:
         raise ValueError(f"dp={dp} x pp={pp} = {dp * pp} ranks, but the world has {world}: the mesh sizes must multiply to the world size")
     ranks = torch.arange(world).view(dp, pp)
     return TrainMesh(DeviceMesh(device_type, ranks, mesh_dim_names=DIMS), dp, pp)
+
+
+def rank_name(rank: int, pp: int) -> str:
+    """Global ``rank`` by its mesh coordinates, as messages name it: ``"dp=1 pp=0"``."""
+    return f"dp={rank // pp} pp={rank % pp}"

@@ -563,6 +563,7 @@ class Trainer:
             self.reducer.abandon()  # its peers' waits time out, naming the step
             raise
         times["pipeline"] = time.perf_counter() - start
+        times["busy"] = self.pipe.last_busy_s  # of "pipeline": running this rank's ops, not waiting for peers
         mark = time.perf_counter()
         if self.stages is not None:
             self.stages.sync_grads(self.pipe)

@@ -29,6 +29,7 @@ from twinpipe.folders import writable_folder
 from twinpipe.train.fits import check_fits
 from twinpipe.train.run_lock import take_run_lock
 from twinpipe.train.stopping import STOPPED_EXIT_CODE, StopOnSignals
+from twinpipe.train_command.progress import LOG_EVERY, LOG_SECONDS
 
 __all__ = ["add_train_parser", "run_train", "main"]
 
@@ -124,8 +125,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer-hparams", default="checkpoint", choices=_OPTIMIZER_HPARAMS,
                         help="with --resume: the optimizer's hyper-parameters (learning rate...) from the checkpoint "
                              "(default) or from the current options (--lr)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                        help=f"seconds any wait for a peer may take (default: {DEFAULT_TIMEOUT:g})")
+    add("timeout", default=DEFAULT_TIMEOUT, default_text=f"{DEFAULT_TIMEOUT:g}",
+        more="a failed wait ends the run with one line naming the rank; the tracebacks go to OUT/failure-tracebacks.txt")
+    parser.add_argument("--log-every", type=int, default=LOG_EVERY, metavar="N",
+                        help=f"when standard output is not a terminal (nohup, a scheduler, CI): a progress line every N steps "
+                             f"and at least every {LOG_SECONDS:g} s (default: {LOG_EVERY}); a terminal gets a progress bar")
     cli_data.add_arguments(parser)
     cli_model.add_arguments(parser)
 
@@ -137,7 +141,7 @@ def _check(args) -> None:
 
     for flag, low in (("--pp", 1), ("--dp", 1), ("--steps", 1), ("--batch-size", 1), ("--microbatch-size", 1),
                       ("--seq-len", 1), ("--dim", 1), ("--heads", 1), ("--layers", 1), ("--experts", 0),
-                      ("--save-every", 0), ("--keep-last", 0), ("--corpus-bytes", 1)):
+                      ("--save-every", 0), ("--keep-last", 0), ("--corpus-bytes", 1), ("--log-every", 1)):
         check_int(_option(args, flag), flag, low=low)
     if args.vocab is not None:
         check_int(args.vocab, "--vocab", low=1)
@@ -297,9 +301,10 @@ def _option(args, flag: str):
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Run ``twinpipe train``; 0 on success, 2 (message on stderr) on bad input, 1 (the rank and its
-    traceback on stderr) when a rank it started fails or dies, ``STOPPED_EXIT_CODE`` (75) when a
-    signal stopped it after writing a checkpoint (``--resume auto`` continues from it)."""
+    """Run ``twinpipe train``; 0 on success, 2 (message on stderr) on bad input, 1 (one line on stderr
+    naming the rank, its error and the remedy; the tracebacks in ``--out``) when a rank fails or dies,
+    ``STOPPED_EXIT_CODE`` (75) when a signal stopped it after writing a checkpoint (``--resume auto``
+    continues from it)."""
     try:
         _check(args)
         lock = take_run_lock(args.out) if os.environ.get("RANK", "0") == "0" else None  # the rule: train/run_lock.py
@@ -326,21 +331,37 @@ def _remove_abandoned(out) -> None:
 
 def _run_ranks(args: argparse.Namespace) -> int:
     world = args.pp * args.dp
-    if "RANK" in os.environ:  # started by torchrun
-        return _torchrun_worker(int(os.environ.get("LOCAL_RANK", 0)), args)
-    from twinpipe.launch import run_local
+    from twinpipe.launch import RankFailedError, run_local
 
+    if "RANK" in os.environ:  # started by torchrun: each worker tells of its own failure
+        rank = int(os.environ["RANK"])
+        try:
+            return _torchrun_worker(int(os.environ.get("LOCAL_RANK", 0)), args)
+        except Exception as exc:
+            print(f"twinpipe train: {_failure(args, RankFailedError.caught(rank, exc), f'failure-tracebacks-rank{rank}.txt')}",
+                  file=sys.stderr, flush=True)
+            return 1
     if args.device == "cpu" and world > (os.cpu_count() or 1):
         print(f"note: {world} processes on {os.cpu_count()} CPU cores; they take turns", file=sys.stderr)
     try:  # the group's timeout bounds mesh setup too; a signal here reaches the ranks as SIGTERM
         codes = run_local(world, _spawned_worker, args, threads=_threads(args), backend=_backend(args),
                           group_timeout=args.timeout, forward_signals=True)
-    except RuntimeError as error:  # names the rank that failed or died, with its traceback
-        print(f"twinpipe train: {error}", file=sys.stderr)
+    except RankFailedError as error:  # the rank whose failure stopped the run
+        print(f"twinpipe train: {_failure(args, error, 'failure-tracebacks.txt')}", file=sys.stderr)
         return 1
     finally:  # what a rank killed mid-save left (the ranks are gone: no save runs)
         _remove_abandoned(args.out)
     return max(codes)  # every rank agreed: all 0, or all stopped
+
+
+def _failure(args, error, file_name: str) -> str:
+    """The one line a failed run prints: the rank by its mesh coordinates, its error, the remedy, and
+    where the full tracebacks went (``file_name`` in ``--out``)."""
+    from twinpipe.launch import failure_line, write_tracebacks
+    from twinpipe.train.mesh import rank_name
+
+    written = write_tracebacks(error, Path(args.out) / file_name)
+    return failure_line(error, lambda rank: rank_name(rank, args.pp), args.timeout, written)
 
 
 def _backend(args) -> str:
@@ -400,8 +421,9 @@ def _train(args, device, stopper: StopOnSignals) -> int:
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.model import GPT, lm_loss
     from twinpipe.train.memory import gather_report, measured_step
-    from twinpipe.train.report import bits_per_byte, memory_rows, plot_losses, print_summary, summary_rows
+    from twinpipe.train.report import memory_rows, plot_losses, print_summary, summary_rows
     from twinpipe.train.trainer import TrainConfig, Trainer
+    from twinpipe.train_command.rank_times import RankTimes
 
     dtype = getattr(torch, args.dtype)
     cfg = _model_config(args)
@@ -448,30 +470,32 @@ def _train(args, device, stopper: StopOnSignals) -> int:
     if hf is not None:
         title = f"{args.schedule}, PP={args.pp} x DP={args.dp}, {hf.config.model_type} ({args.model}), {hf.count:,} parameters"
     unit = "byte" if args.data is None and args.model is None else "token"  # what the loss is counted per (the built-in corpus: bytes)
-    progress = _progress(first, title, start, args.steps, unit)
+    progress = _progress(args, first, title, start, tokens, unit)
+    rank_times = RankTimes(args.timeout)
     began = time.perf_counter()
     with progress:
-        task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0, skipped=0) if first else None
         for step in range(start, args.steps):
             if step == args.steps - 1:  # the last step is measured (after the first, message layouts are known)
                 result, memory_entry = measured_step(trainer, step)
             else:  # a signal, or rank 0's clock, asks; the step's all-reduce tells every rank alike
                 result = trainer.step(step, stop=stopper.requested, save=first and saves.clock_due())
-            log.add({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped, **result.times})
+            by_rank = rank_times.gather(step, result.times["busy"])  # collective
+            log.add({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped, **result.times,
+                     "rank_times": by_rank})
             for key, value in result.times.items():
                 times.setdefault(key, []).append(value)
-            if first:
-                progress.update(task, advance=1, loss=bits_per_byte(result.loss), tps=tokens / result.times["total"],
-                                skipped=trainer.skipped_steps)
+            progress.update(step, result, by_rank, trainer.skipped_steps)
             if step + 1 < args.steps and (result.stop or saves.due(step + 1, result.save)):
                 if result.stop:
                     stopper.agreed()  # the grace period runs on every rank now
                 path = _save_step(trainer, out, step + 1, args.keep_last, first, log)
                 saves.saved()
                 if result.stop:
+                    rank_times.close()
                     return _stopped(stopper, path, step + 1, args, first, log)
             elif first:
                 log.write_if_due(skipped_steps=trainer.skipped_steps)
+    rank_times.close()
     elapsed = time.perf_counter() - began
     memory = gather_report(trainer, memory_entry)  # collective
     save_checkpoint(trainer, str(out / run_state.FINAL), args.steps)
@@ -556,25 +580,12 @@ def _ds3_config(args) -> dict:
             "mtp_weight": args.mtp_weight if args.mtp_depth else 0.0}
 
 
-def _progress(show: bool, title: str, start: int, total: int, unit: str = "byte"):
-    if not show:
-        return _Silent()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _progress(args, show: bool, title: str, start: int, tokens_per_step: int, unit: str):
+    """What rank dp=0 pp=0 shows while the run goes (``progress.TrainProgress``); the other ranks show nothing."""
+    from twinpipe.train_command.progress import TrainProgress
 
-    return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn(f"loss {{task.fields[loss]:.3f}} bits/{unit}"), TextColumn("{task.fields[tps]:,.0f} tokens/s"),
-                    TextColumn("skipped {task.fields[skipped]}"),
-                    TimeElapsedColumn())
-
-
-class _Silent:
-    """A progress bar for ranks that show none."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    return TrainProgress(title=title, start=start, total=args.steps, unit=unit, tokens_per_step=tokens_per_step, pp=args.pp,
+                         show=show, log_every=args.log_every)
 
 
 def main(argv=None) -> int:

@@ -216,7 +216,7 @@ def test_a_torchrun_worker_that_fails_says_so_in_one_line_and_writes_its_traceba
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(key, value)
 
-    def stalls(args, device):
+    def stalls(args, device, stopper=None):
         raise PipelineTimeoutError("rank 0, op 3 (1B0): waiting for grad 1->0 mb0 from/to rank 1: did not complete within 5 s")
 
     monkeypatch.setattr(cli, "_train", stalls)

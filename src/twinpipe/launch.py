@@ -299,17 +299,22 @@ _LINGER = 10.0  # seconds a failed rank stays alive for the parent to end it
 def _failure(rank: int, error: tuple, results, procs, values: dict) -> RankFailedError:
     """The error ``run_local`` raises when ``rank`` reported ``error``, naming the rank whose failure
     caused the others: when ``error`` is a rank giving up because another failed ("peer"), the
-    others' reports are heard for up to ``_SETTLE`` s; a rank that died is named too (a likely cause)."""
-    reports = {rank: error}
+    others' reports are heard for up to ``_SETTLE`` s (which also lets a rank still cleaning up after
+    the failure, such as removing its unfinished checkpoint folder, finish before the caller ends
+    every rank); a rank that died is named too (a likely cause)."""
+    reports, finished = {rank: error}, set(values)
     deadline = time.monotonic() + _SETTLE
-    while (all(kind == "peer" for _, (kind, _, _) in reports.values()) and time.monotonic() < deadline
-           and len(reports) + len(values) < len(procs)):
-        try:
-            other, other_error, _ = results.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue_module.Empty:
+    while time.monotonic() < deadline:
+        if all(r in reports or r in finished or _ended(p) for r, p in enumerate(procs)):
             break
+        try:
+            other, other_error, _ = results.get(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+        except queue_module.Empty:
+            continue
         if other_error is not None:
             reports[other] = other_error
+        else:
+            finished.add(other)
     cause = next((r for r, (_, (kind, _, _)) in reports.items() if kind != "peer"), rank)
     kind, summary, first = reports[cause][1]
     dead = tuple((r, p.exitcode) for r, p in enumerate(procs) if r not in reports and r not in values and _ended(p))

@@ -411,10 +411,14 @@ def _device(args):
     return torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
 
 
-def _train(args, device, stopper: StopOnSignals) -> int:
+def _train(args, device, stopper: StopOnSignals | None = None) -> int:
     """One rank's run; its exit code: 0, or ``STOPPED_EXIT_CODE`` when ``stopper`` heard a signal and
-    every rank saved the step they agreed on."""
+    every rank saved the step they agreed on. Without ``stopper`` no signal is heard (a caller's own
+    handlers stay), but a stop another rank asked for is still honoured."""
     import torch
+
+    if stopper is None:
+        stopper = StopOnSignals(args.grace_period, signals=())
 
     from twinpipe.train.checkpoint import load_checkpoint, save_checkpoint
     from twinpipe.train.data import BatchSampler

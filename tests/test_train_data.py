@@ -311,7 +311,10 @@ def test_a_transformers_model_trains_on_a_pipeline_and_resumes_on_another_mesh(t
     again = _run(["--model", str(TINY_LLAMA), "--data", "t.npy", "--pp", "1", "--dp", "2", "--steps", "3", "--schedule", "1f1b",
                   "--balance", "time", "--resume", "twinpipe-train/checkpoint-final", *shape], tmp_path)
     assert again.returncode == 0, again.stderr
-    assert [s["step"] for s in json.loads((tmp_path / "twinpipe-train" / "train-log.json").read_text())["steps"]] == [2]
+    record = json.loads((tmp_path / "twinpipe-train" / "train-log.json").read_text())
+    # the resumed run's step, after the two its checkpoint's run logged in the same --out (carried over)
+    assert [s["step"] for s in record["steps"]] == [0, 1, 2] and [s["step"] for s in record["starts"]] == [0, 2]
+    assert [s["loss"] for s in record["steps"][:2]] == losses
     # a checkpoint of another model: refused before any rank starts
     other = tmp_path / "other"
     other.mkdir()
@@ -393,7 +396,7 @@ def test_a_model_with_tied_embeddings_trains_and_resumes(tmp_path):
                   "--layout", "E,t|t|t|t,L", "--resume", "twinpipe-train/checkpoint-final", *shape], tmp_path)
     assert again.returncode == 0, again.stderr
     steps = json.loads((tmp_path / "twinpipe-train" / "train-log.json").read_text())["steps"]
-    assert [s["step"] for s in steps] == [2] and math.isfinite(steps[0]["loss"])
+    assert [s["step"] for s in steps] == [0, 1, 2] and math.isfinite(steps[2]["loss"])  # steps 0 and 1 carried over
 
 
 

@@ -8,7 +8,7 @@ training GPT's stages (``--model gpt``) or a tiny ``transformers`` model cut by 
 ``transformers`` models fixed and learnt in an unmeasured first step), the prediction
 (``Pipeline.predict_activation_peak`` from each stage measured alone) and their ratio; then the
 same step with the runtime's early releases off (``--no-release``: all, or some of
-``twinpipe.runtime.memory.RELEASES``) and what they save. Sizes are in units of one activation message (``rows x hidden`` values).
+``twinpipe.runtime.releases.RELEASES``) and what they save. Sizes are in units of one activation message (``rows x hidden`` values).
 ``--dynamic-shapes`` measures the ``transformers`` models as ``twinpipe.hf`` pipelines run by default
 (``dynamic_shapes=True``): a header precedes every message, and a receive is posted only once its
 header has arrived, later than the model's "as early as the order allows" (the prediction is then
@@ -31,7 +31,7 @@ def _world(rank: int, world: int, names: list[str], args) -> dict:
     from torch import nn
 
     import twinpipe
-    from twinpipe.runtime import memory
+    from twinpipe.runtime import releases
     from twinpipe.runtime.batches import batch_layout
     from twinpipe.runtime.memory import measure_stage
     from twinpipe.train.model import GPT, GPTConfig, lm_loss
@@ -39,7 +39,7 @@ def _world(rank: int, world: int, names: list[str], args) -> dict:
 
     out = {}
     m, rows, hidden = args.microbatches, args.rows, args.hidden
-    off = set(memory.RELEASES) if args.no_release == "all" else set(args.no_release.split(","))
+    off = set(releases.RELEASES) if args.no_release == "all" else set(args.no_release.split(","))
     for name in names:
         spec = twinpipe.schedule.resolve(name, world, **({"stages_per_rank": 2} if name == "interleaved-1f1b" else {}))
         placement = spec.placement
@@ -77,11 +77,11 @@ def _world(rank: int, world: int, names: list[str], args) -> dict:
         with make() as pipe:
             if args.model.startswith("hf-") and not args.dynamic_shapes:  # learn the layouts: the steps after the first
                 pipe.step(*inputs, num_chunks=m, criterion=criterion, labels=labels)
-            for releases in (set(memory.RELEASES), set(memory.RELEASES) - off):
-                memory.EARLY_RELEASE = releases
+            for turned_on in (set(releases.RELEASES), set(releases.RELEASES) - off):
+                releases.EARLY_RELEASE = turned_on
                 pipe.step(*inputs, num_chunks=m, criterion=criterion, labels=labels, measure_memory=True)
                 peaks.append(pipe.last_memory.activations_peak)
-            memory.EARLY_RELEASE = set(memory.RELEASES)
+            releases.EARLY_RELEASE = set(releases.RELEASES)
             stages = {s: measure_stage(mod, samples[s], first=placement.is_first(s), criterion=criterion if placement.is_last(s) else None,
                                        labels=last_labels if placement.is_last(s) else ()) for s, mod in zip(pipe.stages, pipe.module)}
             out[name] = (pipe.predict_activation_peak(m, stages), *peaks)
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
                         help="transformers models: twinpipe.hf's default dynamic_shapes=True (a header before every message; "
                              "default here: fixed shapes, learnt in a first unmeasured step)")
     args = parser.parse_args(argv)
-    from twinpipe.runtime.memory import RELEASES
+    from twinpipe.runtime.releases import RELEASES
 
     if args.no_release != "all" and not set(args.no_release.split(",")) <= set(RELEASES):
         parser.error(f"--no-release={args.no_release}: must be all or comma-separated names from: {', '.join(RELEASES)}")

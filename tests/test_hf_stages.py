@@ -207,15 +207,28 @@ TIME_BALANCE = "balance-time-p4"
 
 
 def _time_balance_agrees(group) -> str:
-    """balance='time': each rank measures its own times, and all cut alike (the sums over the group)."""
+    """balance='time': the group's first rank measures, every rank cuts by its times (all alike)."""
     import torch.distributed as dist
+
+    import twinpipe.hf.stages as hf_stages
 
     model = hf_models.model("llama", layers=4)
     stages = hf.build(model, "1f1b", 4, dist.get_rank(group), balance="time", sample=torch.randint(0, 64, (2, 8)),
                       process_group=group)
     layouts = [None] * 4
     dist.all_gather_object(layouts, stages.layout, group=group)
-    return "ok" if len(set(layouts)) == 1 else f"layouts differ: {layouts}"
+    if len(set(layouts)) != 1:
+        return f"layouts differ: {layouts}"
+    # Each rank "measures" different times (as real ranks may): every rank must cut by the first rank's.
+    rank = dist.get_rank(group)
+    measured = hf_stages.time_weights
+    hf_stages.time_weights = lambda items, sample, **_: [1.0 + 10 * (i == rank) for i in range(len(items))]
+    try:
+        stages = hf.build(model, "1f1b", 4, rank, balance="time", sample=torch.randint(0, 64, (2, 8)), process_group=group)
+    finally:
+        hf_stages.time_weights = measured
+    first = format_layout(hf.balanced_layout([1.0 + 10 * (i == 0) for i in range(6)], 4))
+    return "ok" if stages.layout == first else f"cut {stages.layout}, not the first rank's {first}"
 
 
 PP_EP = "qwen3_moe-aux-ep2-dualpipev-p2"

@@ -22,6 +22,7 @@ LAYERS = [
     ("checks", "argument validators and the one timeout default (pure Python)"),
     ("cli_options", "the command line's one vocabulary: each shared option spelled once (pure Python)"),
     ("folders", "the folder a command writes into, and the files a folder's own index names, checked (pure Python)"),
+    ("precisions", "training precisions by name, and the model dtype each needs (pure Python)"),
     ("schedule", "schedules as data: ops, placements, generators, lowering, the dependency rule (pure Python)"),
     ("timeline", "what a run or a simulation did: slices per rank (pure Python)"),
     ("sim", "the simulator: costs -> Timeline (pure Python)"),
@@ -201,3 +202,87 @@ def test_the_architecture_page_lists_the_layers_and_the_rules_where_they_live():
     assert len(modules) >= 15
     missing = [m for m in modules if not (SRC / m).exists()]
     assert not missing, missing
+
+
+def _module_name(path: Path) -> str:
+    parts = ("twinpipe", *path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph() -> dict[str, dict[str, list[int]]]:
+    """module -> imported twinpipe module -> [line, ...], for every file in ``src/twinpipe``.
+
+    Every ``import``/``from ... import`` counts, at module level or inside a function. ``from a
+    import b`` is an edge to ``a.b`` when that is a module, else to ``a``; relative imports are
+    resolved against the file's package.
+    """
+    files = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        graph[name]  # every module is a node, even one that imports nothing
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Import):
+                targets = [a.name for a in n.names]
+            elif isinstance(n, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - n.level + 1] if n.level else []
+                module = ".".join(base + ([n.module] if n.module else []))
+                targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in files else module for a in n.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in files:  # import a.b.c where c is a name: a.b
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name][target].append(n.lineno)
+    return graph
+
+
+def test_no_modules_import_each_other():
+    """No chain of imports (module level or inside functions) leads from a file back to itself."""
+    graph = module_graph()
+    found = cycles(graph)
+    shown = []
+    for component in found:
+        members = set(component)
+        edges = [f"{s} -> {t} (line {graph[s][t][0]})" for s in component for t in sorted(graph[s]) if t in members]
+        shown.append(f"{', '.join(component)}:\n    " + "\n    ".join(edges))
+    assert not found, f"{len(found)} circle(s) of imports between files:\n" + "\n".join(shown)
+
+
+def test_the_module_graph_sees_function_level_and_relative_imports(monkeypatch, tmp_path):
+    """A circle made of a function-level relative import and a module-level absolute one is found."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("def f():\n    from .b import g\n")
+    (tmp_path / "pkg" / "b.py").write_text("from twinpipe.pkg.a import f\ng = 1\n")
+    (tmp_path / "pkg" / "c.py").write_text("from . import a\n")
+    monkeypatch.setitem(globals(), "SRC", tmp_path)
+    graph = module_graph()
+    assert dict(graph["twinpipe.pkg.c"]) == {"twinpipe.pkg.a": [1]}
+    assert cycles(graph) == [["twinpipe.pkg.a", "twinpipe.pkg.b"]]
+
+
+# Names with one home: each is spelled as a string in code (docstrings and comments aside) in its
+# home module only; everyone else imports the constant. train/trainer.py compares one precision
+# name still (it is being split into components; the comparison moves with it).
+SPELLED_ONCE = {"pure": "precisions.py", "bf16-mixed": "precisions.py"}
+SPELLED_ALSO = {"bf16-mixed": {"train/trainer.py"}}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def test_precision_names_are_spelled_once():
+    where = defaultdict(set)
+    for path in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        skip = _docstrings(tree)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and n.value in SPELLED_ONCE and id(n) not in skip:
+                where[n.value].add(str(path.relative_to(SRC)))
+    spelled = {name: sorted(files - SPELLED_ALSO.get(name, set())) for name, files in where.items()}
+    assert spelled == {name: [home] for name, home in SPELLED_ONCE.items()}, spelled

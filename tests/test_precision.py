@@ -76,9 +76,11 @@ def test_the_training_loss_of_bf16_logits_is_computed_in_fp32():
 
 
 def test_dtype_must_be_the_masters():
-    with pytest.raises(ValueError, match=r"dtype=torch.float64: with precision='bf16-mixed' must be None or torch.float32"):
+    with pytest.raises(ValueError, match=r"dtype=torch.float64: must be float32 with precision=bf16-mixed"):
         precision.check_dtype("bf16-mixed", torch.float64)
     precision.check_dtype("pure", torch.float64)
+    precision.check_dtype("bf16-mixed", torch.float32)
+    precision.check_dtype("bf16-mixed", None)  # not given: the model is built in float32
 
 
 CASES = [("dualpipe", 2, 2, "adamw", 0.3), ("zb-h1", 4, 1, "sgd", None)]  # mirrored copies and replicas; deferred W

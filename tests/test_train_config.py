@@ -31,6 +31,8 @@ NORM = "must be None (no clipping) or a finite number > 0"
     ("seed", -1, "seed=-1: must be >= 0"),
     ("seed", 1.5, "seed=1.5: must be an int"),
     ("seed", 2**64, "seed=18446744073709551616: must be >= 0 and <= "),
+    # torch's CPU generator keeps 32 bits of a seed: 2**32 would silently rerun seed 0
+    ("seed", 2**32, "seed=4294967296: must be >= 0 and <= 4294967295"),
     ("dp_reduce", "sum", "dp_reduce='sum': allowed are 'all-reduce', 'ordered'"),
     ("overlap_dp", "yes", "overlap_dp='yes': must be True or False"),
     ("overlap_dp", 1, "overlap_dp=1: must be True or False"),

@@ -305,19 +305,19 @@ def test_a_cuda_all_to_all_wait_is_bounded_by_its_limit():
 
 
 def test_hf_time_balance_waits_the_user_s_limit(monkeypatch):
-    """hf.build(balance="time") sums the ranks' measurements within the call's timeout=, else the
-    limit in force (the trainer's), not a default of its own."""
+    """hf.build(balance="time") sends the first rank's measurement to every rank within the call's
+    timeout=, else the limit in force (the trainer's), not a default of its own."""
     import torch
 
     pytest.importorskip("transformers")
     import hf_models
     from twinpipe import hf
-    from twinpipe.hf import stages as hf_stages
+    from twinpipe.train import balance as train_balance
 
     limits = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
-    monkeypatch.setattr(hf_stages, "collective", lambda op, t, group, timeout, what: limits.append(timeout))
+    monkeypatch.setattr(train_balance, "collective", lambda op, t, group, timeout, what, **_: limits.append(timeout))
     model, sample = hf_models.model("llama", layers=2), torch.randint(0, 64, (2, 8))
     with waits.limit(7):
         hf.build(model, "1f1b", 2, 1, balance="time", sample=sample)

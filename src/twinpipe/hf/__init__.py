@@ -10,7 +10,8 @@ DeepSeek-V3's multi-token prediction layers (``build(..., mtp_depth=D)``). Impor
 from twinpipe.hf.layer import Context, DecoderLayer
 from twinpipe.hf.layout import balanced_layout, format_layout, parse_layout
 from twinpipe.hf.stages import CausalLMLoss, HFPartedStage, HFPipelineStages, HFStage, build, count_items
-from twinpipe.hf.support import TESTED, UnsupportedModelError, UntestedModelWarning, model_parts
+from twinpipe.hf.self_check import model_parts
+from twinpipe.hf.support import TESTED, UnsupportedModelError, UntestedModelWarning
 from twinpipe.hf.training import HFStages, TokenLoss, parameter_names
 
 __all__ = [

@@ -67,7 +67,7 @@ class ModelNames:
         self.meta = model.state_dict()
         # DeepSeek-V3's MTP layers (config.num_nextn_predict_layers), stored after the model's layers: known
         # to load and save, not required in a checkpoint (twinpipe.hf.mtp).
-        from twinpipe.hf.mtp import checkpoint_meta
+        from twinpipe.hf.mtp_layer import checkpoint_meta
 
         self.optional: set[str] = set()
         for name, tensor in checkpoint_meta(config):

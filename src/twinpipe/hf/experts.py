@@ -33,11 +33,11 @@ import torch
 from torch import nn
 
 from twinpipe.checks import bad
-from twinpipe.hf.weights import Place
+from twinpipe.hf._safetensors_place import Place
 from twinpipe.moe.exchange import ExpertExchange, _permute
 from twinpipe.moe.placement import check_placement
 from twinpipe.overlap.graph import run_parts
-from twinpipe.overlap.parts import Comm, Compute
+from twinpipe.overlap.parts import Compute
 from twinpipe.runtime.main_grad import zeros_if_missing
 
 __all__ = ["EPMoE", "Place", "shard_experts_", "expert_places", "expert_rows", "ep_group_of", "is_moe_block", "FUSED"]
@@ -142,13 +142,7 @@ class EPMoE(ExpertExchange):
 
     def exchange_parts(self) -> list:
         """The parts after routing (a layer puts its own first part before them)."""
-        return [
-            Comm("counts", self._counts),
-            Comm("dispatch", self._dispatch, self._dispatch_backward),
-            Compute("experts", self._experts_part),
-            Comm("combine", self._combine, self._combine_backward),
-            Compute("mix", self._mix_part),
-        ]
+        return self.exchange_parts_with(Compute("experts", self._experts_part), Compute("mix", self._mix_part))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The block's output ``[B, S, H]`` (no residual), as the HF block's forward. The router runs

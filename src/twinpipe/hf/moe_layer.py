@@ -67,7 +67,7 @@ def wrap_layer(layer: DecoderLayer) -> DecoderLayer:
 
 def part_layers_(module: nn.Module) -> nn.Module:
     """``wrap_layer`` on every ``DecoderLayer`` of ``module`` in place, and ``module``, when it is
-    a ``twinpipe.hf.stages.HFStage``, made an ``HFPartedStage`` (whose F&B ops overlap part by part):
+    a ``twinpipe.hf.stage.HFStage``, made an ``HFPartedStage`` (whose F&B ops overlap part by part):
     the same objects, the same parameters; returns ``module``.
 
     For stages built without ``wrap_layer``: call it on every stage module of a rank before making
@@ -76,7 +76,7 @@ def part_layers_(module: nn.Module) -> nn.Module:
     ``MoEDecoderLayer`` passes its router logits (the auxiliary loss) through the parts' state; a
     plain ``DecoderLayer`` with a router would leave them in the ``Context``, past the parts'
     boundaries (their backward would run twice): refused."""
-    from twinpipe.hf.stages import HFPartedStage, HFStage
+    from twinpipe.hf.stage import HFPartedStage, HFStage
 
     for layer in module.modules():
         if isinstance(layer, DecoderLayer):

@@ -32,35 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinpipe.checks import bad, check_int
-from twinpipe.hf.layer import Context, DecoderLayer
+from twinpipe.hf.layer import Context
+from twinpipe.hf.mtp_layer import (EMBED, HEAD, MTPLayer, checkpoint_names, copy_name,
+                                   copy_sources, mtp_names)
 
 __all__ = ["MTPLayer", "mtp_layers", "mtp_depth_of", "HFMTPLoss", "checkpoint_names", "copy_sources",
            "mtp_names", "load_places", "save_tensors", "EMBED", "HEAD"]
-
-EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
-
-
-class MTPLayer(DecoderLayer):
-    """One MTP depth: DeepSeek-V3's decoder layer ``index`` (a ``DecoderLayer``: its own parameter
-    names) with ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``. ``forward(h, e, ctx)``
-    gives h^k from h^{k-1} and the embeddings e; ``out_norm`` is the norm before the shared head."""
-
-    def __init__(self, layer: nn.Module, index: int, norm_cls, hidden: int, eps: float):
-        super().__init__(layer, index, "full_attention", None)
-        self.enorm = norm_cls(hidden, eps=eps)
-        self.hnorm = norm_cls(hidden, eps=eps)
-        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.shared_head = nn.Module()
-        self.shared_head.norm = norm_cls(hidden, eps=eps)
-
-    @property
-    def out_norm(self) -> nn.Module:
-        return self.shared_head.norm
-
-    def forward(self, h: torch.Tensor, e: torch.Tensor, ctx: Context) -> torch.Tensor:
-        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))
-        return self.feed_forward(self.attention(x, ctx), ctx)
-
 
 def mtp_depth_of(model, mtp_depth) -> int:
     """``mtp_depth`` checked against ``model``: an int >= 0, or ``"config"`` for the config's
@@ -105,65 +82,12 @@ def mtp_layers(model, depth: int, *, seed: int = 0, ep_group=None) -> nn.ModuleL
     return layers
 
 
-def _meta_layers(config, depth: int) -> list[MTPLayer]:
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
-
-    n = config.num_hidden_layers
-    with torch.device("meta"):
-        return [MTPLayer(DeepseekV3DecoderLayer(config, n + j), n + j, DeepseekV3RMSNorm, config.hidden_size,
-                         config.rms_norm_eps) for j in range(depth)]
-
-
-def mtp_names(config, depth: int) -> list[tuple[str, tuple]]:
-    """``(name, shape)`` of the parameters the last stage adds for ``depth`` MTP layers, in stage
-    order: each layer's, then the embedding copy (``model.layers.{N}.embed_tokens.weight``)."""
-    out = [(f"model.layers.{layer.index}.{sub}", tuple(p.shape)) for layer in _meta_layers(config, depth)
-           for sub, p in layer.named_parameters()]
-    if depth:
-        out.append((copy_name(config), (config.vocab_size, config.hidden_size)))
-    return out
-
-
-def copy_name(config) -> str:
-    """The name of the last stage's embedding copy."""
-    return f"model.layers.{config.num_hidden_layers}.embed_tokens.weight"
-
-
-def copy_sources(config, depth: int) -> dict[str, str]:
-    """Checkpoint name -> the model tensor it equals, for the copies DeepSeek-V3's checkpoints store
-    with each MTP layer (``embed_tokens``, ``shared_head.head``) and the stage's embedding copy."""
-    n = config.num_hidden_layers
-    out = {}
-    for j in range(depth):
-        out[f"model.layers.{n + j}.embed_tokens.weight"] = EMBED
-        out[f"model.layers.{n + j}.shared_head.head.weight"] = HEAD
-    return out
-
-
-def checkpoint_names(config, depth: int) -> list[tuple[str, tuple]]:
-    """Every tensor a DeepSeek-V3 checkpoint stores for ``depth`` MTP layers (parameters and persistent
-    buffers: the routing bias), with its shape."""
-    table = (config.vocab_size, config.hidden_size)
-    own = [(f"model.layers.{layer.index}.{key}", tuple(t.shape)) for layer in _meta_layers(config, depth)
-           for key, t in layer.state_dict().items()]
-    return own + [(name, table) for name in copy_sources(config, depth)]
-
-
-def checkpoint_meta(config) -> list[tuple[str, torch.Tensor]]:
-    """The MTP tensors a checkpoint of ``config`` may hold (``num_nextn_predict_layers`` of them for a
-    DeepSeek-V3 config, else none), as meta tensors of the model's dtype."""
-    if getattr(config, "model_type", None) != "deepseek_v3":
-        return []
-    depth = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
-    return [(name, torch.empty(shape, device="meta")) for name, shape in checkpoint_names(config, depth)]
-
-
 def load_places(model_dir, names, depth: int) -> dict:
     """``{name: Place}`` for ``twinpipe.hf.weights.load`` of a stage's parameter ``names``: the
     embedding copy read from ``model.embed_tokens.weight``; the MTP layers' tensors only when the
     checkpoint holds that layer (else they keep their initial values: a checkpoint without MTP)."""
     from twinpipe.hf._safetensors_files import CheckpointFiles
-    from twinpipe.hf.weights import Place
+    from twinpipe.hf._safetensors_place import Place
 
     if not depth:
         return {name: Place(name) for name in names}
@@ -196,7 +120,7 @@ def save_tensors(modules) -> dict:
     experts of MoE blocks sharded over an EP group (``twinpipe.hf.experts``: main and MTP layers
     alike) as ``(Place(name, rows), tensor)``: this rank's rows."""
     from twinpipe.hf.experts import expert_rows
-    from twinpipe.hf.weights import Place
+    from twinpipe.hf._safetensors_place import Place
 
     out = {}
     for module in modules:

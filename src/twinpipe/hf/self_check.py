@@ -25,9 +25,10 @@ import warnings
 
 import torch
 
-from twinpipe.hf.support import TESTED, UnsupportedModelError, UntestedModelWarning, _structure
+from twinpipe.hf.stage import CausalLMLoss, HFStage, count_items
+from twinpipe.hf.support import TESTED, ModelParts, UnsupportedModelError, UntestedModelWarning, _structure, known_extras
 
-__all__ = ["self_check", "shrunk_config", "RTOL"]
+__all__ = ["model_parts", "self_check", "shrunk_config", "RTOL"]
 
 RTOL = 1e-12  # largest |stages - model| / largest |model| accepted, in float64
 
@@ -42,6 +43,28 @@ WINDOW = 3  # the sliding window of the small copy: shorter than SEQ, so that a 
 ROWS, SEQ = 3, 10
 
 _CACHE: dict = {}  # (model class, config as JSON) -> None (passed) or the error's message
+
+
+def model_parts(model, *, untested: bool = False) -> ModelParts:
+    """``model``'s pieces, or an ``UnsupportedModelError`` naming what is missing or what differs.
+
+    A model whose forward does more than the stages compute (an embedding or residual multiplier,
+    logit soft-capping or scaling, norms besides the two of a pre-norm layer, dropout outside the
+    attention and MLP modules) is refused, whatever its ``model_type``. A ``model_type`` not in
+    ``TESTED`` is then checked numerically (``twinpipe.hf.self_check``: a small copy of the model,
+    the stages against its own forward) and accepted with an ``UntestedModelWarning`` when they
+    agree; ``untested=True`` skips that check (at the user's risk: its decoder layers must compute
+    ``h + attn(norm1(h))`` then ``h + mlp(norm2(h))``, as every tested model's do).
+    """
+    parts = _structure(model)
+    name = type(model).__name__
+    extras = known_extras(parts)
+    if extras:
+        raise UnsupportedModelError(f"model={name}: its forward does what twinpipe.hf's stages do not: {'; '.join(extras)}")
+    kind = getattr(parts.config, "model_type", None)
+    if kind not in TESTED and not untested:
+        self_check(model)  # raises UnsupportedModelError when they differ; warns (once) when they agree
+    return parts
 
 
 def self_check(model) -> str:
@@ -222,8 +245,6 @@ def _batch(config, left: bool = True) -> tuple:
 
 
 def _model_outputs(tiny, ids, mask, labels) -> tuple:
-    from twinpipe.hf.stages import count_items
-
     torch.manual_seed(2)
     out = tiny(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(count_items(labels)))
     return out.logits, out.loss
@@ -231,15 +252,11 @@ def _model_outputs(tiny, ids, mask, labels) -> tuple:
 
 def _stages(parts) -> list:
     """One stage per item: the embedding, each decoder layer, the norm and head."""
-    from twinpipe.hf.stages import HFStage
-
     n = len(parts.layers)
     return [HFStage(parts, ["E"], 0)] + [HFStage(parts, ["t"], i) for i in range(n)] + [HFStage(parts, ["L"], n)]
 
 
 def _stage_outputs(tiny, parts, stages, ids, mask, labels) -> tuple:
-    from twinpipe.hf.stages import CausalLMLoss, count_items
-
     torch.manual_seed(2)
     flow = (ids, mask)
     for stage in stages:

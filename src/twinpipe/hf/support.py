@@ -5,7 +5,8 @@ A supported model is a decoder-only causal LM of the usual shape (``model.embed_
 one of the tested architectures (``TESTED``). Anything else gets an ``UnsupportedModelError``
 naming what is missing. A model of that shape whose ``model_type`` is not in ``TESTED`` is run
 through a numerical self-check first (``twinpipe.hf.self_check``: a small copy of it, the stages
-against its own forward) and accepted, with an ``UntestedModelWarning``, only when they agree.
+against its own forward) and accepted, with an ``UntestedModelWarning``, only when they agree;
+``model_parts`` (in ``self_check``, above the stage module it runs) does both.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 from twinpipe.hf.layer import HALVES
 from twinpipe.runtime.errors import PipelineError
 
-__all__ = ["TESTED", "UnsupportedModelError", "UntestedModelWarning", "ModelParts", "model_parts", "MASK_KINDS"]
+__all__ = ["TESTED", "UnsupportedModelError", "UntestedModelWarning", "ModelParts", "MASK_KINDS"]
 
 # model_type -> what it is; each is tested exact against the unsplit model (tests/test_hf_stages.py,
 # tests/test_hf_archs.py).
@@ -65,30 +66,6 @@ class ModelParts:
     routers: list  # per layer: the router module whose logits the auxiliary loss reads, or None
     tied: bool  # lm_head.weight is embed_tokens.weight
     aux: tuple | None  # (num_experts, top_k, coef) when the router auxiliary loss is on
-
-
-def model_parts(model, *, untested: bool = False) -> ModelParts:
-    """``model``'s pieces, or an ``UnsupportedModelError`` naming what is missing or what differs.
-
-    A model whose forward does more than the stages compute (an embedding or residual multiplier,
-    logit soft-capping or scaling, norms besides the two of a pre-norm layer, dropout outside the
-    attention and MLP modules) is refused, whatever its ``model_type``. A ``model_type`` not in
-    ``TESTED`` is then checked numerically (``twinpipe.hf.self_check``: a small copy of the model,
-    the stages against its own forward) and accepted with an ``UntestedModelWarning`` when they
-    agree; ``untested=True`` skips that check (at the user's risk: its decoder layers must compute
-    ``h + attn(norm1(h))`` then ``h + mlp(norm2(h))``, as every tested model's do).
-    """
-    parts = _structure(model)
-    name = type(model).__name__
-    extras = known_extras(parts)
-    if extras:
-        raise UnsupportedModelError(f"model={name}: its forward does what twinpipe.hf's stages do not: {'; '.join(extras)}")
-    kind = getattr(parts.config, "model_type", None)
-    if kind not in TESTED and not untested:
-        from twinpipe.hf.self_check import self_check
-
-        self_check(model)  # raises UnsupportedModelError when they differ; warns (once) when they agree
-    return parts
 
 
 def _structure(model) -> ModelParts:

@@ -8,7 +8,7 @@ from twinpipe.hf.experts import FUSED, EPMoE, expert_rows, shard_experts_
 from twinpipe.hf.moe_layer import wrap_layer
 from twinpipe.hf.mtp import copy_name, load_places, mtp_names
 from twinpipe.hf.stages import HFStage, build
-from twinpipe.hf.support import model_parts
+from twinpipe.hf.self_check import model_parts
 from twinpipe.hf.weights import Place, load
 
 __all__ = ["HFStages", "TokenLoss", "parameter_names"]

@@ -28,7 +28,7 @@ from twinpipe.moe.exchange import ExpertExchange, _permute, _Route  # noqa: F401
 from twinpipe.moe.placement import check_placement
 from twinpipe.moe.router import TopKRouter
 from twinpipe.overlap.graph import run_parts
-from twinpipe.overlap.parts import Comm, Compute
+from twinpipe.overlap.parts import Compute
 from twinpipe.runtime.main_grad import zeros_if_missing
 from twinpipe.runtime.weight_grad import DeferredLinear
 
@@ -157,14 +157,7 @@ class MoEBlock(ExpertExchange):
 
     # ------------------------------------------------------------ parts
     def parts(self) -> list:
-        return [
-            Compute("attn", self._attn),
-            Comm("counts", self._counts),
-            Comm("dispatch", self._dispatch, self._dispatch_backward),
-            Compute("mlp", self._mlp),
-            Comm("combine", self._combine, self._combine_backward),
-            Compute("mix", self._mix),
-        ]
+        return [Compute("attn", self._attn), *self.exchange_parts_with(Compute("mlp", self._mlp), Compute("mix", self._mix))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block alone, its parts in order (communication waited for at once)."""

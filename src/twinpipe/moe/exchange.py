@@ -26,6 +26,7 @@ from twinpipe.moe.agree import agree, ep_timeout, frame_device
 from twinpipe.moe.local import LocalEPRank
 from twinpipe.moe.placement import replica_table, slots_of_copies
 from twinpipe.overlap.comm import Then, all_to_all
+from twinpipe.overlap.parts import Comm, Compute
 
 __all__ = ["ExpertExchange"]
 
@@ -62,8 +63,24 @@ def _permute(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torc
     return _Permute.apply(x, perm, inverse)
 
 
+# The state the exchange parts pass on: (hidden, tokens, rows, weights, route, *extra): the rows
+# sent and received sit at ROWS, the ``_Route`` (split sizes) at ROUTE.
+ROWS, ROUTE = 2, 4
+
+
 class ExpertExchange(nn.Module):
     """Placement and communication parts of an expert-parallel MoE block (see the module doc)."""
+
+    def exchange_parts_with(self, experts: Compute, mix: Compute) -> list:
+        """The parts after routing, the same for every block: counts, dispatch, the block's
+        ``experts`` compute, combine, then its ``mix`` (a block puts its routing part before them)."""
+        return [
+            Comm("counts", self._counts),
+            Comm("dispatch", self._dispatch, self._dispatch_backward),
+            experts,
+            Comm("combine", self._combine, self._combine_backward),
+            mix,
+        ]
 
     @staticmethod
     def _check_group(ep_group, num_slots: int) -> tuple[int, int]:
@@ -174,33 +191,33 @@ class ExpertExchange(nn.Module):
         return Then(self._all_to_all(route.counts.reshape(-1), each, each), arrived)
 
     def _dispatch(self, *state):
-        return self._move(state, state[4].recv, state[4].send)
+        return self._move(state, state[ROUTE].recv, state[ROUTE].send)
 
     def _dispatch_backward(self, route, grads):
         return self._move_back(grads, route.recv, route.send)
 
     def _combine(self, *state):
-        return self._move(state, state[4].send, state[4].recv)
+        return self._move(state, state[ROUTE].send, state[ROUTE].recv)
 
     def _combine_backward(self, route, grads):
         return self._move_back(grads, route.send, route.recv)
 
     def _move(self, state: tuple, out_splits: list, in_splits: list):
-        """Start sending the rows in ``state[2]`` (``in_splits`` to each rank, ``out_splits`` from
+        """Start sending the rows in ``state[ROWS]`` (``in_splits`` to each rank, ``out_splits`` from
         each); ``wait()`` gives the state with the rows that arrived, and the route as ctx."""
-        rows, route = state[2], state[4]
+        rows, route = state[ROWS], state[ROUTE]
 
         def arrived(got):
             if got is not rows:  # with one rank the rows stay where they are
                 got.requires_grad_(rows.requires_grad)
-            return (*state[:2], got, *state[3:]), route
+            return (*state[:ROWS], got, *state[ROWS + 1:]), route
 
         return Then(self._all_to_all(rows.detach() if self.ep > 1 else rows, out_splits, in_splits), arrived)
 
     def _move_back(self, grads: tuple, out_splits: list, in_splits: list):
         """The backward of ``_move(state, out_splits, in_splits)``: the row gradients go back."""
-        g_rows = grads[2] if grads[2] is not None else self._zeros(sum(out_splits))
-        return Then(self._all_to_all(g_rows, in_splits, out_splits), lambda g: (*grads[:2], g, *grads[3:]))
+        g_rows = grads[ROWS] if grads[ROWS] is not None else self._zeros(sum(out_splits))
+        return Then(self._all_to_all(g_rows, in_splits, out_splits), lambda g: (*grads[:ROWS], g, *grads[ROWS + 1:]))
 
     def _grouping(self, route) -> tuple[torch.Tensor, list[int]]:
         """The received rows (source-major) in expert-major order, and each local expert's count."""

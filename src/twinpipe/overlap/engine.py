@@ -9,17 +9,27 @@ run them.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
 from twinpipe.overlap.graph import Record, accumulate_input_grads, capture_backward
 from twinpipe.overlap.parts import check_parts
 from twinpipe.runtime.weight_grad import current_store
-from twinpipe.sim.overlap import fb_order
+from twinpipe.sim.overlap import Step, fb_order
 
 __all__ = ["forward_backward", "FBEvent"]
 
-FBEvent = tuple  # (action, stream, part name, start seconds, end seconds)
+
+
+class FBEvent(NamedTuple):
+    """One step of an F&B op as it ran (``twinpipe.overlap.report.fb_spans`` draws them)."""
+
+    action: str  # run | start | wait (twinpipe.sim.overlap.Step)
+    stream: str  # F | B | W
+    part: str  # the part's name
+    start: float  # seconds (time.perf_counter)
+    end: float
 
 
 def _backward_record(module1, loss1, outputs1, output_grads1) -> Record | None:
@@ -59,25 +69,13 @@ def forward_backward(module0, inputs0, criterion0, labels0, module1, loss1, outp
         for step in order:
             t0 = clock()
             if step.stream == "F":
-                k, name = step.index, fwd.parts[step.index].name
-                getattr(fwd, step.action)(k)
+                name = fwd.parts[step.index].name
+                _forward_step(fwd, step)
             else:
                 k = n_b - 1 - step.index
                 name = bwd.parts[k].name
-                key = ("overlap", id(bwd), k)
-                if step.stream == "W":
-                    store.pop(key)
-                elif step.action == "run":
-                    store.enabled = True
-                    try:
-                        with store.running_backward():  # autograd's device threads find the store
-                            bwd.run_back(k)
-                    finally:
-                        store.enabled = enabled
-                    store.flush(key)
-                else:
-                    getattr(bwd, {"start": "start_back", "wait": "wait_back"}[step.action])(k)
-            events.append((step.action, step.stream, name, t0, clock()))
+                _backward_step(bwd, k, step, store, enabled)
+            events.append(FBEvent(step.action, step.stream, name, t0, clock()))
     finally:
         store.enabled = enabled
     if bwd is not None:
@@ -85,3 +83,32 @@ def forward_backward(module0, inputs0, criterion0, labels0, module1, loss1, outp
     outputs0 = fwd.outputs()
     loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
     return list(outputs0), loss0, events
+
+
+def _forward_step(fwd: Record, step: Step) -> None:
+    """Run, start or wait for forward part ``step.index``."""
+    if step.action == "run":
+        fwd.run(step.index)
+    elif step.action == "start":
+        fwd.start(step.index)
+    else:
+        fwd.wait(step.index)
+
+
+def _backward_step(bwd: Record, k: int, step: Step, store, enabled: bool) -> None:
+    """Backward part ``k`` (stream B), or the weight gradients it deferred (stream W, under its own key)."""
+    key = ("overlap", id(bwd), k)
+    if step.stream == "W":
+        store.pop(key)
+    elif step.action == "run":
+        store.enabled = True
+        try:
+            with store.running_backward():  # autograd's device threads find the store
+                bwd.run_back(k)
+        finally:
+            store.enabled = enabled
+        store.flush(key)
+    elif step.action == "start":
+        bwd.start_back(k)
+    else:
+        bwd.wait_back(k)

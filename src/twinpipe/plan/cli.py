@@ -25,6 +25,7 @@ from twinpipe.plan.measured import load_traced
 from twinpipe.plan.predict import PLANNED_CAP, default_pp_sizes, plan
 from twinpipe.plan.report import as_dicts, draw_plan, print_table
 from twinpipe.plan.spec import Cluster, Model
+from twinpipe.precisions import BF16_MIXED
 from twinpipe.schedule import registry
 from twinpipe.sim.gpt_cli import add_gpt_options, check_gpt_options, gpt_run, memory_table
 
@@ -100,7 +101,7 @@ def _model(args) -> Model | None:
         if args.expert_ffn not in (0, 4 * args.dim):
             raise checks.bad("--expert-ffn", args.expert_ffn, f"must be 4 x --dim = {4 * args.dim} with --gpt (the GPT's experts)")
         run = gpt_run(args)
-        mixed = run.precision == "bf16-mixed"
+        mixed = run.precision == BF16_MIXED
         sizes = dict(param_bytes=run.elsize, grad_bytes=4 if mixed else run.elsize, activation_bytes=run.elsize,
                      optimizer_bytes=12 if mixed else 2 * run.elsize)
     return Model(layers=args.layers, hidden=args.dim, seq=args.seq_len, microbatch_size=args.microbatch_size,

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from twinpipe.runtime.memory import ActivationMeter, early_release, note
+from twinpipe.runtime import observe
 from twinpipe.runtime.recorder import Recorder
+from twinpipe.runtime.releases import early_release
 from twinpipe.runtime.transport import Transport
 from twinpipe.runtime.weight_grad import GradStore
 from twinpipe.runtime.wiring import StepWiring
@@ -100,7 +101,9 @@ class Executor:
         self.saved: dict[tuple[int, int], tuple] = {}  # (inputs, outputs, loss) kept for backward
         self.live = 0
         self.op_index = -1
-        self.meter: ActivationMeter | None = None  # set to measure the step's activation memory
+        # Set to measure the step's activation memory: an observer whose ``measuring()`` installs it for
+        # the step (runtime/observe.py; the meter, runtime/memory.py), sampled after each op.
+        self.observer = None
 
     def _where(self) -> str:
         ops = self.program.ops
@@ -137,7 +140,7 @@ class Executor:
                 # A copy: a loss can be a view of an output-sized buffer (F.mse_loss's is), which a
                 # detached view would keep alive for the whole step.
                 kept = loss.detach().clone() if early_release("losses") else loss.detach()
-                note((kept,))  # held to the step's end: counted when measured
+                observe.note((kept,))  # held to the step's end: counted when measured
                 self.result.losses.setdefault(stage, []).append(kept)
             if data.return_outputs:
                 self.result.outputs.setdefault(stage, []).append(tuple(o.detach() for o in outputs))
@@ -229,8 +232,7 @@ class Executor:
         module0, module1 = self.modules[f_stage], self.modules[b_stage]
         if self.overlap_fn is None:
             self._forward(f_stage, f_mb, data)
-            if self.meter is not None:  # the forward's activations are live before the backward frees the other's
-                self.meter.sample()
+            observe.sample()  # the forward's activations are live before the backward frees the other's
             self._backward(b_stage, b_mb, False, data)
             return
         inputs0 = self._inputs_for(f_stage, f_mb, data)
@@ -253,14 +255,13 @@ class Executor:
 
     # ---------------------------------------------------------------- the loop
     def run(self, data: StepData, num_microbatches: int) -> StepResult:
-        if self.meter is None:
+        if self.observer is None:
             return self._run(data, num_microbatches)
-        with self.meter.measuring():
+        with self.observer.measuring():
             return self._run(data, num_microbatches)
 
     def _run(self, data: StepData, num_microbatches: int) -> StepResult:
         self._num_mb = num_microbatches
-        meter = self.meter
         self.result = StepResult()
         program, rec = self.program, self.recorder
         hook = self.on_grads_ready if data.training else None  # forward-only steps write no gradients
@@ -282,8 +283,7 @@ class Executor:
                     del tensors  # the loop must not keep the last message alive past its op
                 if rec:
                     rec.add("wait", f"recv for {op}", t0, rec.mark())
-                if meter is not None:
-                    meter.sample()
+                observe.sample()
             t0, began = rec.mark() if rec else 0.0, time.perf_counter()
             if _profiling():
                 with torch.profiler.record_function(str(op)):
@@ -296,8 +296,7 @@ class Executor:
             self.transport.open_if_agreed()
             if self.transport.in_flight:
                 self.transport.retire(wait=False)
-            if meter is not None:
-                meter.sample()
+            observe.sample()
             if ready and index in ready:  # after the op's sends went out: peers wait on them, not on the hook
                 for stage in ready[index]:
                     hook(stage)

@@ -19,25 +19,12 @@ from contextlib import contextmanager
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from twinpipe.runtime.observe import installed, observing
 from twinpipe.sim.memory import StageMemory
 
-__all__ = ["ActivationMeter", "measure_stage", "note", "note_closures", "storage_bytes", "grad_bytes", "optimizer_bytes"]
+__all__ = ["ActivationMeter", "measure_stage", "storage_bytes", "grad_bytes", "optimizer_bytes"]
 
-_local = threading.local()
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1 outside a backward
-
-# The runtime's early releases, each on by default. Turned off (removed from this set) only to
-# measure what each saves (``bench/bench_memory.py --no-release``): "losses" (the kept losses are
-# copies, not views of an output-sized buffer), "input grad" (a received input drops its gradient
-# once it is handed upstream; W may keep the input itself), "last message" (the executor's loop
-# drops the last message it received) and "sends" (process-group sends are waited once the peer's
-# next packet arrived, not only polled).
-RELEASES = ("losses", "input grad", "last message", "sends")
-EARLY_RELEASE = set(RELEASES)
-
-
-def early_release(name: str) -> bool:
-    return name in EARLY_RELEASE
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -121,25 +108,18 @@ class ActivationMeter:
 
     @contextmanager
     def measuring(self):
-        """Count while inside: saved tensors, and what ``note``/``note_closures`` are given; and
+        """Count while inside: saved tensors, and what is reported through ``runtime/observe.py`` (this meter is installed there); and
         the activations ``torch.utils.checkpoint`` recomputes in a backward (``_counting_recomputation``)."""
-        previous = getattr(_local, "meter", None)
-        _local.meter = self
         cuda = self.device is not None and self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), _counting_recomputation():
+            with observing(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), _counting_recomputation():
                 yield self
         finally:
-            _local.meter = previous
             self.sample()
             if cuda:
                 self.device_peak = int(torch.cuda.max_memory_allocated(self.device))
-
-
-def _current() -> ActivationMeter | None:
-    return getattr(_local, "meter", None)
 
 
 _recomputing = 0  # measuring contexts open (any thread): the checkpoint hook below is installed while > 0
@@ -184,7 +164,7 @@ def _counted_init(self, *args, **kwargs) -> None:
     pack = self.pack_hook
 
     def counting_pack(x):
-        meter = _current()
+        meter = installed()
         if meter is not None:
             meter.track(x)
         return pack(x)
@@ -194,32 +174,9 @@ def _counted_init(self, *args, **kwargs) -> None:
 
 def _counted_exit(self, *exc) -> None:
     type(self)._original.__exit__(self, *exc)
-    meter = _current()
+    meter = installed()
     if meter is not None:
         meter.sample()
-
-
-def note(tensors) -> None:
-    """Count ``tensors`` (receive buffers) in the step being measured, if any."""
-    meter = _current()
-    if meter is not None:
-        for t in tensors:
-            meter.track(t)
-
-
-def note_closures(funcs) -> None:
-    """Count the tensors deferred weight-gradient closures captured (kept until their W)."""
-    meter = _current()
-    if meter is None:
-        return
-    for func in funcs:
-        for cell in getattr(func, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if isinstance(value, torch.Tensor):
-                meter.track(value)
 
 
 def _message_bytes(tensors) -> int:

@@ -345,9 +345,9 @@ class Pipeline(nn.Module):
         wiring = self._wiring(lowered, declared, agreement, num_chunks if discovering else None)
         recorder = Recorder(self.device) if trace else None
         executor = Executor(wiring, self._by_stage, self.store, recorder, self._overlap, on_grads_ready)
-        executor.meter = ActivationMeter(self._not_activations(data), self.device) if measure_memory else None
+        meter = executor.observer = ActivationMeter(self._not_activations(data), self.device) if measure_memory else None
         result = self._run(executor, data, num_chunks, agreement, round_index)
-        self.last_memory = self._memory(executor.meter) if measure_memory else None
+        self.last_memory = self._memory(meter) if meter is not None else None
         self.last_peak_live = result.peak_live
         self.last_busy_s = result.busy_s
         self.last_trace = recorder.events if recorder else None

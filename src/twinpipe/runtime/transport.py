@@ -15,8 +15,9 @@ from typing import Callable
 
 import torch
 
-from twinpipe.runtime import comm, memory
+from twinpipe.runtime import comm, observe
 from twinpipe.runtime.comm import HEADER_LEN, Layout, pack, receive_buffers, unpack
+from twinpipe.runtime.releases import early_release
 from twinpipe.runtime.wiring import StepWiring
 from twinpipe.schedule.lower import Message, Packet
 
@@ -107,7 +108,7 @@ class Transport:
                 shapes = [shape for layout in layouts for shape in layout.shapes]
                 dtypes = [dtype for layout in layouts for dtype in layout.dtypes]
                 buffers = receive_buffers(shapes, dtypes, self.device, self.p2p.flattens(peer))
-                memory.note(buffers)  # counted from the moment they are posted
+                observe.note(buffers)  # counted from the moment they are posted
                 self.posted[packet] = ([self.p2p.irecv(b, peer) for b in buffers], buffers, layouts)
             channel.cursor += 1
 
@@ -133,7 +134,7 @@ class Transport:
             works.append(self.p2p.isend(header, peer))
             keep.append(header)
         buffers = pack([t for tensors in payloads for t in tensors], self.p2p.flattens(peer))
-        memory.note(buffers)  # held until the send is retired
+        observe.note(buffers)  # held until the send is retired
         works += [self.p2p.isend(b, peer) for b in buffers]
         self.in_flight.append((works, keep + buffers, packet))
 
@@ -171,7 +172,7 @@ class Transport:
         """Wait for the sends to ``packet``'s sender that precede it in the channel: that peer posted
         their receives before it sent ``packet``, so they complete at once. A process-group send (gloo)
         reports done only once waited, so without this its tensors would live until the step ends."""
-        if not memory.early_release("sends"):
+        if not early_release("sends"):
             return
         peer, before = packet.src_rank, self.position[packet]
         keep = []

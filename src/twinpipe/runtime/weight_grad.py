@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twinpipe.runtime import memory
+from twinpipe.runtime import observe
 from twinpipe.runtime.main_grad import accumulate, accumulate_product
 
 __all__ = ["GradStore", "WeightGradStore", "DeferredLinear", "defer_weight_grads", "current_store"]
@@ -45,7 +45,7 @@ class GradStore:
 
     def flush(self, key: Hashable | None = None) -> None:
         """File the closures gathered since the last flush: under ``key``, or FIFO if None."""
-        memory.note_closures(self.cache)  # what they keep until W counts in a measured step
+        observe.note_closures(self.cache)  # what they keep until W counts in a measured step
         if key is None:
             self.funcs_queue.put(self.cache)
         else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from twinpipe import checks
+from twinpipe.precisions import BF16_MIXED, PRECISIONS, PURE
 from twinpipe.schedule.lower import lower
 from twinpipe.schedule.ops import OpKind
 from twinpipe.schedule.spec import resolve
@@ -202,7 +203,7 @@ class GPTRun:
     vocab: int
     microbatch_size: int
     dtype: str = "float32"
-    precision: str = "pure"
+    precision: str = PURE
     zero: int = 0
     overlap_dp: bool = True
     flattens: bool = False
@@ -216,7 +217,7 @@ class GPTRun:
         if self.dim % self.heads:
             raise checks.bad("dim", self.dim, f"must be a multiple of heads={self.heads}")
         checks.check_choice(self.dtype, "dtype", tuple(ELSIZE))
-        checks.check_choice(self.precision, "precision", ("pure", "bf16-mixed"))
+        checks.check_choice(self.precision, "precision", PRECISIONS)
         checks.check_int(self.zero, "zero", low=0, high=1)
         checks.check_int(self.experts, "experts", low=0, why="0: dense MLPs")
         if self.experts:
@@ -232,7 +233,7 @@ class GPTRun:
     @property
     def elsize(self) -> int:
         """Bytes of a parameter and of an activation value (the compute dtype)."""
-        return 2 if self.precision == "bf16-mixed" else ELSIZE[self.dtype]
+        return 2 if self.precision == BF16_MIXED else ELSIZE[self.dtype]
 
     def predict(self, schedule: str, pp: int, microbatches: int, dp: int = 1, options: dict | None = None) -> list[RankPrediction]:
         """Each rank's memory by part, as ``twinpipe train`` predicts it for this run under
@@ -243,7 +244,7 @@ class GPTRun:
         if self.experts and self.experts % dp:
             raise checks.bad("dp", dp, f"must divide experts={self.experts}: each data-parallel rank holds experts/dp of "
                              "every MoE block")
-        mixed, elsize = self.precision == "bf16-mixed", self.elsize
+        mixed, elsize = self.precision == BF16_MIXED, self.elsize
         options = dict(options or {})
         spec = resolve(schedule, pp, **options)
         cut = stage_layers(self, spec.placement.num_model_stages)

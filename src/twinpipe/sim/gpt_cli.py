@@ -11,6 +11,7 @@ import argparse
 
 import twinpipe.cli_options as cli_options
 from twinpipe import checks
+from twinpipe.precisions import PRECISIONS, PURE
 from twinpipe.sim.gpt import ELSIZE, GPTRun, RankPrediction
 from twinpipe.sim.memory import PARTS, format_bytes
 
@@ -18,7 +19,7 @@ __all__ = ["TRAIN_DEFAULTS", "add_gpt_options", "check_gpt_options", "gpt_settin
 
 # twinpipe train's defaults (tests/test_memory_predict.py holds them to its parser's)
 TRAIN_DEFAULTS = {"layers": 6, "dim": 64, "heads": 4, "seq_len": 64, "vocab": 256, "microbatch_size": 2, "dtype": "float32",
-                  "precision": "pure", "zero": 0, "dp": 1, "experts": 0, "mtp_depth": 0}
+                  "precision": PURE, "zero": 0, "dp": 1, "experts": 0, "mtp_depth": 0}
 TOP_K = 2  # twinpipe train's --top-k with --experts
 TRANSPORTS = ("auto", "process-group")
 BOUND_NOTE = "MoE blocks: 'activations peak' is an upper bound (the routing decides; docs/memory.md)"
@@ -40,7 +41,7 @@ def add_gpt_options(parser: argparse.ArgumentParser, have: tuple[str, ...] = ())
             extra = {"choices": tuple(ELSIZE)} if name == "dtype" else {}
             default = str(TRAIN_DEFAULTS.get(name, TOP_K))
             added.append(cli_options.add(parser, name, group=g, default=None, default_text=default, **extra))
-    added.append(g.add_argument("--precision", default=None, choices=("pure", "bf16-mixed"), help="train's --precision (default: pure)"))
+    added.append(g.add_argument("--precision", default=None, choices=PRECISIONS, help=f"train's --precision (default: {PURE})"))
     added.append(g.add_argument("--mtp-depth", type=int, default=None, metavar="D",
                                 help="train's --mtp-depth: multi-token prediction modules on the last stage (default: 0)"))
     added.append(g.add_argument("--zero", type=int, default=None, choices=(0, 1), help="train's --zero (default: 0)"))

@@ -1,17 +1,21 @@
-"""Cutting a list of layer weights into contiguous stages whose heaviest stage is as light as possible."""
+"""Cutting a list of layer weights into contiguous stages whose heaviest stage is as light as possible,
+and the weights: parameter counts, or measured times (one measurement, the same on every rank)."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from twinpipe.runtime.collectives import collective
 
 from twinpipe.sim.partition import partition  # pure Python: the planner and simulator cut the GPT the same way
 
-__all__ = ["partition", "param_weights", "time_weights"]
+__all__ = ["partition", "param_weights", "time_weights", "measured_once"]
 
 
 def param_weights(layers: Sequence[nn.Module]) -> list[float]:
@@ -19,12 +23,15 @@ def param_weights(layers: Sequence[nn.Module]) -> list[float]:
     return [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
 
 
-def time_weights(layers: Sequence[nn.Module], sample: torch.Tensor, repeats: int = 5) -> list[float]:
-    """Each layer's median forward+backward time (s) on ``sample`` (the first layer's input).
+def time_weights(layers: Sequence[Callable], sample: torch.Tensor, repeats: int = 5, *, holder: nn.Module | None = None) -> list[float]:
+    """Each layer's median forward+backward time (s) on ``sample`` (the first layer's input; each
+    next layer gets the previous one's output).
 
-    Gradients the measurement leaves are removed again, so the model is as it was.
+    ``layers``: modules, or callables of one input whose parameters ``holder`` holds. Gradients the
+    measurement leaves are removed again, so the model is as it was.
     """
-    saved = {p: p.grad for layer in layers for p in layer.parameters()}
+    params = holder.parameters() if holder is not None else (p for layer in layers for p in layer.parameters())
+    saved = {p: p.grad for p in params}
     times, x = [], sample
     try:
         for layer in layers:
@@ -44,3 +51,19 @@ def time_weights(layers: Sequence[nn.Module], sample: torch.Tensor, repeats: int
         for p, g in saved.items():
             p.grad = g
     return times
+
+
+def measured_once(measure: Callable[[], list[float]], count: int, group, timeout: float, what: str,
+                  device: torch.device | str = "cpu") -> list[float]:
+    """``measure()``'s ``count`` weights, measured on the first rank of ``group`` only and sent to every
+    rank: one measurement, so every rank cuts alike (ranks' clocks and devices differ). Without an
+    initialised process group, ``measure()`` here. ``device``: where the weights travel (CUDA for NCCL)."""
+    if not dist.is_initialized():
+        return measure()
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    weights = torch.zeros(count, dtype=torch.float64, device=device)
+    if dist.get_rank() == first:
+        weights = torch.tensor(measure(), dtype=torch.float64, device=device)
+    collective(dist.broadcast, weights, src=first, group=group, timeout=timeout,
+               what=f"rank {dist.get_rank()}: {what} (rank {first} measures the times)")
+    return weights.tolist()

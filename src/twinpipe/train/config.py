@@ -11,15 +11,17 @@ import json
 from dataclasses import asdict, dataclass, is_dataclass
 
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_choice, check_float, check_int, check_ints, checked_timeout
+from twinpipe.precisions import PRECISIONS, PURE  # what each means, and the model dtype it needs
 
-__all__ = ["TrainConfig", "DP_REDUCE", "ON_NONFINITE", "BALANCE", "PRECISIONS", "ZERO", "model_record", "record_differences"]
+__all__ = ["TrainConfig", "DP_REDUCE", "ON_NONFINITE", "BALANCE", "PRECISIONS", "ZERO", "MAX_SEED", "model_record", "record_differences"]
 
 DP_REDUCE = ("all-reduce", "ordered")  # the same names as grads.DataParallelReducer takes
 ON_NONFINITE = ("skip", "raise")
 BALANCE = ("params", "time")  # or a sequence of layer counts per stage (stages.split)
-PRECISIONS = ("pure", "bf16-mixed")  # precision.py: what each means, and how it relates to the model's dtype
 ZERO = (0, 1)  # 0: every data-parallel rank holds all optimizer state; 1: each a shard (zero.py)
-MAX_SEED = 2**63 - 1
+# torch's CPU generator keeps the low 32 bits of a seed (and train/data.py mixes seeds modulo 2**32):
+# a larger seed would silently repeat a smaller one's run.
+MAX_SEED = 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class TrainConfig:
     bias_update_speed: float = 0.0  # DeepSeek-V3's gamma: routing biases moved after each step (twinpipe.moe.bias)
     mtp_depth: int = 0  # multi-token prediction modules the model holds (GPTConfig.mtp_depth)
     mtp_weight: float = 0.0  # lambda: the MTP losses' weight, lambda / depth each
-    precision: str = "pure"
+    precision: str = PURE
     zero: int = 0
     balance_alpha: float = 0.0  # DeepSeek-V3's sequence-wise balance loss on a transformers model's gates
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+from twinpipe.precisions import PURE
 from twinpipe.sim.memory import format_bytes
 
 __all__ = ["stage_activation_bytes", "need_per_rank", "available_per_rank", "check_fits"]
@@ -38,7 +39,7 @@ def need_per_rank(args, cfg) -> tuple[int, dict]:
     from twinpipe.sim.gpt import GPTRun
 
     data = 2 * args.batch_size * cfg.seq_len * 8 + args.corpus_bytes  # the batch (int64 ids and targets), the corpus
-    run = GPTRun.of(cfg, args.microbatch_size, dtype=args.dtype, precision=getattr(args, "precision", "pure"),
+    run = GPTRun.of(cfg, args.microbatch_size, dtype=args.dtype, precision=getattr(args, "precision", PURE),
                     zero=getattr(args, "zero", 0), overlap_dp=getattr(args, "overlap_dp", True))
     ranks = run.predict(args.schedule, args.pp, args.batch_size // (args.dp * args.microbatch_size), args.dp)
     fullest = max(ranks, key=lambda r: r.parts.total)

@@ -26,19 +26,18 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from twinpipe.precisions import MASTER_DTYPE_NAME, PRECISIONS, check_model_dtype
+
 __all__ = ["PRECISIONS", "COMPUTE_DTYPE", "MASTER_DTYPE", "check_dtype", "make_masters", "to_compute", "zero_main_grads",
            "refresh"]
 
-PRECISIONS = ("pure", "bf16-mixed")
 COMPUTE_DTYPE = torch.bfloat16
-MASTER_DTYPE = torch.float32
+MASTER_DTYPE = getattr(torch, MASTER_DTYPE_NAME)
 
 
 def check_dtype(precision: str, dtype: torch.dtype | None) -> None:
     """``dtype`` (the model's, ``Trainer(dtype=...)``) allowed with ``precision``."""
-    if precision == "bf16-mixed" and dtype not in (None, MASTER_DTYPE):
-        raise ValueError(f"dtype={dtype}: with precision='bf16-mixed' must be None or torch.float32 (the master weights' dtype; "
-                         "the compute copy is bf16)")
+    check_model_dtype(precision, dtype)
 
 
 def make_masters(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -28,6 +28,7 @@ from twinpipe.moe.block import MoEBlock
 from twinpipe.moe.bias import update_bias_
 from twinpipe.moe.grads import expert_parameters
 from twinpipe.overlap.stage import PartedSequential
+from twinpipe.precisions import BF16_MIXED
 from twinpipe.runtime.batches import microbatch_rows
 from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.runtime.main_grad import grad_of
@@ -52,7 +53,7 @@ class ReferenceTrainer:
         self.directions = len(placement.chains)
         self.num_chunks = config.num_microbatches(dp)
         precision.check_dtype(config.precision, dtype)
-        self.mixed = config.precision == "bf16-mixed"
+        self.mixed = config.precision == BF16_MIXED
         torch.manual_seed(config.seed)
         self.model = defer_weight_grads(model_fn()).to(dtype=precision.MASTER_DTYPE if self.mixed else dtype)
         self.params = [p for _, layer in model_layers(self.model) for p in layer.parameters()]

@@ -26,6 +26,9 @@ import twinpipe.train_command.model as cli_model
 import twinpipe.train_command.run_state as run_state
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_float, check_int, checked_timeout
 from twinpipe.folders import writable_folder
+from twinpipe.moe.router import SCORES
+from twinpipe.precisions import PURE, check_model_dtype
+from twinpipe.train import config as train_config
 from twinpipe.train.fits import check_fits
 from twinpipe.train.run_lock import take_run_lock
 from twinpipe.train.stopping import STOPPED_EXIT_CODE, StopOnSignals
@@ -35,15 +38,16 @@ __all__ = ["add_train_parser", "run_train", "main"]
 
 _DEVICES = ("cpu", "cuda")
 _DTYPES = ("float32", "float64", "bfloat16")
-_BALANCES = ("params", "time")
-_DP_REDUCES = ("all-reduce", "ordered")
-_ON_NONFINITE = ("skip", "raise")
-_PRECISIONS = ("pure", "bf16-mixed")  # train.config.PRECISIONS
-_ZERO = (0, 1)
+# The choices the trainer's configuration takes, read from it (train/config.py).
+_BALANCES = train_config.BALANCE
+_DP_REDUCES = train_config.DP_REDUCE
+_ON_NONFINITE = train_config.ON_NONFINITE
+_PRECISIONS = train_config.PRECISIONS
+_ZERO = train_config.ZERO
 _OPTIMIZER_HPARAMS = ("checkpoint", "current")
-_MAX_SEED = 2**32 - 1
+_MAX_SEED = train_config.MAX_SEED
 _DEFAULT_TOP_K = 2
-_SCORES = ("softmax", "sigmoid")
+_SCORES = SCORES
 _SAVE_EVERY = 100
 _SAVE_MINUTES = 10.0
 _KEEP_LAST = 2
@@ -100,7 +104,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--balance", default="params", choices=_BALANCES, help="how layers are cut into stages (default: params)")
     add("device", default="cpu", choices=_DEVICES)
     add("dtype", default="float32", choices=_DTYPES)
-    parser.add_argument("--precision", default="pure", choices=_PRECISIONS,
+    parser.add_argument("--precision", default=PURE, choices=_PRECISIONS,
                         help="pure (default): weights, gradients and optimizer state in --dtype; bf16-mixed: bf16 weights and "
                              "activations, FP32 master weights, gradients and optimizer state (needs --dtype float32)")
     parser.add_argument("--zero", type=int, default=0, choices=_ZERO,
@@ -156,9 +160,7 @@ def _check(args) -> None:
                           ("--on-nonfinite", _ON_NONFINITE), ("--optimizer-hparams", _OPTIMIZER_HPARAMS),
                           ("--precision", _PRECISIONS), ("--zero", _ZERO)):
         check_choice(_option(args, flag), flag, allowed)
-    if args.precision == "bf16-mixed" and args.dtype != "float32":
-        raise bad("--dtype", args.dtype, "must be float32 with --precision bf16-mixed (the master weights' dtype; the compute "
-                  "copy is bf16)")
+    check_model_dtype(args.precision, args.dtype, dtype_arg="--dtype", precision_arg="--precision")
     try:
         registry.get(args.schedule)
     except ValueError as error:  # it lists the names and aliases

@@ -309,7 +309,7 @@ def _mixed_gpt_biases() -> list[str]:
     trainer = Trainer(model_fn, sampler, criterion, optimizer_fn, build_mesh(1, 2),
                       dataclasses.replace(config, bias_update_speed=0.25))
     trainer.step(0)
-    live = {id(r.bias) for r in trainer._routers}
+    live = {id(r.bias) for r in trainer.routing.routers}
     held = trainer.held_buffers
     trainer.pipe.close()
     problems = [] if held and all(id(t) in live for _, t, _ in held) else ["held_buffers are not the routers' biases"]

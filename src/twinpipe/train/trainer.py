@@ -1,39 +1,24 @@
 """One training step on a (dp, pp) mesh: pipeline step, gradient reductions, clipping, optimizer.
 
-Per step, in this order (the order the single-process reference follows, so results are exact):
-1. ``Pipeline.step`` on this replica's rows: gradients summed over micro-batches into ``.grad``;
-2. schedules with mirrored copies (DualPipe, Chimera, BitPipe): the copies of each stage add their
-   gradients (``sync_mirrored_grads``); then tied weights (an MTP head's embedding copy, a
-   transformers model's tied head): every copy of a pair gets ``main + copy`` of this replica, summed
-   over the pipeline (``tied.py``), so the reduction below gives both the same sum;
-3. data parallel: dense gradients summed across replicas (bucketed all-reduce); MoE experts, each
-   held by one data-parallel rank (``experts.py``), only as ``twinpipe.moe.reduce_replica_grads``
-   says (nothing without replicas); then all divided by the number of micro-batches in the global batch;
-4. one all-reduce over the pipeline, then one over the replicas, carry every parameter's squared
-   gradient norm (each model parameter counted once: by data-parallel rank 0, an expert by its
-   holder, never DualPipe's second copy), the micro-batch losses and a digest of the global batch
-   (ranks that sampled different batches raise ``PipelineMismatchError`` before the update), a
-   count of ranks whose gradients are not finite and of ranks asking ``step(stop=, save=)`` (a
-   signal, a save due by one rank's clock: every rank learns alike whether any asked);
-5. a non-finite loss, gradient norm or gradient (every rank sees the same sums, so all decide
-   alike): the update is skipped, or ``NonFiniteStepError`` raised (``TrainConfig.on_nonfinite``);
-6. clipping (if ``max_norm``), then the optimizer.
-With ``precision="bf16-mixed"`` the gradients above are the FP32 ``main_grad`` buffers and the
-optimizer updates FP32 masters, copied to the bf16 weights after the update (``precision.py``).
-With ``zero=1`` step 3 is a reduce-scatter: each data-parallel rank gets the summed gradients of the
-parameters it owns, updates only those (their optimizer state lives there alone) and starts the
-all-gathers of the new weights (``zero.py``): ``step()`` returns with them in flight, and each stage
-module awaits its own before its next forward (a forward pre-hook; ``defer_gather = False`` awaits
-them in ``step()``, the same bits); ``finish_update()`` awaits the rest before anything reads the
-weights between steps (checkpoints, ``mirrors_equal``). Norms and checkpoints count each parameter at its owner.
-With mirrored copies the copies of a stage split each data-parallel shard between them (``zero.Copies``):
-one owner per model parameter among its copies and replicas, the second copy included.
-With ``overlap_dp`` and one chain (no mirrored copies), step 3's dense collectives start inside
-step 1: each stage's buckets as soon as its last gradient-writing op has run (the pipeline's
-``on_grads_ready``), and the trainer awaits them after ``step()`` returns. With mirrored copies the
-mirrored sum comes first (the summation order in ``grads.py``), so the reduction waits for it.
-
-When the trainer is built, its ranks agree on the whole configuration (``agreement.py``) before any
+Per step, in this order (the order the single-process reference follows, so results are exact;
+docs/architecture.md follows one step file by file):
+1. ``Pipeline.step`` on this replica's rows: gradients summed over micro-batches into ``.grad``
+   (with ``overlap_dp`` and one chain, each stage's data-parallel buckets start as soon as its last
+   gradient-writing op has run: the pipeline's ``on_grads_ready``);
+2. the stage source's ``sync_grads``: mirrored copies (DualPipe, Chimera, BitPipe) add their
+   gradients; then every copy of a tied pair gets ``main + copy`` over the pipeline (``tied.py``);
+3. data parallel (``ownership.py`` built the reducer): dense gradients summed across replicas
+   (ZeRO-1: reduce-scattered to their owners, ``zero.py``); MoE experts only as
+   ``twinpipe.moe.reduce_replica_grads`` says; all divided by the global batch's micro-batches;
+4. the step's one vector (``step_vector.py``), summed over the pipeline, then the replicas: squared
+   norms (each model parameter counted once, at its owner), losses, routers' loads
+   (``routing.py``), ``step(stop=, save=)`` requests, non-finite counts and a batch digest;
+5. a non-finite loss, norm or gradient (every rank sees the same sums): the update is skipped, or
+   ``NonFiniteStepError`` raised on every rank (``TrainConfig.on_nonfinite``);
+6. clipping (``max_norm``), the optimizer (FP32 masters under ``precision="bf16-mixed"``, copied
+   to the bf16 weights after), ZeRO-1's all-gathers of the new weights started (each stage's next
+   forward awaits its own; ``finish_update()`` the rest, before anything reads the weights).
+When the trainer is built, its ranks agree on the whole configuration (``settings.py``) before any
 collective whose sizes depend on it.
 """
 

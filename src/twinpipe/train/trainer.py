@@ -109,10 +109,11 @@ class Trainer:
                  stages=None):
         if not isinstance(config, TrainConfig):
             raise ValueError(f"config={config!r}: must be a TrainConfig")
+        if stages is not None:
+            check_source(stages)
         self.config, self.mesh, self.sampler, self.criterion = config, mesh, sampler, criterion
         self.timeout = float(config.timeout)  # TrainConfig checked it
         self.skipped_steps = 0  # steps whose loss or gradients were not finite (on_nonfinite="skip")
-        options = dict(config.schedule_options)
         # The start-up agreement and checkpoints (torch.distributed.checkpoint's own collectives) run on
         # a gloo group over the world, whose timeout bounds them.
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
@@ -120,8 +121,6 @@ class Trainer:
         self.mixed = config.precision == "bf16-mixed"
         torch.manual_seed(config.seed)
         model = model_fn().to(device=device, dtype=precision.MASTER_DTYPE if self.mixed else dtype)  # mixed: cast after the masters
-        if stages is not None:
-            check_source(stages)
         self.stages = stages  # the user's (None: the model is cut by split)
         self.source: StageSource = stages if stages is not None else SplitStages(
             config.balance, lambda: sampler.batch(0, config.microbatch_size)[0], self.timeout, self._where)

@@ -13,7 +13,7 @@ where the labels are, on modules the last stage holds.
 
 The embedding: a last stage holds a copy of the embedding table (``tied_copies`` of a model name
 (main, copy) pairs); the trainer sums the two gradients before the data-parallel reduction
-(``Trainer._sum_tied_grads``: each gradient once, on the rank holding its first copy, summed over the
+(``tied.TiedPairs.sum_grads``: each gradient once, on the rank holding its first copy, summed over the
 pipeline, then ``main + copy`` on every holder) so both take the same update and stay equal; the
 copy does not count in the gradient norm (it is the embedding's). ``MTPModule`` and ``mtp_losses``
 take any block, embedding and head (e.g. a Hugging Face decoder layer): see docs/deepseek-v3.md.

@@ -15,9 +15,10 @@ docs/architecture.md follows one step file by file):
    (``routing.py``), ``step(stop=, save=)`` requests, non-finite counts and a batch digest;
 5. a non-finite loss, norm or gradient (every rank sees the same sums): the update is skipped, or
    ``NonFiniteStepError`` raised on every rank (``TrainConfig.on_nonfinite``);
-6. clipping (``max_norm``), the optimizer (FP32 masters under ``precision="bf16-mixed"``, copied
-   to the bf16 weights after), ZeRO-1's all-gathers of the new weights started (each stage's next
-   forward awaits its own; ``finish_update()`` the rest, before anything reads the weights).
+6. clipping (``max_norm``), then ``update.py``: the optimizer (FP32 masters under
+   ``precision="bf16-mixed"``, copied to the bf16 weights after), ZeRO-1's all-gathers of the new
+   weights started (each stage's next forward awaits its own; ``finish_update()`` the rest, before
+   anything reads the weights).
 When the trainer is built, its ranks agree on the whole configuration (``settings.py``) before any
 collective whose sizes depend on it.
 """
@@ -25,7 +26,6 @@ collective whose sizes depend on it.
 from __future__ import annotations
 
 import datetime
-import functools
 import hashlib
 import time
 import zlib
@@ -57,7 +57,8 @@ from twinpipe.train.memory import planned_options
 from twinpipe.train.mesh import TrainMesh
 from twinpipe.train.mtp import rank_criterion
 from twinpipe.train import precision
-from twinpipe.train.zero import ShardedReducer, first_forward_in_fb  # noqa: F401  (re-exported)
+from twinpipe.train.update import WeightUpdate
+from twinpipe.train.zero import first_forward_in_fb  # noqa: F401  (re-exported)
 from twinpipe.train.split_source import SplitStages, model_parameter_names, model_routers  # noqa: F401  (re-exported)
 from twinpipe.train.ownership import broadcast_start, own_parameters
 from twinpipe.train.settings import agree_optimizer, agree_settings
@@ -177,31 +178,17 @@ class Trainer:
         mesh = self.mesh
         index = {name: i for i, (name, _) in enumerate(self.parameter_names)}
         self._owned_index = torch.tensor([index[n] for n in self.ownership.owned_names], dtype=torch.long, device=device)
-        sharded = self.ownership.sharded
-        masters = precision.make_masters(self._updated) if self.mixed else self._updated
-        self._optimized = {id(p): t for p, t in zip(self._updated, masters)}  # parameter -> the tensor the optimizer updates
+        self.update = WeightUpdate(self._updated, self.reducer, mixed=self.mixed)
         self.pipe = Pipeline(modules, self.schedule, process_group=mesh.pp_group, timeout=self.timeout)
-        # ZeRO-1: the all-gathers of an update are awaited stage by stage, before the stage's next forward.
-        self.defer_gather = sharded  # False: awaited inside step() (the eager order; bench/bench_zero.py compares)
-        if sharded:
-            self.reducer.set_stages([[p for _, p in m.named_model_parameters()] for m in self.pipe.module])
-            for j, module in enumerate(self.pipe.module):
-                module.register_forward_pre_hook(functools.partial(self._await_weights, j))
-        # The pre-hook does not see a forward run through a stage's parts (the forward half of an F&B
-        # op): a schedule whose first forward of a stage is one awaits every all-gather before the step.
-        self._gather_before_step = sharded and first_forward_in_fb(self.pipe.schedule_for(self.num_chunks).ops[self.pipe.rank])
-        self.optimizer = optimizer_fn(masters)
+        self.update.hook_stages(self.pipe, self.num_chunks)  # ZeRO-1: each stage awaits its all-gathers before its forward
+        self.optimizer = optimizer_fn(self.update.masters)
         agree_optimizer(self.optimizer, self.checkpoint_group, self.timeout, self._where("building the trainer"))  # before the initial weights' broadcast
         self._agree_group = cpu_group(mesh.pp_group, self.timeout)  # small CPU exchanges (mirrors_equal)
         broadcast_start(self._dense, mesh, self.timeout, self._where("broadcasting the initial weights across data-parallel replicas"))
         if self.is_dual:  # every mirrored copy from one copy's weights
             self.pipe.sync_mirrored_weights()
         self.routing.zero_loads()  # balance="time" ran the layers
-        if self.mixed:  # the masters from the agreed weights, then the bf16 compute copy and FP32 gradient buffers
-            precision.refresh(masters, self._updated)
-            precision.to_compute(modules)
-            for p, m in zip(self._updated, masters):
-                m.grad = p.main_grad  # one tensor: what the trainer reduces is what the optimizer reads
+        self.update.start(modules)  # mixed precision: masters from the agreed weights
 
     @property
     def stage_names(self) -> list[tuple[str, ...]] | None:
@@ -264,7 +251,7 @@ class Trainer:
         x, y = x[rows].to(device), y[rows].to(device)
         precision.zero_main_grads(self.params)  # .grad dropped, FP32 main_grad (mixed precision) zeroed
         overlap = self.overlap_dp and self.reducer.active
-        if self._gather_before_step:
+        if self.update.gather_before_step:
             self.finish_update()
         try:
             inputs, labels = self.source.batch(self.layout, x, y)
@@ -305,7 +292,7 @@ class Trainer:
         else:
             clip_grads(self._updated, factor)
             self.finish_update()  # normally done: every stage's forward awaited its all-gathers
-            self._update(step)
+            self.update.apply(self.optimizer, step, self._where(f"step {step}"))
             self.routing.move_biases(vec.loads)
         self.routing.zero_loads()
         times["update"] = time.perf_counter() - mark
@@ -344,40 +331,12 @@ class Trainer:
             raise NonFiniteStepError(f"{what}. Nothing was updated on any rank (on_nonfinite='raise'; 'skip' skips such steps)")
         self.skipped_steps += 1
 
-    def _update(self, step: int) -> None:
-        """The optimizer's step, then its weights published; when either fails (ZeRO-1), this rank's
-        weights are refused from now on (``ShardedReducer.refuse_weights``); ``step()`` tells the peers."""
-        try:
-            self.optimizer.step()
-            self._publish_update(step)
-        except BaseException as exc:
-            if isinstance(self.reducer, ShardedReducer):
-                self.reducer.refuse_weights(self._where(f"step {step}"), f"the update of step {step} failed before its all-gathers "
-                                            f"({type(exc).__name__}: {exc})")
-            raise
-
-    def _publish_update(self, step: int) -> None:
-        """The updated weights where the forward reads them: bf16 from the masters (mixed precision),
-        every shard's to every data-parallel rank (ZeRO-1)."""
-        if self.mixed:
-            precision.refresh(self._updated, [self._optimized[id(p)] for p in self._updated])
-        if isinstance(self.reducer, ShardedReducer):
-            self.reducer.start_gather(self._where(f"step {step}"))
-            if not self.defer_gather:
-                self.finish_update()
-
-    def _await_weights(self, index: int, module, args) -> None:
-        """Forward pre-hook of stage module ``index`` (ZeRO-1): its weights' pending all-gathers awaited
-        (``PipelineBrokenError`` when they are incomplete, e.g. after this rank's update failed)."""
-        self.reducer.wait_gather(index, f"before the forward of stage {self.pipe.stages[index]}")
-
     def finish_update(self) -> None:
         """Await the all-gathers the last update left pending (ZeRO-1; nothing otherwise): afterwards
         every parameter this rank holds has its updated value. Whatever reads the weights between steps
         calls it first (checkpoints, ``mirrors_equal``, ``loaded_weights``); a stage's forward awaits its
         own. Raises ``PipelineBrokenError`` when an all-gather failed or a failed step abandoned them."""
-        if isinstance(self.reducer, ShardedReducer):
-            self.reducer.wait_gather(None, "before reading the weights")
+        self.update.finish()
 
     def state_bytes(self) -> dict[str, int]:
         """This rank's bytes of model state, by part (``twinpipe.sim.memory.MemoryParts`` names):
@@ -391,7 +350,7 @@ class Trainer:
 
         params = sum(size(p) for p in self.params)
         grads = sum(size(p.main_grad) if getattr(p, "main_grad", None) is not None else size(p) for p in self.params)
-        master = sum(size(t) for t in self._optimized.values()) if self.mixed else 0
+        master = sum(size(t) for t in self.update.optimized.values()) if self.mixed else 0
         optimizer = sum(size(v) for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
         return {"params": params, "grads": grads, "master": master, "optimizer": optimizer}
 
@@ -399,8 +358,17 @@ class Trainer:
         """New values were written into the optimizer's tensors (a checkpoint): refresh the bf16
         weights from the masters (mixed precision)."""
         self.finish_update()  # none pending after load_checkpoint (it awaits them before loading)
-        if self.mixed:
-            precision.refresh(self._updated, [self._optimized[id(p)] for p in self._updated])
+        self.update.refresh()
+
+    @property
+    def defer_gather(self) -> bool:
+        """ZeRO-1: whether an update's all-gathers are awaited by each stage's next forward (the
+        default) rather than inside ``step()`` (False: the eager order; bench/bench_zero.py compares)."""
+        return self.update.defer_gather
+
+    @defer_gather.setter
+    def defer_gather(self, value: bool) -> None:
+        self.update.defer_gather = bool(value)
 
     @property
     def updated_parameters(self) -> list[torch.Tensor]:
@@ -411,7 +379,7 @@ class Trainer:
     def optimized_tensor(self, p: torch.Tensor) -> torch.Tensor | None:
         """The tensor this rank's optimizer updates for parameter ``p``: its FP32 master (mixed
         precision) or ``p`` itself; None when another data-parallel rank updates it (ZeRO-1)."""
-        return self._optimized.get(id(p))
+        return self.update.optimized.get(id(p))
 
     def _start_reduction(self, stage: int) -> None:
         """The pipeline's ``on_grads_ready``: ``stage``'s gradients are final, start its buckets."""

@@ -218,6 +218,7 @@ def _cli(root: Path) -> list[str]:
     from twinpipe.moe.balance_loss import install_balance_loss
     from twinpipe.moe.bias import BiasBalancer
     from twinpipe.train.data import BatchSampler
+    from twinpipe.train.stopping import StopOnSignals
 
     tokens = root / "tokens.npy"
     if dist.get_rank() == 0:
@@ -229,7 +230,7 @@ def _cli(root: Path) -> list[str]:
                               "--schedule", "1f1b", "--bias-update-speed", "0.001", "--balance-alpha", "0.1", "--steps", "1", "--seq-len", str(SEQ),
                               "--batch-size", "2", "--microbatch-size", "1", "--out", str(root / "cli")])
     cli._check(args)
-    cli._train(args, torch.device("cpu"))
+    cli._train(args, torch.device("cpu"), StopOnSignals())  # no signal comes: nothing asks it to stop
     dist.barrier()
     if dist.get_rank() != 0:
         return []
@@ -309,7 +310,7 @@ def _mixed_gpt_biases() -> list[str]:
     trainer = Trainer(model_fn, sampler, criterion, optimizer_fn, build_mesh(1, 2),
                       dataclasses.replace(config, bias_update_speed=0.25))
     trainer.step(0)
-    live = {id(r.bias) for r in trainer._routers}
+    live = {id(r.bias) for r in trainer.routing.routers}
     held = trainer.held_buffers
     trainer.pipe.close()
     problems = [] if held and all(id(t) in live for _, t, _ in held) else ["held_buffers are not the routers' biases"]

@@ -22,7 +22,7 @@ QUICK = 6.0  # seconds within which the waiting rank must have raised (~0.2-1 s 
 def _rank_fails_at_the_norms(rank, world):
     import torch
 
-    import twinpipe.train.trainer as trainer_module
+    import twinpipe.train.step_vector as step_vector_module
     from train_setup import tiny_setup
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.trainer import Trainer
@@ -35,7 +35,7 @@ def _rank_fails_at_the_norms(rank, world):
         def boom(*args, **kwargs):
             raise RuntimeError("boom: the norms could not be computed")
 
-        trainer_module.sum_across = boom
+        step_vector_module.sum_across = boom  # the step vector's all-reduce
     start = time.monotonic()
     try:
         trainer.step(1)

@@ -311,8 +311,9 @@ def _deferred_against_eager(rank: int, schedule, pp, dp, overlap_dp) -> list[str
     return problems[:6]
 
 
-def _peer_fails_in_update(rank: int) -> dict:
-    """DP rank 1 of pipeline rank 0 fails to start its first all-gather of step 0: its data-parallel
+def _peer_fails_in_update(rank: int, fault: str = "gather") -> dict:
+    """DP rank 1 of pipeline rank 0 fails in its update of step 0 (``fault``: starting its first
+    all-gather, or ``"optimizer"``: in ``optimizer.step``, before any all-gather): its data-parallel
     peer's step 0 returns, and its step 1 raises within the timeout naming the all-gather; afterwards
     the weights of both are refused (incomplete), not used."""
     import dataclasses
@@ -325,20 +326,26 @@ def _peer_fails_in_update(rank: int) -> dict:
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.trainer import Trainer
 
+    timeout = 30.0 if fault == "gather" else 12.0  # the ranks of pipeline rank 1 wait this long (their peers raise without telling them)
     model_fn, sampler, criterion, make_opt, config = tiny_setup("1f1b", optimizer="adamw", zero=1)
-    trainer = Trainer(model_fn, sampler, criterion, make_opt, build_mesh(2, 2), dataclasses.replace(config, timeout=30.0),
+    trainer = Trainer(model_fn, sampler, criterion, make_opt, build_mesh(2, 2), dataclasses.replace(config, timeout=timeout),
                       dtype=torch.float64)
-    mesh, out = trainer.mesh, {}
+    mesh, out = trainer.mesh, {"timeout": timeout}
     failing = (mesh.dp_rank, mesh.pp_rank) == (1, 0)
     gather = dist.all_gather_single
 
     def refused(*args, **kwargs):
         raise RuntimeError("injected failure starting the all-gathers")
 
+    def refused_update():
+        raise RuntimeError("injected failure in optimizer.step")
+
     start = time.monotonic()
     try:
-        if failing:
+        if failing and fault == "gather":
             dist.all_gather_single = refused
+        elif failing:
+            trainer.optimizer.step = lambda *a, **k: refused_update()
         for step in range(2):
             try:
                 trainer.step(step)
@@ -353,6 +360,12 @@ def _peer_fails_in_update(rank: int) -> dict:
             out["after"] = "finish_update returned"
         except PipelineBrokenError as error:
             out["after"] = str(error)
+    if failing and fault == "optimizer":  # its weights are stale: the next step refuses them too, at once
+        try:
+            trainer.step(2)
+            out["next step"] = "returned"
+        except Exception as error:
+            out["next step"] = f"{type(error).__name__}: {error}"
     return {"dp": mesh.dp_rank, "pp": mesh.pp_rank, **out}
 
 
@@ -376,7 +389,8 @@ def _world(rank: int, world: int, root: str) -> dict:
     cases += [("checkpoints", lambda: _checkpoints(rank, root))]
     cases += [(f"agree-{f}", lambda f=f: _disagreeing(rank, f)) for f in ("zero", "precision")]
     cases += [(f"deferred-{name}", lambda a=args: _deferred_against_eager(rank, *a)) for name, args in DEFERRED.items()]
-    cases += [("peer-fails-in-update", lambda: _peer_fails_in_update(rank))]  # last: it leaves an all-gather unmatched
+    # Last: they leave all-gathers unmatched (each on its own trainer's groups).
+    cases += [(f"peer-fails-in-{fault}", lambda f=fault: _peer_fails_in_update(rank, f)) for fault in ("optimizer", "gather")]
     results.update(run_named(cases))
     return results
 
@@ -407,18 +421,22 @@ def test_deferred_all_gather_is_bitwise_the_eager_one_and_awaited_by_each_stage(
     assert all(o[f"deferred-{name}"] == [] for o in outcomes), [o[f"deferred-{name}"] for o in outcomes][:2]
 
 
-def test_a_peer_failing_before_its_all_gather_makes_its_peer_raise_naming_it(outcomes):
-    assert all(isinstance(o["peer-fails-in-update"], dict) for o in outcomes), [o["peer-fails-in-update"] for o in outcomes]
-    by = {(o["peer-fails-in-update"]["dp"], o["peer-fails-in-update"]["pp"]): o["peer-fails-in-update"] for o in outcomes}
+@pytest.mark.parametrize("fault", ["gather", "optimizer"])
+def test_a_peer_failing_before_its_all_gather_makes_its_peer_raise_naming_it(outcomes, fault):
+    case = f"peer-fails-in-{fault}"
+    assert all(isinstance(o[case], dict) for o in outcomes), [o[case] for o in outcomes]
+    by = {(o[case]["dp"], o[case]["pp"]): o[case] for o in outcomes}
     failed, peer = by[(1, 0)], by[(0, 0)]
     assert failed.get("step") == 0 and "injected failure" in failed["error"], failed
     assert peer.get("step") == 1, peer  # step 0 returned with the all-gathers pending
     assert "all-gather of updated weights" in peer["error"] and "rank dp=0 pp=0" in peer["error"], peer
     assert "before the forward of stage 0" in peer["error"] and "global ranks [0, 2]" in peer["error"], peer
-    assert peer["seconds"] < 20, peer  # the trainer's timeout is 30 s: the failure notice is heard at once
+    assert peer["seconds"] < peer["timeout"] / 2, peer  # the failure notice is heard at once, not at the timeout
     assert "the weights are incomplete" in peer["after"] and "rank dp=0 pp=0" in peer["after"], peer
     assert "the weights are incomplete" in failed["after"] and "injected failure" in failed["after"], failed
     assert all("error" in o for o in by.values()), by  # every rank raised: nothing hangs
+    if fault == "optimizer":  # the failing rank's later calls refuse its stale weights
+        assert "the weights are incomplete" in failed["next step"] and "optimizer.step" in failed["next step"], failed
 
 
 def test_the_forward_pre_hook_sees_every_stages_first_forward_in_the_built_in_schedules():

@@ -10,6 +10,9 @@ from twinpipe.hf.mtp import copy_name, load_places, mtp_names
 from twinpipe.hf.stages import HFStage, build
 from twinpipe.hf.self_check import model_parts
 from twinpipe.hf.weights import Place, load
+from twinpipe.checks import bad
+from twinpipe.moe.balance_loss import install_balance_loss
+from twinpipe.moe.bias import HF_BIAS, CountedRouter, hf_gates
 
 __all__ = ["HFStages", "TokenLoss", "parameter_names"]
 
@@ -22,8 +25,16 @@ def parameter_names(model, mtp_depth: int = 0) -> list:
     return [(name, tuple(p.shape)) for name, p in whole.named_model_parameters()] + mtp_names(model.config, mtp_depth)
 
 
+def _gates(module) -> list:
+    """``(bias name in the unsplit model, gate)`` of every DeepSeek-V3 gate of a built stage module
+    (the biases among its ``named_model_buffers``), in order."""
+    gates = {id(getattr(m, HF_BIAS)): m for _, m in hf_gates(module)}
+    return [(name, gates[id(t)]) for name, t in module.named_model_buffers() if id(t) in gates]
+
+
 class HFStages:
-    """``Trainer(stages=...)`` for a ``transformers`` causal LM: ``twinpipe.hf.build`` cuts it (``layout``,
+    """``Trainer(stages=...)`` for a ``transformers`` causal LM (a ``twinpipe.train.StageSource``):
+    ``twinpipe.hf.build`` cuts it (``layout``,
     else ``balance``: ``"params"``, or ``"time"`` measured on ``sample``, a batch of token ids); with
     ``weights`` the folder's tensors of this rank's stages are read into them
     (``twinpipe.hf.weights.load``: only those tensors). ``ep_group``: the trainer's data-parallel
@@ -36,8 +47,32 @@ class HFStages:
         self.ep_group = ep_group  # with it, MoE experts sharded over it (twinpipe.hf.experts; the trainer's dp group)
         self.built = None
 
+    initial_biases_kept = True  # routing biases a checkpoint lacks keep the --model folder's values
+
     def parameter_names(self, model) -> list:
         return parameter_names(model, self.mtp_depth)
+
+    def row_group(self):
+        return self.ep_group
+
+    def routers(self, module) -> list:
+        """This stage module's DeepSeek-V3 gates, each counting its choices (``CountedRouter``)."""
+        return [(name, name, CountedRouter(name, gate)) for name, gate in _gates(module)]
+
+    def without_routers(self, model) -> str:
+        return f"a model without DeepSeek-V3 gates ({type(model).__name__}: no module with an {HF_BIAS} buffer)"
+
+    def mtp_modules(self, model) -> int:
+        return self.mtp_depth
+
+    def add_balance_loss(self, model, modules, alpha: float, routed: bool) -> None:
+        """The sequence-wise balance loss on every copy of each gate (``install_balance_loss``)."""
+        if not routed:
+            raise bad("balance_alpha", alpha, f"must be 0 for {self.without_routers(model)}: "
+                      "no sequence-wise balance loss to add")
+        for module in modules:
+            if _gates(module):
+                install_balance_loss(module, alpha)
 
     def row_shards(self, modules) -> set:
         """``id()`` of the parameters sharded by rows over ``ep_group`` (the experts' fused tensors, rows
@@ -61,8 +96,6 @@ class HFStages:
         """``(name, experts)`` of every DeepSeek-V3 routing bias of the unsplit model
         (``model.layers.N.mlp.gate.e_score_correction_bias``), then its MTP layers', in order: the
         trainer's vector of loads (``TrainConfig.bias_update_speed``) has a slot per expert of each."""
-        from twinpipe.moe.bias import HF_BIAS, hf_gates
-
         out = [(f"{name}.{HF_BIAS}", len(getattr(m, HF_BIAS))) for name, m in hf_gates(model)]
         if self.mtp_depth and out:  # the MTP layers are DeepSeek-V3 MoE layers, not in the transformers model
             from twinpipe.hf.mtp import checkpoint_names

@@ -8,6 +8,7 @@ data-parallel replica 0 (a MoE expert by the data-parallel rank that holds it, u
 name; with ZeRO-1 by the rank that owns its shard), from the copy that is not DualPipe's mirror; a
 tied copy (``Trainer.tied``: a transformers model's tied head, an MTP head's embedding copy) is its
 main parameter's value and is not written (the marker lists the pairs), and loads from the main's keys.
+Both read the trainer only through its ``checkpoint_view()`` (``checkpoint_view.CheckpointView``).
 Because keys name model parameters, not ranks or stages, a checkpoint loads under any schedule,
 pipeline size, data-parallel size, ZeRO stage or precision (each rank reads the experts it holds, and
 the optimizer state of the parameters it updates).
@@ -42,6 +43,7 @@ from twinpipe.train.checkpoint_files import (
     METADATA, CheckpointError, CheckpointInfo, file_digest, prepare_folder, put_in_place, read_checkpoint_info,
     read_optimizer_state, verify_files, write_marker,
 )
+from twinpipe.train.checkpoint_view import CheckpointView
 from twinpipe.train.config import record_differences
 from twinpipe.train.safe_metadata import SafeFileSystemReader, TensorsOnlyLoadPlanner, load_metadata
 
@@ -54,10 +56,6 @@ _PLAIN = (type(None), bool, int, float, str)  # optimizer state values a JSON fi
 
 class CheckpointWriteError(RuntimeError):
     """A save failed on some rank (raised on every rank); the target folder is as it was before."""
-
-
-def _where(trainer, what: str) -> str:
-    return f"rank dp={trainer.mesh.dp_rank} pp={trainer.mesh.pp_rank}: {what}"
 
 
 def _describe(error: BaseException) -> str:
@@ -81,44 +79,37 @@ def _param_groups(optimizer) -> list[dict]:
     return [{k: _json_value(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
-def _rows(trainer, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def _rows(view: CheckpointView, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``t`` (``p``, its master or a state tensor of its shape) as DCP should store it: where ``p`` holds
-    this data-parallel rank's rows of a model tensor (``Trainer.row_shards``: a transformers model's
+    this data-parallel rank's rows of a model tensor (``row_shards``: a transformers model's
     experts), a DTensor sharded by rows over the data-parallel ranks (one tensor of all rows in the
     checkpoint, each row written once, readable at any expert-parallel size); else ``t``."""
-    if id(p) not in getattr(trainer, "row_shards", ()) or t.dim() == 0 or t.shape != p.shape:
+    if id(p) not in view.row_shards or t.dim() == 0 or t.shape != p.shape:
         return t
     from torch.distributed.tensor import DTensor, Shard
 
-    return DTensor.from_local(t, trainer.row_mesh, [Shard(0)], run_check=False)
+    return DTensor.from_local(t, view.row_mesh, [Shard(0)], run_check=False)
 
 
-def _stored_name(trainer) -> dict[str, str]:
-    """Copy name -> main name of the trainer's tied pairs (``Trainer.tied``: a transformers model's
-    tied head, an MTP head's embedding copy): the copy is always equal to its main parameter, and a
-    checkpoint stores the weight and its optimizer state once, under the main name."""
-    return {copy: main for main, copy in getattr(trainer, "tied", ())}
-
-
-def _rank_state(trainer) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+def _rank_state(view: CheckpointView) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """The tensors this rank writes, and its optimizer state that is not a tensor (JSON-able values)."""
     tensors: dict[str, torch.Tensor] = {}
     plain: dict[str, dict] = {}
-    copies = _stored_name(trainer)
-    for name, p, owned in trainer.held:
+    copies = view.stored_name()
+    for name, p, owned in view.held:
         if not owned or name in copies:  # dp replica 0's (ZeRO-1: the owning rank's) first copy writes; a MoE expert
             continue                     # the one rank holding it; a tied copy is its main parameter's value
-        t = trainer.optimized_tensor(p)  # the owner updates it: the FP32 master under mixed precision
-        tensors[f"model.{name}"] = _rows(trainer, p, t.detach())
-        for key, value in trainer.optimizer.state.get(t, {}).items():
+        t = view.optimized_tensor(p)  # the owner updates it: the FP32 master under mixed precision
+        tensors[f"model.{name}"] = _rows(view, p, t.detach())
+        for key, value in view.optimizer.state.get(t, {}).items():
             if isinstance(value, torch.Tensor):
-                tensors[f"optim.{name}.{key}"] = _rows(trainer, p, value)
+                tensors[f"optim.{name}.{key}"] = _rows(view, p, value)
             elif isinstance(value, _PLAIN):
                 plain.setdefault(name, {})[str(key)] = value
             else:
                 raise ValueError(f"optimizer state {name}.{key} is a {type(value).__name__}: checkpoints store tensors, "
                                  "numbers, strings, booleans and None only (nothing pickled)")
-    for name, buffer, owned in getattr(trainer, "held_buffers", ()):  # routing biases, written once as parameters are
+    for name, buffer, owned in view.buffers:  # routing biases, written once as parameters are
         if owned:
             tensors[f"buffer.{name}"] = buffer.detach()
     return tensors, plain
@@ -131,29 +122,23 @@ def _raise_if_failed(said: list[dict], where: str, target, before: str) -> None:
         raise CheckpointWriteError(f"{where}: failed ({reasons}); {before}")
 
 
-def _finish_update(trainer) -> None:
-    """The last update's pending all-gathers awaited (``Trainer.finish_update``: ZeRO-1)."""
-    finish = getattr(trainer, "finish_update", None)
-    if finish is not None:
-        finish()
-
-
 def save_checkpoint(trainer, path: str, step: int) -> None:
     """Write the model, optimizer and ``step`` (the next step to run) to directory ``path``,
     completely or not at all (an existing checkpoint there stays loadable until the new one
     replaces it). Collective: every rank of the world calls it."""
     check_int(step, "step", low=0)
-    group, timeout = trainer.checkpoint_group, trainer.timeout
+    view = trainer.checkpoint_view()
+    group, timeout = view.group, view.timeout
     rank = dist.get_rank(group)
-    where = _where(trainer, f"saving checkpoint {str(path)!r}")
+    where = view.where(f"saving checkpoint {str(path)!r}")
     before = f"{str(path)!r} is as it was before the save"
     made = None  # rank 0: the temporary folder; removed when the save stops for any reason before it is in place
     try:
         # 1. Each rank gathers what it writes; rank 0 makes the temporary folder. Every rank learns of any failure.
         mine: dict = {"error": None}
         try:
-            _finish_update(trainer)
-            tensors, plain = _rank_state(trainer)
+            view.finish_update()  # the last update's pending all-gathers (ZeRO-1)
+            tensors, plain = _rank_state(view)
             if rank == 0:
                 made = prepare_folder(path)
                 mine["folder"] = str(made)
@@ -182,7 +167,7 @@ def save_checkpoint(trainer, path: str, step: int) -> None:
                 files = {name: {"bytes": size, "sha256": sha} for s in said for name, size, sha in s["files"]}
                 _check_listed(folder, files)
                 _check_seen(folder, said, files)
-                write_marker(folder, _marker_record(trainer, step, files))
+                write_marker(folder, _marker_record(view, step, files))
                 put_in_place(folder, path)
             except Exception as error:
                 mine["error"] = _describe(error)
@@ -225,22 +210,21 @@ def _check_seen(folder: Path, said: list[dict], files: dict) -> None:
                                "such as a shared filesystem on several hosts")
 
 
-def _marker_record(trainer, step: int, files: dict) -> dict:
+def _marker_record(view: CheckpointView, step: int, files: dict) -> dict:
     return {
         "step": int(step),
         "twinpipe": twinpipe.__version__,
-        "model": {"parameters": [[n, list(s)] for n, s in trainer.parameter_names], "record": trainer.model_record,
-                  "tied": [[main, copy] for copy, main in _stored_name(trainer).items()]},
-        "optimizer": {"class": type(trainer.optimizer).__name__, "param_groups": _param_groups(trainer.optimizer)},
+        "model": {"parameters": [[n, list(s)] for n, s in view.parameter_names], "record": view.model_record,
+                  "tied": [[main, copy] for copy, main in view.stored_name().items()]},
+        "optimizer": {"class": type(view.optimizer).__name__, "param_groups": _param_groups(view.optimizer)},
         "optimizer_state_files": sorted(n for n in files if n.startswith("optimizer-state-")),
-        "written_by": {"schedule": trainer.config.schedule, "dp": trainer.mesh.dp, "pp": trainer.mesh.pp,
-                       "precision": trainer.config.precision, "zero": trainer.config.zero},
+        "written_by": dict(view.written_by),
         "files": files,
     }
 
 
-def _check_model(info: CheckpointInfo, trainer, allow_model_config_change: bool) -> None:
-    saved, mine = info.parameters, {name: list(shape) for name, shape in trainer.parameter_names}
+def _check_model(info: CheckpointInfo, view: CheckpointView, allow_model_config_change: bool) -> None:
+    saved, mine = info.parameters, {name: list(shape) for name, shape in view.parameter_names}
     missing = sorted(set(mine) - set(saved))
     extra = sorted(set(saved) - set(mine))
     shapes = sorted(n for n in set(mine) & set(saved) if mine[n] != saved[n])
@@ -253,33 +237,34 @@ def _check_model(info: CheckpointInfo, trainer, allow_model_config_change: bool)
         if shapes:
             parts.append("shapes differ: " + ", ".join(f"{n} {saved[n]} in the checkpoint vs {mine[n]}" for n in shapes[:4]))
         raise CheckpointError(info.path, "holds a different model: " + "; ".join(parts))
-    differences = record_differences(info.model, trainer.model_record)
+    differences = record_differences(info.model, view.model_record)
     if differences and not allow_model_config_change:
         raise CheckpointError(info.path, "was written by a model of another configuration with the same parameter shapes ("
                               + "; ".join(differences) + "); pass allow_model_config_change=True to load it anyway")
 
 
-def _check_optimizer(info: CheckpointInfo, trainer, optimizer_hparams: str) -> None:
+def _check_optimizer(info: CheckpointInfo, optimizer, optimizer_hparams: str) -> None:
     saved = info.optimizer.get("class")
-    if saved != type(trainer.optimizer).__name__:
-        raise CheckpointError(info.path, f"was written with optimizer {saved}, this run uses {type(trainer.optimizer).__name__}")
+    if saved != type(optimizer).__name__:
+        raise CheckpointError(info.path, f"was written with optimizer {saved}, this run uses {type(optimizer).__name__}")
     groups = info.optimizer.get("param_groups")
-    if optimizer_hparams == "checkpoint" and (not isinstance(groups, list) or len(groups) != len(trainer.optimizer.param_groups)):
+    if optimizer_hparams == "checkpoint" and (not isinstance(groups, list) or len(groups) != len(optimizer.param_groups)):
         raise CheckpointError(info.path, f"holds {len(groups) if isinstance(groups, list) else 'no'} optimizer param group(s), "
-                              f"this run's optimizer has {len(trainer.optimizer.param_groups)}; pass optimizer_hparams='current' "
+                              f"this run's optimizer has {len(optimizer.param_groups)}; pass optimizer_hparams='current' "
                               "to keep this run's hyper-parameters")
 
 
-def _checked(trainer, path: str, group, timeout: float, where: str, **checks) -> tuple[CheckpointInfo, dict]:
+def _checked(view: CheckpointView, path: str, where: str, **checks) -> tuple[CheckpointInfo, dict]:
     """The checkpoint's info and its optimizer state that is not a tensor, after every rank checked
     it (each rank a share of the data files' digests); every rank raises the same error when any
     rank found a problem."""
+    group = view.group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     info, plain, mine = None, {}, {"problem": None, "marker": None}
     try:
         info = read_checkpoint_info(path)
-        _check_model(info, trainer, checks["allow_model_config_change"])
-        _check_optimizer(info, trainer, checks["optimizer_hparams"])
+        _check_model(info, view, checks["allow_model_config_change"])
+        _check_optimizer(info, view.optimizer, checks["optimizer_hparams"])
         share = sorted(n for n in info.files if n != METADATA)[rank::world]
         problems = verify_files(path, info.files, share)
         plain = read_optimizer_state(path, info.optimizer_state_files)  # used only once every rank found the digests right
@@ -288,7 +273,7 @@ def _checked(trainer, path: str, group, timeout: float, where: str, **checks) ->
         mine["problem"] = error.problem
     except Exception as error:  # every rank must reach the exchange below, whatever went wrong here
         mine["problem"] = _describe(error)
-    said = gather_json(group, mine, timeout, f"{where}: checking it")
+    said = gather_json(group, mine, view.timeout, f"{where}: checking it")
     problems = [s["problem"] for s in said if s["problem"]]
     if problems:
         raise CheckpointError(path, problems[0])
@@ -311,74 +296,94 @@ def load_checkpoint(trainer, path: str, *, optimizer_hparams: str = "checkpoint"
     check_choice(optimizer_hparams, "optimizer_hparams", OPTIMIZER_HPARAMS)
     check_bool(allow_model_config_change, "allow_model_config_change")
     path = str(path)
-    _finish_update(trainer)  # a pending all-gather (ZeRO-1) would overwrite the loaded weights
-    group, timeout = trainer.checkpoint_group, trainer.timeout
-    where = _where(trainer, f"loading checkpoint {path!r}")
-    info, plain = _checked(trainer, path, group, timeout, where, optimizer_hparams=optimizer_hparams,
-                    allow_model_config_change=allow_model_config_change)
-    state: dict[str, torch.Tensor] = {}
-    optim_keys: dict[int, list[tuple[str, str]]] = {}
-    casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read, into): a model value stored in another dtype
-    stored_as = _stored_name(trainer)  # a tied copy reads its main parameter's keys (older checkpoints hold both, equal)
-    into: dict[str, torch.Tensor] = {}  # model key -> the tensor that holds its value once read
-    again: list[tuple[str, torch.Tensor]] = []  # (model key, tensor): a second tensor of this rank taking a key's value
-    for name, p, _ in trainer.held:
-        t = trainer.optimized_tensor(p)  # the master (mixed precision), p, or None (ZeRO-1: another rank updates it)
-        target = (p if t is None else t).detach()
-        source = stored_as.get(name, name)
-        if f"model.{source}" in into:  # this rank holds the main parameter too: its value, once read
-            if into[f"model.{source}"].data_ptr() != target.data_ptr():
-                again.append((f"model.{source}", target))
-        else:
-            into[f"model.{source}"] = target
-            stored = info.metadata.state_dict_metadata[f"model.{source}"].properties.dtype
-            if stored != target.dtype:  # e.g. FP32 masters into a parameter another rank updates
-                read = torch.empty(target.shape, dtype=stored, device=target.device)
-                casts.append((read, target))
-                target = read
-            state[f"model.{source}"] = _rows(trainer, p, target)
-        if t is None or id(t) in optim_keys:
-            continue  # no optimizer state here, or read already (one tensor under both names of a tied pair)
-        prefix = f"optim.{source}."
-        for key, meta in info.metadata.state_dict_metadata.items():
-            if key.startswith(prefix):
-                if key not in state:  # else the main parameter's, read once and cloned below
-                    size = p.shape if id(p) in getattr(trainer, "row_shards", ()) and len(meta.size) else meta.size  # rows: this rank's
-                    state[key] = _rows(trainer, p, torch.empty(size, dtype=meta.properties.dtype,
-                                                               device=p.device if meta.size else "cpu"))
-                optim_keys.setdefault(id(t), []).append((key, key[len(prefix):]))
-    saved_keys = info.metadata.state_dict_metadata
-    for name, buffer, _ in getattr(trainer, "held_buffers", ()):
-        if f"buffer.{name}" in saved_keys:
-            state[f"buffer.{name}"] = buffer
-        elif getattr(trainer, "stages", None) is None:  # written before routing biases were saved, when nothing moved them: zero
-            buffer.zero_()
-        # (a transformers model's: nothing moved them then either; they keep the --model folder's values)
+    view = trainer.checkpoint_view()
+    view.finish_update()  # a pending all-gather (ZeRO-1) would overwrite the loaded weights
+    where = view.where(f"loading checkpoint {path!r}")
+    info, plain = _checked(view, path, where, optimizer_hparams=optimizer_hparams,
+                           allow_model_config_change=allow_model_config_change)
+    reads = _Reads(view, info.metadata.state_dict_metadata)
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=TensorsOnlyLoadPlanner(), process_group=group)
+        dcp.load(reads.state, storage_reader=SafeFileSystemReader(path), planner=TensorsOnlyLoadPlanner(), process_group=view.group)
     except CheckpointException as error:
         raise CheckpointError(path, f"reading failed ({_describe(error)})") from error
-    with torch.no_grad():
-        for read, target in casts:
-            target.copy_(read)
-        for key, target in again:
-            target.copy_(into[key])
-    used: set[str] = set()  # optimizer state keys given to a tensor already: the next one gets its own clone
-    done: set[int] = set()  # one tensor under both names of a tied pair: given its state once
-    for name, p, _ in trainer.held:
-        t = trainer.optimized_tensor(p)
-        source = stored_as.get(name, name)
-        if t is not None and id(t) not in done and (id(t) in optim_keys or source in plain):
+    reads.copy_model_values()
+    reads.give_optimizer_state(plain)
+    view.loaded_weights()  # the bf16 compute copy from the masters (mixed precision)
+    _apply_hparams(view.optimizer, info.optimizer.get("param_groups") or [], optimizer_hparams, where)
+    return info.step
+
+
+class _Reads:
+    """What this rank reads of a checkpoint (``state``: DCP's ``load`` fills it) and where each value goes."""
+
+    def __init__(self, view: CheckpointView, saved: dict):
+        self.view, self.saved = view, saved
+        self.stored_as = view.stored_name()  # a tied copy reads its main parameter's keys (older checkpoints hold both, equal)
+        self.state: dict[str, torch.Tensor] = {}
+        self.optim_keys: dict[int, list[tuple[str, str]]] = {}  # optimized tensor -> (key, state name)
+        self.casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read, into): a model value stored in another dtype
+        self.into: dict[str, torch.Tensor] = {}  # model key -> the tensor that holds its value once read
+        self.again: list[tuple[str, torch.Tensor]] = []  # (model key, tensor): a second tensor of this rank taking a key's value
+        for name, p, _ in view.held:
+            t = view.optimized_tensor(p)  # the master (mixed precision), p, or None (ZeRO-1: another rank updates it)
+            source = self.stored_as.get(name, name)
+            self._model_value(source, p, (p if t is None else t).detach())
+            if t is not None and id(t) not in self.optim_keys:  # else read already (one tensor under both names of a tied pair)
+                self._optimizer_state(source, p, t)
+        for name, buffer, _ in view.buffers:
+            if f"buffer.{name}" in saved:
+                self.state[f"buffer.{name}"] = buffer
+            elif view.zero_unsaved_buffers:  # written before routing biases were saved, when nothing moved them: zero
+                buffer.zero_()
+
+    def _model_value(self, source: str, p: torch.Tensor, target: torch.Tensor) -> None:
+        key = f"model.{source}"
+        if key in self.into:  # this rank holds the main parameter too: its value, once read
+            if self.into[key].data_ptr() != target.data_ptr():
+                self.again.append((key, target))
+            return
+        self.into[key] = target
+        stored = self.saved[key].properties.dtype
+        if stored != target.dtype:  # e.g. FP32 masters into a parameter another rank updates
+            read = torch.empty(target.shape, dtype=stored, device=target.device)
+            self.casts.append((read, target))
+            target = read
+        self.state[key] = _rows(self.view, p, target)
+
+    def _optimizer_state(self, source: str, p: torch.Tensor, t: torch.Tensor) -> None:
+        prefix = f"optim.{source}."
+        for key, meta in self.saved.items():
+            if key.startswith(prefix):
+                if key not in self.state:  # else the main parameter's, read once and cloned below
+                    size = p.shape if id(p) in self.view.row_shards and len(meta.size) else meta.size  # rows: this rank's
+                    self.state[key] = _rows(self.view, p, torch.empty(size, dtype=meta.properties.dtype,
+                                                                      device=p.device if meta.size else "cpu"))
+                self.optim_keys.setdefault(id(t), []).append((key, key[len(prefix):]))
+
+    def copy_model_values(self) -> None:
+        """After the read: values stored in another dtype cast in, a second holder of a key given its value."""
+        with torch.no_grad():
+            for read, target in self.casts:
+                target.copy_(read)
+            for key, target in self.again:
+                target.copy_(self.into[key])
+
+    def give_optimizer_state(self, plain: dict) -> None:
+        """Each optimized tensor's state: the tensors read, and its values that are not tensors (``plain``)."""
+        used: set[str] = set()  # optimizer state keys given to a tensor already: the next one gets its own clone
+        done: set[int] = set()  # one tensor under both names of a tied pair: given its state once
+        for name, p, _ in self.view.held:
+            t = self.view.optimized_tensor(p)
+            source = self.stored_as.get(name, name)
+            if t is None or id(t) in done or (id(t) not in self.optim_keys and source not in plain):
+                continue
             done.add(id(t))
             tensors = {}
-            for key, short in optim_keys.get(id(t), []):
-                value = _state_dtype(_local(state[key]), short, t)
+            for key, short in self.optim_keys.get(id(t), []):
+                value = _state_dtype(_local(self.state[key]), short, t)
                 tensors[short] = value.clone() if key in used else value
                 used.add(key)
-            trainer.optimizer.state[t] = {**tensors, **plain.get(source, {})}
-    trainer.loaded_weights()  # the bf16 compute copy from the masters (mixed precision)
-    _apply_hparams(trainer.optimizer, info.optimizer.get("param_groups") or [], optimizer_hparams, where)
-    return info.step
+            self.view.optimizer.state[t] = {**tensors, **plain.get(source, {})}
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,12 @@ class DataParallelReducer:
         return [params[cut.start : cut.stop] for cut in cuts]
 
     @property
+    def mirror_groups(self) -> list:
+        """Process groups beyond ``group`` whose collectives this reducer runs (ZeRO-1 over mirrored
+        copies; none here): a failing rank's notice goes to them too."""
+        return []
+
+    @property
     def active(self) -> bool:
         """Whether there is anything to reduce (more than one replica)."""
         return dist.get_world_size(self.group) > 1

@@ -13,7 +13,7 @@ where the labels are, on modules the last stage holds.
 
 The embedding: a last stage holds a copy of the embedding table (``tied_copies`` of a model name
 (main, copy) pairs); the trainer sums the two gradients before the data-parallel reduction
-(``Trainer._sum_tied_grads``: each gradient once, on the rank holding its first copy, summed over the
+(``tied.TiedPairs.sum_grads``: each gradient once, on the rank holding its first copy, summed over the
 pipeline, then ``main + copy`` on every holder) so both take the same update and stay equal; the
 copy does not count in the gradient norm (it is the embedding's). ``MTPModule`` and ``mtp_losses``
 take any block, embedding and head (e.g. a Hugging Face decoder layer): see docs/deepseek-v3.md.
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from twinpipe.checks import check_float, check_int
+from twinpipe.checks import bad, check_float, check_int
 from twinpipe.runtime.weight_grad import DeferredLinear
 
 __all__ = ["MTPModule", "mtp_hidden", "mtp_losses", "MTPLoss", "mtp_heads", "hf_mtp_module"]
@@ -109,6 +109,21 @@ class MTPLoss:
 def mtp_heads(modules: Sequence[nn.Module]) -> list[nn.Module]:
     """The layers among ``modules`` (and their submodules) that hold MTP modules (``mtp``)."""
     return [m for module in modules for m in module.modules() if isinstance(getattr(m, "mtp", None), nn.ModuleList)]
+
+
+def rank_criterion(criterion, modules: Sequence[nn.Module], *, held: int, depth: int, weight: float, where: str):
+    """The criterion a rank's last stage runs: ``criterion``, or with MTP (``depth``, ``TrainConfig.mtp_depth``,
+    which must be the ``held`` modules of the model) ``MTPLoss`` over the head among its ``modules``;
+    ``where`` names the schedule and rank in errors."""
+    if held != depth:
+        raise bad("mtp_depth", depth, f"must be the number of MTP modules the model holds ({held}): "
+                  "build the model with as many (GPTConfig.mtp_depth)")
+    if not depth:
+        return criterion
+    heads = mtp_heads(modules)
+    if len(heads) > 1:
+        raise ValueError(f"{where} holds {len(heads)} copies of the MTP head; multi-token prediction needs at most one per rank")
+    return MTPLoss(criterion, heads[0], weight) if heads else criterion
 
 
 def hf_mtp_module(model, layer_idx: int | None = None) -> MTPModule:

@@ -39,10 +39,11 @@ import torch.distributed as dist
 from twinpipe.runtime.collectives import Collective
 from twinpipe.runtime.errors import PipelineBrokenError
 from twinpipe.runtime.main_grad import grad_of, zeros_if_missing
+from twinpipe.schedule.ops import Op, OpKind
 from twinpipe.sim.shards import BUCKET_BYTES, runs  # the one rule, shared with the planner
 from twinpipe.train.grads import DP_REDUCE, DataParallelReducer
 
-__all__ = ["Copies", "ShardedReducer", "runs"]
+__all__ = ["Copies", "ShardedReducer", "runs", "first_forward_in_fb"]
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,15 @@ class ShardedReducer(DataParallelReducer):
         self.start_gather(where)
         self.wait_gather(None, "at once")
 
+    def refuse_weights(self, where: str, why: str) -> None:
+        """The update failed on this rank before its all-gathers started (``optimizer.step``, the
+        precision refresh): its weights are stale and its peers' all-gathers unmatched, so every later
+        wait raises ``PipelineBrokenError`` naming ``where`` (rank and step) and ``why`` (a first reason,
+        e.g. a failed start, stays)."""
+        if self._broken is None:
+            self._where, self._broken = where, why
+        self._pending = []
+
     def abandon(self) -> None:
         """Forget started collectives without awaiting them (the step failed; peers time out). Pending
         all-gathers are dropped too: the weights stay incomplete, and later waits raise."""
@@ -261,3 +271,16 @@ class ShardedReducer(DataParallelReducer):
         if self._pending:
             self._broken = "a failed step abandoned the all-gathers of updated weights"
         self._pending = []
+
+
+def first_forward_in_fb(ops: Sequence[Op]) -> bool:
+    """Whether some stage's first forward in one rank's ``ops`` is the forward half of an F&B op: the
+    forward pre-hook that awaits a stage's all-gathers does not see it, so the trainer awaits them all
+    before such a step."""
+    seen: set[int] = set()
+    for op in ops:
+        if op.kind in (OpKind.F, OpKind.FB) and op.stage not in seen:
+            if op.kind is OpKind.FB:
+                return True
+            seen.add(op.stage)
+    return False

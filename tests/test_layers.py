@@ -264,10 +264,9 @@ def test_the_module_graph_sees_function_level_and_relative_imports(monkeypatch, 
 
 
 # Names with one home: each is spelled as a string in code (docstrings and comments aside) in its
-# home module only; everyone else imports the constant. train/trainer.py compares one precision
-# name still (it is being split into components; the comparison moves with it).
+# home module only; everyone else imports the constant.
 SPELLED_ONCE = {"pure": "precisions.py", "bf16-mixed": "precisions.py"}
-SPELLED_ALSO = {"bf16-mixed": {"train/trainer.py"}}
+SPELLED_ALSO: dict[str, set[str]] = {}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

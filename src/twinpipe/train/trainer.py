@@ -56,6 +56,7 @@ from twinpipe.train.grads import (
 from twinpipe.train.memory import planned_options
 from twinpipe.train.mesh import TrainMesh
 from twinpipe.train.mtp import rank_criterion
+from twinpipe.precisions import BF16_MIXED
 from twinpipe.train import precision
 from twinpipe.train.update import WeightUpdate
 from twinpipe.train.zero import first_forward_in_fb  # noqa: F401  (re-exported)
@@ -119,7 +120,7 @@ class Trainer:
         # a gloo group over the world, whose timeout bounds them.
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
         precision.check_dtype(config.precision, dtype)
-        self.mixed = config.precision == "bf16-mixed"
+        self.mixed = config.precision == BF16_MIXED
         torch.manual_seed(config.seed)
         model = model_fn().to(device=device, dtype=precision.MASTER_DTYPE if self.mixed else dtype)  # mixed: cast after the masters
         self.stages = stages  # the user's (None: the model is cut by split)

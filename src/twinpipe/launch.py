@@ -22,7 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
-from twinpipe.checks import check_int, checked_timeout
+from twinpipe.checks import DEFAULT_TIMEOUT, check_int, checked_timeout
 
 __all__ = ["free_port", "run_local", "init_torchrun_group", "RankFailedError", "failure_line", "write_tracebacks"]
 
@@ -209,9 +209,10 @@ class _Forwarder:
         self._previous = {}
 
 
-def init_torchrun_group(backend: str, timeout: float) -> None:
+def init_torchrun_group(backend: str, timeout: float = DEFAULT_TIMEOUT) -> None:
     """The default process group of a rank torchrun started (from its environment), ``timeout``
-    seconds its limit. Its keys go under a prefix per restart (``TORCHELASTIC_RESTART_COUNT``):
+    seconds its limit: the one way twinpipe's commands and examples make it. Its keys go under a
+    prefix per restart (``TORCHELASTIC_RESTART_COUNT``):
     torch 2.13's agent keeps one store across ``--max-restarts`` restarts, and without it the
     restarted ranks' gloo met the previous attempt's addresses ("Connection refused", then
     "Gloo connectFullMesh failed")."""

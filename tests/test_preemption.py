@@ -142,6 +142,23 @@ def _saving_with_signals(rank: int, world: int, args, gaps: tuple, pause: float 
         checkpoint.dcp.save = real
 
 
+def _signalled_at_start(rank: int, world: int, args) -> int:
+    """A rank of ``twinpipe train`` that gets a SIGTERM (rank 1 alone) before its handler is installed."""
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return cli._spawned_worker(rank, world, args)
+
+
+def test_a_sigterm_as_a_rank_starts_stops_the_run_cleanly_after_the_first_step(tmp_path, uninterrupted):
+    out = tmp_path / "early"
+    assert run_local(2, _signalled_at_start, _args(out), forward_signals=True, group_timeout=60, timeout=LIMIT_S) == \
+        [STOPPED_EXIT_CODE] * 2  # before: rank 1 died (exit code -15) and the run failed
+    assert json.loads((out / "train-log.json").read_text())["stopped"] == \
+        {"step": 1, "checkpoint": str(out / "checkpoint-step1"), "why": "a signal on another rank"}
+    assert read_checkpoint_info(out / "checkpoint-step1", verify_data=True).step == 1
+    assert _hidden(out) == [] and _losses(out) == uninterrupted[:1]
+
+
 def _args(out: Path, *more: str):
     parser = cli.argparse.ArgumentParser()
     cli._add_arguments(parser)

@@ -8,6 +8,7 @@ import os, sys
 import torch, torch.distributed as dist
 from torch import nn
 import twinpipe
+from twinpipe.launch import init_torchrun_group
 
 
 def make_stage(i):                          # your model, cut into P stages
@@ -25,7 +26,7 @@ def batch():                                # one full batch: 64 rows of 16 feat
 
 
 def main():
-    dist.init_process_group("gloo")         # or "nccl"; torchrun sets the rest
+    init_torchrun_group("gloo")             # or "nccl"; from torchrun's variables, per restart
     rank, P = dist.get_rank(), dist.get_world_size()
     modules = [twinpipe.defer_weight_grads(make_stage(s)) for s in (rank, P - 1 - rank)]
     pipe = twinpipe.DualPipe(modules)

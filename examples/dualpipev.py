@@ -3,6 +3,7 @@ import os, sys
 import torch, torch.distributed as dist
 from torch import nn
 import twinpipe
+from twinpipe.launch import init_torchrun_group
 
 
 def make_stage(i):                          # your model, cut into 2P stages
@@ -20,7 +21,7 @@ def batch():                                # one full batch: 64 rows of 16 feat
 
 
 def main():
-    dist.init_process_group("gloo")         # or "nccl"; torchrun sets the rest
+    init_torchrun_group("gloo")             # or "nccl"; from torchrun's variables, per restart
     rank, P = dist.get_rank(), dist.get_world_size()
     # rank r holds stages r and 2P-1-r (rank 0: the first and the last)
     stages = twinpipe.stages_of_rank("dualpipev", P, rank)

@@ -7,6 +7,7 @@ import os, sys
 import torch, torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 from twinpipe import hf
+from twinpipe.launch import init_torchrun_group
 
 SCHEDULE = "dualpipev"
 
@@ -30,7 +31,7 @@ def batch(step, rows=8):                    # a padded batch whose length change
 
 
 def main():
-    dist.init_process_group("gloo")         # or "nccl"; torchrun sets the rest
+    init_torchrun_group("gloo")             # or "nccl"; from torchrun's variables, per restart
     rank, P = dist.get_rank(), dist.get_world_size()
     stages = hf.build(make_model(), SCHEDULE, P, rank, layout="E,t|t|t|t,L" if P == 2 else None)
     if rank == 0:

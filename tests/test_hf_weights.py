@@ -8,7 +8,8 @@ one 2-process gloo world runs every case: each rank loads half of the layers (fi
 read counted), expert rows split over the 2 ranks with a redundant row, a save from 2 ranks (layers
 split, experts split with a redundant row, a mirrored copy of a layer on both ranks, the tied head
 on the other rank) read back with ``from_pretrained``, and faults: an injected write error on one
-rank, a tensor no rank holds, a non-empty target. Load errors are checked here, without a world.
+rank, a tensor no rank holds, a non-empty target, a SystemExit or Ctrl-C in an exchange. Load errors
+are checked here, without a world.
 """
 
 from __future__ import annotations
@@ -333,6 +334,37 @@ def _configs_differ(group, root: Path, out: Path) -> dict:
     return {"error": error, "left": sorted(p.name for p in out.parent.iterdir() if out.name in p.name)}
 
 
+def _interrupted(group, root: Path, out: Path, interruption, during: str) -> dict:
+    """Every rank's save raises ``interruption`` (a SIGTERM handler's SystemExit, a Ctrl-C) as the
+    exchange ``during`` ends: it is re-raised, and no temporary folder is left behind."""
+    import torch.distributed as dist
+
+    from twinpipe.hf import _safetensors_save
+    from twinpipe.hf.weights import save
+
+    rank = dist.get_rank(group)
+    ref = torch.load(root / "llama.pt")
+    config = transformers.AutoConfig.from_pretrained(str(root / "llama" / "single"))
+    original = _safetensors_save.gather_json
+
+    def gather(group, obj, timeout, what):
+        said = original(group, obj, timeout, what)  # as it ends: every rank is done with the folder until then
+        if what.endswith(during):
+            raise interruption("injected")
+        return said
+
+    _safetensors_save.gather_json = gather
+    try:
+        save(out, _save_parts(ref, config, rank), config, group=group, timeout=120)
+        raised = "no interruption"
+    except (KeyboardInterrupt, SystemExit) as error:
+        raised = type(error).__name__
+    finally:
+        _safetensors_save.gather_json = original
+    dist.barrier(group)
+    return {"raised": raised, "left": sorted(p.name for p in out.parent.iterdir() if out.name in p.name)}
+
+
 def _world(rank: int, world_size: int, root: str) -> dict:
     root = Path(root)
     cases = {}
@@ -349,6 +381,9 @@ def _world(rank: int, world_size: int, root: str) -> dict:
     cases["copies differ"] = (WORLD, lambda g: _copies_differ(g, root, root / "saved" / "copies"))
     cases["configs differ"] = (WORLD, lambda g: _configs_differ(g, root, root / "saved" / "configs"))
     cases["overwrite"] = (WORLD, lambda g: _overwrite(g, root, root / "saved" / "overwrite"))
+    for name, interruption, during in (("exit while preparing", SystemExit, ": preparing"),
+                                       ("ctrl-c after writing", KeyboardInterrupt, ": waiting for every rank to write its shard")):
+        cases[name] = (WORLD, lambda g, n=name, i=interruption, d=during: _interrupted(g, root, root / "saved" / n, i, d))
     results = run_cases(rank, world_size, cases)
     # Last: rank 1 dies as it starts writing its shard; rank 0 must raise within the timeout, leaving nothing.
     import time
@@ -463,6 +498,12 @@ def test_a_non_empty_target_is_refused_unless_overwrite_replaces_it(world):
         assert "exists and is not empty; pass overwrite=True" in r["refused"] and r["kept"] == "mine", r
         assert r["replaced"] == "no error" and "keep.txt" not in r["files"] and "config.json" in r["files"], r
         assert r["left"] == ["overwrite"], r
+
+
+@pytest.mark.parametrize("case", ["exit while preparing", "ctrl-c after writing"])
+def test_a_save_interrupted_by_a_signal_or_ctrl_c_leaves_no_temporary_folder(world, case):
+    for r in _both(world, case):
+        assert r["raised"] in ("SystemExit", "KeyboardInterrupt") and r["left"] == [], r
 
 
 def test_copies_that_differ_are_named_on_every_rank_and_nothing_is_written(world):

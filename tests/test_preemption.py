@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -141,6 +142,23 @@ def _saving_with_signals(rank: int, world: int, args, gaps: tuple, pause: float 
         checkpoint.dcp.save = real
 
 
+def _signalled_at_start(rank: int, world: int, args) -> int:
+    """A rank of ``twinpipe train`` that gets a SIGTERM (rank 1 alone) before its handler is installed."""
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return cli._spawned_worker(rank, world, args)
+
+
+def test_a_sigterm_as_a_rank_starts_stops_the_run_cleanly_after_the_first_step(tmp_path, uninterrupted):
+    out = tmp_path / "early"
+    assert run_local(2, _signalled_at_start, _args(out), forward_signals=True, group_timeout=60, timeout=LIMIT_S) == \
+        [STOPPED_EXIT_CODE] * 2  # before: rank 1 died (exit code -15) and the run failed
+    assert json.loads((out / "train-log.json").read_text())["stopped"] == \
+        {"step": 1, "checkpoint": str(out / "checkpoint-step1"), "why": "a signal on another rank"}
+    assert read_checkpoint_info(out / "checkpoint-step1", verify_data=True).step == 1
+    assert _hidden(out) == [] and _losses(out) == uninterrupted[:1]
+
+
 def _args(out: Path, *more: str):
     parser = cli.argparse.ArgumentParser()
     cli._add_arguments(parser)
@@ -172,6 +190,42 @@ def test_signals_mid_save_leave_a_complete_checkpoint_or_none_and_no_hidden_fold
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-step2", "train-log.json"]
 
 
+def _resuming_auto(rank: int, world: int, out: str, found_by_rank1: tuple) -> list:
+    """A torchrun worker's ``--resume auto`` (its group made already, so reused) where rank 0's
+    search finds ``out``/checkpoint-step4 and rank 1's each of ``found_by_rank1`` in turn: the
+    checkpoint each rank's training would start from, or its error. The folder check and the
+    training are stand-ins."""
+    from twinpipe.train_command import run_state
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    cli._check_resume = lambda args, info=None: None
+    cli._train = lambda args, device, stopper: args.resume
+    parser = cli.argparse.ArgumentParser()
+    cli._add_arguments(parser)
+    results = []
+    for found in found_by_rank1:
+        mine = f"{out}/checkpoint-step4" if rank == 0 else found
+        run_state.newest_checkpoint = lambda folder, mine=mine: (mine, 4 if mine else 0, [])
+        args = parser.parse_args([*TINY.split(), "--pp", "2", "--out", out, "--resume", "auto", "--timeout", "30"])
+        cli._check(args)
+        try:
+            results.append(["resumed", cli._torchrun_worker(rank, args)])
+        except ValueError as error:
+            results.append(["refused", str(error)])
+    return results
+
+
+def test_resume_auto_under_torchrun_starts_every_rank_from_the_same_checkpoint_or_none(tmp_path):
+    out = str(tmp_path / "out")
+    # Rank 1 finds the same checkpoint, then none (it sees another --out: a folder not shared between hosts).
+    (same, differ), (same1, differ1) = run_local(2, _resuming_auto, out, (f"{out}/checkpoint-step4", None), timeout=LIMIT_S)
+    assert same == same1 == ["resumed", f"{out}/checkpoint-step4"], (same, same1)
+    differ = [differ, differ1]
+    assert [kind for kind, _ in differ] == ["refused"] * 2 and differ[0] == differ[1], differ
+    assert (f"--resume auto: the ranks found different newest checkpoints in --out={out} (rank 0: {out}/checkpoint-step4 "
+            "(step 4); rank 1: none (step 0)); --out must be one folder every rank sees") in differ[0][1], differ
+
+
 def _workers(torchrun: int) -> list[int]:
     """The processes torchrun's agent ``torchrun`` started (its workers)."""
     found = []
@@ -200,6 +254,36 @@ def test_a_rank_killed_under_torchrun_restarts_and_finishes_bitwise(tmp_path, un
     starts = json.loads((out / "train-log.json").read_text())["starts"]
     assert len(starts) == 2 and starts[1]["step"] >= 4, starts  # restarted by torchrun, from a checkpoint
     assert _losses(out) == uninterrupted and _hidden(out) == []
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds torchrun's workers in /proc")
+def test_the_demo_under_torchrun_restarts_after_a_worker_is_killed(tmp_path):
+    """The demo makes its group as ``twinpipe train`` does (``launch.init_torchrun_group``): a restarted
+    attempt's gloo does not meet the killed one's addresses (before: "failed to connect" to the killed
+    attempt's address in about half the runs on this machine, a race between the ranks' start-ups)."""
+    run = subprocess.Popen(["bash", "-c", f"exec {sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 "
+                            "--max-restarts 1 -m twinpipe.demo --schedule 1f1b --steps 40 --dim 16 --heads 2 --seq-len 8"],
+                           cwd=tmp_path, env=typed_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    guard = threading.Timer(LIMIT_S, os.killpg, (run.pid, signal.SIGKILL))  # never a wait without end
+    guard.start()
+    try:
+        lines = []
+        for line in run.stdout:  # the first attempt's first step: its group was made
+            lines.append(line)
+            if line.startswith("step 1:"):
+                break
+        workers = _workers(run.pid)
+        assert len(workers) == 2, (workers, lines)
+        os.kill(workers[1], signal.SIGKILL)
+        lines += run.stdout.readlines()
+        code = run.wait()
+    finally:
+        guard.cancel()
+    out = "".join(lines)
+    assert code == 0, out[-3000:]
+    assert out.count("twinpipe demo: 1f1b on 2 cpu rank(s)") == 2, out[-3000:]  # the killed attempt's start and the restart's
+    assert "step 40:" in out and "exact: no" not in out, out[-3000:]
 
 
 class _Clock:

@@ -291,3 +291,13 @@ def test_the_check_is_finite_for_every_float_option():
     floats = {a.dest for a in _parser()._actions if a.type is float}
     refused = {a[0][2:].replace("-", "_") for a, _ in BAD if a[1] == "nan"}
     assert floats <= refused, sorted(floats - refused)
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_or_blank_host_id_is_refused_before_any_rank_starts(monkeypatch, capsys, tmp_path, value):
+    monkeypatch.setenv("TWINPIPE_HOST_ID", value)
+    assert run_train(_args("--pp", "2", "--out", str(tmp_path / "out"))) == 2
+    err = capsys.readouterr().err
+    assert err == f"twinpipe train: error: TWINPIPE_HOST_ID={value!r}: must be a non-empty name (ranks with the same name " \
+                  "may share memory), or unset (the host name and boot decide)\n", err
+    assert not (tmp_path / "out").exists()

@@ -330,11 +330,11 @@ def test_hf_time_balance_waits_the_user_s_limit(monkeypatch):
 def test_every_collective_runs_through_the_one_helper():
     """Only runtime/collectives.py starts a collective (``Collective``: async, awaited within the
     user's limit); elsewhere a collective is passed to it, never called, so no wait falls back on
-    the process group's own timeout. Two known exceptions: the CUDA all-to-all, launched on a side
-    stream and bounded by its event's wait, and the demo's own collectives (bounded by its group's)."""
+    the process group's own timeout (the demos' too: bounded by their --timeout). One known
+    exception: the CUDA all-to-all, launched on a side stream and bounded by its event's wait."""
     call = re.compile(r"\bdist\.(all_reduce|broadcast|barrier|monitored_barrier|all_gather\w*|all_to_all\w*|reduce_scatter\w*"
                       r"|reduce|gather|scatter|gather_object|scatter_object_list|broadcast_object_list)\(")
-    allowed = {"runtime/collectives.py", "overlap/comm.py", "demo/dense.py", "demo/moe.py"}
+    allowed = {"runtime/collectives.py", "overlap/comm.py"}
     found = []
     for path in SRC.rglob("*.py"):
         rel = path.relative_to(SRC).as_posix()

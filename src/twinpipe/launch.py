@@ -22,9 +22,10 @@ import time
 import traceback
 from pathlib import Path
 
-from twinpipe.checks import check_int, checked_timeout
+from twinpipe.checks import DEFAULT_TIMEOUT, check_int, checked_timeout
 
-__all__ = ["free_port", "run_local", "init_torchrun_group", "RankFailedError", "failure_line", "write_tracebacks"]
+__all__ = ["free_port", "run_local", "init_torchrun_group", "RankFailedError", "StartupSignals", "failure_line",
+           "write_tracebacks"]
 
 HOST = "127.0.0.1"
 
@@ -116,8 +117,22 @@ def _as_caller(environ: dict, outputs: tuple) -> None:
             os.close(fd)
 
 
+class StartupSignals:
+    """A rank's SIGTERM handler from its first line until the run installs its own
+    (``twinpipe.train.stopping.StopOnSignals``, which takes over what it heard): it only notes when
+    the signal came, so that a signal while the rank starts up is not lost, nor kills the rank."""
+
+    def __init__(self):
+        self.heard: dict[int, float] = {}  # signal -> time.monotonic() of its first arrival
+
+    def __call__(self, signum, frame) -> None:
+        self.heard.setdefault(signum, time.monotonic())
+
+
 def _rank_main(rank: int, world: int, port: int, call: bytes, results, backend: str, threads: int | None,
                group_timeout: float | None, environ: dict, outputs: tuple, forwarded: bool = False) -> None:
+    if forwarded:  # first: a SIGTERM passed on while this rank imports and joins the group is noted, not fatal
+        signal.signal(signal.SIGTERM, StartupSignals())
     _as_caller(environ, outputs)
     if forwarded:  # a terminal's Ctrl-C reaches every process of its group: this rank hears it from the caller, once
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -209,9 +224,10 @@ class _Forwarder:
         self._previous = {}
 
 
-def init_torchrun_group(backend: str, timeout: float) -> None:
+def init_torchrun_group(backend: str, timeout: float = DEFAULT_TIMEOUT) -> None:
     """The default process group of a rank torchrun started (from its environment), ``timeout``
-    seconds its limit. Its keys go under a prefix per restart (``TORCHELASTIC_RESTART_COUNT``):
+    seconds its limit: the one way twinpipe's commands and examples make it. Its keys go under a
+    prefix per restart (``TORCHELASTIC_RESTART_COUNT``):
     torch 2.13's agent keeps one store across ``--max-restarts`` restarts, and without it the
     restarted ranks' gloo met the previous attempt's addresses ("Connection refused", then
     "Gloo connectFullMesh failed")."""
@@ -239,7 +255,9 @@ def run_local(world: int, fn, *args, timeout: float | None = None, threads: int 
     an error, and the others go on (for runs that kill ranks on purpose). With ``forward_signals``, a
     SIGTERM or SIGINT to the caller reaches every rank as SIGTERM (ranks ignore SIGINT: a terminal's
     Ctrl-C comes through here, once) and the caller keeps waiting for the ranks: their handlers decide
-    what a signal means (``twinpipe train``: save and stop)."""
+    what a signal means (``twinpipe train``: save and stop). Until ``fn`` installs its handler, a rank
+    only notes a SIGTERM (``StartupSignals``, which ``train.stopping.StopOnSignals`` takes over): an
+    ``fn`` that installs none never ends on one."""
     check_int(world, "world", low=1, why="processes")
     import torch.multiprocessing as mp
 

@@ -9,7 +9,6 @@ Launches its own ranks (CPU processes with gloo by default), or runs under torch
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ import twinpipe.cli_options as cli_options
 from twinpipe.checks import DEFAULT_TIMEOUT, bad
 from twinpipe.folders import writable_folder
 from twinpipe.demo.failure import failure_message
-from twinpipe.launch import RankFailedError, run_local
+from twinpipe.launch import RankFailedError, init_torchrun_group, run_local
 
 __all__ = ["add_options", "run", "grad_tolerance", "exactness_line", "cpu_cores", "oversubscription_warning",
            "model_config", "GRAD_TOLERANCE", "TRACE_FILES", "DESCRIPTION"]
@@ -64,8 +63,20 @@ def _grad_error(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _run_rank(args) -> None:
+    from twinpipe.runtime.collectives import cpu_group, release_cpu_group
+
+    group = cpu_group(dist.group.WORLD, args.timeout)  # the demo's agreements: a few bytes on the CPU
+    try:
+        _run_steps(args, group)
+    finally:
+        release_cpu_group(group)
+
+
+def _run_steps(args, group) -> None:
+    """The demo on this rank; its own collectives (on ``group``, gloo) each bounded by ``--timeout``."""
     import twinpipe
     from twinpipe.runtime.batches import batch_layout
+    from twinpipe.runtime.collectives import barrier, gather_objects
     from twinpipe.schedule import resolve
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -87,9 +98,8 @@ def _run_rank(args) -> None:
     gen = torch.Generator().manual_seed(0)
     shape = (chunks * args.microbatch_size, args.seq_len, args.dim)
     layout = batch_layout(schedule, world, rank, chunks)
-    piped = torch.tensor([float(bool(pipe.shared_memory_peers))])
-    dist.all_reduce(piped)
-    via = dist.get_backend() + (", messages through shared memory" if piped.item() else "")
+    piped = any(gather_objects(group, bool(pipe.shared_memory_peers), args.timeout, f"demo: rank {rank}: telling how messages go"))
+    via = dist.get_backend() + (", messages through shared memory" if piped else "")
     if rank == 0:
         print(f"twinpipe demo: {args.schedule} on {world} {args.device} rank(s) ({via}), "
               f"{num_model_stages} model stages{' (two copies)' if len(placement.chains) > 1 else ''} x {args.blocks_per_stage} block(s), dim {args.dim}, "
@@ -98,17 +108,17 @@ def _run_rank(args) -> None:
     for step in range(args.steps):
         x = torch.randn(shape, generator=gen, dtype=_dtype(args)).to(device)
         target = torch.randn(shape, generator=gen, dtype=_dtype(args)).to(device)
-        reference = _reference_model(pipe, placement, num_model_stages, args, device)
+        reference = _reference_model(pipe, placement, args, device)
         ref_losses = _reference_losses(reference, placement, x, target, chunks)
 
         inputs, labels = layout.inputs(x), layout.labels(target)
-        dist.barrier()
+        barrier(group, args.timeout, f"demo: rank {rank}: step {step + 1}: waiting for every rank to start it")
         start = time.perf_counter()
         loss, _ = pipe.step(*inputs, num_chunks=chunks, criterion=_criterion, labels=labels,
                             trace=bool(args.trace) and step == args.steps - 1)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dist.barrier()
+        barrier(group, args.timeout, f"demo: rank {rank}: step {step + 1}: waiting for every rank to finish it")
         elapsed = time.perf_counter() - start
         if len(placement.chains) > 1:
             pipe.sync_mirrored_grads()  # both copies of a stage now hold its full gradient
@@ -118,9 +128,7 @@ def _run_rank(args) -> None:
         for s, module in zip(mine, pipe.module):
             for p, q in zip(module.parameters(), reference[placement.model_stage(s)].parameters()):
                 exact &= _grad_error(p.grad, q.grad) <= grad_tolerance(p.dtype)
-        flag = torch.tensor([1.0 if exact else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        exact = bool(flag.item())
+        exact = all(gather_objects(group, bool(exact), args.timeout, f"demo: rank {rank}: step {step + 1}: comparing with one process"))
         all_exact &= exact
         mean_loss = torch.stack(list(ref_losses.values())).mean().item()
         if rank == 0:
@@ -136,20 +144,23 @@ def _run_rank(args) -> None:
         raise SystemExit(1)
 
 
-def _reference_model(pipe, placement, num_model_stages, args, device) -> list[nn.Module]:
-    """Every rank rebuilds the whole model from the pipeline's current weights."""
-    mine = {}
-    for s, module in zip(pipe.stages, pipe.module):
-        k = placement.model_stage(s)
-        if placement.chain_of_stage(s) == 0:
-            mine[k] = {n: t.detach().cpu() for n, t in module.state_dict().items()}
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+def _reference_model(pipe, placement, args, device) -> list[nn.Module]:
+    """Every rank rebuilds the whole model from the pipeline's current weights: each model stage's
+    tensors broadcast by the rank holding its first copy, each broadcast bounded by ``--timeout``."""
+    from twinpipe.runtime.collectives import collective
+
+    rank = dist.get_rank()
+    held = {placement.model_stage(s): module for s, module in zip(pipe.stages, pipe.module) if placement.chain_of_stage(s) == 0}
+    owners = {placement.model_stage(s): r for r in range(dist.get_world_size()) for s in placement.stages_of(r)
+              if placement.chain_of_stage(s) == 0}
     model = []
-    for k in range(num_model_stages):
-        state = next(g[k] for g in gathered if k in g)
+    for k in range(placement.num_model_stages):
         stage = _stage(k, args, device)
-        stage.load_state_dict(state)
+        if k in held:
+            stage.load_state_dict(held[k].state_dict())
+        for name, tensor in stage.state_dict().items():
+            collective(dist.broadcast, tensor, src=owners[k], group=None, timeout=args.timeout,
+                       what=f"demo: rank {rank}: model stage {k}'s {name} from rank {owners[k]}")
         model.append(stage)
     return model
 
@@ -302,13 +313,13 @@ def run(args) -> int:
             print(f"twinpipe demo: {warning}", file=sys.stderr, flush=True)
     if _under_torchrun():
         torch.set_num_threads(args.threads)
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
+        init_torchrun_group("nccl" if args.device == "cuda" else "gloo", args.timeout)
         try:
             _run_rank(args)
         finally:
             dist.destroy_process_group()
         return 0
-    try:  # the group's timeout bounds the demo's own collectives (barriers, the reference's gathering)
+    try:  # the group's timeout bounds its setup; the demo's own collectives wait --timeout each (runtime/collectives.py)
         run_local(args.pp, _worker, args, threads=args.threads, backend="nccl" if args.device == "cuda" else "gloo",
                   group_timeout=args.timeout)
     except RankFailedError as error:

@@ -100,6 +100,7 @@ def _rank(rank: int, world: int, args) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from twinpipe.moe import MoEStage, pp_ep_groups
     from twinpipe.overlap import comm_hidden
+    from twinpipe.runtime.collectives import barrier
     from twinpipe.train.model import block
 
     mesh = init_device_mesh("cpu", (args.pp, args.ep), mesh_dim_names=("pp", "ep"))
@@ -126,7 +127,7 @@ def _rank(rank: int, world: int, args) -> dict:
                 m.overlap = overlap
                 m.fb_events.clear()
                 m.zero_grad(set_to_none=True)
-            dist.barrier()
+            barrier(None, args.timeout, f"demo --moe: rank {rank}: step {step + 1}: waiting for every rank to start it")
             t0 = time.perf_counter()
             loss, _ = pipe.step(*((x,) if first else ()), num_chunks=args.microbatches,
                                 criterion=(lambda o, y: torch.nn.functional.mse_loss(o, y)) if first else None,

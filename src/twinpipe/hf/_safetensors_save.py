@@ -211,17 +211,19 @@ def save_collective(target: Path, tensors, config, group, timeout: float, overwr
 
     mine: dict = {"error": None, "claims": []}
     names = held = None
+    made = None  # rank 0: the temporary folder; removed when the save stops for any reason before it is in place
     try:
-        mine["config"] = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()
-        names = ModelNames(config)
-        mine["claims"], held = _mine(names, tensors, check_copies)
-        if rank == 0:
-            mine["folder"] = str(prepare_folder(target, _replace_folder if overwrite else _refuse_non_empty))
-    except Exception as error:
-        mine["error"] = f"{type(error).__name__}: {error}"
-    said = everyone(mine, "preparing")
-    folder = Path(said[0]["folder"]) if said[0].get("folder") else None
-    try:
+        try:
+            mine["config"] = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()
+            names = ModelNames(config)
+            mine["claims"], held = _mine(names, tensors, check_copies)
+            if rank == 0:
+                made = prepare_folder(target, _replace_folder if overwrite else _refuse_non_empty)
+                mine["folder"] = str(made)
+        except Exception as error:
+            mine["error"] = f"{type(error).__name__}: {error}"
+        said = everyone(mine, "preparing")
+        folder = Path(said[0]["folder"]) if said[0].get("folder") else None
         _raise_if_failed(said, where, before)
         differ = [r for r, s in enumerate(said) if s["config"] != said[0]["config"]]
         if differ:  # each rank plans from its own config: they must be one
@@ -246,7 +248,7 @@ def save_collective(target: Path, tensors, config, group, timeout: float, overwr
                 mine["error"] = f"{type(error).__name__}: {error}"
         said = everyone(mine, "waiting for the folder to be put in place")
         _raise_if_failed(said, where, before)
-    except BaseException:  # noqa: B036  (cleans up, then re-raises whatever it was)
-        if rank == 0 and folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)  # never the target: it is the old folder or the new one
+    except BaseException:  # noqa: B036  (an error, KeyboardInterrupt, SystemExit: cleans up, then re-raises)
+        if made is not None:  # once in place it has the target's name: this removes nothing then (never the target)
+            shutil.rmtree(made, ignore_errors=True)
         raise

@@ -27,6 +27,7 @@ import threading
 import time
 
 from twinpipe.checks import check_float
+from twinpipe.launch import StartupSignals
 
 __all__ = ["STOPPED_EXIT_CODE", "StopAbandoned", "StopOnSignals"]
 
@@ -45,7 +46,8 @@ class StopOnSignals:
     """A context in which ``signals`` (default SIGTERM and SIGINT) ask the run to stop instead of
     ending the process; the handlers before it come back on exit. Main thread only (Python runs
     signal handlers there). ``grace``: seconds from the first signal (or ``agreed()``) until
-    ``StopAbandoned``; None: no limit."""
+    ``StopAbandoned``; None: no limit. A signal that a rank's ``launch.StartupSignals`` noted before
+    this context (while ``run_local(forward_signals=True)`` started the rank) is the first one."""
 
     def __init__(self, grace: float | None = 25.0, signals=(signal.SIGTERM, signal.SIGINT)):
         if grace is not None:
@@ -69,7 +71,9 @@ class StopOnSignals:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("StopOnSignals: signal handlers can only be installed in the main thread")
         for signum in self.signals:
-            self._previous[signum] = signal.signal(signum, self._on_signal)
+            previous = self._previous[signum] = signal.signal(signum, self._on_signal)
+            if isinstance(previous, StartupSignals) and signum in previous.heard and self.signal is None:
+                self._noted(signum, previous.heard[signum])  # it came while the rank started up
         return self
 
     def __exit__(self, *exc) -> bool:
@@ -90,12 +94,17 @@ class StopOnSignals:
             return
         self._timer_started = True
         self._previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._on_grace_over)
-        signal.setitimer(signal.ITIMER_REAL, self.grace)
+        left = self.grace - (time.monotonic() - self._first_at) if self.signal is not None else self.grace
+        signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3))  # the grace period runs from the signal
+
+    def _noted(self, signum: int, at: float) -> None:
+        """The first signal, which came at ``at`` (``time.monotonic()``): the loop acts on it after the step."""
+        self.signal, self._first_at = signum, at
+        self._start_grace()
 
     def _on_signal(self, signum, frame) -> None:
-        if self.signal is None:  # note it; the loop acts on it after the step
-            self.signal, self._first_at = signum, time.monotonic()
-            self._start_grace()
+        if self.signal is None:
+            self._noted(signum, time.monotonic())
             return
         if time.monotonic() - self._first_at < SAME_SIGNAL_S:  # the same request, heard twice
             return

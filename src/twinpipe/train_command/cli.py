@@ -191,6 +191,7 @@ def _check(args) -> None:
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) != world:  # started by torchrun
         raise ValueError(f"--pp={args.pp} x --dp={args.dp} = {world} processes, but torchrun started "
                          f"{os.environ.get('WORLD_SIZE')}: the mesh sizes must multiply to the world size")
+    _check_host_id()
     if args.resume in run_state.AUTO:
         _resolve_auto(args)
     if args.resume is not None:
@@ -198,16 +199,48 @@ def _check(args) -> None:
     writable_folder(args.out, "--out")  # last: it makes the folder, so only when nothing else is wrong
 
 
+def _check_host_id() -> None:
+    """``$TWINPIPE_HOST_ID``, when set, by the rule the ranks apply (``runtime.shm.host_id``): refused
+    here, before any rank starts, not by every rank as it sets up its first pipe."""
+    from twinpipe.runtime.shm import host_id
+
+    host_id()
+
+
 def _resolve_auto(args) -> None:
     """``--resume auto``: the newest complete checkpoint in ``--out`` (torn ones skipped, with a note),
-    or None (a fresh start)."""
+    or None (a fresh start). Under torchrun each worker looks on its own: ``_agree_on_resume`` then
+    checks that every rank found the same one."""
     path, step, notes = run_state.newest_checkpoint(args.out)
+    args.auto_resumed = [path, step]  # not an option: what this rank found, for _agree_on_resume
     if os.environ.get("RANK", "0") == "0":  # under torchrun every rank checks: one says it
         for note in notes:
             print(f"note: --resume {args.resume}: {note}", file=sys.stderr)
         print(f"note: --resume {args.resume}: " + (f"continuing from {path} (step {step})" if path else
               f"no complete checkpoint in --out={args.out}: starting from step 0"), file=sys.stderr)
     args.resume = path
+
+
+def _agree_on_resume(args) -> None:
+    """Under torchrun: every rank of the default group resumes from the checkpoint rank 0 found with
+    ``--resume auto``, or every rank raises naming what each found (a rank seeing another ``--out``,
+    a folder not shared between hosts, would otherwise resume another step). Collective."""
+    found = getattr(args, "auto_resumed", None)
+    if found is None:  # no --resume auto
+        return
+    import torch.distributed as dist
+
+    from twinpipe.runtime.collectives import cpu_group, gather_objects, release_cpu_group
+
+    group = cpu_group(dist.group.WORLD, args.timeout)  # gloo: an NCCL world's own group for a few bytes
+    try:
+        said = gather_objects(group, found, args.timeout, "--resume auto: agreeing on the checkpoint")
+    finally:
+        release_cpu_group(group)
+    if any(s != said[0] for s in said):
+        each = "; ".join(f"rank {r}: {p or 'none'} (step {step})" for r, (p, step) in enumerate(said))
+        raise ValueError(f"--resume auto: the ranks found different newest checkpoints in --out={args.out} ({each}); "
+                         "--out must be one folder every rank sees (a shared filesystem)")
 
 
 def _check_schedule(args, num_microbatches: int) -> int:
@@ -400,6 +433,7 @@ def _torchrun_worker(local_rank: int, args) -> int:
     if ours:
         init_torchrun_group(_backend(args), args.timeout)  # the timeout bounds mesh setup too
     try:
+        _agree_on_resume(args)
         with StopOnSignals(args.grace_period) as stopper:  # SIGTERM (torchrun passes its own on) and SIGINT
             return _train(args, _device(args), stopper)
     finally:

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import twinpipe.cli_options as cli_options
 from twinpipe.checks import bad, check_int

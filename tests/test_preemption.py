@@ -99,9 +99,15 @@ def test_sigterm_mid_step_saves_at_a_step_boundary_and_resume_auto_continues_bit
 
 def _until_sigterm(rank: int, world: int, caller: int) -> str:
     """A rank that waits for SIGTERM; rank 0 sends one to ``caller`` (which passes it on) first."""
+    import torch.distributed as dist
+
+    from twinpipe.runtime.collectives import barrier
+
     heard = []
     signal.signal(signal.SIGTERM, lambda *_: heard.append(True))
-    time.sleep(0.5)  # the caller's handlers are in place (installed as the ranks start)
+    # Every rank's handler is in place before rank 0 signals (a busy machine may start a rank late); the
+    # caller's own handler was installed before the ranks started.
+    barrier(dist.group.WORLD, LIMIT_S, f"rank {rank}: handlers installed")
     if rank == 0:
         os.kill(caller, signal.SIGTERM)
     deadline = time.monotonic() + 60
@@ -262,14 +268,14 @@ def test_the_demo_under_torchrun_restarts_after_a_worker_is_killed(tmp_path):
     attempt's gloo does not meet the killed one's addresses (before: "failed to connect" to the killed
     attempt's address in about half the runs on this machine, a race between the ranks' start-ups)."""
     run = subprocess.Popen(["bash", "-c", f"exec {sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 "
-                            "--max-restarts 1 -m twinpipe.demo --schedule 1f1b --steps 40 --dim 16 --heads 2 --seq-len 8"],
+                            "--max-restarts 1 -m twinpipe.demo --schedule 1f1b --steps 400 --dim 16 --heads 2 --seq-len 8"],
                            cwd=tmp_path, env=typed_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True)
     guard = threading.Timer(LIMIT_S, os.killpg, (run.pid, signal.SIGKILL))  # never a wait without end
     guard.start()
     try:
         lines = []
-        for line in run.stdout:  # the first attempt's first step: its group was made
+        for line in run.stdout:  # the first attempt's first step: its group was made (400 steps: it is still running)
             lines.append(line)
             if line.startswith("step 1:"):
                 break
@@ -283,7 +289,7 @@ def test_the_demo_under_torchrun_restarts_after_a_worker_is_killed(tmp_path):
     out = "".join(lines)
     assert code == 0, out[-3000:]
     assert out.count("twinpipe demo: 1f1b on 2 cpu rank(s)") == 2, out[-3000:]  # the killed attempt's start and the restart's
-    assert "step 40:" in out and "exact: no" not in out, out[-3000:]
+    assert "step 400:" in out and "exact: no" not in out, out[-3000:]
 
 
 class _Clock:

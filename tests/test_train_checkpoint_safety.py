@@ -263,32 +263,32 @@ def _world(rank: int, world: int, root: str) -> dict:
             loaded = f"{type(exc).__name__}: {exc}"
         return "; ".join(problems + ([] if loaded == "ok" else [loaded])) or "ok"
 
+    def save_fails_cleanly(*wanted: str) -> str:
+        """Save over step 3's checkpoint under the caller's injected fault: the save must raise an error
+        quoting ``wanted``, leave no temporary folder, and step 3's checkpoint must load as itself."""
+        try:
+            save_checkpoint(trainer, path, 6)
+            return "the save reported no failure"
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc}"
+        if not all(w in message for w in wanted):
+            return f"unclear error: {message}"
+        if leftovers():
+            return f"temporary folders left: {leftovers()}"
+        return loads_as(3, saved[3])
+
     def another_folder():
         """Rank 1 writes into a folder of the same name that rank 0 does not see (another host's local
         disk instead of a shared filesystem): the save must fail, not write a marker that vouches for
         files rank 0 never saw."""
         import twinpipe.train.checkpoint as checkpoint
 
-        elsewhere = root_path / "elsewhere"
+        def elsewhere(original):  # the folder argument swapped for one beside the checkpoint's
+            return lambda folder, *a, **k: original(root_path / "elsewhere" / Path(folder).name, *a, **k)
 
-        def writer(original):
-            return lambda folder, *a, **k: original(elsewhere / Path(folder).name, *a, **k)
-
-        def own_files(original):
-            return lambda folder, *a, **k: original(elsewhere / Path(folder).name, *a, **k)
-
-        with (_patched(checkpoint, "FileSystemWriter", writer) if rank == 1 else _nothing()), \
-             (_patched(checkpoint, "_finish_own_files", own_files) if rank == 1 else _nothing()):
-            try:
-                save_checkpoint(trainer, path, 6)
-                return "the save reported no failure"
-            except Exception as exc:
-                message = f"{type(exc).__name__}: {exc}"
-        if "rank 1" not in message or "shared filesystem" not in message:
-            return f"unclear error: {message}"
-        if leftovers():
-            return f"temporary folders left: {leftovers()}"
-        return loads_as(3, saved[3])
+        with (_patched(checkpoint, "FileSystemWriter", elsewhere) if rank == 1 else _nothing()), \
+             (_patched(checkpoint, "_finish_own_files", elsewhere) if rank == 1 else _nothing()):
+            return save_fails_cleanly("rank 1", "shared filesystem")
 
     def rename_fails():
         import twinpipe.train.checkpoint_files as files
@@ -301,16 +301,7 @@ def _world(rank: int, world: int, root: str) -> dict:
             return rename
 
         with _patched(files.os, "rename", failing) if rank == 0 else _nothing():
-            try:
-                save_checkpoint(trainer, path, 6)
-                return "the save reported no failure"
-            except Exception as exc:
-                message = f"{type(exc).__name__}: {exc}"
-        if "rank 0" not in message or "Input/output error (injected)" not in message:
-            return f"unclear error: {message}"
-        if leftovers():
-            return f"temporary folders left: {leftovers()}"
-        return loads_as(3, saved[3])
+            return save_fails_cleanly("rank 0", "Input/output error (injected)")
 
     def overwrite():
         save_checkpoint(trainer, path, 6)

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's balancing on a ``transformers`` DeepSeek-V3 through ``Trainer(stages=HFStages(...))``:
+"""DeepSeek-V3's balancing on a ``transformers`` DeepSeek-V3 through ``Trainer(stages=HFSource(...))``:
 ``TrainConfig(bias_update_speed=gamma)`` moves every gate's ``e_score_correction_bias`` and
 ``balance_alpha`` adds the sequence-wise balance loss, as one process does on the unsplit model
 (``BiasBalancer`` and ``install_balance_loss``): the biases bitwise after 2-3 steps under dualpipev
@@ -89,14 +89,14 @@ def _reference(steps: int, alpha: float) -> dict:
 
 def _trainer(schedule: str, dp: int, pp: int, *, alpha: float = ALPHA, ep: bool = False, gamma: float = GAMMA,
              layout: str | None = None):
-    from twinpipe.hf import HFStages, TokenLoss
+    from twinpipe.hf import HFSource, TokenLoss
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.trainer import TrainConfig, Trainer
 
     mesh = build_mesh(dp, pp)
     config = TrainConfig(schedule=schedule, batch_size=BATCH, microbatch_size=MICRO, seed=0, bias_update_speed=gamma,
                          **({"balance_alpha": alpha} if alpha else {}))
-    stages = HFStages("unused: no weights read", layout, ep_group=mesh.dp_group if ep else None)
+    stages = HFSource("unused: no weights read", layout, ep_group=mesh.dp_group if ep else None)
     return Trainer(_model, _sampler(), TokenLoss(), lambda ps: torch.optim.SGD(ps, lr=LR), mesh, config,
                    dtype=torch.float64, stages=stages)
 
@@ -267,7 +267,7 @@ def _cli(root: Path) -> list[str]:
 def _refused() -> list[str]:
     """``Trainer`` refuses gamma or alpha for a model without DeepSeek-V3 gates (a Llama), and alpha for
     a twinpipe.moe model (its routers take their own), on every rank alike."""
-    from twinpipe.hf import HFStages, TokenLoss
+    from twinpipe.hf import HFSource, TokenLoss
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.trainer import TrainConfig, Trainer
 
@@ -279,7 +279,7 @@ def _refused() -> list[str]:
         config = TrainConfig(schedule="1f1b", batch_size=BATCH, microbatch_size=MICRO, **{field: 0.01})
         try:
             Trainer(llama, _sampler(), TokenLoss(), lambda ps: torch.optim.SGD(ps, lr=LR), mesh, config, dtype=torch.float64,
-                    stages=HFStages("unused"))
+                    stages=HFSource("unused"))
             problems.append(f"{field}: not refused")
         except ValueError as error:
             if message not in str(error):

@@ -1,7 +1,7 @@
 """twinpipe.hf with DeepSeek-V3's multi-token prediction: ``build(..., mtp_depth=D)`` exact against the
 unsplit model plus the same MTP layers in one process (losses bitwise, gradients within 1e-13, float64)
 under dualpipev, dualpipe and 1f1b on 2 ranks; the MTP tensors saved under DeepSeek-V3's checkpoint
-names and read back; ``Trainer(stages=HFStages(..., mtp_depth=D))``'s first loss equal to the
+names and read back; ``Trainer(stages=HFSource(..., mtp_depth=D))``'s first loss equal to the
 reference. One 2-rank world for the module."""
 
 from __future__ import annotations
@@ -225,13 +225,13 @@ def _saved_ep(root: Path, group) -> str:
     """Stages with D MTP layers and their experts spread over EP=2 (each rank a one-rank pipeline;
     values unlike the initial ones) saved from 2 ranks, each writing its expert rows: every expert of
     every MoE layer, the MTP layers' included, on disk under DeepSeek-V3's names with the values
-    trained; ``from_pretrained`` loads the main model bitwise; ``HFStages(..., ep_group=, mtp_depth=D,
+    trained; ``from_pretrained`` loads the main model bitwise; ``HFSource(..., ep_group=, mtp_depth=D,
     weights=True)`` (the trainer's) reads each rank's rows back bitwise."""
     import zlib
 
     import torch.distributed as dist
 
-    from twinpipe.hf import HFStages
+    from twinpipe.hf import HFSource
     from twinpipe.hf.experts import EPMoE, expert_places, shard_experts_
     from twinpipe.hf.mtp import save_tensors
     from twinpipe.hf.weights import load, save
@@ -274,7 +274,7 @@ def _saved_ep(root: Path, group) -> str:
         if differ:
             problems.append(f"from_pretrained: {len(differ)} tensors differ (first {differ[0]})")
     dist.barrier(group)
-    again = HFStages(str(out), weights=True, ep_group=group, mtp_depth=DEPTH)
+    again = HFSource(str(out), weights=True, ep_group=group, mtp_depth=DEPTH)
     (read,) = again.build(hf_models.model("deepseek_v3", layers=2, seed=7), resolve("1f1b", 1), 0)  # other weights
     for name, p in read.named_model_parameters():
         t = mine[name][1] if isinstance(mine[name], tuple) else mine[name]
@@ -284,13 +284,13 @@ def _saved_ep(root: Path, group) -> str:
 
 
 def _mixed(root: Path) -> str:
-    """``Trainer(stages=HFStages(DIR, mtp_depth=1, ep_group=dp group))`` with ``precision="bf16-mixed"``
+    """``Trainer(stages=HFSource(DIR, mtp_depth=1, ep_group=dp group))`` with ``precision="bf16-mixed"``
     and ``zero=1`` on DP=2 (PP=1; DIR: the folder ``_saved`` wrote): the MTP layer's expert rows are
     experts as the main layers' are (row shards, not sharded again by ZeRO-1: this rank updates
     them, from FP32 masters with an FP32 ``main_grad``, and has their optimizer state after a step)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from twinpipe.hf import HFStages, TokenLoss
+    from twinpipe.hf import HFSource, TokenLoss
     from twinpipe.train.data import BatchSampler
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.trainer import TrainConfig, Trainer
@@ -303,7 +303,7 @@ def _mixed(root: Path) -> str:
                         mtp_depth=1, mtp_weight=WEIGHT)
     trainer = Trainer(lambda: AutoModelForCausalLM.from_config(config), BatchSampler(corpus, SEQ, seed=0), TokenLoss(),
                       lambda ps: torch.optim.AdamW(ps, lr=1e-3), mesh, train,
-                      stages=HFStages(folder, weights=True, ep_group=mesh.dp_group, mtp_depth=1))
+                      stages=HFSource(folder, weights=True, ep_group=mesh.dp_group, mtp_depth=1))
     try:
         result = trainer.step(0)
     finally:
@@ -510,17 +510,17 @@ def test_twinpipe_train_refuses_mtp_depth_before_any_process_starts(tmp_path, ca
 
 
 def test_twinpipe_train_reads_deepseek_v3_routing_biases_from_a_checkpoint(tmp_path):
-    """``HFStages`` with weights fills the persistent buffers too: DeepSeek-V3's
+    """``HFSource`` with weights fills the persistent buffers too: DeepSeek-V3's
     ``e_score_correction_bias`` (drawn at random here) is the checkpoint's, not its initial zeros."""
     from transformers import AutoModelForCausalLM
 
     from twinpipe.schedule.spec import resolve
-    from twinpipe.hf import HFStages
+    from twinpipe.hf import HFSource
 
     saved = hf_models.model("deepseek_v3", layers=2)
     saved.save_pretrained(str(tmp_path))
     fresh = AutoModelForCausalLM.from_config(saved.config, dtype=torch.float64)
-    (stage,) = HFStages(str(tmp_path), "E,t|t,L", weights=True).build(fresh, resolve("1f1b", 2), 1)
+    (stage,) = HFSource(str(tmp_path), "E,t|t,L", weights=True).build(fresh, resolve("1f1b", 2), 1)
     bias = stage.layers["1"].mlp.gate.e_score_correction_bias
     assert torch.equal(bias, saved.model.layers[1].mlp.gate.e_score_correction_bias)
     assert list(dict(stage.named_model_buffers())) == ["model.layers.1.mlp.gate.e_score_correction_bias"]
@@ -531,12 +531,12 @@ def test_a_checkpoint_without_mtp_layers_leaves_them_at_their_initial_values(tmp
 
     from twinpipe.hf.mtp import mtp_layers
     from twinpipe.schedule.spec import resolve
-    from twinpipe.hf import HFStages
+    from twinpipe.hf import HFSource
 
     saved = hf_models.model("deepseek_v3", layers=2)
     saved.save_pretrained(str(tmp_path))  # the main model only
     fresh = AutoModelForCausalLM.from_config(saved.config, dtype=torch.float64)
-    (stage,) = HFStages(str(tmp_path), "E,t|t,L", weights=True, mtp_depth=1).build(fresh, resolve("1f1b", 2), 1)
+    (stage,) = HFSource(str(tmp_path), "E,t|t,L", weights=True, mtp_depth=1).build(fresh, resolve("1f1b", 2), 1)
     initial = dict(mtp_layers(fresh, 1)[0].state_dict())
     assert all(torch.equal(t, initial[k]) for k, t in stage.mtp[0].state_dict().items())
     assert torch.equal(stage.mtp_embed, saved.model.embed_tokens.weight)  # the copy: the checkpoint's embedding

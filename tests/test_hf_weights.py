@@ -445,7 +445,7 @@ def test_expert_rows_split_over_two_ranks_with_a_redundant_row(world, case):
 
 @pytest.mark.parametrize("case", [f"{arch}/sharded" for arch in MOE] + ["qwen3-moe/fused"])
 def test_the_trainers_ep_ranks_read_only_their_expert_rows(world, case):
-    """``twinpipe train --model DIR --ep 2`` (``HFStages`` with an EP group, here 2 ranks simulated in
+    """``twinpipe train --model DIR --ep 2`` (``HFSource`` with an EP group, here 2 ranks simulated in
     this process): each rank takes from the files exactly the bytes of the tensors it holds, of each
     fused expert tensor its own half of the rows (stored per expert: only its experts' keys), and
     gets the checkpoint's values."""
@@ -453,14 +453,14 @@ def test_the_trainers_ep_ranks_read_only_their_expert_rows(world, case):
 
     from twinpipe.moe.local import LocalEPGroup
     from twinpipe.schedule.spec import resolve
-    from twinpipe.hf import HFStages
+    from twinpipe.hf import HFSource
 
     root, (arch, layout) = world[0], case.split("/")
     folder, ref = root / arch / layout, torch.load(root / f"{arch}.pt")
     group = LocalEPGroup(2)
     for rank in range(2):
         model = AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(str(folder)))
-        stages = HFStages(str(folder), weights=True, ep_group=group.rank(rank))
+        stages = HFSource(str(folder), weights=True, ep_group=group.rank(rank))
         with _Counting() as seen:
             modules = stages.build(model, resolve("1f1b", 1), 0)
         held = dict(p for m in modules for p in m.named_model_parameters())

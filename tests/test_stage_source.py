@@ -1,5 +1,5 @@
 """One ``StageSource`` contract (``twinpipe.train.stage_source``) for both sources the trainer takes:
-the built-in GPT cut by ``SplitStages`` and a ``transformers`` model cut by ``HFStages``. Single
+the built-in GPT cut by ``SplitStages`` and a ``transformers`` model cut by ``HFSource``. Single
 process, no process group: each pipeline rank's stages are built from a fresh model of the same seed."""
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def _split():
 
 
 def _hf_source():
-    from twinpipe.hf import HFStages
+    from twinpipe.hf import HFSource
 
-    return HFStages("unused")
+    return HFSource("unused")
 
 
 MODELS = {  # name: (model factory, source factory, has routers, has tied pairs)
@@ -92,7 +92,7 @@ def test_a_stages_object_that_is_not_a_source_is_refused_naming_what_it_lacks():
         def parameter_names(self, model): ...
         def build(self, model, schedule, pp_rank): ...
         def batch(self, layout, x, y): ...
-        def sync_grads(self, pipe): ...
+        def sync_mirrored_grads(self, pipe): ...
 
     with pytest.raises(ValueError, match=r"stages=Partial: must be a twinpipe.train.StageSource .*lacks add_balance_loss, mtp_modules"):
         check_source(Partial())

@@ -328,12 +328,12 @@ def test_a_transformers_model_trains_on_a_pipeline_and_resumes_on_another_mesh(t
 
 
 def test_a_model_folder_with_weights_gives_each_rank_its_stages_tensors(tmp_path):
-    """``HFStages(weights=True)``: the stages hold the folder's tensors, not the seeded random ones."""
+    """``HFSource(weights=True)``: the stages hold the folder's tensors, not the seeded random ones."""
     _needs_hf()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from twinpipe.schedule import resolve
-    from twinpipe.hf import HFStages
+    from twinpipe.hf import HFSource
 
     config = AutoConfig.from_pretrained(str(TINY_LLAMA), local_files_only=True)
     torch.manual_seed(1)
@@ -345,7 +345,7 @@ def test_a_model_folder_with_weights_gives_each_rank_its_stages_tensors(tmp_path
     for rank in range(2):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)
-        modules = HFStages(str(tmp_path / "model"), "E,t*2|t*2,L", weights=True).build(model, spec, rank)
+        modules = HFSource(str(tmp_path / "model"), "E,t*2|t*2,L", weights=True).build(model, spec, rank)
         assert len(modules) == 2
         for module in modules:
             for name, p in module.named_model_parameters():
@@ -353,8 +353,8 @@ def test_a_model_folder_with_weights_gives_each_rank_its_stages_tensors(tmp_path
                 seen.add(name)
     assert seen == set(state)
     tied = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(TINY_LLAMA), tie_word_embeddings=True))
-    assert HFStages(str(tmp_path / "model")).tied_copies(tied) == (("model.embed_tokens.weight", "lm_head.weight"),)
-    assert HFStages(str(tmp_path / "model")).tied_copies(model) == ()
+    assert HFSource(str(tmp_path / "model")).tied_copies(tied) == (("model.embed_tokens.weight", "lm_head.weight"),)
+    assert HFSource(str(tmp_path / "model")).tied_copies(model) == ()
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is unavailable:UserWarning")  # reading the checkpoint here

@@ -1,4 +1,4 @@
-"""``Trainer(stages=HFStages(...))`` on 2 ranks: a ``transformers`` causal LM with tied input/output
+"""``Trainer(stages=HFSource(...))`` on 2 ranks: a ``transformers`` causal LM with tied input/output
 embeddings trains as the unsplit model does, under a V schedule (one rank holds both ends: one
 tensor, ``tie="shared"``) and 1F1B (the ends on two ranks: the head has its own copy, ``"split"``);
 its checkpoint stores the tied weight once and loads under either tie (AdamW: resumed bitwise).
@@ -62,14 +62,14 @@ def _reference() -> tuple[list[float], list[float], dict]:
 def _tied_trainer(schedule: str, adam: bool = False):
     import torch
 
-    from twinpipe.hf import HFStages, TokenLoss
+    from twinpipe.hf import HFSource, TokenLoss
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.trainer import TrainConfig, Trainer
 
     config = TrainConfig(schedule=schedule, batch_size=BATCH, microbatch_size=MICRO, seed=0, max_norm=1e9)
     optimizer = (lambda ps: torch.optim.AdamW(ps, lr=1e-2)) if adam else (lambda ps: torch.optim.SGD(ps, lr=0.5))
     return Trainer(_tied_model, _sampler(), TokenLoss(), optimizer, build_mesh(1, 2), config,
-                   dtype=torch.float64, stages=HFStages(str(TINY_LLAMA), LAYOUTS[schedule]))
+                   dtype=torch.float64, stages=HFSource(str(TINY_LLAMA), LAYOUTS[schedule]))
 
 
 def _adam_resumed(root: str) -> list:

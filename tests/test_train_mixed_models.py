@@ -8,7 +8,7 @@ One 4-process gloo world: the built-in GPT with multi-token prediction (its head
 embedding) on DualPipe PP=2 x DP=2, 1F1B PP=2 x DP=2 (the reduction started inside the step) and
 DualPipeV PP=2 x DP=2 (both ends on rank 0), bf16-mixed and ZeRO-1, bitwise against the
 single-process reference (losses, norms, FP32 masters, AdamW state, bf16 weights); a tied
-transformers Llama through ``Trainer(stages=HFStages(...))``, bitwise the same run without ZeRO-1,
+transformers Llama through ``Trainer(stages=HFSource(...))``, bitwise the same run without ZeRO-1,
 its two ends bitwise equal. Then ``twinpipe train`` end to end: a tied Llama and the tiny Qwen3-MoE
 with ``--ep 2 --dp 2``, each with ``--precision bf16-mixed --zero 1``, resumed on another mesh.
 """
@@ -110,7 +110,7 @@ def _hf_tied(rank: int, schedule: str, layout: str) -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from twinpipe.hf import HFStages, TokenLoss
+    from twinpipe.hf import HFSource, TokenLoss
     from twinpipe.train.data import BatchSampler
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.trainer import TrainConfig, Trainer
@@ -121,7 +121,7 @@ def _hf_tied(rank: int, schedule: str, layout: str) -> list[str]:
         config = TrainConfig(schedule=schedule, batch_size=8, microbatch_size=1, seed=0, max_norm=1.0, precision="bf16-mixed",
                              zero=zero)
         trainer = Trainer(_tied_llama, BatchSampler(corpus, 8, seed=0), TokenLoss(), lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-                          build_mesh(2, 2), config, stages=HFStages(str(TINY_LLAMA), layout))
+                          build_mesh(2, 2), config, stages=HFSource(str(TINY_LLAMA), layout))
         results = [trainer.step(step) for step in range(STEPS)]
         state = gather_state(trainer)
         ends = [(name, p.detach().clone()) for name, p, _ in trainer.held
@@ -159,7 +159,7 @@ def _hf_moe_ep(rank: int) -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from twinpipe.hf import HFStages, TokenLoss
+    from twinpipe.hf import HFSource, TokenLoss
     from twinpipe.train.data import BatchSampler
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.trainer import TrainConfig, Trainer
@@ -170,7 +170,7 @@ def _hf_moe_ep(rank: int) -> list[str]:
         mesh = build_mesh(2, 2)
         config = TrainConfig(schedule="1f1b", batch_size=4, microbatch_size=1, seed=0, max_norm=1.0, precision=mode, zero=zero)
         trainer = Trainer(_moe, BatchSampler(corpus, 8, seed=0), TokenLoss(), lambda ps: torch.optim.AdamW(ps, lr=1e-2), mesh,
-                          config, stages=HFStages(str(TINY_MOE), "E,t|t,L", ep_group=mesh.dp_group))
+                          config, stages=HFSource(str(TINY_MOE), "E,t|t,L", ep_group=mesh.dp_group))
         results = [trainer.step(step) for step in range(STEPS if mode != "pure" else 1)]
         experts = [p for p in trainer.params if id(p) in trainer.row_shards]
         if not experts:

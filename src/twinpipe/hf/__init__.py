@@ -9,13 +9,16 @@ DeepSeek-V3's multi-token prediction layers (``build(..., mtp_depth=D)``). Impor
 
 from twinpipe.hf.layer import Context, DecoderLayer
 from twinpipe.hf.layout import balanced_layout, format_layout, parse_layout
-from twinpipe.hf.stages import CausalLMLoss, HFPartedStage, HFPipelineStages, HFStage, build, count_items
+from twinpipe.hf.stages import CausalLMLoss, HFPartedStage, HFRankStages, HFStage, build, count_items
 from twinpipe.hf.self_check import model_parts
 from twinpipe.hf.support import TESTED, UnsupportedModelError, UntestedModelWarning
-from twinpipe.hf.training import HFStages, TokenLoss, parameter_names
+from twinpipe.hf.training import HFSource, TokenLoss, parameter_names
 
 __all__ = [
-    "build", "HFPipelineStages", "HFStage", "HFPartedStage", "CausalLMLoss", "count_items",
+    "build", "HFRankStages", "HFStage", "HFPartedStage", "CausalLMLoss", "count_items",
     "Context", "DecoderLayer", "parse_layout", "format_layout", "balanced_layout",
-    "TESTED", "UnsupportedModelError", "UntestedModelWarning", "model_parts", "HFStages", "TokenLoss", "parameter_names",
+    "TESTED", "UnsupportedModelError", "UntestedModelWarning", "model_parts", "HFSource", "TokenLoss", "parameter_names",
 ]
+
+# Earlier names of HFSource and HFRankStages, kept so scripts written against them still run (not in __all__).
+HFStages, HFPipelineStages = HFSource, HFRankStages

@@ -94,7 +94,7 @@ class EPMoE(ExpertExchange):
         ep, rank = self._check_group(ep_group, len(placement))
         self.ep_group, self.ep, self.ep_rank = ep_group, ep, rank
         self.local = len(placement) // ep
-        self.first_expert = self.first_slot = rank * self.local
+        self.first_slot = rank * self.local
         self.gate = block.gate
         # The router gets what the HF block gives it (hooks on it see the same): DeepSeek-V3's the
         # [B, S, H] hidden states (its sequence-wise balance loss needs the sequences), the others

@@ -12,7 +12,7 @@ the embedding comes first in the concatenation, as ``transformers``' own ``MtpLa
 DeepSeek-V3's checkpoints (tests/test_hf_mtp.py compares the two). Emb and lm_head are the model's: the stage
 holds lm_head, and the embedding itself where one rank holds both ends (a V schedule), else a copy
 (``mtp_embed``) whose gradient is summed with the embedding's by the tied-pair rule
-(``HFPipelineStages.sync_tied_grads``; under ``twinpipe.train.Trainer``, its ``tied_copies``).
+(``HFRankStages.sync_tied_grads``; under ``twinpipe.train.Trainer``, its ``tied_copies``).
 
 With expert parallelism (the model sharded by ``twinpipe.hf.experts.shard_experts_`` before
 ``build``) the MTP layers' MoE blocks are sharded over the same EP group (``mtp_layers(...,
@@ -140,7 +140,7 @@ class HFMTPLoss:
     k+1 places ahead (-100 ignored), divided by the number of tokens it counts in the whole batch.
 
     Called as ``criterion(logits, hidden, labels, counts, input_ids, attention_mask)``
-    (``HFPipelineStages.batch`` makes the last four; ``counts[:, k]``: depth k's count, 0 the main loss's)."""
+    (``HFRankStages.batch`` makes the last four; ``counts[:, k]``: depth k's count, 0 the main loss's)."""
 
     def __init__(self, main, head: nn.Module | None, weight: float, depth: int):
         self.main, self.head, self.weight, self.depth = main, head, weight, depth

@@ -234,7 +234,7 @@ class CausalLMLoss:
     with ``num_items_in_batch``.
 
     Called as ``criterion(logits, [tokens_per_expert, router_prob, rows,] labels, num_items)``:
-    ``num_items`` holds the batch's count in every row (``HFPipelineStages.batch`` makes it)."""
+    ``num_items`` holds the batch's count in every row (``HFRankStages.batch`` makes it)."""
 
     def __init__(self, loss_function, vocab_size: int, aux: tuple | None = None):
         self.loss_function, self.vocab_size, self.aux = loss_function, vocab_size, aux

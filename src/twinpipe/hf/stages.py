@@ -2,7 +2,7 @@
 
 ``build`` gives one rank its stage modules (``HFStage``, in ``twinpipe.hf.stage``) for any
 schedule, with the criterion, the batch split and the gradient sums that go with them
-(``HFPipelineStages``); the tuples that flow between stages are described in ``twinpipe.hf.layer``.
+(``HFRankStages``); the tuples that flow between stages are described in ``twinpipe.hf.layer``.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from twinpipe.runtime.weight_grad import defer_weight_grads
 from twinpipe.schedule.spec import ScheduleSpec, resolve
 from twinpipe.train.balance import measured_once, time_weights
 
-__all__ = ["HFStage", "HFPartedStage", "CausalLMLoss", "HFPipelineStages", "build", "ROTARY", "IGNORE_INDEX"]
+__all__ = ["HFStage", "HFPartedStage", "CausalLMLoss", "HFRankStages", "build", "ROTARY", "IGNORE_INDEX"]
 
 @dataclass
-class HFPipelineStages:
+class HFRankStages:
     """One rank's share of a causal LM under a schedule: pass ``modules`` and ``spec`` to
     ``Pipeline`` (or call ``pipeline()``), ``batch()`` to ``step()`` with ``criterion``, and call
     ``sync_grads(pipe)`` after each training step (before clipping and the optimizer)."""
@@ -148,7 +148,7 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
           layout: str | None = None, balance: str = "params", sample: torch.Tensor | None = None,
           rotary: str = "recompute", defer: bool = True, untested: bool = False, process_group=None,
           wrap_layer=None, mtp_depth: int | str = 0, mtp_weight: float = 0.3, mtp_seed: int = 0,
-          timeout: float | None = None, **schedule_options) -> HFPipelineStages:
+          timeout: float | None = None, **schedule_options) -> HFRankStages:
     """Rank ``rank``'s stages of ``model`` (a ``transformers`` causal LM) under ``schedule`` on
     ``num_ranks`` ranks (both default to the process group's, when torch.distributed is up).
 
@@ -251,7 +251,7 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
         criterion = HFMTPLoss(criterion, last[0] if last else None, float(mtp_weight), depth)
     tied_keys = ("embed", "head") if tie == "split" else ("embed", "mtp_embed") if depth and not both_ends else ()
     weight = parts.embed_tokens.weight
-    return HFPipelineStages(modules=modules, spec=spec, rank=rank, layout=format_layout(items), criterion=criterion,
+    return HFRankStages(modules=modules, spec=spec, rank=rank, layout=format_layout(items), criterion=criterion,
                             tie=tie, rotary=rotary, _ends=ends, _tied_like=(tuple(weight.shape), weight.dtype, weight.device),
                             facts={"model": type(model).__name__, "layers": n_layers, "vocab": int(parts.config.vocab_size),
                                    "hidden": int(parts.config.hidden_size), "aux": list(parts.aux or ()),

@@ -1,4 +1,4 @@
-"""``twinpipe.hf`` for ``twinpipe.train.Trainer``: ``HFStages`` (its ``stages=``: a ``transformers`` causal
+"""``twinpipe.hf`` for ``twinpipe.train.Trainer``: ``HFSource`` (its ``stages=``: a ``transformers`` causal
 LM cut by ``build``, weights read per stage, MoE experts sharded over the data-parallel group) and
 ``TokenLoss`` (its criterion). ``twinpipe train --model DIR`` trains with these two."""
 
@@ -14,7 +14,7 @@ from twinpipe.checks import bad
 from twinpipe.moe.balance_loss import install_balance_loss
 from twinpipe.moe.bias import HF_BIAS, CountedRouter, hf_gates
 
-__all__ = ["HFStages", "TokenLoss", "parameter_names"]
+__all__ = ["HFSource", "TokenLoss", "parameter_names"]
 
 
 def parameter_names(model, mtp_depth: int = 0) -> list:
@@ -32,7 +32,7 @@ def _gates(module) -> list:
     return [(name, gates[id(t)]) for name, t in module.named_model_buffers() if id(t) in gates]
 
 
-class HFStages:
+class HFSource:
     """``Trainer(stages=...)`` for a ``transformers`` causal LM (a ``twinpipe.train.StageSource``):
     ``twinpipe.hf.build`` cuts it (``layout``,
     else ``balance``: ``"params"``, or ``"time"`` measured on ``sample``, a batch of token ids); with
@@ -142,7 +142,7 @@ class HFStages:
 
         return layout.inputs(x, torch.ones_like(x)), layout.labels(y)
 
-    def sync_grads(self, pipe) -> None:
+    def sync_mirrored_grads(self, pipe) -> None:
         # The mirrored copies only: the tied embedding's sum is the trainer's (tied_copies), not
         # twinpipe.hf's sync_tied_grads as well (that would add the two gradients twice).
         pipe.sync_mirrored_grads()

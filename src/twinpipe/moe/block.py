@@ -101,7 +101,7 @@ class MoEBlock(ExpertExchange):
         self.ep_group, self.ep, self.ep_rank = ep_group, ep, rank
         self.local = num_experts // ep  # slots per rank
         self.experts = nn.ModuleList(FeedForward(hidden, expert_hidden, swiglu) for _ in range(self.local))
-        self.first_expert = self.first_slot = rank * self.local
+        self.first_slot = rank * self.local
         # Token copies this rank routed to each logical expert, and rows each local slot ran on,
         # summed over forwards until reset_counts().
         self.register_buffer("routed_tokens", torch.zeros(num_experts, dtype=torch.long), persistent=False)
@@ -128,7 +128,7 @@ class MoEBlock(ExpertExchange):
         ep, rank = self._check_group(ep_group, len(placement))
         local = len(placement) // ep
         self.ep_group, self.ep, self.ep_rank, self.local = ep_group, ep, rank, local
-        self.first_expert = self.first_slot = rank * local
+        self.first_slot = rank * local
         full = list(self.experts)
         mine = placement[rank * local : (rank + 1) * local].tolist()
         self.experts = nn.ModuleList(copy.deepcopy(full[e]) if phy2log is not None else full[e] for e in mine)

@@ -45,7 +45,7 @@ def expert_counts(module: nn.Module, reset: bool = True) -> dict[str, dict]:
     for name, block in module.named_modules():
         if isinstance(block, MoEBlock):
             out[name] = {"routed": block.routed_tokens.clone(), "expert_rows": block.expert_rows.clone(),
-                         "first_expert": block.first_expert}
+                         "first_slot": block.first_slot}
             if reset:
                 block.reset_counts()
     return out

@@ -66,7 +66,7 @@ class SplitStages:
     def batch(self, layout, x, y) -> tuple:
         return (layout.inputs(x), layout.labels(y))
 
-    def sync_grads(self, pipe) -> None:
+    def sync_mirrored_grads(self, pipe) -> None:
         pipe.sync_mirrored_grads()  # a no-op without mirrored copies
 
     def tied_copies(self, model: nn.Module) -> tuple:

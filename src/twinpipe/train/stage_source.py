@@ -1,7 +1,7 @@
 """``StageSource``: what the trainer needs of a model cut into pipeline stages, declared once.
 
 Two sources provide it: ``split_source.SplitStages`` (a model of one-tensor layers such as
-``twinpipe.train.model.GPT``, cut by ``stages.split``) and ``twinpipe.hf.HFStages`` (a
+``twinpipe.train.model.GPT``, cut by ``stages.split``) and ``twinpipe.hf.HFSource`` (a
 ``transformers`` causal LM). The trainer calls these methods and nothing else of its stages.
 """
 
@@ -32,7 +32,7 @@ class StageSource(Protocol):
     def batch(self, layout, x, y) -> tuple:
         """``(inputs, labels)`` of ``Pipeline.step`` from this replica's rows and the rank's ``batch_layout``."""
 
-    def sync_grads(self, pipe) -> None:
+    def sync_mirrored_grads(self, pipe) -> None:
         """After the pipeline step: every copy of a parameter gets the same sum (mirrored copies)."""
 
     def tied_copies(self, model: nn.Module) -> tuple[tuple[str, str], ...]:
@@ -66,5 +66,5 @@ def check_source(stages) -> None:
     if not isinstance(stages, StageSource):
         members = sorted(n for n in vars(StageSource) if not n.startswith("_")) + ["initial_biases_kept"]
         missing = [n for n in members if n not in dir(stages)]
-        raise ValueError(f"stages={type(stages).__name__}: must be a twinpipe.train.StageSource such as twinpipe.hf.HFStages "
+        raise ValueError(f"stages={type(stages).__name__}: must be a twinpipe.train.StageSource such as twinpipe.hf.HFSource "
                          f"(it lacks {', '.join(missing)})")

@@ -5,7 +5,7 @@ docs/architecture.md follows one step file by file):
 1. ``Pipeline.step`` on this replica's rows: gradients summed over micro-batches into ``.grad``
    (with ``overlap_dp`` and one chain, each stage's data-parallel buckets start as soon as its last
    gradient-writing op has run: the pipeline's ``on_grads_ready``);
-2. the stage source's ``sync_grads``: mirrored copies (DualPipe, Chimera, BitPipe) add their
+2. the stage source's ``sync_mirrored_grads``: mirrored copies (DualPipe, Chimera, BitPipe) add their
    gradients; then every copy of a tied pair gets ``main + copy`` over the pipeline (``tied.py``);
 3. data parallel (``ownership.py`` built the reducer): dense gradients summed across replicas
    (ZeRO-1: reduce-scattered to their owners, ``zero.py``); MoE experts only as
@@ -101,7 +101,7 @@ class Trainer:
     ``criterion(output, labels)`` is one micro-batch's mean loss.
 
     ``stages``: how to cut a model that is not a sequence of one-tensor layers (a ``transformers``
-    causal LM: ``twinpipe train --model``, ``twinpipe.hf.HFStages``), a ``StageSource``
+    causal LM: ``twinpipe train --model``, ``twinpipe.hf.HFSource``), a ``StageSource``
     (``stage_source.py``: every method the trainer calls); None cuts by ``split`` with
     ``config.balance`` (``split_source.SplitStages``).
     """
@@ -264,7 +264,7 @@ class Trainer:
         times["pipeline"] = time.perf_counter() - start
         times["busy"] = self.pipe.last_busy_s  # of "pipeline": running this rank's ops, not waiting for peers
         mark = time.perf_counter()
-        self.source.sync_grads(self.pipe)
+        self.source.sync_mirrored_grads(self.pipe)
         times["mirror"] = time.perf_counter() - mark
         mark = time.perf_counter()
         if self.tied:  # before the data-parallel reduction: it moves main_grad, or reduce-scatters (ZeRO-1)

@@ -483,9 +483,9 @@ def _train(args, device, stopper: StopOnSignals | None = None) -> int:
     if hf is None:
         trainer = Trainer(lambda: GPT(cfg), sampler, lm_loss, optimizer_fn, mesh, config, device=device, dtype=dtype)
     else:
-        from twinpipe.hf.training import HFStages, TokenLoss
+        from twinpipe.hf.training import HFSource, TokenLoss
 
-        stages = HFStages(args.model, args.layout, balance=args.balance, weights=hf.weights,
+        stages = HFSource(args.model, args.layout, balance=args.balance, weights=hf.weights,
                           sample=sampler.batch(0, args.microbatch_size)[0].to(device),
                           ep_group=mesh.dp_group if args.ep > 1 else None, mtp_depth=args.mtp_depth)
         trainer = Trainer(lambda: cli_model.build_model(hf), sampler, TokenLoss(hf.aux), optimizer_fn, mesh, config,

@@ -1,5 +1,5 @@
 """``twinpipe train --model DIR``: a ``transformers`` causal LM from a local folder, checked and loaded
-for ``Trainer`` (``twinpipe.hf.HFStages`` is its ``stages=``).
+for ``Trainer`` (``twinpipe.hf.HFSource`` is its ``stages=``).
 
 ``DIR`` holds ``config.json`` (random weights from the config, seeded by ``--seed``) and, when present,
 safetensors weights (each rank reads only its stages' tensors). Nothing is downloaded. Everything is

@@ -37,6 +37,7 @@ _SEGMENT = re.compile(r"^\S+ \S+ \S+ (\S+) (\d+)\s+(/dev/shm/twinpipe-\S+)")  # 
 def _environment(host_id: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.pop("TWINPIPE_HOST_ID", None)
+    env["PYTHONFAULTHANDLER"] = "1"  # a worker killed by a signal prints where it was
     if host_id is not None:
         env["TWINPIPE_HOST_ID"] = host_id
     return env
@@ -133,6 +134,18 @@ def _two_hosts(args: list[str], out: Path, token: str) -> tuple[dict, _SegmentWa
     return json.loads((out / "train-log.json").read_text()), watch
 
 
+_TELLING = re.compile(r"terminate called|what\(\)|Error|error:|Signal|abort|Aborted|Traceback|core dumped|Fatal Python|File \"|Thread 0x", re.I)
+
+
+def _failure(node: int, why: str, logs: list[Path]) -> AssertionError:
+    """The failed agent's tail, and the lines of both agents' logs that say why a worker died (a
+    C++ abort's message is printed long before the agent's summary at the end of its log)."""
+    telling = [f"agent {n}: {line}" for n, log in enumerate(logs)
+               for line in log.read_text(errors="replace").splitlines() if _TELLING.search(line)]
+    return AssertionError(f"agent {node} {why}:\n{logs[node].read_text(errors='replace')[-4000:]}\n"
+                          "telling lines of both agents:\n" + "\n".join(telling[-60:]))
+
+
 def _wait(agents: list[subprocess.Popen], logs: list[Path]) -> None:
     """Until every agent exits 0; AssertionError with its output when one fails (its peer may wait
     for it until a rendezvous timeout: it is not waited for) or LIMIT_S passes."""
@@ -141,11 +154,11 @@ def _wait(agents: list[subprocess.Popen], logs: list[Path]) -> None:
         failed = [node for node, agent in enumerate(agents) if agent.poll() not in (None, 0)]
         if failed or time.monotonic() > deadline:
             node = failed[0] if failed else 0
-            why = f"exited {agents[node].returncode}" if failed else f"did not finish within {LIMIT_S} s"
-            raise AssertionError(f"agent {node} {why}:\n{logs[node].read_text()[-4000:]}")
+            raise _failure(node, f"exited {agents[node].returncode}" if failed else f"did not finish within {LIMIT_S} s", logs)
         time.sleep(0.1)
     for node, agent in enumerate(agents):
-        assert agent.returncode == 0, f"agent {node} exited {agent.returncode}:\n{logs[node].read_text()[-4000:]}"
+        if agent.returncode != 0:
+            raise _failure(node, f"exited {agent.returncode}", logs)
 
 
 def _one_host(args: list[str], out: Path) -> dict:

@@ -50,23 +50,10 @@ def rebalance_experts(
     too large; layers are independent, so split them into several calls.
     """
     weight = check_weight(weight)
-    num_layers, num_experts = weight.shape
-    hierarchical = check_layout(num_experts, num_replicas, num_groups, num_nodes, num_gpus)
-    if not hierarchical:
-        num_groups = num_nodes = 1
-    check_size(
-        num_layers, num_experts, num_replicas, num_nodes, num_gpus,
-        refine=refine, previous=previous_phy2log is not None,
-    )
+    num_groups, num_nodes = _checked_layout(weight, num_replicas, num_groups, num_nodes, num_gpus, refine=refine,
+                                            distinct_per_gpu=distinct_per_gpu, previous=previous_phy2log is not None)
     if previous_phy2log is not None:
-        previous_phy2log = check_previous(previous_phy2log, num_layers, num_experts, num_replicas)
-    gpus_per_node = num_gpus // num_nodes
-    if distinct_per_gpu and num_replicas > num_experts * gpus_per_node:
-        where = "GPUs per node" if num_nodes > 1 else "num_gpus"
-        raise refused("distinct_per_gpu", True, f"must be False with num_replicas={num_replicas}: True needs "
-                      f"num_replicas <= experts ({num_experts}) x {where} ({gpus_per_node}), "
-                      "else some GPU must hold two replicas of one expert")
-
+        previous_phy2log = check_previous(previous_phy2log, *weight.shape, num_replicas)
     layout = (weight, num_replicas, num_groups, num_nodes, num_gpus)
     options = dict(distinct=distinct_per_gpu, refine_gpus=refine)
     phy2log, phyrank = _hierarchical(*layout, refine_nodes=False, **options)
@@ -80,10 +67,28 @@ def rebalance_experts(
         phy2log, phyrank = align_to_previous(
             phy2log, phyrank, previous_phy2log, num_gpus, num_nodes, weight=weight, distinct=distinct_per_gpu
         )
-    logcnt = torch.zeros(num_layers, num_experts, dtype=torch.int64)
+    logcnt = torch.zeros(*weight.shape, dtype=torch.int64)
     logcnt.scatter_add_(1, phy2log, torch.ones_like(phy2log))
-    check_log2phy_size(num_layers, num_experts, int(logcnt.max()))
+    check_log2phy_size(*weight.shape, int(logcnt.max()))
     return phy2log, build_log2phy(phy2log, phyrank, logcnt), logcnt
+
+
+def _checked_layout(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, *,
+                    refine: bool, distinct_per_gpu: bool, previous: bool) -> tuple[int, int]:
+    """The arguments checked (EplbArgumentError naming the first that is wrong); the groups and nodes
+    the placement uses: as given when hierarchical, else 1 and 1 (global policy)."""
+    num_layers, num_experts = weight.shape
+    hierarchical = check_layout(num_experts, num_replicas, num_groups, num_nodes, num_gpus)
+    if not hierarchical:
+        num_groups = num_nodes = 1
+    check_size(num_layers, num_experts, num_replicas, num_nodes, num_gpus, refine=refine, previous=previous)
+    gpus_per_node = num_gpus // num_nodes
+    if distinct_per_gpu and num_replicas > num_experts * gpus_per_node:
+        where = "GPUs per node" if num_nodes > 1 else "num_gpus"
+        raise refused("distinct_per_gpu", True, f"must be False with num_replicas={num_replicas}: True needs "
+                      f"num_replicas <= experts ({num_experts}) x {where} ({gpus_per_node}), "
+                      "else some GPU must hold two replicas of one expert")
+    return num_groups, num_nodes
 
 
 def build_log2phy(phy2log: torch.Tensor, phyrank: torch.Tensor, logcnt: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,6 @@ def _swap_towards_previous(weight, experts, ranks, previous, num_nodes, distinct
     old = _counts_per_gpu(previous, num_gpus, num_experts).view(num_layers, -1)
     node = torch.arange(num_gpus) // (num_gpus // num_nodes)
     same_node = node[None, :, None] == node[gpu][:, None, :]  # [L, P, R]: GPU b and replica x's GPU share a node
-    ar = torch.arange(num_layers)
     for _ in range(max_rounds):
         new = _counts_per_gpu(ph, num_gpus, num_experts).view(num_layers, -1)
         item_w = per_copy.gather(1, ph)
@@ -134,23 +133,30 @@ def _swap_towards_previous(weight, experts, ranks, previous, num_nodes, distinct
         if not bool((best_score > 0).any()):
             break
         y_of = ys.gather(2, best_y[:, :, None]).squeeze(2)
-        # Apply disjoint swaps, best first: each GPU takes part in at most one swap per round.
-        used = torch.zeros(num_layers, num_gpus, dtype=torch.bool)
-        pending = best_score
-        while True:
-            top, x = pending.max(dim=1)
-            rows = ar[top > 0]
-            if len(rows) == 0:
-                break
-            x, y = x[rows], y_of[rows, x[rows]]
-            ga, gb = gpu[rows, x], target[rows, x]
-            ph[rows, x], ph[rows, y] = ph[rows, y].clone(), ph[rows, x].clone()
-            rk[rows, x], rk[rows, y] = rk[rows, y].clone(), rk[rows, x].clone()
-            used[rows, ga] = True
-            used[rows, gb] = True
-            blocked = used.gather(1, gpu) | used.gather(1, target)
-            pending = pending.masked_fill(blocked, -1.0)
+        _apply_disjoint_swaps(ph, rk, best_score, y_of, gpu, target, num_gpus)
     return ph.view(num_layers, num_gpus, slots), rk.view(num_layers, num_gpus, slots)
+
+
+def _apply_disjoint_swaps(ph, rk, score, y_of, gpu, target, num_gpus: int) -> None:
+    """Swap, in place, replica x (on GPU ``gpu[l, x]``) with ``y_of[l, x]`` (on ``target[l, x]``),
+    best ``score`` first; each GPU takes part in at most one swap per round."""
+    num_layers = ph.shape[0]
+    ar = torch.arange(num_layers)
+    used = torch.zeros(num_layers, num_gpus, dtype=torch.bool)
+    pending = score
+    while True:
+        top, x = pending.max(dim=1)
+        rows = ar[top > 0]
+        if len(rows) == 0:
+            return
+        x, y = x[rows], y_of[rows, x[rows]]
+        ga, gb = gpu[rows, x], target[rows, x]
+        ph[rows, x], ph[rows, y] = ph[rows, y].clone(), ph[rows, x].clone()
+        rk[rows, x], rk[rows, y] = rk[rows, y].clone(), rk[rows, x].clone()
+        used[rows, ga] = True
+        used[rows, gb] = True
+        blocked = used.gather(1, gpu) | used.gather(1, target)
+        pending = pending.masked_fill(blocked, -1.0)
 
 
 def _counts_per_gpu(phy2log: torch.Tensor, num_gpus: int, num_experts: int) -> torch.Tensor:

@@ -43,65 +43,79 @@ def _release_times(num_ranks: int, per_direction: int) -> list[int]:
 
 def _list_schedule(num_ranks: int, num_microbatches: int) -> list[list[Op]]:
     """Per rank, the ops in the order the list scheduler starts them (see the module doc)."""
-    placement = dual_v(num_ranks)
-    per_direction = num_microbatches // 2
-    release = _release_times(num_ranks, per_direction)
-    chains = placement.chains
-    length = len(chains[0])
-    # Per stage: its chain, position, and the next micro-batch (index within the direction) of F and BW.
-    info = [(c, pos) for c, chain in enumerate(chains) for pos, _ in enumerate(chain)]
-    next_f = [0] * placement.num_stages
-    next_b = [0] * placement.num_stages
-    end_f = [[-1] * per_direction for _ in range(placement.num_stages)]
-    end_b = [[-1] * per_direction for _ in range(placement.num_stages)]
-    free = [0] * num_ranks
-    order: list[list[Op]] = [[] for _ in range(num_ranks)]
-    stages = [placement.stages_of(r) for r in range(num_ranks)]
-    remaining = 2 * placement.num_stages * per_direction
-    t, upcoming = 0, 0  # upcoming: the first release after t
-    while remaining:
-        for rank in range(num_ranks):
-            if free[rank] > t:
-                continue
-            best = None  # (priority key, kind, stage, k)
-            for s in stages[rank]:
-                chain, pos = info[s]
-                k = next_b[s]
-                if k < next_f[s] and 0 <= end_f[s][k] <= t:
-                    nxt = chains[chain][pos + 1] if pos + 1 < length else None
-                    if nxt is None or 0 <= end_b[nxt][k] <= t:
-                        key = (0, release[k], -pos, chain)
-                        if best is None or key < best[0]:
-                            best = (key, "B", s, k)
-                k = next_f[s]
-                if k < per_direction:
-                    prv = chains[chain][pos - 1] if pos > 0 else None
-                    ready = release[k] <= t if prv is None else 0 <= end_f[prv][k] <= t
-                    if ready:
-                        key = (1, release[k] + pos, chain, 0)
-                        if best is None or key < best[0]:
-                            best = (key, "F", s, k)
-            if best is None:
-                continue
-            _, kind, s, k = best
-            j = info[s][0] * per_direction + k
-            if kind == "F":
-                end_f[s][k] = free[rank] = t + _T_F
-                next_f[s] += 1
-                order[rank].append(F(s, j))
-            else:
-                end_b[s][k] = free[rank] = t + _T_BW
-                next_b[s] += 1
-                order[rank].append(BW(s, j))
-            remaining -= 1
-        # Readiness changes only when an op ends or a micro-batch is released.
-        while upcoming < per_direction and release[upcoming] <= t:
-            upcoming += 1
-        later = [f for f in free if f > t] + release[upcoming:upcoming + 1]
-        if not later and remaining:
-            raise RuntimeError(f"{_NAME}: the list scheduler is stuck at time {t}; this is a bug")
-        t = min(later, default=t)
-    return order
+    return _ListScheduler(num_ranks, num_microbatches // 2).run()
+
+
+class _ListScheduler:
+    """The list scheduler's state: per stage its chain, position, and the next micro-batch (index
+    within the direction) of F and BW, and when each ran out; per rank when it is free."""
+
+    def __init__(self, num_ranks: int, per_direction: int):
+        placement = dual_v(num_ranks)
+        self.num_ranks, self.per_direction = num_ranks, per_direction
+        self.release = _release_times(num_ranks, per_direction)
+        self.chains = placement.chains
+        self.length = len(self.chains[0])
+        self.info = [(c, pos) for c, chain in enumerate(self.chains) for pos, _ in enumerate(chain)]
+        self.next_f = [0] * placement.num_stages
+        self.next_b = [0] * placement.num_stages
+        self.end_f = [[-1] * per_direction for _ in range(placement.num_stages)]
+        self.end_b = [[-1] * per_direction for _ in range(placement.num_stages)]
+        self.free = [0] * num_ranks
+        self.order: list[list[Op]] = [[] for _ in range(num_ranks)]
+        self.stages = [placement.stages_of(r) for r in range(num_ranks)]
+        self.remaining = 2 * placement.num_stages * per_direction
+
+    def run(self) -> list[list[Op]]:
+        t, upcoming = 0, 0  # upcoming: the first release after t
+        while self.remaining:
+            for rank in range(self.num_ranks):
+                if self.free[rank] <= t:
+                    best = self._best(rank, t)
+                    if best is not None:
+                        self._start(rank, *best[1:], t)
+            # Readiness changes only when an op ends or a micro-batch is released.
+            while upcoming < self.per_direction and self.release[upcoming] <= t:
+                upcoming += 1
+            later = [f for f in self.free if f > t] + self.release[upcoming:upcoming + 1]
+            if not later and self.remaining:
+                raise RuntimeError(f"{_NAME}: the list scheduler is stuck at time {t}; this is a bug")
+            t = min(later, default=t)
+        return self.order
+
+    def _best(self, rank: int, t: int) -> tuple | None:
+        """(priority key, kind, stage, k) of the op ``rank`` starts at ``t``, or None."""
+        best = None
+        for s in self.stages[rank]:
+            chain, pos = self.info[s]
+            k = self.next_b[s]
+            if k < self.next_f[s] and 0 <= self.end_f[s][k] <= t:
+                nxt = self.chains[chain][pos + 1] if pos + 1 < self.length else None
+                if nxt is None or 0 <= self.end_b[nxt][k] <= t:
+                    key = (0, self.release[k], -pos, chain)
+                    if best is None or key < best[0]:
+                        best = (key, "B", s, k)
+            k = self.next_f[s]
+            if k < self.per_direction:
+                prv = self.chains[chain][pos - 1] if pos > 0 else None
+                ready = self.release[k] <= t if prv is None else 0 <= self.end_f[prv][k] <= t
+                if ready:
+                    key = (1, self.release[k] + pos, chain, 0)
+                    if best is None or key < best[0]:
+                        best = (key, "F", s, k)
+        return best
+
+    def _start(self, rank: int, kind: str, s: int, k: int, t: int) -> None:
+        j = self.info[s][0] * self.per_direction + k
+        if kind == "F":
+            self.end_f[s][k] = self.free[rank] = t + _T_F
+            self.next_f[s] += 1
+            self.order[rank].append(F(s, j))
+        else:
+            self.end_b[s][k] = self.free[rank] = t + _T_BW
+            self.next_b[s] += 1
+            self.order[rank].append(BW(s, j))
+        self.remaining -= 1
 
 
 def bitpipe(num_ranks: int, num_microbatches: int) -> Schedule:

@@ -8,20 +8,18 @@ bit for bit on any CPU (an expert's matrix products see the same number of rows,
 places, as over processes). Only the all-to-alls are in-process copies.
 
 A rank's all-to-all is posted when its comm part starts and completes when the part is waited
-for, which needs every rank to have started it: ``forward`` and ``backward`` drive the ranks in
-lock-step, every rank's comm part started before any is waited for.
+for, which needs every rank to have started it: ``forward`` and ``backward`` (the overlap
+package's lock-step driver, ``twinpipe.overlap.lockstep``) drive the ranks' parts in step, every
+rank's comm part started before any is waited for.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
-from torch import nn
 
 from twinpipe.checks import check_int
-from twinpipe.overlap.graph import Record, capture_backward
-from twinpipe.overlap.parts import Comm, Done, Pending, check_parts
+from twinpipe.overlap import lockstep
+from twinpipe.overlap.parts import Done, Pending
 
 __all__ = ["LocalEPGroup", "LocalEPRank", "forward", "backward"]
 
@@ -91,68 +89,5 @@ class _Exchange(Pending):
         return self.group._finish(self.rank, self.n)
 
 
-def forward(stages: Sequence[nn.Module], inputs: Sequence) -> list:
-    """Rank r's ``stages[r]`` on ``inputs[r]`` (a tensor or a tuple of them), for every rank at once.
-
-    Stages that declare ``parts()`` (``twinpipe.overlap.PartedSequential`` of a model's layers, as a
-    pipeline stage of MoE blocks is) run part by part, every rank's part k before any rank's part
-    k + 1, a comm part started on every rank before it is waited for on any; any other stage is
-    called as it is. Returns each rank's output (a tensor, or a tuple of them)."""
-    inputs = [x if isinstance(x, tuple) else (x,) for x in inputs]
-    if not hasattr(stages[0], "parts"):
-        return [stage(*x) for stage, x in zip(stages, inputs)]
-    name = type(stages[0]).__name__
-    records = [Record(check_parts(stage.parts(), name), x, name) for stage, x in zip(stages, inputs)]
-    if len({len(r.parts) for r in records}) != 1:
-        raise ValueError(f"local EP: the ranks' stages declare {[len(r.parts) for r in records]} parts; they must match")
-    for k, part in enumerate(records[0].parts):
-        if isinstance(part, Comm):
-            for record in records:
-                record.start(k)
-            for record in records:
-                record.wait(k)
-        else:
-            for record in records:
-                record.run(k)
-    outs = [record.outputs() for record in records]
-    return [o[0] if len(o) == 1 else tuple(o) for o in outs]
-
-
-def backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-    """Backward from each rank's ``roots[r]`` (with ``grads[r]``) through what ``forward`` ran:
-    part-declaring stages part by part in lock-step, each part's backward as the rank's own backward
-    runs it (``twinpipe.overlap.graph``), then on into whatever computed their inputs."""
-    pending = [([root], [grad]) for root, grad in zip(roots, grads)]
-    while True:
-        # Each rank's backward up to its next parted layer (the engine also passes no gradient on
-        # to the layers before it: those are reached next time, from the inputs' gradients).
-        captured = [[(rec, g) for rec, g in capture_backward(r, gs) if any(x is not None for x in g)] for r, gs in pending]
-        if not any(captured):
-            return
-        if any(len(c) != 1 for c in captured):
-            raise ValueError(f"local EP backward: the ranks reached {[len(c) for c in captured]} part-declaring layers; expected one each")
-        records = []
-        for [(record, out_grads)] in captured:
-            record.state = out_grads
-            records.append(record)
-        for k in reversed(range(len(records[0].parts))):
-            if records[0].parts[k].backward_kind == "comm":
-                for record in records:
-                    record.start_back(k)
-                for record in records:
-                    record.wait_back(k)
-            else:
-                for record in records:
-                    record.run_back(k)
-        pending = []
-        for record in records:
-            next_roots, next_grads = [], []
-            for x, g in zip(record.inputs, record.input_grads()):
-                if g is None:
-                    continue
-                if x.is_leaf:
-                    x.grad = g if x.grad is None else x.grad + g
-                else:
-                    next_roots.append(x)
-                    next_grads.append(g)
-            pending.append((next_roots, next_grads))
+# The ranks' parts in lock-step: the overlap package's part engine (twinpipe.overlap.lockstep).
+forward, backward = lockstep.forward, lockstep.backward

@@ -188,8 +188,9 @@ def capture_backward(roots: list, grads: list) -> list[tuple[Record, tuple]]:
     return captured
 
 
-def accumulate_input_grads(record: Record) -> None:
-    """Hand the stage-input gradients on: into ``.grad`` of leaf inputs, through the graph otherwise."""
+def input_grad_roots(record: Record) -> tuple[list, list]:
+    """The stage-input gradients: added into ``.grad`` of leaf inputs; the other inputs and their
+    gradients returned, for a backward through what computed them."""
     roots, grads = [], []
     for x, g in zip(record.inputs, record.input_grads()):
         if g is None:
@@ -199,5 +200,11 @@ def accumulate_input_grads(record: Record) -> None:
         else:
             roots.append(x)
             grads.append(g)
+    return roots, grads
+
+
+def accumulate_input_grads(record: Record) -> None:
+    """Hand the stage-input gradients on: into ``.grad`` of leaf inputs, through the graph otherwise."""
+    roots, grads = input_grad_roots(record)
     if roots:
         run_backward(roots, grads)

@@ -129,3 +129,14 @@ def test_the_rank_whose_failure_caused_the_others_is_named_not_the_first_heard()
     error = info.value
     assert (error.rank, error.kind, error.summary) == (1, "error", "ValueError: rank one refuses")
     assert list(error.tracebacks) == [1, 0] and "PipelinePeerFailedError" in error.tracebacks[0]
+
+
+def test_exit_worker_flushes_what_was_printed_and_exits_with_the_code():
+    import subprocess
+    import sys
+
+    script = ("import sys; from twinpipe.launch import exit_worker; print('said', end=''); "
+              "sys.stderr.write('warned'); exit_worker(int(sys.argv[1]))")
+    for code in (0, 3, 75):
+        done = subprocess.run([sys.executable, "-c", script, str(code)], capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stdout, done.stderr) == (code, "said", "warned")

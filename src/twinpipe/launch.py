@@ -24,7 +24,7 @@ from pathlib import Path
 
 from twinpipe.checks import DEFAULT_TIMEOUT, check_int, checked_timeout
 
-__all__ = ["free_port", "run_local", "init_torchrun_group", "RankFailedError", "StartupSignals", "failure_line",
+__all__ = ["free_port", "run_local", "init_torchrun_group", "exit_worker", "RankFailedError", "StartupSignals", "failure_line",
            "write_tracebacks"]
 
 HOST = "127.0.0.1"
@@ -240,6 +240,28 @@ def init_torchrun_group(backend: str, timeout: float = DEFAULT_TIMEOUT) -> None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(backend, store=dist.PrefixStore(f"twinpipe-attempt-{attempt}", store), rank=rank,
                             world_size=world, timeout=limit)
+
+
+def exit_worker(code: int | None) -> None:
+    """End a worker process now with ``code``, its output flushed, without the interpreter's teardown.
+
+    A worker torchrun started ends as a plain Python program does, and then C++ threads of
+    process groups that something still references can outlive the objects they use while the
+    process tears down: one two-host run in about 40 aborted there, after its work was done
+    ("terminate called without an active exception", SIGABRT), and torchrun counts that as a
+    failed rank. The ranks ``run_local`` starts end this way already (multiprocessing's children
+    leave through ``os._exit``). Call it last: after the process group is destroyed and every
+    file written."""
+    import logging
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a broken pipe: nothing more can be said there
+            pass
+    logging.shutdown()
+    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
 
 
 def run_local(world: int, fn, *args, timeout: float | None = None, threads: int | None = 1,

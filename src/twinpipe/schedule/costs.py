@@ -36,14 +36,14 @@ to hold (receive buffers, kept losses) belongs in this module too, not in its us
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import NamedTuple, Sequence, Union
 
 from twinpipe import checks
 from twinpipe.schedule.ops import Op, OpKind
 
 __all__ = [
     "CostModel", "check_cost", "PER_STAGE", "OpCosts", "op_costs", "op_time", "full_backward_time", "pair_time",
-    "memory_delta", "memory_steps", "microbatch_peak",
+    "memory_delta", "memory_steps", "microbatch_peak", "SearchInputs",
 ]
 
 Number = Union[int, float]
@@ -227,3 +227,16 @@ def op_time(op: Op, costs: CostModel | OpCosts) -> float:
     sized = [len(v) for v in (costs.t_f, costs.t_b, costs.t_w, costs.t_fb, costs.m_b) if isinstance(v, (list, tuple))]
     num_stages = sized[0] if sized else 1 + max(part.stage for part in op.parts())
     return op_costs(costs, num_stages).time(op)
+
+
+class SearchInputs(NamedTuple):
+    """What the searching schedulers (zb-auto, zbv) place ops by: F, B and W times per stage, the
+    time of one message between ranks, W's share of a micro-batch's activation memory, and the
+    activations a rank may hold (units of M_B; one number or one per stage)."""
+
+    t_f: Sequence[float]
+    t_b: Sequence[float]
+    t_w: Sequence[float]
+    t_comm: float
+    mw: float
+    mem_limit: PerStage

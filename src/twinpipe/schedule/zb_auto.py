@@ -21,7 +21,7 @@ from itertools import product
 
 from twinpipe import checks
 from twinpipe.schedule._args import check_int, check_number, per_stage
-from twinpipe.schedule.costs import memory_delta, microbatch_peak
+from twinpipe.schedule.costs import SearchInputs, memory_delta, microbatch_peak
 from twinpipe.schedule.deps import dependency_table
 from twinpipe.schedule.ops import B, F, Op, OpKind, Schedule, W
 from twinpipe.schedule.placement import linear
@@ -41,7 +41,8 @@ class _Infeasible(Exception):
 class _Heuristic:
     """One run of the greedy heuristic for one setting of (H1, H2, H3)."""
 
-    def __init__(self, p, m, t_f, t_b, t_w, t_comm, mw, mem_limit):
+    def __init__(self, p: int, m: int, inputs: SearchInputs):
+        t_f, t_b, t_w, t_comm, mw, mem_limit = inputs
         self.p, self.m = p, m
         self.cost = {"F": t_f, "B": t_b, "W": t_w}
         self.mem_delta = {kind: memory_delta(kind, 1.0, mw) for kind in "FBW"}  # in units of M_B
@@ -200,7 +201,7 @@ def _auto_order(p: int, m: int, t_f, t_b, t_w, t_comm: float, mw: float, mem_lim
     the winning switches (the first one wins a tie). Costs and limits are per-stage lists."""
     best = None
     for switches in product((True, False), repeat=3):
-        heuristic = _Heuristic(p, m, t_f, t_b, t_w, t_comm, mw, mem_limit)
+        heuristic = _Heuristic(p, m, SearchInputs(t_f, t_b, t_w, t_comm, mw, mem_limit))
         try:
             cost = heuristic.run(*switches)
         except _Infeasible:

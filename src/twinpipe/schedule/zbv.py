@@ -27,7 +27,7 @@ from itertools import product
 
 from twinpipe import checks
 from twinpipe.schedule._args import check_int, check_number, per_stage
-from twinpipe.schedule.costs import memory_delta, microbatch_peak
+from twinpipe.schedule.costs import SearchInputs, memory_delta, microbatch_peak
 from twinpipe.schedule.deps import dependency_table
 from twinpipe.schedule.ops import B, F, OpKind, Schedule, W
 from twinpipe.schedule.placement import vshape
@@ -42,8 +42,8 @@ _KINDS = {"F": OpKind.F, "B": OpKind.B}
 class _VListScheduler:
     """Greedy list scheduling of F, B, W on the V placement of ``p`` ranks (times per stage)."""
 
-    def __init__(self, p: int, m: int, t_f, t_b, t_w, t_comm: float, mw: float, mem_limit: float,
-                 alternate: bool = False, balance: bool = False):
+    def __init__(self, p: int, m: int, inputs: SearchInputs, alternate: bool = False, balance: bool = False):
+        t_f, t_b, t_w, t_comm, mw, mem_limit = inputs
         self.p, self.m = p, m
         self.cost = {"F": t_f, "B": t_b, "W": t_w}
         self.comm, self.limit = t_comm, mem_limit
@@ -193,7 +193,7 @@ def zbv(
         raise checks.bad(f"{_NAME}: mem_limit", mem_limit, f"must be >= 1 + max(1, mw) = {need:g} (in units of M_B: one micro-batch through both stages of a rank)")
     best = None
     for alternate, balance in product((False, True), repeat=2):
-        plan = _VListScheduler(p, m, *times, comm, ratio, limit, alternate, balance)
+        plan = _VListScheduler(p, m, SearchInputs(*times, comm, ratio, limit), alternate, balance)
         cost = plan.run()
         if best is None or cost < best[0]:
             best = (cost, plan.order, {"alternate": alternate, "balance": balance})

@@ -4,8 +4,9 @@ the ``Balancer`` re-placing experts live (weights and Adam state) with redundant
 
 The exactness claim (docs/eplb.md): training that re-places experts live gives, bit for bit, the
 losses, weights and optimizer state of a run that is rebuilt on the same placement computed offline
-(from the same measured loads) and given the trained weights and optimizer state by logical expert.
-One world of two processes.
+(from the same measured loads) and given the trained weights and optimizer state by logical expert;
+the re-placed model saved as a transformers folder loads, by name, under another placement and
+unsplit. One world of two processes.
 """
 
 from __future__ import annotations
@@ -135,6 +136,44 @@ def _live_equals_offline(arch: str, group) -> list[str]:
         for key, value in opt.state[p].items():
             if not torch.equal(value, rebuilt_opt.state[q][key]):
                 problems.append(f"rank {rank} {pname}: Adam {key} differs")
+    return problems + _saved_by_name(arch, live, group)
+
+
+def _saved_by_name(arch: str, model, group) -> list[str]:
+    """``model`` (re-placed) written as a transformers folder (``twinpipe.hf.weights.save``, experts by
+    logical name) loads into a model sharded on another placement and into the unsplit model: every
+    weight, by name, is the re-placed model's."""
+    import shutil
+    import tempfile
+
+    from twinpipe.hf.experts import FUSED, ep_blocks, expert_places, shard_experts_
+    from twinpipe.hf.weights import Place, load_into, save
+
+    folder = [tempfile.mkdtemp(prefix="hf-eplb-") if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(folder, src=0, group=group)
+    out = f"{folder[0]}/hf"
+    places = expert_places(model)
+    save(out, {n: (places.get(n, Place(n)), t.detach()) for n, t in model.state_dict().items()}, model.config,
+         group=group, timeout=60)
+    [(name, block)] = list(ep_blocks(model))
+    want = {f"{name}.experts.{n}": _by_expert(block, getattr(block.experts, n).detach(), group) for n in FUSED}
+    want |= {n: t for n, t in model.state_dict().items() if n not in want}
+    other = shard_experts_(_model(arch), group, START[arch])  # another placement
+    unsplit = _model(arch)
+    load_into(other, out, expert_places(other))
+    load_into(unsplit, out)
+    problems = []
+    [(_, other_block)] = list(ep_blocks(other))
+    for n, t in other.state_dict().items():
+        got = _by_expert(other_block, t, group) if n.rpartition(".")[2] in FUSED else t
+        if not torch.equal(got, want[n]):
+            problems.append(f"{n}: loaded under placement {START[arch]} differs from the saved model's")
+    for n, t in unsplit.state_dict().items():
+        if not torch.equal(t, want[n]):
+            problems.append(f"{n}: loaded into the unsplit model differs from the saved model's")
+    dist.barrier(group=group)
+    if dist.get_rank(group) == 0:
+        shutil.rmtree(folder[0])
     return problems
 
 
@@ -160,10 +199,35 @@ def _counts_case(group) -> list[str]:
     return problems
 
 
+def _masters_refused_case(group) -> list[str]:
+    """An optimizer over copies of the weights (FP32 masters, ZeRO-1 shards) keeps state a move could
+    not find: the Balancer and apply_placement_ refuse it on every rank, and nothing moves."""
+    from twinpipe.eplb import Balancer
+    from twinpipe.hf.experts import ep_blocks, shard_experts_
+    from twinpipe.moe import apply_placement_
+
+    model = shard_experts_(_model("qwen3_moe"), group, START["qwen3_moe"])
+    [(_, block)] = list(ep_blocks(model))
+    masters = torch.optim.Adam([p.detach().clone().requires_grad_() for p in model.parameters()])
+    problems = []
+    for what, call in [("Balancer", lambda: Balancer(model, optimizer=masters)),
+                       ("apply_placement_", lambda: apply_placement_(block, [2, 3, 0, 1, 2, 3], masters))]:
+        try:
+            call()
+            problems.append(f"{what}: accepted an optimizer that does not hold the experts")
+        except ValueError as exc:
+            if "must update the MoE block's expert parameters themselves" not in str(exc):
+                problems.append(f"{what}: {exc}")
+    if block.phy2log.tolist() != START["qwen3_moe"]:
+        problems.append(f"moved anyway: {block.phy2log.tolist()}")
+    return problems
+
+
 CASES = {
     "live-equals-offline-qwen3_moe": (EP, partial(_live_equals_offline, "qwen3_moe")),
     "live-equals-offline-deepseek_v3": (EP, partial(_live_equals_offline, "deepseek_v3")),
     "counts-qwen3_moe": (EP, _counts_case),
+    "masters-refused": (EP, _masters_refused_case),
 }
 
 

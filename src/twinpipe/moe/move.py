@@ -22,7 +22,7 @@ from twinpipe.moe.exchange import ExpertExchange
 from twinpipe.moe.placement import check_placement
 from twinpipe.runtime.collectives import collective
 
-__all__ = ["MovePlan", "MoveReport", "plan_moves", "apply_placement_"]
+__all__ = ["MovePlan", "MoveReport", "plan_moves", "apply_placement_", "check_optimizer_holds_experts"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,20 @@ def _slot_state(slots: list[list[torch.Tensor]]) -> tuple[int, str]:
     return size, f"{size} bytes: " + ", ".join(f"{str(d).removeprefix('torch.')}{list(shape)}" for shape, d in layout)
 
 
+def check_optimizer_holds_experts(optimizer, block: ExpertExchange) -> None:
+    """ValueError unless ``optimizer`` (or None) updates ``block``'s expert parameters themselves: an
+    optimizer over other tensors (FP32 masters under mixed precision, ZeRO-1's flat shards) keeps
+    state a move cannot find, which would stay with the old slots while the weights moved."""
+    if optimizer is None:
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [name for name, p in block.experts.named_parameters() if id(p) not in held]
+    if missing:
+        raise ValueError(f"optimizer={type(optimizer).__name__}: must update the MoE block's expert parameters themselves "
+                         f"(it does not hold experts.{missing[0]}: an optimizer over FP32 masters or ZeRO-1 shards?), "
+                         "so that their state can move with the weights")
+
+
 def apply_placement_(block: ExpertExchange, phy2log, optimizer=None, timeout: float | None = None) -> MoveReport:
     """Make ``block`` run placement ``phy2log`` [R] (same R, same experts), moving weights and, with
     ``optimizer``, its state tensors for them; the gradients of refilled slots are dropped. Call on
@@ -114,6 +128,7 @@ def apply_placement_(block: ExpertExchange, phy2log, optimizer=None, timeout: fl
     slots = [block._slot_tensors(i, optimizer) for i in range(block.local)]
     new, state, rejected = None, None, None
     try:
+        check_optimizer_holds_experts(optimizer, block)
         new = check_placement(phy2log, block.num_experts, block.num_slots, block.ep)
         size, state = _slot_state(slots)
     except ValueError as exc:

@@ -200,7 +200,7 @@ def _counts_case(group) -> list[str]:
 
 
 def _masters_refused_case(group) -> list[str]:
-    """An optimizer over copies of the weights (FP32 masters, ZeRO-1 shards) keeps state a move could
+    """An optimizer over copies of the weights (FP32 masters) keeps state a move could
     not find: the Balancer and apply_placement_ refuse it on every rank, and nothing moves."""
     from twinpipe.eplb import Balancer
     from twinpipe.hf.experts import ep_blocks, shard_experts_

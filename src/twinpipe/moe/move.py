@@ -101,15 +101,15 @@ def _slot_state(slots: list[list[torch.Tensor]]) -> tuple[int, str]:
 
 def check_optimizer_holds_experts(optimizer, block: ExpertExchange) -> None:
     """ValueError unless ``optimizer`` (or None) updates ``block``'s expert parameters themselves: an
-    optimizer over other tensors (FP32 masters under mixed precision, ZeRO-1's flat shards) keeps
-    state a move cannot find, which would stay with the old slots while the weights moved."""
+    optimizer over other tensors (FP32 masters under mixed precision) or over some parameters only
+    (ZeRO-1's owned share) keeps state a move cannot find, which would stay with the old slots while the weights moved."""
     if optimizer is None:
         return
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     missing = [name for name, p in block.experts.named_parameters() if id(p) not in held]
     if missing:
         raise ValueError(f"optimizer={type(optimizer).__name__}: must update the MoE block's expert parameters themselves "
-                         f"(it does not hold experts.{missing[0]}: an optimizer over FP32 masters or ZeRO-1 shards?), "
+                         f"(it does not hold experts.{missing[0]}: an optimizer over FP32 masters, or ZeRO-1's share?), "
                          "so that their state can move with the weights")
 
 

@@ -102,7 +102,8 @@ def _slot_state(slots: list[list[torch.Tensor]]) -> tuple[int, str]:
 def check_optimizer_holds_experts(optimizer, block: ExpertExchange) -> None:
     """ValueError unless ``optimizer`` (or None) updates ``block``'s expert parameters themselves: an
     optimizer over other tensors (FP32 masters under mixed precision) or over some parameters only
-    (ZeRO-1's owned share) keeps state a move cannot find, which would stay with the old slots while the weights moved."""
+    (ZeRO-1's owned share) keeps state a move cannot find: it would stay with the old slots while
+    the weights moved."""
     if optimizer is None:
         return
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -17,7 +17,7 @@ import torch
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_float, check_int
 from twinpipe.moe.agree import agree, all_reduce, frame_device
 from twinpipe.moe.loads import ExpertLoads
-from twinpipe.moe.move import MoveReport, apply_placement_
+from twinpipe.moe.move import MoveReport, apply_placement_, check_optimizer_holds_experts
 from twinpipe.runtime.collectives import checked_timeout
 
 from .balance import rebalance_experts
@@ -93,12 +93,20 @@ class Balancer:
         self.refine = refine
         self.steps = 0
         self.reports: list[RebalanceReport] = []
+        refused = None  # an optimizer whose state could not move with the experts: refused now, not at the first move
+        try:
+            for _, block in self.loads.blocks:
+                check_optimizer_holds_experts(optimizer, block)
+        except ValueError as exc:
+            refused = exc
         for blocks in self._ep_groups():  # collective: every EP rank's balancer must decide alike
             settings = {"interval": interval, "window": self.loads.window, "threshold": threshold, "refine": refine,
                         "optimizer": None if optimizer is None else type(optimizer).__name__,
                         "blocks": [self.loads.blocks[i][0] for i in blocks]}
             block = self.loads.blocks[blocks[0]][1]
-            agree(block.ep_group, settings, "Balancer", self.timeout, frame_device(block.routed_tokens))
+            agree(block.ep_group, settings, "Balancer", self.timeout, frame_device(block.routed_tokens), refused)
+        if refused is not None:
+            raise refused
 
     def _ep_groups(self) -> list[list[int]]:
         """Indices of the blocks (in block order) of each EP group with more than one rank."""

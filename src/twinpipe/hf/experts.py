@@ -34,7 +34,7 @@ from torch import nn
 
 from twinpipe.checks import bad
 from twinpipe.hf._safetensors_place import Place
-from twinpipe.moe.exchange import ExpertExchange, _permute
+from twinpipe.moe.exchange import ExpertExchange, _permute, optimizer_state
 from twinpipe.moe.placement import check_placement
 from twinpipe.overlap.graph import run_parts
 from twinpipe.overlap.parts import Compute
@@ -135,6 +135,28 @@ class EPMoE(ExpertExchange):
         """Local slot ``i``'s rows of the fused gradients (``grad_of``: the FP32 ``main_grad`` under mixed
         precision; zeros where missing), views written in place."""
         return [zeros_if_missing(getattr(self.experts, n))[i] for n in FUSED]
+
+    def _slot_tensors(self, i: int, optimizer=None) -> list:
+        """Local slot ``i``'s rows of the fused parameters, each followed by the same rows of its
+        ``optimizer`` state tensors (per-parameter scalars such as Adam's ``step`` are shared by
+        every slot and stay): views, written in place by ``twinpipe.moe.apply_placement_``."""
+        out = []
+        for n in FUSED:
+            p = getattr(self.experts, n)
+            out += [p[i], *(t[i] for t in optimizer_state(p, optimizer) if t.shape == p.shape)]
+        return out
+
+    def _drop_slot_grads(self, i: int) -> None:
+        """Zero local slot ``i``'s rows of the fused gradients (a refilled slot's are another expert's)."""
+        for n in FUSED:
+            p = getattr(self.experts, n)
+            for g in (p.grad, getattr(p, "main_grad", None)):
+                if g is not None:
+                    g[i].zero_()
+
+    def _set_placement(self, phy2log: torch.Tensor) -> None:
+        super()._set_placement(phy2log)
+        self.rows = tuple(phy2log[self.first_slot : self.first_slot + self.local].tolist())
 
     # ------------------------------------------------------------ parts
     def parts(self) -> list:

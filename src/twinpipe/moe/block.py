@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinpipe.checks import bad, check_int
-from twinpipe.moe.exchange import ExpertExchange, _permute, _Route  # noqa: F401  (_Route: its old home)
+from twinpipe.moe.exchange import ExpertExchange, _permute, _Route, optimizer_state  # noqa: F401  (_Route: its old home)
 from twinpipe.moe.placement import check_placement
 from twinpipe.moe.router import TopKRouter
 from twinpipe.overlap.graph import run_parts
@@ -143,6 +143,14 @@ class MoEBlock(ExpertExchange):
         """Local slot ``i``'s parameter gradients (``grad_of``: the FP32 ``main_grad`` under mixed
         precision; zeros where missing), to be written in place."""
         return [zeros_if_missing(p) for p in self.experts[i].parameters()]
+
+    def _slot_tensors(self, i: int, optimizer=None) -> list:
+        """Local slot ``i``'s parameters, each followed by its ``optimizer`` state tensors."""
+        return [t for p in self.experts[i].parameters() for t in (p, *optimizer_state(p, optimizer))]
+
+    def _drop_slot_grads(self, i: int) -> None:
+        for p in self.experts[i].parameters():
+            p.grad = None
 
     def reset_counts(self) -> None:
         self.routed_tokens.zero_()

@@ -10,7 +10,9 @@ of a block: ``counts`` (how many copies each rank sends to each slot), ``dispatc
 ``routed_tokens`` buffer [E], ``experts`` (a module holding the local slots' parameters), and
 defines ``_layout()`` (what every EP rank must agree on), ``_zeros(rows)`` (a zero row block in the
 rows' dtype and device), ``_slot_numel()`` and ``_slot_grads(i)`` (one slot's parameter count and
-gradient tensors, for ``twinpipe.moe.reduce_replica_grads``) and ``reset_counts()``.
+gradient tensors, for ``twinpipe.moe.reduce_replica_grads``), ``_slot_tensors(i, optimizer)`` and
+``_drop_slot_grads(i)`` (one slot's weights and optimizer state, written in place, and dropping its
+gradient: for ``twinpipe.moe.apply_placement_``) and ``reset_counts()``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ from twinpipe.moe.placement import replica_table, slots_of_copies
 from twinpipe.overlap.comm import Then, all_to_all
 from twinpipe.overlap.parts import Comm, Compute
 
-__all__ = ["ExpertExchange"]
+__all__ = ["ExpertExchange", "optimizer_state"]
+
+
+def optimizer_state(p: torch.Tensor, optimizer) -> list[torch.Tensor]:
+    """The tensors of ``optimizer``'s state for parameter ``p`` (keys sorted; none without an
+    optimizer or before its first step): what moves with an expert's weights."""
+    state = optimizer.state.get(p, {}) if optimizer is not None else {}
+    return [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)]
 
 
 @dataclass(frozen=True)

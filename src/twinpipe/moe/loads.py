@@ -10,22 +10,24 @@ from torch import nn
 
 from twinpipe.checks import check_int
 from twinpipe.moe.agree import agree, all_reduce, ep_timeout, frame_device
-from twinpipe.moe.block import MoEBlock
+from twinpipe.moe.exchange import ExpertExchange
 
 __all__ = ["ExpertLoads", "moe_blocks"]
 
 
-def moe_blocks(model) -> list[tuple[str, MoEBlock]]:
-    """``(name, block)`` of every MoE block of ``model`` (a module or a sequence of modules, e.g.
+def moe_blocks(model) -> list[tuple[str, ExpertExchange]]:
+    """``(name, block)`` of every MoE block of ``model`` (``MoEBlock``, or a ``transformers`` block
+    sharded by ``twinpipe.hf.experts.shard_experts_``) (a module or a sequence of modules, e.g.
     a rank's pipeline stages, named ``"i.name"`` then); ValueError when there is none."""
     modules = [("", model)] if isinstance(model, nn.Module) else [(f"{i}.", m) for i, m in enumerate(model)]
     found = []
     for prefix, module in modules:
         if not isinstance(module, nn.Module):
             raise ValueError(f"model holds a {type(module).__name__}: must be a module or a sequence of modules")
-        found += [(prefix + name, b) for name, b in module.named_modules() if isinstance(b, MoEBlock)]
+        found += [(prefix + name, b) for name, b in module.named_modules() if isinstance(b, ExpertExchange)]
     if not found:
-        raise ValueError(f"model ({type(model).__name__}) has no MoEBlock: nothing to measure or balance")
+        raise ValueError(f"model ({type(model).__name__}) has no MoEBlock (nor a transformers MoE block "
+                         "sharded by twinpipe.hf.experts.shard_experts_): nothing to measure or balance")
     return found
 
 

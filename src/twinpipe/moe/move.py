@@ -1,5 +1,8 @@
-"""Apply a new placement to a live MoE block: move only the expert weights (and optimizer state)
-whose slot changes, with one all-to-all over the block's EP group.
+"""Apply a new placement to a live MoE block (any ``ExpertExchange``: ``MoEBlock``, or a
+``transformers`` block sharded by ``twinpipe.hf.experts.EPMoE``): move only the expert weights (and
+optimizer state) whose slot changes, with one all-to-all over the block's EP group. A block says
+which tensors hold one slot's state (``_slot_tensors``) and drops a refilled slot's gradient
+(``_drop_slot_grads``); the plan and the transfer are the same for every kind of block.
 
 The plan is a pure function of (old placement, new placement, EP size), so every rank computes
 the same one without talking. A rank fetches each expert it lacks once, even when it needs
@@ -15,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from twinpipe.moe.agree import agree, ep_timeout, frame_device
-from twinpipe.moe.block import MoEBlock
+from twinpipe.moe.exchange import ExpertExchange
 from twinpipe.moe.placement import check_placement
 from twinpipe.runtime.collectives import collective
 
-__all__ = ["MovePlan", "MoveReport", "plan_moves", "apply_placement_"]
+__all__ = ["MovePlan", "MoveReport", "plan_moves", "apply_placement_", "check_optimizer_holds_experts"]
 
 
 @dataclass(frozen=True)
@@ -71,19 +74,6 @@ def plan_moves(old: torch.Tensor, new: torch.Tensor, ep: int) -> MovePlan:
     return MovePlan(tuple(transfers), tuple(fills))
 
 
-def _slot_tensors(block: MoEBlock, optimizer) -> list[list[torch.Tensor]]:
-    """Per local slot: its parameters, then each parameter's optimizer state tensors (keys sorted)."""
-    out = []
-    for expert in block.experts:
-        tensors = []
-        for p in expert.parameters():
-            tensors.append(p)
-            state = optimizer.state.get(p, {}) if optimizer is not None else {}
-            tensors.extend(state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor))
-        out.append(tensors)
-    return out
-
-
 def _as_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).contiguous().view(torch.uint8) for t in tensors])
 
@@ -109,7 +99,22 @@ def _slot_state(slots: list[list[torch.Tensor]]) -> tuple[int, str]:
     return size, f"{size} bytes: " + ", ".join(f"{str(d).removeprefix('torch.')}{list(shape)}" for shape, d in layout)
 
 
-def apply_placement_(block: MoEBlock, phy2log, optimizer=None, timeout: float | None = None) -> MoveReport:
+def check_optimizer_holds_experts(optimizer, block: ExpertExchange) -> None:
+    """ValueError unless ``optimizer`` (or None) updates ``block``'s expert parameters themselves: an
+    optimizer over other tensors (FP32 masters under mixed precision) or over some parameters only
+    (ZeRO-1's owned share) keeps state a move cannot find: it would stay with the old slots while
+    the weights moved."""
+    if optimizer is None:
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [name for name, p in block.experts.named_parameters() if id(p) not in held]
+    if missing:
+        raise ValueError(f"optimizer={type(optimizer).__name__}: must update the MoE block's expert parameters themselves "
+                         f"(it does not hold experts.{missing[0]}: an optimizer over FP32 masters, or ZeRO-1's share?), "
+                         "so that their state can move with the weights")
+
+
+def apply_placement_(block: ExpertExchange, phy2log, optimizer=None, timeout: float | None = None) -> MoveReport:
     """Make ``block`` run placement ``phy2log`` [R] (same R, same experts), moving weights and, with
     ``optimizer``, its state tensors for them; the gradients of refilled slots are dropped. Call on
     every rank of the block's EP group with the same ``phy2log``, between training steps. First the
@@ -117,12 +122,14 @@ def apply_placement_(block: MoEBlock, phy2log, optimizer=None, timeout: float | 
     every rank raises ValueError naming the ranks and what differs, and nothing moves. Each
     collective waits at most ``timeout`` seconds (PipelineTimeoutError naming the rank; default: the
     limit in force, see ``twinpipe.runtime.waits``, else ``twinpipe.checks.DEFAULT_TIMEOUT``)."""
-    if not isinstance(block, MoEBlock):
-        raise ValueError(f"block={type(block).__name__}: must be a MoEBlock")
+    if not isinstance(block, ExpertExchange):
+        raise ValueError(f"block={type(block).__name__}: must be a MoE block with expert slots (a MoEBlock, "
+                         "or a transformers block sharded by twinpipe.hf.experts.shard_experts_)")
     timeout = ep_timeout(timeout)
-    slots = _slot_tensors(block, optimizer)
+    slots = [block._slot_tensors(i, optimizer) for i in range(block.local)]
     new, state, rejected = None, None, None
     try:
+        check_optimizer_holds_experts(optimizer, block)
         new = check_placement(phy2log, block.num_experts, block.num_slots, block.ep)
         size, state = _slot_state(slots)
     except ValueError as exc:
@@ -155,8 +162,7 @@ def apply_placement_(block: MoEBlock, phy2log, optimizer=None, timeout: float | 
     for slot, expert, (kind, src) in mine:
         data = snapshot[src] if kind == "copy" else received[(src, expert)]
         _write(slots[slot - first], data)
-        for p in block.experts[slot - first].parameters():
-            p.grad = None
+        block._drop_slot_grads(slot - first)
     block._set_placement(new)
     copies = sum(1 for f in plan.fills if f[2][0] == "copy")
     return MoveReport(len(plan.fills), len(plan.transfers), copies, size * len(plan.transfers), size * len(new),

@@ -7,6 +7,7 @@ from typing import Sequence
 from torch import nn
 
 from twinpipe.moe.block import MoEBlock
+from twinpipe.moe.exchange import ExpertExchange
 from twinpipe.overlap.stage import PartedSequential
 
 __all__ = ["MoEStage", "expert_counts"]
@@ -39,11 +40,12 @@ class MoEStage(PartedSequential):
 
 
 def expert_counts(module: nn.Module, reset: bool = True) -> dict[str, dict]:
-    """Per MoE block of ``module``: token copies this rank routed to each logical expert and rows
+    """Per MoE block of ``module`` (``MoEBlock``, or a ``transformers`` block sharded by
+    ``twinpipe.hf.experts.shard_experts_``): token copies this rank routed to each logical expert and rows
     each local slot ran on, summed since the last reset (then reset, unless ``reset=False``)."""
     out = {}
     for name, block in module.named_modules():
-        if isinstance(block, MoEBlock):
+        if isinstance(block, ExpertExchange):
             out[name] = {"routed": block.routed_tokens.clone(), "expert_rows": block.expert_rows.clone(),
                          "first_slot": block.first_slot}
             if reset:

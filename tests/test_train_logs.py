@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from twinpipe.launch import RankFailedError, failure_line
-from twinpipe.train_command.progress import LOG_EVERY, LOG_SECONDS, TrainProgress
+from twinpipe.train_command.progress import LOG_EVERY, LOG_SECONDS, ProgressOutput, TrainProgress
 from twinpipe.train_command.stragglers import WINDOW, slow_rank
 from test_train_cli import TINY
 from typed import typed_env
@@ -46,8 +46,8 @@ def _result(loss: float = 2.0, total: float = 0.5):
 
 
 def test_plain_lines_come_every_n_steps_after_the_first_and_the_last(capsys):
-    progress = TrainProgress(title="t", start=0, total=7, unit="byte", tokens_per_step=100, pp=2, log_every=3,
-                             log_seconds=1e9, terminal=False)
+    progress = TrainProgress(title="t", steps=range(0, 7), unit="byte", tokens_per_step=100, pp=2,
+                             output=ProgressOutput(log_every=3, log_seconds=1e9, terminal=False))
     with progress:
         for step in range(7):
             progress.update(step, _result(), [0.1, 0.1], skipped=step // 4)
@@ -60,8 +60,8 @@ def test_plain_lines_come_every_n_steps_after_the_first_and_the_last(capsys):
 
 
 def test_the_line_names_a_straggler_and_a_resumed_run_counts_from_its_start(capsys):
-    progress = TrainProgress(title="t", start=10, total=100, unit="token", tokens_per_step=64, pp=2, log_every=WINDOW,
-                             terminal=False)
+    progress = TrainProgress(title="t", steps=range(10, 100), unit="token", tokens_per_step=64, pp=2,
+                             output=ProgressOutput(log_every=WINDOW, terminal=False))
     with progress:
         for step in range(10, 10 + WINDOW):
             progress.update(step, _result(), [0.10, 0.10, 0.10, 0.15], skipped=0)
@@ -76,8 +76,8 @@ def test_a_slow_step_brings_a_line_before_its_turn(capsys, monkeypatch):
 
     clock = iter(range(0, 1000, 40))  # 40 s pass between two looks at the clock
     monkeypatch.setattr(progress_module.time, "perf_counter", lambda: next(clock))
-    progress = TrainProgress(title="t", start=0, total=50, unit="byte", tokens_per_step=1, pp=1, log_every=10, log_seconds=30,
-                             terminal=False)
+    progress = TrainProgress(title="t", steps=range(0, 50), unit="byte", tokens_per_step=1, pp=1,
+                             output=ProgressOutput(log_every=10, log_seconds=30, terminal=False))
     with progress:
         for step in range(3):
             progress.update(step, _result(), [0.1], skipped=0)
@@ -88,7 +88,7 @@ def test_a_slow_step_brings_a_line_before_its_turn(capsys, monkeypatch):
 
 def test_on_a_terminal_the_bar_carries_the_straggler_note(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # rich's width here (not a terminal): the whole bar
-    progress = TrainProgress(title="t", start=0, total=WINDOW, unit="byte", tokens_per_step=1, pp=1, terminal=True)
+    progress = TrainProgress(title="t", steps=range(0, WINDOW), unit="byte", tokens_per_step=1, pp=1, output=ProgressOutput(terminal=True))
     with progress:
         for step in range(WINDOW):
             progress.update(step, _result(), [0.1, 0.2, 0.1], skipped=0)
@@ -101,7 +101,7 @@ def test_the_docs_show_the_lines_the_code_prints():
     section = text.split("## What the log shows", 1)[1].split("\n## ", 1)[0]
     progress_line, failure = (block.removeprefix("text").strip() for block in section.split("```")[1::2])
     shape = lambda line: re.sub(r"\d[\d,.:]*", "#", line)  # noqa: E731
-    made = TrainProgress(title="t", start=0, total=300, unit="byte", tokens_per_step=1024, pp=1, terminal=False)
+    made = TrainProgress(title="t", steps=range(0, 300), unit="byte", tokens_per_step=1024, pp=1, output=ProgressOutput(terminal=False))
     made._since_line = (10, 1.6)
     assert shape(made.line(139, 2.86, 0, "")) == shape(progress_line), (made.line(139, 2.86, 0, ""), progress_line)
     summary = failure.removeprefix("twinpipe train: rank dp=0 pp=0: ").split("; if the ranks", 1)[0]
@@ -114,7 +114,8 @@ def test_the_docs_show_the_lines_the_code_prints():
 
 
 def test_only_the_rank_that_shows_prints(capsys):
-    progress = TrainProgress(title="t", start=0, total=2, unit="byte", tokens_per_step=1, pp=1, show=False, terminal=False)
+    progress = TrainProgress(title="t", steps=range(0, 2), unit="byte", tokens_per_step=1, pp=1,
+                             output=ProgressOutput(show=False, terminal=False))
     with progress:
         progress.update(0, _result(), [0.1], skipped=0)
     assert capsys.readouterr().out == ""

@@ -301,26 +301,8 @@ def run_local(world: int, fn, *args, timeout: float | None = None, threads: int 
         p.start()
     forwarder.install()
     values: dict[int, object] = {}
-    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        while len(values) < world:
-            forwarder.pass_on()
-            try:
-                rank, error, value = results.get(timeout=0.2 if forward_signals else 1.0)
-            except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in values and _ended(p)]
-                if dead and results.empty():
-                    if not allow_deaths:
-                        code = procs[dead[0]].exitcode
-                        raise RankFailedError(dead[0], "died", f"exited (code {code}) without a result") from None
-                    values.update((r, ("died", procs[r].exitcode)) for r in dead)
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(values))} of {world} did not finish "
-                                       f"within {timeout:g} s") from None
-                continue
-            if error is not None:
-                raise _failure(rank, error, results, procs, values) from None
-            values[rank] = pickle.loads(value)
+        _wait_for_results(values, procs, results, forwarder, timeout=timeout, allow_deaths=allow_deaths)
     finally:
         forwarder.uninstall()
         grace = 30.0 if len(values) == world else 0.0  # after a failure: ended at once (the error is in hand)
@@ -330,6 +312,33 @@ def run_local(world: int, fn, *args, timeout: float | None = None, threads: int 
                 p.kill()
                 p.join()
     return [values[r] for r in range(world)]
+
+
+def _wait_for_results(values: dict, procs, results, forwarder: _Forwarder, *, timeout: float | None,
+                      allow_deaths: bool) -> None:
+    """Fill ``values`` (rank -> result) from the ``results`` queue until every rank of ``procs`` has
+    given one, passing signals on meanwhile; raises ``RankFailedError`` for a rank that failed (or
+    died, unless ``allow_deaths``: then ``("died", exit code)``), ``TimeoutError`` after ``timeout`` s."""
+    world = len(procs)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while len(values) < world:
+        forwarder.pass_on()
+        try:
+            rank, error, value = results.get(timeout=0.2 if forwarder.active else 1.0)
+        except queue_module.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in values and _ended(p)]
+            if dead and results.empty():
+                if not allow_deaths:
+                    code = procs[dead[0]].exitcode
+                    raise RankFailedError(dead[0], "died", f"exited (code {code}) without a result") from None
+                values.update((r, ("died", procs[r].exitcode)) for r in dead)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(values))} of {world} did not finish "
+                                   f"within {timeout:g} s") from None
+            continue
+        if error is not None:
+            raise _failure(rank, error, results, procs, values) from None
+        values[rank] = pickle.loads(value)
 
 
 _SETTLE = 1.0  # seconds to wait for the root cause when the first error heard only quotes it

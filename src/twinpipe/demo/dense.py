@@ -86,9 +86,7 @@ def _run_steps(args, group) -> None:
         torch.cuda.set_device(device)
     schedule = resolve(args.schedule, world, **_schedule_options(args))  # once: the stages, pipeline and layout share it
     placement = schedule.placement
-    num_model_stages = placement.num_model_stages
-    mine = placement.stages_of(rank)
-    modules = [_stage(placement.model_stage(s), args, device) for s in mine]
+    modules = [_stage(placement.model_stage(s), args, device) for s in placement.stages_of(rank)]
     if args.schedule == "dualpipe":
         pipe = twinpipe.DualPipe(modules, timeout=args.timeout)
     else:
@@ -98,12 +96,7 @@ def _run_steps(args, group) -> None:
     gen = torch.Generator().manual_seed(0)
     shape = (chunks * args.microbatch_size, args.seq_len, args.dim)
     layout = batch_layout(schedule, world, rank, chunks)
-    piped = any(gather_objects(group, bool(pipe.shared_memory_peers), args.timeout, f"demo: rank {rank}: telling how messages go"))
-    via = dist.get_backend() + (", messages through shared memory" if piped else "")
-    if rank == 0:
-        print(f"twinpipe demo: {args.schedule} on {world} {args.device} rank(s) ({via}), "
-              f"{num_model_stages} model stages{' (two copies)' if len(placement.chains) > 1 else ''} x {args.blocks_per_stage} block(s), dim {args.dim}, "
-              f"{chunks} micro-batches of {args.microbatch_size}x{args.seq_len}, {args.dtype}", flush=True)
+    _say_setup(args, pipe, placement, chunks, group)
     all_exact = True
     for step in range(args.steps):
         x = torch.randn(shape, generator=gen, dtype=_dtype(args)).to(device)
@@ -122,13 +115,8 @@ def _run_steps(args, group) -> None:
         elapsed = time.perf_counter() - start
         if len(placement.chains) > 1:
             pipe.sync_mirrored_grads()  # both copies of a stage now hold its full gradient
-        exact = True
-        if loss is not None:
-            exact &= torch.equal(loss.cpu(), torch.stack([ref_losses[j] for j in layout.label_microbatches]).cpu())
-        for s, module in zip(mine, pipe.module):
-            for p, q in zip(module.parameters(), reference[placement.model_stage(s)].parameters()):
-                exact &= _grad_error(p.grad, q.grad) <= grad_tolerance(p.dtype)
-        exact = all(gather_objects(group, bool(exact), args.timeout, f"demo: rank {rank}: step {step + 1}: comparing with one process"))
+        exact = _matches(pipe, placement, loss, [ref_losses[j] for j in layout.label_microbatches], reference)
+        exact = all(gather_objects(group, exact, args.timeout, f"demo: rank {rank}: step {step + 1}: comparing with one process"))
         all_exact &= exact
         mean_loss = torch.stack(list(ref_losses.values())).mean().item()
         if rank == 0:
@@ -142,6 +130,32 @@ def _run_steps(args, group) -> None:
         print(exactness_line(all_exact, _dtype(args)), flush=True)
     if not all_exact:
         raise SystemExit(1)
+
+
+def _say_setup(args, pipe, placement, chunks: int, group) -> None:
+    """Rank 0's first line: the schedule, the ranks and how their messages go (collective), the model."""
+    from twinpipe.runtime.collectives import gather_objects
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    piped = any(gather_objects(group, bool(pipe.shared_memory_peers), args.timeout, f"demo: rank {rank}: telling how messages go"))
+    via = dist.get_backend() + (", messages through shared memory" if piped else "")
+    if rank == 0:
+        copies = " (two copies)" if len(placement.chains) > 1 else ""
+        print(f"twinpipe demo: {args.schedule} on {world} {args.device} rank(s) ({via}), "
+              f"{placement.num_model_stages} model stages{copies} x {args.blocks_per_stage} block(s), dim {args.dim}, "
+              f"{chunks} micro-batches of {args.microbatch_size}x{args.seq_len}, {args.dtype}", flush=True)
+
+
+def _matches(pipe, placement, loss, ref_losses: list, reference: list[nn.Module]) -> bool:
+    """Whether this rank's losses (``loss``, None on a rank ending no micro-batch) equal the one-process
+    ``ref_losses`` exactly and its stages' gradients ``reference``'s within ``grad_tolerance``."""
+    exact = True
+    if loss is not None:
+        exact &= torch.equal(loss.cpu(), torch.stack(ref_losses).cpu())
+    for s, module in zip(placement.stages_of(dist.get_rank()), pipe.module):
+        for p, q in zip(module.parameters(), reference[placement.model_stage(s)].parameters()):
+            exact &= _grad_error(p.grad, q.grad) <= grad_tolerance(p.dtype)
+    return bool(exact)
 
 
 def _reference_model(pipe, placement, args, device) -> list[nn.Module]:

@@ -388,7 +388,9 @@ class _Reads:
 
 def _local(value: torch.Tensor) -> torch.Tensor:
     """This rank's rows of a DTensor (``_rows``), else the tensor."""
-    return value.to_local() if hasattr(value, "to_local") else value
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _state_dtype(value: torch.Tensor, key: str, param: torch.Tensor) -> torch.Tensor:

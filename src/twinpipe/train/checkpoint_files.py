@@ -58,7 +58,7 @@ class CheckpointError(ValueError):
         super().__init__(f"checkpoint {self.path!r}: {problem}")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CheckpointInfo:
     """What a complete checkpoint's marker and metadata say (``read_checkpoint_info``)."""
 
@@ -203,8 +203,10 @@ def read_checkpoint_info(path, verify_data: bool = False) -> CheckpointInfo:
         differ = sorted(set(stored) ^ set(parameters)) or sorted(n for n in stored if stored[n] != parameters[n])
         raise CheckpointError(path, f"files {METADATA} and {MARKER} disagree on the model's parameters ({', '.join(differ[:4])}): "
                                     "parts of different saves")
-    return CheckpointInfo(path, record["step"], parameters, record["model"].get("record", {}), record["optimizer"], files,
-                          list(record.get("optimizer_state_files", [])), marker_sha, metadata)
+    return CheckpointInfo(path=path, step=record["step"], parameters=parameters, model=record["model"].get("record", {}),
+                          optimizer=record["optimizer"], files=files,
+                          optimizer_state_files=list(record.get("optimizer_state_files", [])), marker_sha256=marker_sha,
+                          metadata=metadata)
 
 
 def read_optimizer_state(path, names) -> dict[str, dict]:

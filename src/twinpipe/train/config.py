@@ -24,7 +24,7 @@ ZERO = (0, 1)  # 0: every data-parallel rank holds all optimizer state; 1: each 
 MAX_SEED = 2**32 - 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """What a run trains with. ``batch_size`` rows per step in all, ``microbatch_size`` per micro-batch.
 

@@ -4,7 +4,7 @@
 (``twinpipe.runtime.memory``), then measures each of this rank's stages alone on the inputs it
 saw (``measure_stage``) and replays the rank's program on them (``Pipeline.predict_activation_peak``).
 Parameters, gradients, master weights and optimizer state are counted on the rank
-(``Trainer.state_bytes`` where the trainer has it) and predicted from the parameter counts
+(``Trainer.state_bytes``) and predicted from the parameter counts
 (``twinpipe.sim.memory.state_prediction``). ``gather_report`` collects every rank's
 ``RankMemory`` (collective), as ``train-log.json`` stores them under ``"memory"``.
 """
@@ -16,27 +16,34 @@ import functools
 import torch
 
 from twinpipe.runtime.collectives import gather_objects
-from twinpipe.runtime.memory import grad_bytes, measure_stage, optimizer_bytes, storage_bytes
+from twinpipe.runtime.memory import measure_stage
 from twinpipe.sim.gpt import PLANNED_WITH_MW  # generators that order their ops by the memory W keeps
 from twinpipe.sim.memory import MemoryParts, RankMemory, state_prediction
 
-__all__ = ["measured_step", "gather_report"]
+__all__ = ["measured_step", "gather_report", "state_bytes"]
 
 
-def _state_measured(trainer) -> dict:
-    if hasattr(trainer, "state_bytes"):
-        return dict(trainer.state_bytes())
-    return {"params": storage_bytes(trainer.params), "grads": grad_bytes(trainer.params), "master": 0,
-            "optimizer": optimizer_bytes(trainer.optimizer)}
+def state_bytes(params, masters, optimizer) -> dict[str, int]:
+    """Bytes of model state by part (``twinpipe.sim.memory.MemoryParts`` names): ``params`` (in their own
+    dtype), ``grads`` (the buffers gradients accumulate in: FP32 ``main_grad`` under mixed precision,
+    else one ``.grad`` per parameter), ``master`` (the FP32 ``masters``) and ``optimizer`` (every
+    tensor of the optimizer's state as it is now: AdamW builds its state at the first step)."""
+    def size(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    grads = sum(size(p.main_grad) if getattr(p, "main_grad", None) is not None else size(p) for p in params)
+    optimizer_state = sum(size(v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+    return {"params": sum(size(p) for p in params), "grads": grads, "master": sum(size(t) for t in masters),
+            "optimizer": optimizer_state}
 
 
 def _state_predicted(trainer) -> MemoryParts:
     params = trainer.params
-    updated = getattr(trainer, "updated_parameters", params)  # ZeRO-1: this rank's shard (Trainer.updated_parameters)
+    updated = trainer.updated_parameters  # ZeRO-1: this rank's shard
     kind = "adamw" if isinstance(trainer.optimizer, (torch.optim.Adam, torch.optim.AdamW)) else \
         "sgd" if isinstance(trainer.optimizer, torch.optim.SGD) else "none"
     elsize = params[0].element_size() if params else 4
-    return state_prediction([p.numel() for p in params], elsize, mixed=getattr(trainer, "mixed", False),
+    return state_prediction([p.numel() for p in params], elsize, mixed=trainer.mixed,
                             updated=[p.numel() for p in updated], optimizer=kind)
 
 
@@ -56,7 +63,8 @@ def measured_step(trainer, step: int):
         if not outputs:
             outputs.append(len(out) if isinstance(out, (tuple, list)) else 1)
 
-    criterion = trainer._criterion  # what the last stage runs (with MTP: MTPLoss over the model's criterion)
+    run = trainer.train_step
+    criterion = run.criterion  # what the last stage runs (with MTP: MTPLoss over the model's criterion)
 
     def keeping_labels(*args):
         if not labels:
@@ -65,14 +73,14 @@ def measured_step(trainer, step: int):
 
     handles = [m.register_forward_pre_hook(functools.partial(keep_input, s)) for s, m in zip(pipe.stages, pipe.module)]
     handles += [m.register_forward_hook(count_outputs) for s, m in zip(pipe.stages, pipe.module) if trainer.placement.is_last(s)]
-    trainer._criterion, pipe.measure_memory = keeping_labels, True
+    run.criterion, pipe.measure_memory = keeping_labels, True
     try:
         result = trainer.step(step)
     finally:
-        trainer._criterion, pipe.measure_memory = criterion, False
+        run.criterion, pipe.measure_memory = criterion, False
         for h in handles:
             h.remove()
-    measured = MemoryParts(**_state_measured(trainer), activations_peak=pipe.last_memory.activations_peak,
+    measured = MemoryParts(**trainer.state_bytes(), activations_peak=pipe.last_memory.activations_peak,
                            device_peak=pipe.last_memory.device_peak)
     predicted = _state_predicted(trainer)
     predicted.activations_peak = predict_activations(trainer, inputs, labels[0] if labels else ())
@@ -90,7 +98,7 @@ def predict_activations(trainer, inputs: dict, labels: tuple) -> int:
     for s, module in zip(pipe.stages, pipe.module):
         last = placement.is_last(s)
         stages[s] = measure_stage(module, inputs[s], first=placement.is_first(s),
-                                  criterion=trainer._criterion if last else None, labels=labels if last else ())
+                                  criterion=trainer.train_step.criterion if last else None, labels=labels if last else ())
     for p, g in grads:  # measuring ran the stages' W: leave the step's gradients as they were
         p.grad = g
     return pipe.predict_activation_peak(trainer.num_chunks, stages)

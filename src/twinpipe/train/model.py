@@ -28,7 +28,7 @@ from twinpipe.train.mtp import MTPModule
 __all__ = ["GPTConfig", "GPT", "block", "lm_loss"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GPTConfig:
     """Sizes of the model: ``vocab`` 256 for bytes; ``experts`` 0 for a dense MLP in every block,
     else that many routed experts per block, ``top_k`` of them per token.

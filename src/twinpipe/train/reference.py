@@ -38,7 +38,8 @@ from twinpipe.train.data import BatchSampler, replica_rows
 from twinpipe.train.grads import clip_coefficient, clip_grads, scale_grads, squared_norms
 from twinpipe.train.mtp import MTPLoss, mtp_heads
 from twinpipe.train.stages import model_layers
-from twinpipe.train.trainer import TrainConfig, model_routers
+from twinpipe.train.config import TrainConfig
+from twinpipe.train.split_source import model_routers, model_tied_copies
 
 __all__ = ["ReferenceTrainer"]
 
@@ -65,7 +66,7 @@ class ReferenceTrainer:
         self.criteria = [MTPLoss(criterion, mtp_heads([r])[0], config.mtp_weight) if config.mtp_depth else criterion
                          for r in self.replicas]
         named = self.named_parameters()
-        self.tied = [(named[main], named[copy]) for main, copy in getattr(self.model, "tied_copies", ())]
+        self.tied = [(named[main], named[copy]) for main, copy in model_tied_copies(self.model)]
         where = {id(p): i for i, p in enumerate(self._dense)}
         self._tied_index = [(where[id(main)], where[id(copy)]) for main, copy in self.tied]  # in each replica's dense list
         self._norm_skip = [i for i, p in enumerate(self.params) if any(p is c for _, c in self.tied)]
@@ -106,13 +107,30 @@ class ReferenceTrainer:
 
     def step(self, step: int) -> tuple[float, torch.Tensor, float | None]:
         """``(mean loss, per-micro-batch losses, global gradient norm or None)`` of batch ``step``."""
-        dp, m = self.dp, self.num_chunks
+        dp = self.dp
         x, y = self.sampler.batch(step, self.config.batch_size)
         rows = [replica_rows(self.config.batch_size, dp, d) for d in range(dp)]
-        xs, ys = [x[r] for r in rows], [y[r] for r in rows]
         dense = [self._replica_dense(r) for r in self.replicas] if dp > 1 else [self._dense]
+        routers = self._start_replicas(dense)
+        losses, replica_grads, expert_grads = self._run_directions([x[r] for r in rows], [y[r] for r in rows], dense)
+        for mine in replica_grads:  # then each replica's tied pairs: main + copy to both (train/tied.py)
+            for i, j in self._tied_index:
+                mine[i] = mine[i] + mine[j]
+                mine[j] = mine[i].clone()
+        total = replica_grads[0]
+        for more in replica_grads[1:]:  # then the replicas, left to right
+            total = [a.add_(b) for a, b in zip(total, more)]
+        grad_of_param = dict(zip(map(id, self._dense + self._experts), total + expert_grads))
+        for p, t in zip(self.params, self.masters):
+            t.grad = grad_of_param[id(p)]
+        norm = self._update(routers)
+        return float(losses.mean()), losses, norm
+
+    def _start_replicas(self, dense: list[list[torch.Tensor]]) -> list[list[nn.Module]]:
+        """Every replica from the model's weights and routing biases, its routers' loads zeroed; the
+        routers of each replica."""
         routers = [[r for _, r in model_routers(replica)] for replica in self.replicas]
-        if dp > 1:  # every replica starts from the model's weights (and routing biases)
+        if self.dp > 1:
             with torch.no_grad():
                 for params in dense:
                     for p, q in zip(params, self._dense):
@@ -123,11 +141,17 @@ class ReferenceTrainer:
         for mine in routers:
             for r in mine:
                 r.loads.zero_()
+        return routers
+
+    def _run_directions(self, xs: list[torch.Tensor], ys: list[torch.Tensor], dense: list[list[torch.Tensor]]):
+        """Forward and backward of every micro-batch on every replica, direction by direction (DualPipe's
+        mirrored copies); ``(losses, each replica's dense gradients, the experts' gradients)``, summed per
+        direction, then over directions."""
+        dp, m = self.dp, self.num_chunks
         stages = [self._stage(r) for r in self.replicas]
         losses = torch.zeros(dp * m, dtype=torch.float64)
         per = m // self.directions
-        replica_grads: list | None = None
-        expert_grads = None
+        replica_grads = expert_grads = None
         for c in range(self.directions):
             _fresh_grads([p for params in dense for p in params] + self._experts)
             for j in range(c * per, (c + 1) * per):
@@ -142,20 +166,15 @@ class ReferenceTrainer:
             experts = [_grad(p) for p in self._experts]
             if replica_grads is None:
                 replica_grads, expert_grads = grads, experts
-            else:  # then the directions (DualPipe's mirrored copies)
+            else:  # then the directions
                 replica_grads = [[a.add_(b) for a, b in zip(mine, more)] for mine, more in zip(replica_grads, grads)]
                 expert_grads = [a.add_(b) for a, b in zip(expert_grads, experts)]
-        for mine in replica_grads:  # then each replica's tied pairs: main + copy to both (Trainer._sum_tied_grads)
-            for i, j in self._tied_index:
-                mine[i] = mine[i] + mine[j]
-                mine[j] = mine[i].clone()
-        total = replica_grads[0]
-        for more in replica_grads[1:]:  # then the replicas, left to right
-            total = [a.add_(b) for a, b in zip(total, more)]
-        grad_of_param = dict(zip(map(id, self._dense + self._experts), total + expert_grads))
-        for p, t in zip(self.params, self.masters):
-            t.grad = grad_of_param[id(p)]
-        scale_grads(self.masters, m * dp)
+        return losses, replica_grads, expert_grads
+
+    def _update(self, routers: list[list[nn.Module]]) -> float | None:
+        """Scaling, clipping and the optimizer on the masters' gradients, the routing biases moved;
+        the global gradient norm (None without clipping)."""
+        scale_grads(self.masters, self.num_chunks * self.dp)
         norm = None
         if self.config.max_norm is not None:
             norms = squared_norms(self.masters)
@@ -168,7 +187,7 @@ class ReferenceTrainer:
         if self.config.bias_update_speed:  # each router's loads summed over the replicas, then its bias moved
             for j, router in enumerate(self.routers):
                 update_bias_(router.bias, sum(mine[j].loads for mine in routers), self.config.bias_update_speed)
-        return float(losses.mean()), losses, norm
+        return norm
 
     def named_buffers(self) -> dict[str, torch.Tensor]:
         """The routing biases by name in the model (as ``Trainer.held_buffers`` names them)."""

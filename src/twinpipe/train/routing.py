@@ -16,9 +16,7 @@ from torch import nn
 
 from twinpipe.checks import bad
 from twinpipe.moe.bias import update_bias_
-from twinpipe.schedule.placement import Placement
 from twinpipe.train.stage_source import StageSource
-from twinpipe.train.stages import is_mirror_copy
 from twinpipe.train.step_vector import few
 
 __all__ = ["RoutingBalance"]
@@ -39,14 +37,15 @@ def _slices(every: Sequence[tuple[str, int]], held: Sequence[str]) -> tuple[list
 
 
 class RoutingBalance:
-    """The routers of this rank's stage ``modules`` (pipeline stages ``stages`` of ``placement``) and
-    their places in the model's vector of loads (``size`` entries); ``gamma``: ``bias_update_speed``."""
+    """The routers of this rank's stage ``modules`` and their places in the model's vector of loads
+    (``size`` entries); ``owns[i]``: whether module i's biases are this rank's to save (data-parallel
+    rank 0's first copy); ``gamma``: ``bias_update_speed``."""
 
-    def __init__(self, source: StageSource, model: nn.Module, modules: Sequence[nn.Module], stages: Sequence[int],
-                 placement: Placement, dp_rank: int, gamma: float):
-        held = [(s, *slot) for s, m in zip(stages, modules) for slot in source.routers(m)]
+    def __init__(self, source: StageSource, model: nn.Module, modules: Sequence[nn.Module], owns: Sequence[bool],
+                 gamma: float):
+        held = [(owned, *slot) for owned, m in zip(owns, modules, strict=True) for slot in source.routers(m)]
         self.gamma = gamma
-        self._slots = [(name, router, not is_mirror_copy(placement, s) and dp_rank == 0) for s, name, _, router in held]
+        self._slots = [(name, router, owned) for owned, name, _, router in held]
         self.routers = [router for *_, router in held]
         self._places, self.size = _slices(list(source.routing_biases(model)), [key for _, _, key, _ in held])
         if gamma and not self.size:

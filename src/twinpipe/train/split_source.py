@@ -17,7 +17,7 @@ from twinpipe.train.mtp import mtp_heads
 from twinpipe.train.stage_source import RouterSlot
 from twinpipe.train.stages import Stage, model_layers, split, stage_modules
 
-__all__ = ["SplitStages", "model_parameter_names", "model_routers"]
+__all__ = ["SplitStages", "model_parameter_names", "model_routers", "model_tied_copies"]
 
 
 def model_parameter_names(model: nn.Module) -> list[tuple[str, torch.Size]]:
@@ -29,6 +29,12 @@ def model_routers(model: nn.Module) -> list[tuple[str, TopKRouter]]:
     """``(name in the unsplit model, router)`` of every ``TopKRouter`` of a splittable model, in run order."""
     return [(f"{name}.{sub}" if sub else name, m) for name, layer in model_layers(model)
             for sub, m in layer.named_modules() if isinstance(m, TopKRouter)]
+
+
+def model_tied_copies(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """``(main, copy)`` names of a splittable model's tied weights: what it declares as ``tied_copies``
+    (GPT: its MTP head's embedding copy), else none (an ``nn.Sequential``)."""
+    return tuple(getattr(model, "tied_copies", ()))
 
 
 class SplitStages:
@@ -70,7 +76,7 @@ class SplitStages:
         pipe.sync_mirrored_grads()  # a no-op without mirrored copies
 
     def tied_copies(self, model: nn.Module) -> tuple:
-        return tuple(getattr(model, "tied_copies", ()))  # GPT declares its MTP head's embedding copy; nn.Sequential none
+        return model_tied_copies(model)
 
     def mtp_modules(self, model: nn.Module) -> int:
         return sum(len(h.mtp) for h in mtp_heads([model]))

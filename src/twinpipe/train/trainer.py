@@ -1,7 +1,7 @@
-"""One training step on a (dp, pp) mesh: pipeline step, gradient reductions, clipping, optimizer.
+"""Training on a (dp, pp) mesh: ``Trainer`` builds the parts once, then ``step()`` runs one global batch.
 
-Per step, in this order (the order the single-process reference follows, so results are exact;
-docs/architecture.md follows one step file by file):
+One step (``step.py``'s ``TrainStep``, built from the parts), in this order (the order the
+single-process reference follows, so results are exact; docs/architecture.md follows it file by file):
 1. ``Pipeline.step`` on this replica's rows: gradients summed over micro-batches into ``.grad``
    (with ``overlap_dp`` and one chain, each stage's data-parallel buckets start as soon as its last
    gradient-writing op has run: the pipeline's ``on_grads_ready``);
@@ -20,40 +20,31 @@ docs/architecture.md follows one step file by file):
    weights started (each stage's next forward awaits its own; ``finish_update()`` the rest, before
    anything reads the weights).
 When the trainer is built, its ranks agree on the whole configuration (``settings.py``) before any
-collective whose sizes depend on it.
+collective whose sizes depend on it; the parts: ``StageSource`` (``stage_source.py``), ownership and
+the reducer (``ownership.py``), ``TiedPairs``, ``RoutingBalance``, ``WeightUpdate``, the pipeline.
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
-import time
-import zlib
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinpipe.moe.grads import reduce_replica_grads
 from twinpipe.runtime.batches import batch_layout
-from twinpipe.runtime.collectives import cpu_group, gather_objects
+from twinpipe.runtime.collectives import cpu_group
 from twinpipe.runtime import waits
-from twinpipe.runtime.errors import (
-    PipelineAbortedError, PipelineBrokenError, PipelineMismatchError, PipelineOutOfStepError, PipelinePeerFailedError,
-)
 from twinpipe.runtime.pipeline import Pipeline
 from twinpipe.schedule.spec import resolve
 from twinpipe.checks import bad
 from twinpipe.train.checkpoint_view import CheckpointView
 from twinpipe.train.config import TrainConfig, model_record
-from twinpipe.train.data import BatchSampler, replica_rows
+from twinpipe.train.data import BatchSampler
 from twinpipe.train.experts import check_experts, expert_ids, shard_experts
-from twinpipe.train.grads import (
-    clip_coefficient, clip_grads, scale_grads, squared_norms,
-)
-from twinpipe.train.memory import planned_options
+from twinpipe.train.memory import planned_options, state_bytes
+from twinpipe.train.mirrors import mirrors_equal
 from twinpipe.train.mesh import TrainMesh
 from twinpipe.train.mtp import rank_criterion
 from twinpipe.precisions import BF16_MIXED
@@ -64,34 +55,12 @@ from twinpipe.train.split_source import SplitStages, model_parameter_names, mode
 from twinpipe.train.ownership import broadcast_start, own_parameters
 from twinpipe.train.settings import agree_optimizer, agree_settings
 from twinpipe.train.routing import RoutingBalance
+from twinpipe.train.stages import is_mirror_copy
+from twinpipe.train.step import NonFiniteStepError, StepParts, StepResult, TrainStep
 from twinpipe.train.tied import TiedPairs
 from twinpipe.train.stage_source import StageSource, check_source
-from twinpipe.train.step_vector import StepVector, any_nonfinite
 
 __all__ = ["TrainConfig", "StepResult", "Trainer", "NonFiniteStepError", "model_parameter_names"]
-
-
-@dataclass
-class StepResult:
-    step: int
-    loss: float  # mean over every micro-batch of the global batch
-    losses: torch.Tensor  # per global micro-batch, in order
-    grad_norm: float | None
-    times: dict[str, float] = field(default_factory=dict)
-    skipped: bool = False  # the loss or the gradients were not finite: no rank updated (on_nonfinite="skip")
-    stop: bool = False  # some rank asked ``step(stop=True)``: the same on every rank (agreed in the step's all-reduce)
-    save: bool = False  # some rank asked ``step(save=True)``: the same on every rank
-
-
-class NonFiniteStepError(FloatingPointError):
-    """A step's loss, gradient norm or gradients were not finite, with ``on_nonfinite="raise"``:
-    raised on every rank, before any update (the step can be retried or skipped alike everywhere)."""
-
-
-# Raised by every rank of the step alike (agreement, the same summed vector), or heard from a peer:
-# no failure notice to publish.
-_RAISED_ALIKE = (PipelineMismatchError, PipelineAbortedError, PipelineBrokenError, PipelineOutOfStepError,
-                 PipelinePeerFailedError, NonFiniteStepError)
 
 
 class Trainer:
@@ -104,6 +73,8 @@ class Trainer:
     causal LM: ``twinpipe train --model``, ``twinpipe.hf.HFSource``), a ``StageSource``
     (``stage_source.py``: every method the trainer calls); None cuts by ``split`` with
     ``config.balance`` (``split_source.SplitStages``).
+
+    Its nine arguments are the signature users call (docs/train.md): kept (tests/test_architecture.py, PUBLIC).
     """
 
     def __init__(self, model_fn: Callable[[], nn.Module], sampler: BatchSampler, criterion, optimizer_fn,
@@ -136,24 +107,26 @@ class Trainer:
         self.num_chunks = config.num_microbatches(mesh.dp)
         self.layout = batch_layout(self.schedule, mesh.pp, mesh.pp_rank, self.num_chunks)
         self.experts = check_experts(model, mesh.dp)
-        pipeline_stages = self.placement.stages_of(mesh.pp_rank)
         modules = self._build_stages(model)
         experts = expert_ids(modules)
         # Tied copies (an MTP head's embedding copy, a transformers model's tied head): kept equal to
         # their main parameter, not in the norm.
         self._tied = TiedPairs(self.source.tied_copies(model), model)
         self.tied = self._tied.pairs
-        self._criterion = rank_criterion(criterion, modules, held=self.source.mtp_modules(model), depth=config.mtp_depth,
-                                         weight=config.mtp_weight, where=f"schedule={config.schedule!r}: rank pp={mesh.pp_rank}")
-        self.routing = RoutingBalance(self.source, model, modules, pipeline_stages, self.placement, mesh.dp_rank,
-                                      config.bias_update_speed)
+        criterion = rank_criterion(criterion, modules, held=self.source.mtp_modules(model), depth=config.mtp_depth,
+                                   weight=config.mtp_weight, where=f"schedule={config.schedule!r}: rank pp={mesh.pp_rank}")
+        self.routing = RoutingBalance(self.source, model, modules, self._owns_routers(), config.bias_update_speed)
         if config.balance_alpha:
             self.source.add_balance_loss(model, modules, config.balance_alpha, bool(self.routing.size))
-        own = self.ownership = own_parameters(modules, pipeline_stages, placement=self.placement, mesh=mesh, config=config,
-                                              experts=experts, tied=self.tied, timeout=self.timeout)
+        own = self.ownership = own_parameters(modules, self.placement.stages_of(mesh.pp_rank), placement=self.placement,
+                                              mesh=mesh, config=config, experts=experts, tied=self.tied,
+                                              timeout=self.timeout)
         self.params, self.held, self.reducer, self.overlap_dp = own.params, own.held, own.reducer, own.overlap_dp
-        self._dense, self._owned, self._updated = own.dense, own.owned, own.updated
-        self._prepare_update(modules, optimizer_fn, device)
+        self._prepare_update(modules, optimizer_fn)
+        self.train_step = TrainStep(StepParts(
+            config=config, mesh=mesh, sampler=sampler, source=self.source, pipe=self.pipe, placement=self.placement,
+            layout=self.layout, parameter_names=self.parameter_names, ownership=own, update=self.update,
+            optimizer=self.optimizer, routing=self.routing, tied=self._tied, experts=self.experts, where=self._where), criterion)
 
     def _build_stages(self, model: nn.Module) -> list[nn.Module]:
         """This rank's stage modules (``StageSource.build``), MoE experts sharded over the data-parallel group."""
@@ -173,19 +146,23 @@ class Trainer:
                       "of each expert tensor are stored sharded over it)")
         return modules
 
-    def _prepare_update(self, modules: Sequence[nn.Module], optimizer_fn, device) -> None:
+    def _owns_routers(self) -> list[bool]:
+        """Per pipeline stage of this rank: whether its routers' biases are this rank's to save (data-parallel
+        rank 0's first copy, as for a dense parameter)."""
+        return [self.mesh.dp_rank == 0 and not is_mirror_copy(self.placement, s) for s in self.placement.stages_of(self.mesh.pp_rank)]
+
+    def _prepare_update(self, modules: Sequence[nn.Module], optimizer_fn) -> None:
         """The pipeline, the optimizer over the updated tensors (FP32 masters under mixed precision),
         every rank's start from the same weights, and ZeRO-1's deferred all-gathers hooked in."""
-        mesh = self.mesh
-        index = {name: i for i, (name, _) in enumerate(self.parameter_names)}
-        self._owned_index = torch.tensor([index[n] for n in self.ownership.owned_names], dtype=torch.long, device=device)
-        self.update = WeightUpdate(self._updated, self.reducer, mixed=self.mixed)
+        mesh, where = self.mesh, self._where("building the trainer")
+        self.update = WeightUpdate(self.ownership.updated, self.reducer, mixed=self.mixed)
         self.pipe = Pipeline(modules, self.schedule, process_group=mesh.pp_group, timeout=self.timeout)
         self.update.hook_stages(self.pipe, self.num_chunks)  # ZeRO-1: each stage awaits its all-gathers before its forward
         self.optimizer = optimizer_fn(self.update.masters)
-        agree_optimizer(self.optimizer, self.checkpoint_group, self.timeout, self._where("building the trainer"))  # before the initial weights' broadcast
+        agree_optimizer(self.optimizer, self.checkpoint_group, self.timeout, where)  # before the initial weights' broadcast
         self._agree_group = cpu_group(mesh.pp_group, self.timeout)  # small CPU exchanges (mirrors_equal)
-        broadcast_start(self._dense, mesh, self.timeout, self._where("broadcasting the initial weights across data-parallel replicas"))
+        broadcast_start(self.ownership.dense, mesh, self.timeout,
+                        self._where("broadcasting the initial weights across data-parallel replicas"))
         if self.is_dual:  # every mirrored copy from one copy's weights
             self.pipe.sync_mirrored_weights()
         self.routing.zero_loads()  # balance="time" ran the layers
@@ -231,106 +208,9 @@ class Trainer:
         """Train on global batch ``step`` (from the sampler). ``stop``, ``save``: this rank's request (a
         signal arrived, a save is due by its clock), agreed in the step's all-reduce: the result's
         ``stop``/``save`` are True on every rank when any rank asked, so all ranks act alike."""
-        try:
-            return self._step(step, (bool(stop), bool(save)))
-        except _RAISED_ALIKE:
-            raise  # every rank raises it, from the same sums or agreement: nothing to tell
-        except BaseException as exc:  # the ranks waiting for this one hear of it now, not at their timeout
-            waits.publish_failure(getattr(exc, "first", "") or self._where(
-                f"step {step} failed (global rank {dist.get_rank()}): {type(exc).__name__}: {exc}"),
-                [self.mesh.pp_group, self.mesh.dp_group, *self.reducer.mirror_groups])
-            raise
-
-    def _step(self, step: int, requests: tuple[bool, bool]) -> StepResult:
-        times = {}
-        start = time.perf_counter()
-        dp, m = self.mesh.dp, self.num_chunks
-        x, y = self.sampler.batch(step, self.config.batch_size)
-        digest = zlib.crc32(y.cpu().numpy().tobytes(), zlib.crc32(x.cpu().numpy().tobytes())) & 0xFFFF
-        rows = replica_rows(self.config.batch_size, dp, self.mesh.dp_rank)
-        device = self.pipe.device
-        x, y = x[rows].to(device), y[rows].to(device)
-        precision.zero_main_grads(self.params)  # .grad dropped, FP32 main_grad (mixed precision) zeroed
-        overlap = self.overlap_dp and self.reducer.active
-        if self.update.gather_before_step:
-            self.finish_update()
-        try:
-            inputs, labels = self.source.batch(self.layout, x, y)
-            loss, _ = self.pipe.step(*inputs, num_chunks=m, criterion=self._criterion, labels=labels,
-                                     on_grads_ready=self._start_reduction if overlap else None)
-        except BaseException:
-            self.reducer.abandon()  # its peers' waits time out, naming the step
-            raise
-        times["pipeline"] = time.perf_counter() - start
-        times["busy"] = self.pipe.last_busy_s  # of "pipeline": running this rank's ops, not waiting for peers
-        mark = time.perf_counter()
-        self.source.sync_mirrored_grads(self.pipe)
-        times["mirror"] = time.perf_counter() - mark
-        mark = time.perf_counter()
-        if self.tied:  # before the data-parallel reduction: it moves main_grad, or reduce-scatters (ZeRO-1)
-            self._tied.sum_grads(self.pipe.module, self.placement.stages_of(self.mesh.pp_rank), self.placement,
-                                 group=self.mesh.pp_group, timeout=self.timeout, where=self._where(f"step {step}"),
-                                 device=self.pipe.device)
-        if overlap:
-            for part in self.ownership.tied_parts:
-                self.reducer.start(part)
-            self.reducer.wait(self._where(f"step {step}"))
-        else:
-            self.reducer.all_reduce(self._where(f"step {step}"))
-        if self.experts:
-            reduce_replica_grads(self.pipe.module, self.timeout)
-        times["dp"] = time.perf_counter() - mark
-        mark = time.perf_counter()
-        scale_grads(self._updated, m * dp)
-        clip = self.config.max_norm is not None
-        vec = self._sum_vector(step, loss, digest, clip, requests)
-        losses = vec.losses.clone()
-        stop, save = (bool(v) for v in vec.requests.tolist())
-        problem = vec.problem(self.parameter_names)
-        norm, factor = clip_coefficient(vec.norms, self.config.max_norm) if clip else (None, 1.0)
-        if problem is not None:
-            self._refuse_update(step, problem)  # raises, or counts the step as skipped
-        else:
-            clip_grads(self._updated, factor)
-            self.finish_update()  # normally done: every stage's forward awaited its all-gathers
-            self.update.apply(self.optimizer, step, self._where(f"step {step}"))
-            self.routing.move_biases(vec.loads)
-        self.routing.zero_loads()
-        times["update"] = time.perf_counter() - mark
-        times["total"] = time.perf_counter() - start
-        return StepResult(step, float(losses.mean()), losses, norm, times, skipped=problem is not None, stop=stop, save=save)
-
-    def _sum_vector(self, step: int, loss: torch.Tensor | None, digest: int, clip: bool,
-                    requests: tuple[bool, ...] = ()) -> StepVector:
-        """The step's one vector (``step_vector.py``), summed over the pipeline, then the replicas:
-        this rank's squared norms of the parameters it owns (when clipping; else whether its gradients
-        are finite), the losses of its micro-batches, its routers' loads, its requests and the digest."""
-        dp, m = self.mesh.dp, self.num_chunks
-        n_loads = self.routing.vector_size
-        vec = StepVector(len(self.parameter_names) if clip else 0, dp * m, n_loads, len(requests), self.pipe.device)
-        if requests:
-            vec.requests[:] = torch.tensor(requests, dtype=torch.float64)
-        if n_loads:
-            self.routing.add_loads(vec.loads)
-        vec.set_digest(digest)
-        if clip:
-            vec.norms[self._owned_index] = squared_norms(self._owned)  # a non-finite gradient makes its norm non-finite
-        else:
-            vec.nonfinite[0] = any_nonfinite(self._owned)
-        if loss is not None:
-            idx = torch.tensor(list(self.layout.label_microbatches), device=self.pipe.device) + self.mesh.dp_rank * m
-            vec.losses[idx] = loss.detach().to(torch.float64)
-        vec.sum([(self.mesh.pp_group, "norms and losses over the pipeline"),
-                 (self.mesh.dp_group, "norms and losses over data-parallel replicas")],
-                self.timeout, dp * self.mesh.pp, self._where(f"step {step}"))
-        return vec
-
-    def _refuse_update(self, step: int, problem: str) -> None:
-        """No rank updates (every rank sees the same sums): count the step as skipped, or raise."""
-        what = self._where(f"step {step}: not finite: {problem}")
-        if self.config.on_nonfinite == "raise":
-            raise NonFiniteStepError(f"{what}. Nothing was updated on any rank (on_nonfinite='raise'; 'skip' skips such steps)")
-        self.skipped_steps += 1
+        result = self.train_step.run(step, (bool(stop), bool(save)))  # train/step.py
+        self.skipped_steps += result.skipped
+        return result
 
     def finish_update(self) -> None:
         """Await the all-gathers the last update left pending (ZeRO-1; nothing otherwise): afterwards
@@ -340,20 +220,10 @@ class Trainer:
         self.update.finish()
 
     def state_bytes(self) -> dict[str, int]:
-        """This rank's bytes of model state, by part (``twinpipe.sim.memory.MemoryParts`` names):
-        ``params`` (every parameter held, mirrored copies included, in its own dtype), ``grads`` (the
-        buffers gradients accumulate in: FP32 ``main_grad`` under mixed precision, else one
-        ``.grad`` per parameter), ``master`` (FP32 masters of the parameters this rank updates:
-        mixed precision only) and ``optimizer`` (every tensor of the optimizer's state as it is now:
-        AdamW builds its state at the first step)."""
-        def size(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-
-        params = sum(size(p) for p in self.params)
-        grads = sum(size(p.main_grad) if getattr(p, "main_grad", None) is not None else size(p) for p in self.params)
-        master = sum(size(t) for t in self.update.optimized.values()) if self.mixed else 0
-        optimizer = sum(size(v) for state in self.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
-        return {"params": params, "grads": grads, "master": master, "optimizer": optimizer}
+        """This rank's bytes of model state by part (``memory.state_bytes``): every parameter held (mirrored
+        copies included), their gradient buffers, the FP32 masters it updates (mixed precision), the optimizer's state."""
+        masters = self.update.optimized.values() if self.mixed else ()
+        return state_bytes(self.params, masters, self.optimizer)
 
     def loaded_weights(self) -> None:
         """New values were written into the optimizer's tensors (a checkpoint): refresh the bf16
@@ -375,28 +245,16 @@ class Trainer:
     def updated_parameters(self) -> list[torch.Tensor]:
         """The parameters this rank's optimizer updates (through their masters under mixed
         precision): all it holds, or with ZeRO-1 its shard of the dense ones and its experts."""
-        return list(self._updated)
+        return list(self.ownership.updated)
 
     def optimized_tensor(self, p: torch.Tensor) -> torch.Tensor | None:
         """The tensor this rank's optimizer updates for parameter ``p``: its FP32 master (mixed
         precision) or ``p`` itself; None when another data-parallel rank updates it (ZeRO-1)."""
         return self.update.optimized.get(id(p))
 
-    def _start_reduction(self, stage: int) -> None:
-        """The pipeline's ``on_grads_ready``: ``stage``'s gradients are final, start its buckets."""
-        self.reducer.start(self.ownership.part_of[stage])
-
     def mirrors_equal(self) -> bool:
         """Whether every copy of every model stage is bitwise equal across the pipeline (collective)."""
         self.finish_update()
         if not self.is_dual:
             return True
-        digests = []
-        for s, module in zip(self.placement.stages_of(self.mesh.pp_rank), self.pipe.module):
-            data = b"".join(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() for p in module.parameters())
-            digests.append((self.placement.model_stage(s), hashlib.sha1(data).hexdigest()[:16]))
-        seen: dict[int, set[str]] = {}
-        for claims in gather_objects(self._agree_group, digests, self.timeout, self._where("comparing mirrored copies")):
-            for k, digest in claims:
-                seen.setdefault(k, set()).add(digest)
-        return all(len(d) == 1 for d in seen.values())
+        return mirrors_equal(self.pipe, self.placement, self.mesh.pp_rank, self._agree_group, self.timeout, self.rank_name)

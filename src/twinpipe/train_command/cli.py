@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import twinpipe.cli_options as cli_options
@@ -65,6 +66,17 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every ``twinpipe train`` option, by what it sets."""
+    _add_mesh_arguments(parser)
+    _add_model_arguments(parser)
+    _add_training_arguments(parser)
+    _add_run_arguments(parser)
+    cli_data.add_arguments(parser)
+    cli_model.add_arguments(parser)
+
+
+def _add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
+    """The schedule, the mesh, the steps and the batch."""
     add = functools.partial(cli_options.add, parser)
     add("schedule", default="dualpipev", more="any registered one (twinpipe simulate --help lists them)")
     add("pp", default=4)
@@ -72,6 +84,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add("steps", default=300, more="the step to reach, counted from 0 (also with --resume)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per step, all replicas together (default: 16)")
     add("microbatch_size", default=2)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The built-in GPT's shape, its experts and DeepSeek-V3's options."""
+    add = functools.partial(cli_options.add, parser)
     add("seq_len", default=64, more="a token is a byte")
     add("dim", default=64)
     add("heads", default=4)
@@ -91,6 +108,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="multi-token prediction modules on the last stage (default: 0, off); below --seq-len")
     parser.add_argument("--mtp-weight", type=float, default=0.3, metavar="LAMBDA",
                         help="the MTP losses' weight: loss = main + LAMBDA / D x their sum (default: 0.3); only with --mtp-depth")
+
+
+def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The optimizer, the reductions, the cut, the device and the precision."""
+    add = functools.partial(cli_options.add, parser)
     add("lr", default=3e-3, more="AdamW")
     parser.add_argument("--max-norm", type=float, default=1.0, help="clip gradients to this global norm (default: 1; 0 turns clipping off)")
     parser.add_argument("--dp-reduce", default="all-reduce", choices=_DP_REDUCES,
@@ -110,6 +132,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero", type=int, default=0, choices=_ZERO,
                         help="0 (default): every data-parallel rank holds the whole optimizer state; 1: each holds 1/dp of it "
                              "(ZeRO-1: gradients reduce-scattered, weights all-gathered)")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The seed and data size, ``--out``, checkpoints, signals, the timeout and the log."""
+    add = functools.partial(cli_options.add, parser)
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed (default: 0)")
     parser.add_argument("--corpus-bytes", type=int, default=4 << 20, help="bytes of the standard library to read (default: 4 MiB)")
     add("out", default="twinpipe-train", more="the folder for the picture, the log and checkpoints")
@@ -134,8 +161,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-every", type=int, default=LOG_EVERY, metavar="N",
                         help=f"when standard output is not a terminal (nohup, a scheduler, CI): a progress line every N steps "
                              f"and at least every {LOG_SECONDS:g} s (default: {LOG_EVERY}); a terminal gets a progress bar")
-    cli_data.add_arguments(parser)
-    cli_model.add_arguments(parser)
 
 
 def _check(args) -> None:
@@ -451,106 +476,156 @@ def _train(args, device, stopper: StopOnSignals | None = None) -> int:
     """One rank's run; its exit code: 0, or ``STOPPED_EXIT_CODE`` when ``stopper`` heard a signal and
     every rank saved the step they agreed on. Without ``stopper`` no signal is heard (a caller's own
     handlers stay), but a stop another rank asked for is still honoured."""
-    import torch
-
     if stopper is None:
         stopper = StopOnSignals(args.grace_period, signals=())
+    from twinpipe.train.checkpoint import load_checkpoint
 
-    from twinpipe.train.checkpoint import load_checkpoint, save_checkpoint
+    trainer, hf = _build_trainer(args, device)
+    start = load_checkpoint(trainer, args.resume, optimizer_hparams=args.optimizer_hparams) if args.resume else 0
+    if start >= args.steps:
+        if trainer.mesh.is_first:
+            print(f"twinpipe train: nothing to do: the checkpoint is at step {start} and --steps={args.steps}; raise --steps")
+        return 0
+    return _loop(_set_up(args, trainer, hf, start), args, stopper)
+
+
+@dataclass(kw_only=True)
+class _Run:
+    """What one rank's run carries from its set-up through its loop to its end."""
+
+    trainer: object  # twinpipe.train.Trainer
+    start: int  # the first step to run (a checkpoint's, or 0)
+    first: bool  # rank dp=0 pp=0: writes the log, the picture and the summary
+    out: Path
+    log: run_state.TrainLog
+    saves: run_state.SavePolicy
+    title: str  # the model and mesh, for the progress bar, the picture and the summary
+    unit: str  # what the loss is counted per: "byte" (the built-in corpus) or "token"
+    vocab: int  # the model's vocabulary (the picture's uniform-guess line)
+    tokens: int  # per step
+    times: dict[str, list[float]] = field(default_factory=dict)  # each step's result.times, by key
+
+
+def _set_up(args, trainer, hf, start: int) -> _Run:
+    """The run of ``trainer`` from step ``start``: ``--out`` made, the log (carrying an earlier start's
+    steps), the save policy and what the progress bar and the summary say."""
+    from twinpipe.train.model import GPT
+
+    out, first = Path(args.out), trainer.mesh.is_first
+    if first:
+        out.mkdir(parents=True, exist_ok=True)
+    carried, starts = run_state.earlier_log(out, args.resume, start)
+    log = run_state.TrainLog(out / run_state.LOG, {"args": _options_record(args),
+                                                   "starts": [*starts, {"step": start, "resumed_from": args.resume}]}, carried)
+    cfg = _model_config(args)
+    mesh = f"{args.schedule}, PP={args.pp} x DP={args.dp}"
+    if hf is None:
+        moe = f", {cfg.experts} experts (top-{cfg.top_k})" if cfg.experts else ""
+        title = f"{mesh}, {sum(p.numel() for p in GPT(cfg).parameters()):,} parameters{moe}"
+    else:
+        title = f"{mesh}, {hf.config.model_type} ({args.model}), {hf.count:,} parameters"
+    return _Run(trainer=trainer, start=start, first=first, out=out, log=log,
+                saves=run_state.SavePolicy(args.save_every, args.save_minutes), title=title,
+                unit="byte" if args.data is None and args.model is None else "token",
+                vocab=hf.vocab if hf is not None else cfg.vocab, tokens=args.batch_size * args.seq_len)
+
+
+def _build_trainer(args, device):
+    """The trainer of the options on ``device``: the built-in GPT, or ``--model`` (then also its loaded
+    ``cli_model`` record; else None)."""
+    import torch
+
     from twinpipe.train.data import BatchSampler
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.model import GPT, lm_loss
-    from twinpipe.train.memory import gather_report, measured_step
-    from twinpipe.train.report import memory_rows, plot_losses, print_summary, summary_rows
     from twinpipe.train.trainer import TrainConfig, Trainer
-    from twinpipe.train_command.rank_times import RankTimes
 
-    dtype = getattr(torch, args.dtype)
-    cfg = _model_config(args)
     hf = None
     if args.model is not None:
         from twinpipe.train.tokens import is_text
 
         hf = cli_model.load(args, need_tokenizer=args.data is None or is_text(args.data))
-    corpus = cli_data.tokens(args, hf and hf.tokenizer)  # the built-in corpus by default
-    sampler = BatchSampler(corpus, args.seq_len, seed=args.seed)
+    sampler = BatchSampler(cli_data.tokens(args, hf and hf.tokenizer), args.seq_len, seed=args.seed)  # the built-in corpus by default
     config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                          max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout,
                          dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp, on_nonfinite=args.on_nonfinite,
                          precision=args.precision, zero=args.zero, **_ds3_config(args))
     mesh = build_mesh(args.dp, args.pp, device.type)
     optimizer_fn = lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01)  # noqa: E731
+    dtype = getattr(torch, args.dtype)
     if hf is None:
-        trainer = Trainer(lambda: GPT(cfg), sampler, lm_loss, optimizer_fn, mesh, config, device=device, dtype=dtype)
-    else:
-        from twinpipe.hf.training import HFSource, TokenLoss
+        cfg = _model_config(args)
+        return Trainer(lambda: GPT(cfg), sampler, lm_loss, optimizer_fn, mesh, config, device=device, dtype=dtype), None
+    from twinpipe.hf.training import HFSource, TokenLoss
 
-        stages = HFSource(args.model, args.layout, balance=args.balance, weights=hf.weights,
-                          sample=sampler.batch(0, args.microbatch_size)[0].to(device),
-                          ep_group=mesh.dp_group if args.ep > 1 else None, mtp_depth=args.mtp_depth)
-        trainer = Trainer(lambda: cli_model.build_model(hf), sampler, TokenLoss(hf.aux), optimizer_fn, mesh, config,
-                          device=device, dtype=dtype, stages=stages)
-    start = load_checkpoint(trainer, args.resume, optimizer_hparams=args.optimizer_hparams) if args.resume else 0
-    out = Path(args.out)
-    first = mesh.is_first
-    if start >= args.steps:
-        if first:
-            print(f"twinpipe train: nothing to do: the checkpoint is at step {start} and --steps={args.steps}; raise --steps")
-        return 0
-    if first:
-        out.mkdir(parents=True, exist_ok=True)
-    tokens = args.batch_size * args.seq_len
-    carried, starts = run_state.earlier_log(out, args.resume, start)
-    log = run_state.TrainLog(out / run_state.LOG, {"args": _options_record(args),
-                                                   "starts": [*starts, {"step": start, "resumed_from": args.resume}]}, carried)
-    saves = run_state.SavePolicy(args.save_every, args.save_minutes)
-    times: dict[str, list[float]] = {}
-    moe = f", {cfg.experts} experts (top-{cfg.top_k})" if cfg.experts else ""
-    title = f"{args.schedule}, PP={args.pp} x DP={args.dp}, {sum(p.numel() for p in GPT(cfg).parameters()):,} parameters{moe}"
-    if hf is not None:
-        title = f"{args.schedule}, PP={args.pp} x DP={args.dp}, {hf.config.model_type} ({args.model}), {hf.count:,} parameters"
-    unit = "byte" if args.data is None and args.model is None else "token"  # what the loss is counted per (the built-in corpus: bytes)
-    progress = _progress(args, first, title, start, tokens, unit)
+    stages = HFSource(args.model, args.layout, balance=args.balance, weights=hf.weights,
+                      sample=sampler.batch(0, args.microbatch_size)[0].to(device),
+                      ep_group=mesh.dp_group if args.ep > 1 else None, mtp_depth=args.mtp_depth)
+    return Trainer(lambda: cli_model.build_model(hf), sampler, TokenLoss(hf.aux), optimizer_fn, mesh, config,
+                   device=device, dtype=dtype, stages=stages), hf
+
+
+def _loop(run: _Run, args, stopper: StopOnSignals) -> int:
+    """Steps ``run.start`` .. ``--steps - 1``, then the end of the run; a stop agreed by every rank
+    ends it early, after its checkpoint."""
+    from twinpipe.train.memory import measured_step
+    from twinpipe.train_command.rank_times import RankTimes
+
+    trainer, log = run.trainer, run.log
+    progress = _progress(args, run.first, run.title, run.start, run.tokens, run.unit)
     rank_times = RankTimes(args.timeout)
     began = time.perf_counter()
     with progress:
-        for step in range(start, args.steps):
+        for step in range(run.start, args.steps):
             if step == args.steps - 1:  # the last step is measured (after the first, message layouts are known)
                 result, memory_entry = measured_step(trainer, step)
             else:  # a signal, or rank 0's clock, asks; the step's all-reduce tells every rank alike
-                result = trainer.step(step, stop=stopper.requested, save=first and saves.clock_due())
+                result = trainer.step(step, stop=stopper.requested, save=run.first and run.saves.clock_due())
             by_rank = rank_times.gather(step, result.times["busy"])  # collective
-            log.add({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped, **result.times,
-                     "rank_times": by_rank})
+            log.add({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped,
+                     **result.times, "rank_times": by_rank})
             for key, value in result.times.items():
-                times.setdefault(key, []).append(value)
+                run.times.setdefault(key, []).append(value)
             progress.update(step, result, by_rank, trainer.skipped_steps)
-            if step + 1 < args.steps and (result.stop or saves.due(step + 1, result.save)):
+            # after a step (every rank alike): a checkpoint when one is due, or the run stops
+            if step + 1 < args.steps and (result.stop or run.saves.due(step + 1, result.save)):
                 if result.stop:
                     stopper.agreed()  # the grace period runs on every rank now
-                path = _save_step(trainer, out, step + 1, args.keep_last, first, log)
-                saves.saved()
+                path = _save_step(trainer, run.out, step + 1, args.keep_last, run.first, log)
+                run.saves.saved()
                 if result.stop:
                     rank_times.close()
-                    return _stopped(stopper, path, step + 1, args, first, log)
-            elif first:
+                    return _stopped(stopper, path, step + 1, args, run.first, log)
+            elif run.first:
                 log.write_if_due(skipped_steps=trainer.skipped_steps)
     rank_times.close()
-    elapsed = time.perf_counter() - began
+    return _end_of_run(run, args, time.perf_counter() - began, memory_entry)
+
+
+def _end_of_run(run: _Run, args, elapsed: float, memory_entry) -> int:
+    """After the last step: the memory report and the final checkpoint (collectives), then rank 0's
+    log, loss picture and summary table."""
+    from twinpipe.train.memory import gather_report
+    from twinpipe.train.report import memory_rows, plot_losses, print_summary, summary_rows
+
+    from twinpipe.train.checkpoint import save_checkpoint
+
+    trainer, out, log = run.trainer, run.out, run.log
     memory = gather_report(trainer, memory_entry)  # collective
     save_checkpoint(trainer, str(out / run_state.FINAL), args.steps)
-    if not first:
+    if not run.first:
         return 0
     log.write(elapsed_s=elapsed, skipped_steps=trainer.skipped_steps, memory=[e.to_dict() for e in memory])
-    plot_losses([e["step"] for e in log.steps], [e["loss"] for e in log.steps], str(out / "train-loss.png"), title, unit=unit,
-                vocab=hf.vocab if hf is not None else cfg.vocab)
-    mine = log.steps[len(log.steps) - (args.steps - start):]  # this start's steps (the summary's times are its own)
-    rows = summary_rows([e["loss"] for e in mine], times, tokens, mirrored=trainer.is_dual, replicas=args.dp, unit=unit)
+    plot_losses([e["step"] for e in log.steps], [e["loss"] for e in log.steps], str(out / "train-loss.png"), run.title,
+                unit=run.unit, vocab=run.vocab)
+    mine = log.steps[len(log.steps) - (args.steps - run.start):]  # this start's steps (the summary's times are its own)
+    rows = summary_rows([e["loss"] for e in mine], run.times, run.tokens, mirrored=trainer.is_dual, replicas=args.dp,
+                        unit=run.unit)
     rows.append(("steps skipped (not finite)", str(trainer.skipped_steps)))
     rows.append(("wall time", f"{elapsed:.1f} s"))
     rows += memory_rows(memory)
     rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / run_state.FINAL}"))
-    print_summary(title, rows)
+    print_summary(run.title, rows)
     return 0
 
 
@@ -622,10 +697,10 @@ def _ds3_config(args) -> dict:
 
 def _progress(args, show: bool, title: str, start: int, tokens_per_step: int, unit: str):
     """What rank dp=0 pp=0 shows while the run goes (``progress.TrainProgress``); the other ranks show nothing."""
-    from twinpipe.train_command.progress import TrainProgress
+    from twinpipe.train_command.progress import ProgressOutput, TrainProgress
 
-    return TrainProgress(title=title, start=start, total=args.steps, unit=unit, tokens_per_step=tokens_per_step, pp=args.pp,
-                         show=show, log_every=args.log_every)
+    return TrainProgress(title=title, steps=range(start, args.steps), unit=unit, tokens_per_step=tokens_per_step, pp=args.pp,
+                         output=ProgressOutput(show=show, log_every=args.log_every))
 
 
 def main(argv=None) -> int:

@@ -59,6 +59,32 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
         if args.ep != 1:
             raise ValueError(f"--ep={args.ep}: only with --model (the built-in GPT's experts spread over --dp)")
         return None
+    folder = _check_folder(args, defaults)
+    if args.ep not in (1, args.dp):
+        raise ValueError(f"--ep={args.ep}: must be 1 or --dp={args.dp}: the experts of each stage spread over its "
+                         "data-parallel ranks (as --experts does for the built-in GPT)")
+    config, model = _meta_model(args)
+    parts = _model_parts(args, model)
+    if args.ep > 1:
+        _check_ep(args, model)
+    if args.mtp_depth:
+        _check_mtp(args, model)
+    _check_balancing(args, model)
+    _check_layers(args, len(parts.layers), num_stages, config)
+    from twinpipe import hf
+    from twinpipe.hf.weights import has_weights
+
+    names = hf.parameter_names(model, args.mtp_depth)
+    weights = has_weights(folder)
+    if not weights and any(folder.glob("*.bin")) and not any(folder.glob("*.safetensors")):
+        raise ValueError(f"--model={args.model!r}: holds .bin weights (pickled torch files); twinpipe reads safetensors "
+                         "only: convert them (save_pretrained writes safetensors)")
+    tokenizer = _tokenizer(args.model) if need_tokenizer else None
+    return ModelInfo(args.model, config, names, sum(_numel(shape) for _, shape in names), weights, tokenizer)
+
+
+def _check_folder(args, defaults: dict) -> Path:
+    """``--model``: a folder with a config.json, and none of the built-in GPT's options set beside it."""
     folder = Path(args.model)
     if not folder.is_dir():
         raise ValueError(f"--model={args.model!r}: must be a folder holding a transformers config.json (no such folder)")
@@ -68,9 +94,11 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
     if given:
         raise ValueError(f"{given[0]}={getattr(args, given[0][2:].replace('-', '_'))}: not with --model (the model's "
                          "config.json sets it; --layout cuts it)")
-    if args.ep not in (1, args.dp):
-        raise ValueError(f"--ep={args.ep}: must be 1 or --dp={args.dp}: the experts of each stage spread over its "
-                         "data-parallel ranks (as --experts does for the built-in GPT)")
+    return folder
+
+
+def _meta_model(args):
+    """``--model``'s config and its causal LM on the meta device (shapes only: no memory, no initialisation)."""
     import torch
 
     try:
@@ -81,13 +109,17 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
     try:
         from transformers import AutoModelForCausalLM
 
-        with torch.device("meta"):  # shapes only: no memory, no initialisation
-            model = AutoModelForCausalLM.from_config(config)
+        with torch.device("meta"):
+            return config, AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"--model={args.model!r}: transformers builds no causal LM from its config.json "
                          f"(model_type={getattr(config, 'model_type', None)!r}): {_first_line(error)}") from None
+
+
+def _model_parts(args, model):
+    """``twinpipe.hf.model_parts`` of ``model``: an unsupported one refused naming ``--model``, an
+    untested one's warning said in one line."""
     from twinpipe import hf
-    from twinpipe.hf.weights import has_weights
 
     try:
         with warnings.catch_warnings(record=True) as said:  # an untested architecture passing the self-check
@@ -101,12 +133,14 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
             print(f"twinpipe train: warning: {w.message}", file=sys.stderr)
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    if args.ep > 1:
-        _check_ep(args, model)
-    if args.mtp_depth:
-        _check_mtp(args, model)
-    _check_balancing(args, model)
-    layers = len(parts.layers)
+    return parts
+
+
+def _check_layers(args, layers: int, num_stages: int, config) -> None:
+    """``--layout`` (or the model's ``layers`` decoder layers) against the schedule's ``num_stages``, and
+    ``--seq-len`` against the model's positions."""
+    from twinpipe import hf
+
     if args.layout is not None:
         try:
             hf.parse_layout(args.layout, num_stages, layers)
@@ -118,13 +152,6 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and args.seq_len > limit:
         raise ValueError(f"--seq-len={args.seq_len}: must be at most {limit}, --model's max_position_embeddings")
-    names = hf.parameter_names(model, args.mtp_depth)
-    weights = has_weights(folder)
-    if not weights and any(folder.glob("*.bin")) and not any(folder.glob("*.safetensors")):
-        raise ValueError(f"--model={args.model!r}: holds .bin weights (pickled torch files); twinpipe reads safetensors "
-                         "only: convert them (save_pretrained writes safetensors)")
-    tokenizer = _tokenizer(args.model) if need_tokenizer else None
-    return ModelInfo(args.model, config, names, sum(_numel(shape) for _, shape in names), weights, tokenizer)
 
 
 def _check_ep(args, model) -> None:

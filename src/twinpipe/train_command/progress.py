@@ -12,12 +12,13 @@ from __future__ import annotations
 import datetime
 import sys
 import time
+from dataclasses import dataclass
 
 from twinpipe.train.mesh import rank_name
 from twinpipe.train.report import bits_per_byte
 from twinpipe.train_command.stragglers import WINDOW, slow_rank
 
-__all__ = ["LOG_EVERY", "LOG_SECONDS", "TrainProgress"]
+__all__ = ["LOG_EVERY", "LOG_SECONDS", "ProgressOutput", "TrainProgress"]
 
 LOG_EVERY = 10  # steps between two plain lines (--log-every)
 LOG_SECONDS = 30.0  # at most this many seconds without a line, steps permitting
@@ -27,17 +28,27 @@ def _clock(seconds: float) -> str:
     return str(datetime.timedelta(seconds=round(seconds)))
 
 
+@dataclass(frozen=True)
+class ProgressOutput:
+    """Where and how often progress shows: ``show``: whether this rank shows anything; ``terminal``:
+    draw the bar (None: when standard output is a terminal); else a plain line every ``log_every``
+    steps and at least every ``log_seconds`` seconds."""
+
+    show: bool = True
+    terminal: bool | None = None
+    log_every: int = LOG_EVERY
+    log_seconds: float = LOG_SECONDS
+
+
 class TrainProgress:
-    """``update(step, result, rank_times, skipped)`` after every step; a context manager around the loop.
+    """``update(step, result, rank_times, skipped)`` after every step of ``steps``; a context manager
+    around the loop. ``pp``: pipeline ranks, to name a rank by its mesh coordinates."""
 
-    ``show``: whether this rank shows anything; ``terminal``: draw the bar (default: standard
-    output is a terminal); ``pp``: pipeline ranks, to name a rank by its mesh coordinates."""
-
-    def __init__(self, *, title: str, start: int, total: int, unit: str, tokens_per_step: int, pp: int, show: bool = True,
-                 log_every: int = LOG_EVERY, log_seconds: float = LOG_SECONDS, terminal: bool | None = None):
-        self.title, self.start, self.total, self.unit, self.tokens, self.pp = title, start, total, unit, tokens_per_step, pp
-        self.show, self.log_every, self.log_seconds = show, log_every, log_seconds
-        self.terminal = sys.stdout.isatty() if terminal is None else terminal
+    def __init__(self, *, title: str, steps: range, unit: str, tokens_per_step: int, pp: int,
+                 output: ProgressOutput = ProgressOutput()):
+        self.title, self.start, self.total, self.unit, self.tokens, self.pp = title, steps.start, steps.stop, unit, tokens_per_step, pp
+        self.show, self.log_every, self.log_seconds = output.show, output.log_every, output.log_seconds
+        self.terminal = sys.stdout.isatty() if output.terminal is None else output.terminal
         self.history: list[list[float]] = []
         self._bar = self._task = None
         self._began = self._last_line = time.perf_counter()

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import twinpipe.cli_options as cli_options
 import twinpipe.train_command.data as cli_data
+import twinpipe.train_command.export_hf as export_hf
 import twinpipe.train_command.model as cli_model
+import twinpipe.train_command.run_record as run_record
 import twinpipe.train_command.run_state as run_state
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_float, check_int, checked_timeout
 from twinpipe.folders import writable_folder
@@ -135,7 +137,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"when standard output is not a terminal (nohup, a scheduler, CI): a progress line every N steps "
                              f"and at least every {LOG_SECONDS:g} s (default: {LOG_EVERY}); a terminal gets a progress bar")
     cli_data.add_arguments(parser)
-    cli_model.add_arguments(parser)
+    export_hf.add_train_arguments(cli_model.add_arguments(parser))
 
 
 def _check(args) -> None:
@@ -150,6 +152,7 @@ def _check(args) -> None:
     if args.vocab is not None:
         check_int(args.vocab, "--vocab", low=1)
     check_int(args.ep, "--ep", low=1)
+    export_hf.check_train_options(args)
     check_int(args.seed, "--seed", low=0, high=_MAX_SEED, why="torch's generator keeps 32 bits of a seed")
     check_float(args.lr, "--lr", low=0, low_open=True)
     check_float(args.max_norm, "--max-norm", low=0)  # 0: no clipping
@@ -501,8 +504,10 @@ def _train(args, device, stopper: StopOnSignals | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     tokens = args.batch_size * args.seq_len
     carried, starts = run_state.earlier_log(out, args.resume, start)
-    log = run_state.TrainLog(out / run_state.LOG, {"args": _options_record(args),
-                                                   "starts": [*starts, {"step": start, "resumed_from": args.resume}]}, carried)
+    what_ran = {"args": run_record.logged_options(_options_record(args), args.model),
+                **run_record.model_entry(args, hf, stages.built.layout if hf is not None else None)}
+    log = run_state.TrainLog(out / run_state.LOG, {**what_ran, "starts": [*starts, {"step": start, "resumed_from": args.resume}]},
+                             carried)
     saves = run_state.SavePolicy(args.save_every, args.save_minutes)
     times: dict[str, list[float]] = {}
     moe = f", {cfg.experts} experts (top-{cfg.top_k})" if cfg.experts else ""
@@ -525,11 +530,14 @@ def _train(args, device, stopper: StopOnSignals | None = None) -> int:
             for key, value in result.times.items():
                 times.setdefault(key, []).append(value)
             progress.update(step, result, by_rank, trainer.skipped_steps)
-            if step + 1 < args.steps and (result.stop or saves.due(step + 1, result.save)):
+            hf_due = export_hf.due(args, step + 1) and not result.stop
+            if step + 1 < args.steps and (result.stop or saves.due(step + 1, result.save) or hf_due):
                 if result.stop:
                     stopper.agreed()  # the grace period runs on every rank now
                 path = _save_step(trainer, out, step + 1, args.keep_last, first, log)
                 saves.saved()
+                if first and hf_due:
+                    export_hf.export_after_save(args, path, export_hf.step_folder(out, step + 1))
                 if result.stop:
                     rank_times.close()
                     return _stopped(stopper, path, step + 1, args, first, log)
@@ -541,6 +549,8 @@ def _train(args, device, stopper: StopOnSignals | None = None) -> int:
     save_checkpoint(trainer, str(out / run_state.FINAL), args.steps)
     if not first:
         return 0
+    if hf is not None:
+        export_hf.export_after_save(args, out / run_state.FINAL, out / export_hf.FINAL)
     log.write(elapsed_s=elapsed, skipped_steps=trainer.skipped_steps, memory=[e.to_dict() for e in memory])
     plot_losses([e["step"] for e in log.steps], [e["loss"] for e in log.steps], str(out / "train-loss.png"), title, unit=unit,
                 vocab=hf.vocab if hf is not None else cfg.vocab)
@@ -549,7 +559,8 @@ def _train(args, device, stopper: StopOnSignals | None = None) -> int:
     rows.append(("steps skipped (not finite)", str(trainer.skipped_steps)))
     rows.append(("wall time", f"{elapsed:.1f} s"))
     rows += memory_rows(memory)
-    rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / run_state.FINAL}"))
+    hf_final = f", {out / export_hf.FINAL}" if hf is not None else ""
+    rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / run_state.FINAL}{hf_final}"))
     print_summary(title, rows)
     return 0
 

@@ -2,13 +2,13 @@
 ``--save-hf-every N`` ``hf-stepK/`` beside the checkpoints), ``twinpipe export-hf`` converts any
 checkpoint, and ``train-log.json`` records the model that ran.
 
-Three runs through the installed command, 3 steps each, ``--save-hf-every 2``: a tied Llama on PP=2
+Three runs through the installed command, 2 steps each, ``--save-hf-every 1``: a tied Llama on PP=2
 (float32, its tokenizer copied), the tiny Qwen3-MoE with ``--dp 2 --ep 2 --precision bf16-mixed``
-and the tiny DeepSeek-V3 with ``--mtp-depth 1`` on PP=2 (``--mtp-weight 0``: its logged loss is the
-main model's, which ``from_pretrained`` computes). For each: ``from_pretrained(hf-final)`` holds
-every tensor of ``checkpoint-final`` bit for bit (bf16-mixed: the FP32 masters rounded to bfloat16),
-and ``from_pretrained(hf-step2)``'s loss on batch 2 is the loss the log states for step 2 (the
-weights that step computed with). Then the Qwen3-MoE checkpoint, loaded and saved again on another
+and the tiny DeepSeek-V3 with ``--mtp-depth 1`` (``--mtp-weight 0``: its logged loss is the main
+model's, which ``from_pretrained`` computes). For each: ``from_pretrained(hf-final)`` holds every
+tensor of ``checkpoint-final`` bit for bit (bf16-mixed: the FP32 masters rounded to bfloat16), and
+``from_pretrained(hf-step1)``'s loss on batch 1 is the loss the log states for step 1 (the weights
+that step computed with). Then the Qwen3-MoE checkpoint, loaded and saved again on another
 mesh (one process, no expert parallelism), exported by ``twinpipe export-hf``: the same files as the
 run's ``hf-final``. Bad input: one line, exit 2.
 """
@@ -30,14 +30,15 @@ pytest.importorskip("transformers")
 DATA = Path(__file__).parent / "data"
 TINY_LLAMA, TINY_MOE, TINY_DS = DATA / "tiny-llama", DATA / "tiny-qwen3-moe", DATA / "tiny-deepseek-v3"
 SEQ, BATCH = 8, 4
-SHAPE = ["--data", "t.npy", "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--microbatch-size", "1", "--steps", "3",
-         "--save-hf-every", "2", "--schedule", "1f1b"]
+STEPS = 2
+SHAPE = ["--data", "t.npy", "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--microbatch-size", "1", "--steps", str(STEPS),
+         "--save-hf-every", "1", "--schedule", "1f1b"]
 F32_LOSS = 1e-5  # the pipeline's loss against the unsplit model's, float32 (other summation order)
 BF16_LOSS = 2e-3  # bf16 weights and activations on both sides, other kernels (as tests/test_train_mixed_models.py)
 RUNS = {
     "llama-tied": ["--pp", "2"],
     "qwen3-moe-ep2": ["--model", str(TINY_MOE), "--pp", "1", "--dp", "2", "--ep", "2", "--precision", "bf16-mixed"],
-    "deepseek-v3-mtp": ["--model", str(TINY_DS), "--pp", "2", "--mtp-depth", "1", "--mtp-weight", "0"],
+    "deepseek-v3-mtp": ["--model", str(TINY_DS), "--pp", "1", "--mtp-depth", "1", "--mtp-weight", "0"],
 }
 
 
@@ -171,15 +172,15 @@ def test_hf_final_is_the_checkpoint_bit_for_bit(runs, name, dtype, rel):
     import torch
 
     out = _run(runs, name)
-    assert (out / "hf-final" / "model.safetensors").is_file() and (out / "hf-step2" / "config.json").is_file()
+    assert (out / "hf-final" / "model.safetensors").is_file() and (out / "hf-step1" / "config.json").is_file()
     assert not _differences(out / "hf-final", out / "checkpoint-final", getattr(torch, dtype))
 
 
 @pytest.mark.parametrize("name,dtype,rel", CASES, ids=[c[0] for c in CASES])
 def test_hf_step_gives_the_logged_loss(runs, name, dtype, rel):
     out = _run(runs, name)
-    logged = json.loads((out / "train-log.json").read_text())["steps"][2]["loss"]
-    assert _loss(out / "hf-step2", runs[0], 2) == pytest.approx(logged, rel=rel)
+    logged = json.loads((out / "train-log.json").read_text())["steps"][1]["loss"]
+    assert _loss(out / "hf-step1", runs[0], 1) == pytest.approx(logged, rel=rel)
 
 
 def test_tokenizer_and_config_are_copied(runs):
@@ -195,14 +196,14 @@ def test_tokenizer_and_config_are_copied(runs):
 def test_the_log_records_the_model_that_ran(runs):
     llama = json.loads((_run(runs, "llama-tied") / "train-log.json").read_text())
     assert not {"dim", "heads", "layers", "experts", "top_k", "vocab"} & set(llama["args"])  # the GPT's sizes did not apply
-    assert llama["args"]["save_hf_every"] == 2
+    assert llama["args"]["save_hf_every"] == 1
     model = llama["model"]
     assert (model["model_type"], model["ep"], model["mtp_depth"]) == ("llama", 1, 0)
     assert model["layout"].count("|") == 1 and model["config"]["hidden_size"] == 32 and model["config"]["tie_word_embeddings"]
     moe = json.loads((_run(runs, "qwen3-moe-ep2") / "train-log.json").read_text())["model"]
     assert (moe["model_type"], moe["ep"], moe["config"]["num_local_experts"], moe["layout"].count("|")) == ("qwen3_moe", 2, 4, 0)
     ds = json.loads((_run(runs, "deepseek-v3-mtp") / "train-log.json").read_text())["model"]
-    assert (ds["mtp_depth"], ds["config"]["n_routed_experts"]) == (1, 4)
+    assert (ds["mtp_depth"], ds["config"]["n_routed_experts"], ds["layout"]) == (1, 4, "E,t*2,L")
 
 
 def _save_on_one_rank(rank: int, world: int, checkpoint: str, again: str) -> int:
@@ -230,7 +231,7 @@ def _save_on_one_rank(rank: int, world: int, checkpoint: str, again: str) -> int
 def test_export_hf_of_a_checkpoint_from_another_mesh_gives_the_same_files(runs):
     out = _run(runs, "qwen3-moe-ep2")
     again = runs[0] / "moe-one-rank"
-    assert run_world(1, _save_on_one_rank, str(out / "checkpoint-final"), str(again), timeout=240) == [3]
+    assert run_world(1, _save_on_one_rank, str(out / "checkpoint-final"), str(again), timeout=240) == [STEPS]
     run = _command(["export-hf", str(again), "--model", str(TINY_MOE), "--out", "moe-exported"], runs[0])
     assert run.returncode == 0, run.stderr[-3000:]
     exported, final = runs[0] / "moe-exported", out / "hf-final"

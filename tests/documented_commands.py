@@ -280,6 +280,18 @@ COMMANDS: list[Command] = [
             "twinpipe train --model tests/data/tiny-deepseek-v3 --data tokens.npy --pp 2 --mtp-depth 1 --steps 2 --seq-len 16 "
             "--batch-size 4", DATA_SMALL, folder="train-data", copy=("tests/data/tiny-deepseek-v3",), files=TRAIN_FILES,
             stdout=("deepseek_v3 (tests/data/tiny-deepseek-v3)",)),
+    Command("twinpipe train --model tests/data/tiny-llama --data tokens.npy --pp 2 --steps 50 --save-hf-every 25",
+            "twinpipe train --model tests/data/tiny-llama --data tokens.npy --pp 2 --steps 3 --save-hf-every 2 --seq-len 16 "
+            "--batch-size 4", "the documented run takes minutes: 3 steps of a small model, a transformers folder after step 2",
+            folder="train-data", copy=("tests/data/tiny-llama",),
+            files=(*TRAIN_FILES, "twinpipe-train/hf-final/model.safetensors", "twinpipe-train/hf-final/config.json",
+                   "twinpipe-train/hf-step2/tokenizer.json"), stdout=("twinpipe-train/hf-final",)),
+    Command("twinpipe export-hf twinpipe-train/checkpoint-step25 --model tests/data/tiny-llama --out llama-step25",
+            "twinpipe export-hf twinpipe-train/checkpoint-step2 --model tests/data/tiny-llama --out llama-step2",
+            "the run above is 3 steps: its checkpoint of step 2", folder="train-data",
+            files=("llama-step2/model.safetensors", "llama-step2/config.json", "llama-step2/tokenizer.json"),
+            stdout=("wrote llama-step2",)),
+    Command("twinpipe export-hf CHECKPOINT --model DIR --out OUT", "twinpipe export-hf --help", MENTION, stdout=("usage:",)),
     _help("twinpipe train --data train.bin --data-dtype uint16"),
     _help('twinpipe train --model DIR --data "notes/*.txt"'),
     Command("torchrun --standalone --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda",

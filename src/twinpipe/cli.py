@@ -1,4 +1,4 @@
-"""The ``twinpipe`` command: ``demo | simulate | draw | eplb | train | plan | export``. Each subcommand lives with its layer.
+"""The ``twinpipe`` command: ``demo | simulate | draw | eplb | train | plan | export | export-hf``. Each subcommand lives with its layer.
 
 Only the module of the subcommand that runs is imported: ``simulate`` and ``draw`` need neither
 torch nor the runtime, so they work where torch is not installed.
@@ -22,6 +22,7 @@ _COMMANDS = {
     "train": ("twinpipe.train_command.cli", "add_train_parser", "run_train", "train a small byte-level GPT on a pipeline (any schedule) with data parallelism"),
     "plan": ("twinpipe.plan.cli", "add_plan_parser", "run_plan", "rank every schedule and pipeline size for a model on a cluster (or a traced run)"),
     "export": ("twinpipe.cli", "add_export_parser", "run_export", "write a schedule in another tool's format (torch.distributed.pipelining CSV)"),
+    "export-hf": ("twinpipe.train_command.export_hf", "add_export_hf_parser", "run_export_hf", "write a twinpipe train checkpoint as a transformers folder (from_pretrained loads it)"),
 }
 
 

@@ -198,10 +198,12 @@ def _raise_if_failed(said: list[dict], where: str, before: str) -> None:
         raise CheckpointWriteError(f"{where}: failed ({'; '.join(f'rank {r}: {e}' for r, e in failed)}); {before}")
 
 
-def save_collective(target: Path, tensors, config, group, timeout: float, overwrite: bool, check_copies: bool) -> None:
+def save_collective(target: Path, tensors, config, group, timeout: float, overwrite: bool, check_copies: bool,
+                    extra_files=()) -> None:
     """``weights.save`` on a gloo ``group`` (None: this process alone): prepare and state what each
-    rank holds, plan, write the shards, then rank 0 writes the rest and renames the folder into place;
-    after each step every rank learns of any rank's failure and raises alike."""
+    rank holds, plan, write the shards, then rank 0 writes the rest (``extra_files``, paths of files
+    such as a tokenizer's, copied in by name) and renames the folder into place; after each step
+    every rank learns of any rank's failure and raises alike."""
     rank = dist.get_rank(group) if group is not None else 0
     where = f"rank {rank}: saving {str(target)!r}"
     before = f"{str(target)!r} is as it was before the save"
@@ -243,6 +245,8 @@ def save_collective(target: Path, tensors, config, group, timeout: float, overwr
         if rank == 0:
             try:
                 _write_shared(folder, names, plan, config)
+                for path in extra_files:
+                    shutil.copyfile(path, folder / Path(path).name)
                 put_in_place(folder, target)
             except Exception as error:
                 mine["error"] = f"{type(error).__name__}: {error}"

@@ -26,7 +26,7 @@ import re
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from twinpipe.folders import UnsafeFile, decode_json, listed_stat, open_listed, plain_name, read_listed, read_listed_json
@@ -71,6 +71,7 @@ class CheckpointInfo:
     optimizer_state_files: list[str]  # JSON files of optimizer state that is not a tensor
     marker_sha256: str
     metadata: object  # torch.distributed.checkpoint Metadata, read with the allow-list
+    written_by: dict = field(default_factory=dict)  # the writing run's schedule, dp, pp, precision, zero
 
 
 def file_digest(path: Path) -> tuple[int, str]:
@@ -206,7 +207,8 @@ def read_checkpoint_info(path, verify_data: bool = False) -> CheckpointInfo:
     return CheckpointInfo(path=path, step=record["step"], parameters=parameters, model=record["model"].get("record", {}),
                           optimizer=record["optimizer"], files=files,
                           optimizer_state_files=list(record.get("optimizer_state_files", [])), marker_sha256=marker_sha,
-                          metadata=metadata)
+                          metadata=metadata,
+                          written_by=record["written_by"] if isinstance(record.get("written_by"), dict) else {})
 
 
 def read_optimizer_state(path, names) -> dict[str, dict]:

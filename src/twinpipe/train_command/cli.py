@@ -23,7 +23,9 @@ from pathlib import Path
 
 import twinpipe.cli_options as cli_options
 import twinpipe.train_command.data as cli_data
+import twinpipe.train_command.export_hf as export_hf
 import twinpipe.train_command.model as cli_model
+import twinpipe.train_command.run_record as run_record
 import twinpipe.train_command.run_state as run_state
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_float, check_int, checked_timeout
 from twinpipe.folders import writable_folder
@@ -72,7 +74,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_training_arguments(parser)
     _add_run_arguments(parser)
     cli_data.add_arguments(parser)
-    cli_model.add_arguments(parser)
+    export_hf.add_train_arguments(cli_model.add_arguments(parser))
 
 
 def _add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,6 +177,7 @@ def _check(args) -> None:
     if args.vocab is not None:
         check_int(args.vocab, "--vocab", low=1)
     check_int(args.ep, "--ep", low=1)
+    export_hf.check_train_options(args)
     check_int(args.seed, "--seed", low=0, high=_MAX_SEED, why="torch's generator keeps 32 bits of a seed")
     check_float(args.lr, "--lr", low=0, low_open=True)
     check_float(args.max_norm, "--max-norm", low=0)  # 0: no clipping
@@ -515,8 +518,10 @@ def _set_up(args, trainer, hf, start: int) -> _Run:
     if first:
         out.mkdir(parents=True, exist_ok=True)
     carried, starts = run_state.earlier_log(out, args.resume, start)
-    log = run_state.TrainLog(out / run_state.LOG, {"args": _options_record(args),
-                                                   "starts": [*starts, {"step": start, "resumed_from": args.resume}]}, carried)
+    what_ran = {"args": run_record.logged_options(_options_record(args), args.model),
+                **run_record.model_entry(args, hf, trainer.source.built.layout if hf is not None else None)}
+    log = run_state.TrainLog(out / run_state.LOG, {**what_ran, "starts": [*starts, {"step": start, "resumed_from": args.resume}]},
+                             carried)
     cfg = _model_config(args)
     mesh = f"{args.schedule}, PP={args.pp} x DP={args.dp}"
     if hf is None:
@@ -587,12 +592,15 @@ def _loop(run: _Run, args, stopper: StopOnSignals) -> int:
             for key, value in result.times.items():
                 run.times.setdefault(key, []).append(value)
             progress.update(step, result, by_rank, trainer.skipped_steps)
-            # after a step (every rank alike): a checkpoint when one is due, or the run stops
-            if step + 1 < args.steps and (result.stop or run.saves.due(step + 1, result.save)):
+            # after a step (every rank alike): a checkpoint when one is due (or a transformers folder), or the run stops
+            hf_due = export_hf.due(args, step + 1) and not result.stop
+            if step + 1 < args.steps and (result.stop or run.saves.due(step + 1, result.save) or hf_due):
                 if result.stop:
                     stopper.agreed()  # the grace period runs on every rank now
                 path = _save_step(trainer, run.out, step + 1, args.keep_last, run.first, log)
                 run.saves.saved()
+                if run.first and hf_due:
+                    export_hf.export_after_save(args, path, export_hf.step_folder(run.out, step + 1))
                 if result.stop:
                     rank_times.close()
                     return _stopped(stopper, path, step + 1, args, run.first, log)
@@ -615,6 +623,8 @@ def _end_of_run(run: _Run, args, elapsed: float, memory_entry) -> int:
     save_checkpoint(trainer, str(out / run_state.FINAL), args.steps)
     if not run.first:
         return 0
+    if args.model is not None:
+        export_hf.export_after_save(args, out / run_state.FINAL, out / export_hf.FINAL)
     log.write(elapsed_s=elapsed, skipped_steps=trainer.skipped_steps, memory=[e.to_dict() for e in memory])
     plot_losses([e["step"] for e in log.steps], [e["loss"] for e in log.steps], str(out / "train-loss.png"), run.title,
                 unit=run.unit, vocab=run.vocab)
@@ -624,7 +634,8 @@ def _end_of_run(run: _Run, args, elapsed: float, memory_entry) -> int:
     rows.append(("steps skipped (not finite)", str(trainer.skipped_steps)))
     rows.append(("wall time", f"{elapsed:.1f} s"))
     rows += memory_rows(memory)
-    rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / run_state.FINAL}"))
+    hf_final = f", {out / export_hf.FINAL}" if args.model is not None else ""
+    rows.append(("written", f"{out / 'train-loss.png'}, {out / 'train-log.json'}, {out / run_state.FINAL}{hf_final}"))
     print_summary(run.title, rows)
     return 0
 

@@ -170,6 +170,8 @@ BAD = [
     (["--grace-period", "inf"], "--grace-period=inf: must be a finite number > 0"),
     (["--grace-period", "nan"], "--grace-period=nan: must be a finite number > 0"),
     (["--log-every", "0"], "--log-every=0: must be >= 1"),
+    (["--save-hf-every", "0"], "--save-hf-every=0: must be >= 1"),
+    (["--save-hf-every", "2"], "--save-hf-every=2: only with --model"),
     (["--resume", "/nonexistent/ckpt"], "--resume=/nonexistent/ckpt: not a checkpoint directory"),
     (["--timeout", "0"], "--timeout=0.0: must be a finite number >= 0.001"),
     (["--timeout", "1e300"], "--timeout=1e+300: must be a finite number >= 0.001 and <= 2.592e+06"),

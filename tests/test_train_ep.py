@@ -12,9 +12,11 @@ One 4-process gloo world runs every case:
 * ``twinpipe train`` (its own checks and training, in this world): the built-in GPT with ``--dp 4 --ep 2``
   against ``--dp 4`` (ep = dp, today's default) and ``--pp 2 --dp 2 --ep 1`` against ``--pp 2 --dp 2``;
   the tiny Qwen3-MoE with ``--dp 4 --ep 2`` against ``--dp 4`` (ep = 1, its default). The runs differ
-  only in how many rows each expert's matrix product takes at once (its EP group's), which a BLAS may
-  round differently: the losses agree to ``BOUND`` relative, not bit for bit. An expert gradient off by
-  the ep or dp factor moves the second step's loss by far more (checked: 1e-4 and more).
+  in how many rows each expert's matrix product takes at once (its EP group's), which a BLAS may round
+  differently, and in the order of the expert-data-parallel sums: the losses agree to ``BOUND``
+  (``HF_BOUND``: its loss is float32) relative, not bit for bit. Leaving out the expert-data-parallel
+  sum (an expert gradient off by the dp/ep factor) moved the second step's loss by 6.5e-4 (GPT) and
+  5e-5 (Qwen3-MoE) relative, and failed every case of this module but the bad input.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from train_setup import gather_state, reference_state, state_differences, steps_
 WORLD = 4
 STEPS = 3
 # float64 losses of runs whose expert products see other row counts (above): rounding of a few
-# hundred terms, grown over 3 steps of routing; measured differences 0 to 1e-15 relative.
+# hundred terms, grown over 3 steps of routing (measured here: equal).
 BOUND = 1e-10
+HF_BOUND = 1e-6  # TokenLoss computes the cross entropy in float32: a few ulps
 DATA = __import__("pathlib").Path(__file__).parent / "data"
 GPT_ARGS = ["--layers", "2", "--dim", "8", "--heads", "2", "--seq-len", "8", "--batch-size", "8", "--microbatch-size", "1",
             "--corpus-bytes", "4096", "--experts", "4", "--top-k", "2", "--dtype", "float64", "--steps", str(STEPS),
@@ -164,12 +167,13 @@ def _cli_losses(root: str, name: str, *argv: str) -> list[float]:
     return [e["loss"] for e in log["steps"]]
 
 
-def _cli_close(root: str, label: str, a: list[str], b: list[str]) -> list[str]:
+def _cli_close(root: str, label: str, a: list[str], b: list[str], bound: float = BOUND) -> list[str]:
+    """The losses of ``twinpipe train a`` and ``b``, ``bound`` apart (relative) at most."""
     first, second = _cli_losses(root, label + "-a", *a), _cli_losses(root, label + "-b", *b)
     if len(first) != STEPS or len(first) != len(second):
         return [f"{label}: {len(first)} and {len(second)} logged steps, {STEPS} expected"]
     worst = max(abs(x - y) / abs(y) for x, y in zip(first, second))
-    return [f"{label}: losses {first} and {second}: {worst:.3g} apart (relative), above {BOUND}"] if worst > BOUND else []
+    return [f"{label}: losses {first} and {second}: {worst:.3g} apart (relative), above {bound}"] if worst > bound else []
 
 
 def _hf_tokens(root: str) -> str:
@@ -196,7 +200,7 @@ def _world(rank: int, world: int, root: str) -> dict:
         ("cli-gpt-dp2", lambda: _cli_close(root, "gpt-dp2", [*GPT_ARGS, "--pp", "2", "--dp", "2", "--ep", "1"],
                                            [*GPT_ARGS, "--pp", "2", "--dp", "2"])),
         ("cli-hf-dp4", lambda: _cli_close(root, "hf-dp4", [*hf, "--data", _hf_tokens(root), "--dp", "4", "--ep", "2"],
-                                          [*hf, "--data", _hf_tokens(root), "--dp", "4"])),
+                                          [*hf, "--data", _hf_tokens(root), "--dp", "4"], HF_BOUND)),
     ]
     return run_named(named)
 

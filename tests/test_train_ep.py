@@ -3,8 +3,8 @@ the data-parallel size, experts spread over EP groups of N consecutive data-para
 gradients summed over the expert-data-parallel groups (``TrainMesh.expert_groups``).
 
 One 4-process gloo world runs every case:
-* the built-in MoE GPT with ``dp=4, ep=2`` (1F1B, AdamW, clipping) and ``pp=2, dp=2, ep=1`` (DualPipeV,
-  mirrored copies): losses, norms and the state after each step bitwise the one-process reference
+* the built-in MoE GPT with ``dp=4, ep=2`` (1F1B, AdamW, clipping; also with bf16-mixed and ZeRO-1) and
+  ``pp=2, dp=2, ep=1`` (DualPipeV, mirrored copies): losses, norms and the state after each step bitwise the one-process reference
   (``ReferenceTrainer`` with the same ``ep``: each EP group's experts its own copy, summed over the
   groups as the trainer sums them); every replica of an expert holds the same weights after the steps;
 * a checkpoint written with ``ep=2`` loads with ``ep=1`` and ``ep=4``, bitwise the saved state, and
@@ -32,7 +32,7 @@ from train_setup import gather_state, reference_state, state_differences, steps_
 WORLD = 4
 STEPS = 3
 # float64 losses of runs whose expert products see other row counts (above): rounding of a few
-# hundred terms, grown over 3 steps of routing (measured here: equal).
+# hundred terms, grown over 3 steps of routing (what leaving out a sum gives is 1e6 times more, above).
 BOUND = 1e-10
 HF_BOUND = 1e-6  # TokenLoss computes the cross entropy in float32: a few ulps
 DATA = __import__("pathlib").Path(__file__).parent / "data"
@@ -42,25 +42,28 @@ GPT_ARGS = ["--layers", "2", "--dim", "8", "--heads", "2", "--seq-len", "8", "--
 
 
 def _trainer(schedule: str, dp: int, pp: int, ep: int, experts: int = 4, **options):
-    import torch
-
     from twinpipe.train.mesh import build_mesh
     from twinpipe.train.trainer import Trainer
 
     fn, sampler, criterion, make_opt, config = tiny_setup(schedule, experts=experts, **options)
     config = dataclasses.replace(config, ep=ep)
-    return Trainer(fn, sampler, criterion, make_opt, build_mesh(dp, pp), config, dtype=torch.float64)
+    return Trainer(fn, sampler, criterion, make_opt, build_mesh(dp, pp), config, dtype=_dtype(options))
+
+
+def _dtype(options: dict):
+    """The model's dtype: float64, or as built (float32) for bf16-mixed's FP32 masters."""
+    import torch
+
+    return None if options.get("precision") == "bf16-mixed" else torch.float64
 
 
 def _reference(rank: int, schedule: str, dp: int, pp: int, ep: int, **options):
-    import torch
-
     from twinpipe.train.reference import ReferenceTrainer
 
     if rank != 0:
         return None
     fn, sampler, criterion, make_opt, config = tiny_setup(schedule, experts=4, **options)
-    return ReferenceTrainer(fn, sampler, criterion, make_opt, dataclasses.replace(config, ep=ep), dp, pp, dtype=torch.float64)
+    return ReferenceTrainer(fn, sampler, criterion, make_opt, dataclasses.replace(config, ep=ep), dp, pp, dtype=_dtype(options))
 
 
 def _replicas_agree(trainer) -> list[str]:
@@ -193,6 +196,8 @@ def _world(rank: int, world: int, root: str) -> dict:
     named = [
         ("dp4-ep2", lambda: _against_reference(rank, "1f1b", 4, 1, 2, optimizer="adamw", max_norm=0.3, dp_reduce="ordered")),
         ("pp2-dp2-ep1", lambda: _against_reference(rank, "dualpipev", 2, 2, 1, max_norm=0.3)),
+        ("dp4-ep2-mixed-zero1", lambda: _against_reference(rank, "1f1b", 4, 1, 2, optimizer="adamw", max_norm=0.3,
+                                                           dp_reduce="ordered", precision="bf16-mixed", zero=1)),
         ("checkpoint", lambda: _checkpoint(rank, root)),
         ("bad-ep", lambda: _bad_trainer_ep(rank)),
         ("cli-gpt-dp4", lambda: _cli_close(root, "gpt-dp4", [*GPT_ARGS, "--pp", "1", "--dp", "4", "--ep", "2"],
@@ -215,7 +220,7 @@ def _check(outcomes, name):
     assert not problems, problems
 
 
-@pytest.mark.parametrize("case", ["dp4-ep2", "pp2-dp2-ep1"])
+@pytest.mark.parametrize("case", ["dp4-ep2", "pp2-dp2-ep1", "dp4-ep2-mixed-zero1"])
 def test_gpt_ep_below_dp_is_the_reference_bitwise(outcomes, case):
     _check(outcomes, case)
 

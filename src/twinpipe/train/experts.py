@@ -40,7 +40,7 @@ def check_experts(model: nn.Module, ep: int, name: str = "ep") -> int:
         if experts % ep:
             divisors = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
             raise bad(name, ep, f"must divide {experts} (allowed are {divisors}): the model's MoE blocks have {experts} "
-                      "experts, and expert parallelism spreads them evenly over the ep ranks of a stage")
+                      f"experts, and expert parallelism spreads them evenly over the {name} ranks of a stage")
     return counts[-1] if counts else 0
 
 

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group.add_argument("--layout", default=None, metavar="STR",
                        help="with --model: the stages, e.g. 'E,t*3|t*4|t*4|t*3,L' (E embedding, t decoder layer, L norm "
                             "+ head + loss; '|' between stages; default: balanced by parameters)")
-    cli_options.add(parser, "ep", group=group, default=None, default_text="--dp for the built-in GPT, 1 with --model",
+    # Both model sources take --ep: beside the other mesh options, not in the --model group.
+    cli_options.add(parser, "ep", default=None, default_text="--dp for the built-in GPT, 1 with --model",
                     more="a MoE model's experts spread over EP groups of EP consecutive data-parallel ranks of a "
                          "stage, replicated over the --dp/EP groups; any divisor of --dp that divides the expert count")
     return group

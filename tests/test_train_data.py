@@ -180,12 +180,12 @@ def test_bad_models(tmp_path, capsys):
         ("--model", gpt2): "--model=.*gpt2': model=GPT2LMHeadModel: has no model; twinpipe.hf runs decoder-only causal LMs",
         ("--model", llama, "--layout", "E,t*2|t*2,L"): "--layout='E,t\\*2\\|t\\*2,L': must be 1 stage",
         ("--layout", "E,t*2|t*2,L"): "--layout='E,t\\*2\\|t\\*2,L': only with --model",
-        ("--model", llama, "--ep", "2"): "--ep=2: must be 1 or --dp=1: the experts of each stage spread over its data-parallel",
+        ("--model", llama, "--ep", "2"): "--ep=2: must divide --dp=1 \\(allowed are 1\\): each stage's data-parallel ranks",
         ("--model", llama, "--ep", "2", "--dp", "2"): "--ep=2: --model=.*tiny-llama' has no MoE layers to spread",
         ("--model", str(moe3), "--ep", "2", "--dp", "2"): "--ep=2: must divide the 3 experts of --model=",
         ("--model", qwen2_moe, "--ep", "2", "--dp", "2"): "--ep=2: --model=.*qwen2moe''s MoE layers cannot be spread: it has "
                                                           "shared_expert, shared_expert_gate besides",
-        ("--ep", "2"): "--ep=2: only with --model",
+        ("--ep", "2"): "--ep=2: must divide --dp=1",
         ("--model", str(TINY_MOE), "--bias-update-speed", "0.001"): "--bias-update-speed=0.001: must be 0 with --model=.* "
                                                                      "it acts on DeepSeek-V3's routers",
         ("--model", llama, "--dim", "32"): "--dim=32: not with --model",

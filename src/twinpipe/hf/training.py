@@ -1,5 +1,5 @@
 """``twinpipe.hf`` for ``twinpipe.train.Trainer``: ``HFSource`` (its ``stages=``: a ``transformers`` causal
-LM cut by ``build``, weights read per stage, MoE experts sharded over the data-parallel group) and
+LM cut by ``build``, weights read per stage, MoE experts sharded over an EP group) and
 ``TokenLoss`` (its criterion). ``twinpipe train --model DIR`` trains with these two."""
 
 from __future__ import annotations
@@ -37,14 +37,15 @@ class HFSource:
     ``twinpipe.hf.build`` cuts it (``layout``,
     else ``balance``: ``"params"``, or ``"time"`` measured on ``sample``, a batch of token ids); with
     ``weights`` the folder's tensors of this rank's stages are read into them
-    (``twinpipe.hf.weights.load``: only those tensors). ``ep_group``: the trainer's data-parallel
-    group (``mesh.dp_group``) to shard the MoE experts over, or None (every expert on every rank)."""
+    (``twinpipe.hf.weights.load``: only those tensors). ``ep_group``: the mesh's EP group to shard the
+    MoE experts over (``mesh.expert_groups(ep).ep_group`` for the trainer's ``TrainConfig.ep``; the
+    trainer sums their gradients over the expert-data-parallel group), or None (every expert on every rank)."""
 
     def __init__(self, folder: str, layout: str | None = None, *, balance: str = "params", sample=None, weights: bool = False,
                  ep_group=None, mtp_depth: int = 0):
         self.folder, self.layout, self.balance, self.sample, self.weights = folder, layout, balance, sample, weights
         self.mtp_depth = mtp_depth  # DeepSeek-V3's MTP layers on the last stage (twinpipe.hf.mtp); the trainer reads it
-        self.ep_group = ep_group  # with it, MoE experts sharded over it (twinpipe.hf.experts; the trainer's dp group)
+        self.ep_group = ep_group  # with it, MoE experts sharded over it (twinpipe.hf.experts; the trainer's EP group)
         self.built = None
 
     initial_biases_kept = True  # routing biases a checkpoint lacks keep the --model folder's values
@@ -76,7 +77,7 @@ class HFSource:
 
     def row_shards(self, modules) -> set:
         """``id()`` of the parameters sharded by rows over ``ep_group`` (the experts' fused tensors, rows
-        ``rank * E/ep ..``): checkpoints store each as one tensor of all rows, each row written once."""
+        ``ep_rank * E/ep ..``): checkpoints store each as one tensor of all rows, each row written once."""
         if self.ep_group is None:
             return set()
         return {id(block.experts.get_parameter(n)) for m in modules for block in m.modules()

@@ -235,20 +235,23 @@ class GPTRun:
         """Bytes of a parameter and of an activation value (the compute dtype)."""
         return 2 if self.precision == BF16_MIXED else ELSIZE[self.dtype]
 
-    def predict(self, schedule: str, pp: int, microbatches: int, dp: int = 1, options: dict | None = None) -> list[RankPrediction]:
+    def predict(self, schedule: str, pp: int, microbatches: int, dp: int = 1, options: dict | None = None,
+                ep: int | None = None) -> list[RankPrediction]:
         """Each rank's memory by part, as ``twinpipe train`` predicts it for this run under
         ``schedule`` (with ``options``) on ``pp`` pipeline ranks x ``dp`` data-parallel replicas,
-        ``microbatches`` per step and replica. One entry per pipeline rank (data-parallel rank 0),
-        or per (pipeline, data-parallel) rank where ZeRO-1 makes them differ."""
+        ``microbatches`` per step and replica, MoE experts spread over ``ep`` ranks (default ``dp``).
+        One entry per pipeline rank (data-parallel rank 0), or per (pipeline, data-parallel) rank
+        where ZeRO-1 makes them differ."""
         checks.check_int(dp, "dp", low=1)
-        if self.experts and self.experts % dp:
-            raise checks.bad("dp", dp, f"must divide experts={self.experts}: each data-parallel rank holds experts/dp of "
-                             "every MoE block")
+        ep = dp if ep is None else checks.check_int(ep, "ep", low=1)
+        if self.experts and self.experts % ep:
+            raise checks.bad("dp" if ep == dp else "ep", ep, f"must divide experts={self.experts}: each expert-parallel "
+                             "rank holds experts/ep of every MoE block")
         mixed, elsize = self.precision == BF16_MIXED, self.elsize
         options = dict(options or {})
         spec = resolve(schedule, pp, **options)
         cut = stage_layers(self, spec.placement.num_model_stages)
-        memories = [stage_memory(self, names, self.microbatch_size, elsize, dp) for names in cut]
+        memories = [stage_memory(self, names, self.microbatch_size, elsize, ep) for names in cut]
         if spec.name in PLANNED_WITH_MW and "mw" not in options and not self.experts:  # as the trainer plans them
             spec = resolve(schedule, pp, **options, mw=round(max(m.mw for m in memories), 3))  # (train.memory.planned_options)
         placement = spec.placement
@@ -262,7 +265,7 @@ class GPTRun:
             peak = activation_peak(programs[rank], placement, stages, lambda peer: self.flattens)
             if self.experts:  # a bound: the losses the rank keeps to the step's end count too (8 bytes each in float64)
                 peak += _kept_losses(programs[rank], placement) * (8 if elsize == 8 else 4)
-            reduced, tied, experts = _rank_tensors(self, [cut[placement.model_stage(s)] for s in placement.stages_of(rank)], dp)
+            reduced, tied, experts = _rank_tensors(self, [cut[placement.model_stage(s)] for s in placement.stages_of(rank)], ep)
             held = [n for stage in reduced for n in stage] + tied + experts
             grad_el = 4 if mixed else elsize  # the reducer cuts its buckets on the FP32 parameters under bf16-mixed
             copies = None

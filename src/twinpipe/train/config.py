@@ -45,6 +45,9 @@ class TrainConfig:
     ``"bf16-mixed"`` (bf16 compute, FP32 masters, gradients and optimizer state; ``precision.py``).
     ``zero``: 0 (every data-parallel rank updates every parameter) or 1 (ZeRO-1: each updates and
     keeps optimizer state for its shard; ``zero.py``).
+    ``ep``: the expert-parallel size, dividing the data-parallel size: each stage's MoE experts spread
+    over EP groups of ``ep`` data-parallel ranks, replicated over the ``dp/ep`` groups
+    (``mesh.TrainMesh.expert_groups``); None: ``dp`` (one EP group, no expert replicas).
     """
 
     schedule: str = "dualpipev"
@@ -64,6 +67,7 @@ class TrainConfig:
     precision: str = PURE
     zero: int = 0
     balance_alpha: float = 0.0  # DeepSeek-V3's sequence-wise balance loss on a transformers model's gates
+    ep: int | None = None  # expert-parallel size (None: the data-parallel size)
 
     def __post_init__(self):
         from twinpipe.schedule import registry
@@ -93,7 +97,13 @@ class TrainConfig:
             raise bad("mtp_weight", self.mtp_weight, "must be 0 without multi-token prediction (mtp_depth=0)")
         check_choice(self.precision, "precision", PRECISIONS)
         check_int(self.zero, "zero", low=0, high=1)  # ZERO
+        if self.ep is not None:
+            check_int(self.ep, "ep", low=1, why="None: the data-parallel size")
         object.__setattr__(self, "schedule_options", _checked_options(self.schedule_options, info))
+
+    def expert_parallel(self, dp: int) -> int:
+        """The expert-parallel size on ``dp`` data-parallel ranks: ``ep``, or ``dp`` when None."""
+        return dp if self.ep is None else self.ep
 
     def num_microbatches(self, dp: int) -> int:
         """Micro-batches per pipeline per step."""

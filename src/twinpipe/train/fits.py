@@ -41,7 +41,8 @@ def need_per_rank(args, cfg) -> tuple[int, dict]:
     data = 2 * args.batch_size * cfg.seq_len * 8 + args.corpus_bytes  # the batch (int64 ids and targets), the corpus
     run = GPTRun.of(cfg, args.microbatch_size, dtype=args.dtype, precision=getattr(args, "precision", PURE),
                     zero=getattr(args, "zero", 0), overlap_dp=getattr(args, "overlap_dp", True))
-    ranks = run.predict(args.schedule, args.pp, args.batch_size // (args.dp * args.microbatch_size), args.dp)
+    ranks = run.predict(args.schedule, args.pp, args.batch_size // (args.dp * args.microbatch_size), args.dp,
+                        ep=getattr(args, "ep", None))
     fullest = max(ranks, key=lambda r: r.parts.total)
     parts = fullest.parts.to_dict()
     parts.pop("total")

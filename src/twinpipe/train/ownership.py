@@ -5,11 +5,14 @@
 * reduced: dense parameters are summed over the data-parallel replicas by a ``DataParallelReducer``
   (``ShardedReducer`` with ZeRO-1), in parts: one per stage when the reduction overlaps the pipeline
   step or ZeRO-1 spreads over mirrored copies, else one of all, then each tied tensor in a part of
-  its own (its gradient is final only after the tied sum); MoE experts are not (one holder each);
+  its own (its gradient is final only after the tied sum); MoE experts by an ``expert_reducer`` of
+  their own over the expert-data-parallel group (the same experts in every EP group; none when the
+  EP group is the whole data-parallel group: one holder each);
 * updated: what this rank's optimizer updates: everything held, or with ZeRO-1 its shard of the
   dense parameters and its experts;
 * owned: one rank per model parameter counts it in the norm and writes it to checkpoints: the first
-  copy at data-parallel rank 0, or (ZeRO-1) the copy and rank that updates it; an expert its holder.
+  copy at data-parallel rank 0, or (ZeRO-1) the copy and rank that updates it; an expert its holder
+  in the first EP group (expert-data-parallel rank 0).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from twinpipe.schedule.placement import Placement
 from twinpipe.sim.shards import mirror_copies
 from twinpipe.train.config import TrainConfig
 from twinpipe.train.grads import DataParallelReducer
-from twinpipe.train.mesh import TrainMesh
+from twinpipe.train.mesh import ExpertGroups, TrainMesh
 from twinpipe.train.stages import is_mirror_copy
 from twinpipe.train.zero import Copies, ShardedReducer
 
@@ -43,6 +46,7 @@ class Ownership:
     owned_names: list[str]
     updated: list[torch.Tensor]  # what this rank's optimizer updates
     reducer: DataParallelReducer
+    expert_reducer: DataParallelReducer | None  # the experts' sum over their replicas (None: one holder each)
     overlap_dp: bool  # each stage's part starts as soon as its gradients are final (Pipeline's on_grads_ready)
     part_of: dict[int, int]  # pipeline stage -> its part (overlap_dp or spread over mirrored copies)
     tied_parts: list[int]  # the parts of the tied tensors, one each
@@ -69,10 +73,11 @@ def mirror_groups(placement: Placement, mesh: TrainMesh, timeout: float) -> dict
 
 
 def own_parameters(modules: Sequence[nn.Module], stages: Sequence[int], *, placement: Placement, mesh: TrainMesh,
-                   config: TrainConfig, experts: set[int], tied: Sequence[tuple[str, str]], timeout: float) -> Ownership:
+                   config: TrainConfig, experts: set[int], tied: Sequence[tuple[str, str]], timeout: float,
+                   expert_groups: ExpertGroups) -> Ownership:
     """The ownership of this rank's stage ``modules`` (pipeline stages ``stages``); ``experts``: ``id()``
-    of the routed experts among them; ``tied``: ``(main, copy)`` name pairs. Collective when ZeRO-1
-    spreads over mirrored copies (their process groups)."""
+    of the routed experts among them, spread over ``expert_groups``; ``tied``: ``(main, copy)`` name
+    pairs. Collective when ZeRO-1 spreads over mirrored copies (their process groups)."""
     named = [(s, name, p) for s, m in zip(stages, modules) for name, p in m.named_model_parameters()]
     params = list({id(p): p for _, _, p in named}.values())
     shared = len(params) < len(named)
@@ -100,12 +105,19 @@ def own_parameters(modules: Sequence[nn.Module], stages: Sequence[int], *, place
     spread = {id(p) for part, cp in zip(parts, spreads or ()) if cp for p in part}  # owned by one copy of all
     updates = reducer.owns if sharded else (lambda p: True)  # the data-parallel rank updating a dense parameter
     first = mesh.dp_rank == 0 or sharded
-    held = [(name, p, (id(p) in spread or not is_mirror_copy(placement, s)) and (id(p) in experts or (first and updates(p))))
+    first_experts = expert_groups.edp_rank == 0  # the first EP group's holder owns an expert
+    held = [(name, p, (id(p) in spread or not is_mirror_copy(placement, s))
+             and ((id(p) in experts and first_experts) or (id(p) not in experts and first and updates(p))))
             for s, name, p in named]
+    expert_params = [p for p in params if id(p) in experts]
+    expert_reducer = None
+    if expert_params and expert_groups.edp_group is not None:  # one part: the experts' gradients are final after the step
+        expert_reducer = DataParallelReducer([expert_params], expert_groups.edp_group, timeout, mode=config.dp_reduce)
     copies = {copy for _, copy in tied}
     counted = [(n, p) for n, p, owned in held if owned and n not in copies]
     return Ownership(params=params, held=held, dense=dense, owned=[p for _, p in counted], owned_names=[n for n, _ in counted],
-                     updated=[p for p in params if id(p) in experts or updates(p)], reducer=reducer, overlap_dp=overlap_dp,
+                     updated=[p for p in params if id(p) in experts or updates(p)], reducer=reducer,
+                     expert_reducer=expert_reducer, overlap_dp=overlap_dp,
                      part_of=part_of, tied_parts=tied_parts, sharded=sharded)
 
 

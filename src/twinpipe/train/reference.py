@@ -7,9 +7,11 @@ compute, FP32 gradient buffers) is ``precision.py``'s, as in the trainer.
 
 The data-parallel replicas are copies of the model in this process, run side by side on their own
 rows. With MoE blocks and ``dp > 1`` each copy holds its replica's share of the experts, as the
-trainer lays them out, over an EP group simulated in this process (``twinpipe.moe.local``): an
-expert runs once per micro-batch on the rows of every replica's micro-batch, concatenated in
-replica order, as it does on its rank. Running each replica alone instead hands an expert fewer
+trainer lays them out, over EP groups of ``ep`` replicas simulated in this process
+(``twinpipe.moe.local``): an expert runs once per micro-batch on the rows of its EP group's
+micro-batches, concatenated in replica order, as it does on its rank. Each EP group holds its own
+copy of the experts; their gradients are summed over the groups left to right, as the dense ones
+over the replicas. Running each replica alone instead hands an expert fewer
 rows, and a BLAS product's row can come out differently with another number of rows or in another
 place among them (on the AVX-512 CI machine, MKL computes the last ``rows % 4`` rows of a
 double-precision product with another kernel): the same numbers only up to rounding, on some CPUs.
@@ -45,11 +47,15 @@ __all__ = ["ReferenceTrainer"]
 
 
 class ReferenceTrainer:
-    """Single-process twin of ``Trainer`` for ``dp`` replicas of a ``pp``-rank pipeline."""
+    """Single-process twin of ``Trainer`` for ``dp`` replicas of a ``pp``-rank pipeline (MoE experts
+    spread over EP groups of ``config.ep`` replicas, default ``dp``)."""
 
     def __init__(self, model_fn: Callable[[], nn.Module], sampler: BatchSampler, criterion, optimizer_fn,
                  config: TrainConfig, dp: int, pp: int, dtype: torch.dtype | None = None):
         self.config, self.sampler, self.criterion, self.dp = config, sampler, criterion, dp
+        self.ep = config.expert_parallel(dp)
+        if dp % self.ep:
+            raise ValueError(f"ep={self.ep}: must divide dp={dp}")
         placement = resolve(config.schedule, pp, **dict(config.schedule_options)).placement
         self.directions = len(placement.chains)
         self.num_chunks = config.num_microbatches(dp)
@@ -61,7 +67,7 @@ class ReferenceTrainer:
         experts = expert_parameters(self.model)
         self._experts = [p for p in self.params if id(p) in experts]
         self._dense = [p for p in self.params if id(p) not in experts]
-        self.replicas = self._replicas(experts)
+        self.replicas, self._group_experts = self._replicas(experts)
         self.routers = [r for _, r in model_routers(self.model)]
         self.criteria = [MTPLoss(criterion, mtp_heads([r])[0], config.mtp_weight) if config.mtp_depth else criterion
                          for r in self.replicas]
@@ -76,22 +82,28 @@ class ReferenceTrainer:
             precision.to_compute([self.model, *self.replicas])
         self.optimizer = optimizer_fn(self.masters)
 
-    def _replicas(self, experts: set[int]) -> list[nn.Module]:
+    def _replicas(self, experts: set[int]) -> tuple[list[nn.Module], list[list[torch.Tensor]]]:
         """The data-parallel replicas: the model itself for one; else copies whose dense parameters
-        are their own and whose MoE blocks share the model's experts, each keeping its replica's
-        share over a local EP group (as ``Trainer`` shards them over the data-parallel group)."""
+        are their own and whose MoE blocks share their EP group's experts (the first group: the
+        model's; each other group: a copy of its own), each replica keeping its share over a local EP
+        group (as ``Trainer`` shards them over its EP group). Also each EP group's expert parameters,
+        in the order of ``self._experts``."""
         if self.dp == 1:
-            return [self.model]
-        shared = {id(m): m for m in self.model.modules() if any(id(p) in experts for p in m.parameters(recurse=False))}
-        group = local.LocalEPGroup(self.dp)
-        replicas = []
-        for d in range(self.dp):
-            replica = copy.deepcopy(self.model, memo=dict(shared))
-            for block in replica.modules():
-                if isinstance(block, MoEBlock):
-                    block.shard_experts_(group.rank(d))
-            replicas.append(replica)
-        return replicas
+            return [self.model], [self._experts]
+        replicas, group_experts = [], []
+        for g in range(self.dp // self.ep):
+            holder = self.model if g == 0 else copy.deepcopy(self.model)  # whose experts this EP group shares
+            ids = expert_parameters(holder)
+            shared = {id(m): m for m in holder.modules() if any(id(p) in ids for p in m.parameters(recurse=False))}
+            group_experts.append([p for _, layer in model_layers(holder) for p in layer.parameters() if id(p) in ids])
+            group = local.LocalEPGroup(self.ep)
+            for e in range(self.ep):
+                replica = copy.deepcopy(holder, memo=dict(shared))
+                for block in replica.modules():
+                    if isinstance(block, MoEBlock):
+                        block.shard_experts_(group.rank(e))
+                replicas.append(replica)
+        return replicas, group_experts
 
     def _replica_dense(self, replica: nn.Module) -> list[torch.Tensor]:
         """``replica``'s dense parameters, in the order of ``self._dense``."""
@@ -135,6 +147,9 @@ class ReferenceTrainer:
                 for params in dense:
                     for p, q in zip(params, self._dense):
                         p.copy_(q)
+                for params in self._group_experts[1:]:  # the other EP groups' copies of the experts
+                    for p, q in zip(params, self._experts):
+                        p.copy_(q)
                 for mine in routers:
                     for r, q in zip(mine, self.routers):
                         r.bias.copy_(q.bias)
@@ -153,7 +168,7 @@ class ReferenceTrainer:
         per = m // self.directions
         replica_grads = expert_grads = None
         for c in range(self.directions):
-            _fresh_grads([p for params in dense for p in params] + self._experts)
+            _fresh_grads([p for params in dense + self._group_experts for p in params])
             for j in range(c * per, (c + 1) * per):
                 mb = [microbatch_rows(len(xr), m, range(j, j + 1)) for xr in xs]
                 outs = local.forward(stages, [xr[s] for xr, s in zip(xs, mb)])
@@ -163,13 +178,16 @@ class ReferenceTrainer:
                 for d, loss in enumerate(mb_losses):
                     losses[d * m + j] = float(loss.detach())
             grads = [[_grad(p) for p in params] for params in dense]
-            experts = [_grad(p) for p in self._experts]
+            experts = [[_grad(p) for p in params] for params in self._group_experts]
             if replica_grads is None:
                 replica_grads, expert_grads = grads, experts
             else:  # then the directions
                 replica_grads = [[a.add_(b) for a, b in zip(mine, more)] for mine, more in zip(replica_grads, grads)]
-                expert_grads = [a.add_(b) for a, b in zip(expert_grads, experts)]
-        return losses, replica_grads, expert_grads
+                expert_grads = [[a.add_(b) for a, b in zip(mine, more)] for mine, more in zip(expert_grads, experts)]
+        expert_total = expert_grads[0]
+        for more in expert_grads[1:]:  # an expert's copies, one per EP group, left to right
+            expert_total = [a.add_(b) for a, b in zip(expert_total, more)]
+        return losses, replica_grads, expert_total
 
     def _update(self, routers: list[list[nn.Module]]) -> float | None:
         """Scaling, clipping and the optimizer on the masters' gradients, the routing biases moved;

@@ -34,6 +34,7 @@ def agree_settings(c: TrainConfig, model: nn.Module, parameter_names: Sequence[t
         "on_nonfinite": c.on_nonfinite, "bias_update_speed": canonical(c.bias_update_speed),
         "balance_alpha": canonical(c.balance_alpha),
         "mtp_depth": c.mtp_depth, "mtp_weight": canonical(c.mtp_weight), "precision": c.precision, "zero": c.zero,
+        "ep": c.ep,
         "dtype": ",".join(sorted({str(p.dtype) for p in model.parameters()})), "device": torch.device(device).type,
         "criterion": _qualname(criterion),
         "model parameters": f"{len(parameter_names)} named, sha256 {hashlib.sha256(names).hexdigest()[:16]}",

@@ -183,6 +183,8 @@ class TrainStep:
             reducer.all_reduce(where)
         if p.experts:
             reduce_replica_grads(p.pipe.module, self.timeout)
+        if p.ownership.expert_reducer is not None:  # the same experts in every EP group: their gradients summed
+            p.ownership.expert_reducer.all_reduce(where)
 
     def _sum_vector(self, step: int, loss: torch.Tensor | None, digest: int, clip: bool,
                     requests: tuple[bool, ...] = ()) -> StepVector:

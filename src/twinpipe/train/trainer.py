@@ -106,7 +106,8 @@ class Trainer:
         self.placement = self.schedule.placement
         self.num_chunks = config.num_microbatches(mesh.dp)
         self.layout = batch_layout(self.schedule, mesh.pp, mesh.pp_rank, self.num_chunks)
-        self.experts = check_experts(model, mesh.dp)
+        self.expert_groups = mesh.expert_groups(config.expert_parallel(mesh.dp))  # collective: ep strictly inside (1, dp)
+        self.experts = check_experts(model, self.expert_groups.ep, "dp" if config.ep is None else "ep")
         modules = self._build_stages(model)
         experts = expert_ids(modules)
         # Tied copies (an MTP head's embedding copy, a transformers model's tied head): kept equal to
@@ -120,7 +121,7 @@ class Trainer:
             self.source.add_balance_loss(model, modules, config.balance_alpha, bool(self.routing.size))
         own = self.ownership = own_parameters(modules, self.placement.stages_of(mesh.pp_rank), placement=self.placement,
                                               mesh=mesh, config=config, experts=experts, tied=self.tied,
-                                              timeout=self.timeout)
+                                              timeout=self.timeout, expert_groups=self.expert_groups)
         self.params, self.held, self.reducer, self.overlap_dp = own.params, own.held, own.reducer, own.overlap_dp
         self._prepare_update(modules, optimizer_fn)
         self.train_step = TrainStep(StepParts(
@@ -129,21 +130,23 @@ class Trainer:
             optimizer=self.optimizer, routing=self.routing, tied=self._tied, experts=self.experts, where=self._where), criterion)
 
     def _build_stages(self, model: nn.Module) -> list[nn.Module]:
-        """This rank's stage modules (``StageSource.build``), MoE experts sharded over the data-parallel group."""
-        mesh = self.mesh
+        """This rank's stage modules (``StageSource.build``), MoE experts sharded over its EP group."""
+        mesh, groups = self.mesh, self.expert_groups
         with waits.limit(self.timeout):  # the cut's own collectives (balance="time") wait the trainer's limit
             modules = list(self.source.build(model, self.schedule, mesh.pp_rank))
-        if mesh.dp > 1:
-            shard_experts(modules, mesh.dp_group)  # expert parallelism over the stage's data-parallel group
-        # Parameters holding this data-parallel rank's rows of a model tensor (a transformers model's
-        # fused experts): stored in checkpoints as one tensor sharded over ``row_mesh``.
+        if groups.ep_group is not None:
+            shard_experts(modules, groups.ep_group)  # expert parallelism over the stage's EP group
+        # Parameters holding this EP rank's rows of a model tensor (a transformers model's fused
+        # experts): stored in checkpoints as one tensor sharded over ``row_mesh``.
         self.row_shards = set(self.source.row_shards(modules))
-        self.row_mesh = mesh.mesh["dp"] if self.row_shards else None
+        self.row_mesh = groups.ep_mesh if self.row_shards else None
         ep_group = self.source.row_group()
-        if self.row_shards and ep_group is not None and dist.get_process_group_ranks(ep_group) != dist.get_process_group_ranks(mesh.dp_group):
+        if self.row_shards and ep_group is not None and (
+                groups.ep_group is None or dist.get_process_group_ranks(ep_group) != dist.get_process_group_ranks(groups.ep_group)):
+            expected = dist.get_process_group_ranks(groups.ep_group) if groups.ep_group is not None else "None"
             raise bad("stages.ep_group", dist.get_process_group_ranks(ep_group),
-                      f"must be the mesh's data-parallel group {dist.get_process_group_ranks(mesh.dp_group)} (the rows "
-                      "of each expert tensor are stored sharded over it)")
+                      f"must be the mesh's EP group for ep={groups.ep} ({expected}: mesh.expert_groups(ep).ep_group; "
+                      "the rows of each expert tensor are stored sharded over it)")
         return modules
 
     def _owns_routers(self) -> list[bool]:
@@ -186,7 +189,8 @@ class Trainer:
         return CheckpointView(
             rank_name=self.rank_name, group=self.checkpoint_group, timeout=self.timeout,
             parameter_names=self.parameter_names, model_record=self.model_record,
-            written_by={"schedule": c.schedule, "dp": self.mesh.dp, "pp": self.mesh.pp, "precision": c.precision, "zero": c.zero},
+            written_by={"schedule": c.schedule, "dp": self.mesh.dp, "pp": self.mesh.pp, "ep": self.expert_groups.ep,
+                        "precision": c.precision, "zero": c.zero},
             optimizer=self.optimizer, held=self.held, buffers=self.held_buffers, tied=self.tied,
             row_shards=frozenset(self.row_shards), row_mesh=self.row_mesh, zero_unsaved_buffers=not self.source.initial_biases_kept,
             optimized_tensor=self.optimized_tensor, finish_update=self.finish_update, loaded_weights=self.loaded_weights)

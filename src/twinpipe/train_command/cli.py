@@ -176,7 +176,6 @@ def _check(args) -> None:
         check_int(_option(args, flag), flag, low=low)
     if args.vocab is not None:
         check_int(args.vocab, "--vocab", low=1)
-    check_int(args.ep, "--ep", low=1)
     export_hf.check_train_options(args)
     check_int(args.seed, "--seed", low=0, high=_MAX_SEED, why="torch's generator keeps 32 bits of a seed")
     check_float(args.lr, "--lr", low=0, low_open=True)
@@ -194,9 +193,7 @@ def _check(args) -> None:
     except ValueError as error:  # it lists the names and aliases
         raise bad("--schedule", args.schedule, "allowed are " + str(error).split("allowed are ", 1)[-1]) from None
     _model_config(args)
-    if args.experts % args.dp:
-        raise bad("--experts", args.experts, f"must be a multiple of --dp={args.dp} (each data-parallel rank of a stage "
-                  "holds experts/dp of every MoE block)")
+    args.ep = cli_model.check_ep(args)  # --ep, or its default (the built-in GPT: --dp; --model: 1)
     if args.batch_size % (args.dp * args.microbatch_size):
         raise bad("--batch-size", args.batch_size, f"must be a multiple of --dp={args.dp} x --microbatch-size={args.microbatch_size} "
                   "(every replica runs whole micro-batches)")
@@ -554,7 +551,7 @@ def _build_trainer(args, device):
     config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                          max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout,
                          dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp, on_nonfinite=args.on_nonfinite,
-                         precision=args.precision, zero=args.zero, **_ds3_config(args))
+                         precision=args.precision, zero=args.zero, ep=args.ep, **_ds3_config(args))
     mesh = build_mesh(args.dp, args.pp, device.type)
     optimizer_fn = lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01)  # noqa: E731
     dtype = getattr(torch, args.dtype)
@@ -565,7 +562,7 @@ def _build_trainer(args, device):
 
     stages = HFSource(args.model, args.layout, balance=args.balance, weights=hf.weights,
                       sample=sampler.batch(0, args.microbatch_size)[0].to(device),
-                      ep_group=mesh.dp_group if args.ep > 1 else None, mtp_depth=args.mtp_depth)
+                      ep_group=mesh.expert_groups(args.ep).ep_group, mtp_depth=args.mtp_depth)
     return Trainer(lambda: cli_model.build_model(hf), sampler, TokenLoss(hf.aux), optimizer_fn, mesh, config,
                    device=device, dtype=dtype, stages=stages), hf
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import twinpipe.cli_options as cli_options
 
-__all__ = ["add_arguments", "check_model", "load", "check_resume", "build_model", "ModelInfo", "GPT_OPTIONS"]
+__all__ = ["add_arguments", "check_ep", "check_model", "load", "check_resume", "build_model", "ModelInfo", "GPT_OPTIONS"]
 
 # The built-in GPT's options: with --model the folder's config.json says all of it.
 GPT_OPTIONS = ("--dim", "--heads", "--layers", "--experts", "--top-k", "--vocab")
@@ -33,9 +33,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group.add_argument("--layout", default=None, metavar="STR",
                        help="with --model: the stages, e.g. 'E,t*3|t*4|t*4|t*3,L' (E embedding, t decoder layer, L norm "
                             "+ head + loss; '|' between stages; default: balanced by parameters)")
-    cli_options.add(parser, "ep", group=group, default=1,
-                    more="with --model (a MoE model): 1, or --dp: each stage's MoE experts spread over its data-parallel ranks")
+    # Both model sources take --ep: beside the other mesh options, not in the --model group.
+    cli_options.add(parser, "ep", default=None, default_text="--dp for the built-in GPT, 1 with --model",
+                    more="a MoE model's experts spread over EP groups of EP consecutive data-parallel ranks of a "
+                         "stage, replicated over the --dp/EP groups; any divisor of --dp that divides the expert count")
     return group
+
+
+def check_ep(args) -> int:
+    """The expert-parallel size: ``--ep``, else today's default (the built-in GPT: ``--dp``; ``--model``: 1),
+    checked against ``--dp`` and, for the built-in GPT, ``--experts`` (``--model``'s experts: ``check_model``).
+    ValueError naming the option, its value and what is allowed."""
+    from twinpipe.checks import bad, check_int
+
+    if args.ep is None:
+        if args.model is None and args.experts % args.dp:
+            raise bad("--experts", args.experts, f"must be a multiple of --dp={args.dp} (each data-parallel rank of a stage "
+                      "holds experts/dp of every MoE block; or set --ep to a divisor of both)")
+        return 1 if args.model is not None else args.dp
+    check_int(args.ep, "--ep", low=1)
+    if args.dp % args.ep:
+        raise bad("--ep", args.ep, f"must divide --dp={args.dp} (allowed are {_divisors(args.dp)}): each stage's "
+                  "data-parallel ranks split into --dp/--ep expert-parallel groups")
+    if args.model is None and args.ep > 1 and not args.experts:
+        raise bad("--ep", args.ep, "must be 1 for a dense model (--experts 0): it has no experts to spread")
+    if args.model is None and args.experts % args.ep:
+        raise bad("--ep", args.ep, f"must divide --experts={args.experts} (and --dp={args.dp}; allowed are "
+                  f"{_divisors(args.experts, args.dp)}): each EP rank holds experts/ep of every MoE block")
+    return args.ep
+
+
+def _divisors(n: int, also: int | None = None) -> str:
+    """The divisors of ``n`` (and of ``also``), comma-separated."""
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and (also is None or also % d == 0))
 
 
 class ModelInfo:
@@ -49,20 +79,16 @@ class ModelInfo:
 
 
 def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool = False) -> ModelInfo | None:
-    """Check ``--model``, ``--layout`` and ``--ep`` (ValueError naming the option); None without ``--model``.
+    """Check ``--model``, ``--layout`` and ``--ep`` against the model (ValueError naming the option); None
+    without ``--model``. ``args.ep``: ``check_ep``'s size.
 
     ``num_stages``: the model stages the schedule cuts; ``defaults``: the parser's defaults, to refuse
     the built-in GPT's options set alongside ``--model``."""
     if args.model is None:
         if args.layout is not None:
             raise ValueError(f"--layout={args.layout!r}: only with --model (the built-in GPT is cut by --balance)")
-        if args.ep != 1:
-            raise ValueError(f"--ep={args.ep}: only with --model (the built-in GPT's experts spread over --dp)")
         return None
     folder = _check_folder(args, defaults)
-    if args.ep not in (1, args.dp):
-        raise ValueError(f"--ep={args.ep}: must be 1 or --dp={args.dp}: the experts of each stage spread over its "
-                         "data-parallel ranks (as --experts does for the built-in GPT)")
     config, model = _meta_model(args)
     parts = _model_parts(args, model)
     if args.ep > 1:

@@ -56,3 +56,17 @@ def shard_experts(modules: Sequence[nn.Module], ep_group) -> None:
 def expert_ids(modules: Sequence[nn.Module]) -> set[int]:
     """``id()`` of every routed-expert parameter held in ``modules``."""
     return set().union(*(expert_parameters(m) for m in modules))
+
+
+def check_row_group(row_group, groups) -> None:
+    """A stage source's group for the rows of its expert tensors (None: not sharded) must be the
+    mesh's EP group (``TrainMesh.expert_groups``): checkpoints store those rows sharded over it."""
+    import torch.distributed as dist
+
+    if row_group is None:
+        return
+    mine = dist.get_process_group_ranks(row_group)
+    if groups.ep_group is None or mine != dist.get_process_group_ranks(groups.ep_group):
+        expected = dist.get_process_group_ranks(groups.ep_group) if groups.ep_group is not None else "None"
+        raise bad("stages.ep_group", mine, f"must be the mesh's EP group for ep={groups.ep} ({expected}: "
+                  "mesh.expert_groups(ep).ep_group; the rows of each expert tensor are stored sharded over it)")

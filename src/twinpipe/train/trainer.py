@@ -38,11 +38,10 @@ from twinpipe.runtime.collectives import cpu_group
 from twinpipe.runtime import waits
 from twinpipe.runtime.pipeline import Pipeline
 from twinpipe.schedule.spec import resolve
-from twinpipe.checks import bad
 from twinpipe.train.checkpoint_view import CheckpointView
 from twinpipe.train.config import TrainConfig, model_record
 from twinpipe.train.data import BatchSampler
-from twinpipe.train.experts import check_experts, expert_ids, shard_experts
+from twinpipe.train.experts import check_experts, check_row_group, expert_ids, shard_experts
 from twinpipe.train.memory import planned_options, state_bytes
 from twinpipe.train.mirrors import mirrors_equal
 from twinpipe.train.mesh import TrainMesh
@@ -140,13 +139,8 @@ class Trainer:
         # experts): stored in checkpoints as one tensor sharded over ``row_mesh``.
         self.row_shards = set(self.source.row_shards(modules))
         self.row_mesh = groups.ep_mesh if self.row_shards else None
-        ep_group = self.source.row_group()
-        if self.row_shards and ep_group is not None and (
-                groups.ep_group is None or dist.get_process_group_ranks(ep_group) != dist.get_process_group_ranks(groups.ep_group)):
-            expected = dist.get_process_group_ranks(groups.ep_group) if groups.ep_group is not None else "None"
-            raise bad("stages.ep_group", dist.get_process_group_ranks(ep_group),
-                      f"must be the mesh's EP group for ep={groups.ep} ({expected}: mesh.expert_groups(ep).ep_group; "
-                      "the rows of each expert tensor are stored sharded over it)")
+        if self.row_shards:
+            check_row_group(self.source.row_group(), groups)
         return modules
 
     def _owns_routers(self) -> list[bool]:

@@ -49,6 +49,7 @@ from twinpipe.checks import bad
 from twinpipe.train.checkpoint_view import CheckpointView
 from twinpipe.train.config import TrainConfig, model_record
 from twinpipe.train.data import BatchSampler, replica_rows
+from twinpipe.train.evaluation import EvalResult, evaluate
 from twinpipe.train.experts import check_experts, expert_ids, shard_experts
 from twinpipe.train.grads import (
     clip_coefficient, clip_grads, scale_grads, squared_norms,
@@ -240,6 +241,11 @@ class Trainer:
                 f"step {step} failed (global rank {dist.get_rank()}): {type(exc).__name__}: {exc}"),
                 [self.mesh.pp_group, self.mesh.dp_group, *self.reducer.mirror_groups])
             raise
+
+    def evaluate(self, batches: BatchSampler, count: int) -> EvalResult:
+        """The held-out loss on ``batches``' first ``count`` batches, forward only, nothing of training moved
+        (``evaluation.py``); collective, between steps."""
+        return evaluate(self, batches, count)
 
     def _step(self, step: int, requests: tuple[bool, bool]) -> StepResult:
         times = {}

@@ -18,10 +18,12 @@ import os
 import re
 import sys
 import time
+import types
 from pathlib import Path
 
 import twinpipe.cli_options as cli_options
 import twinpipe.train_command.data as cli_data
+import twinpipe.train_command.evaluate as cli_eval
 import twinpipe.train_command.model as cli_model
 import twinpipe.train_command.run_state as run_state
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_choice, check_float, check_int, checked_timeout
@@ -135,6 +137,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"when standard output is not a terminal (nohup, a scheduler, CI): a progress line every N steps "
                              f"and at least every {LOG_SECONDS:g} s (default: {LOG_EVERY}); a terminal gets a progress bar")
     cli_data.add_arguments(parser)
+    cli_eval.add_arguments(parser)
     cli_model.add_arguments(parser)
 
 
@@ -173,11 +176,10 @@ def _check(args) -> None:
         raise bad("--batch-size", args.batch_size, f"must be a multiple of --dp={args.dp} x --microbatch-size={args.microbatch_size} "
                   "(every replica runs whole micro-batches)")
     stages = _check_schedule(args, args.batch_size // (args.dp * args.microbatch_size))
-    from twinpipe.train.tokens import is_text
-
-    info = cli_model.check_model(args, stages, _defaults(), need_tokenizer=args.data is None or is_text(args.data))
+    info = cli_model.check_model(args, stages, _defaults(), need_tokenizer=_needs_tokenizer(args))
     # the built-in GPT's vocabulary: --vocab, or the data's largest id + 1 (with --model: the model's)
     args.data_vocab = cli_data.check_data(args, info and info.vocab, info and info.tokenizer)
+    cli_eval.check(args, info.vocab if info else cli_data.vocab(args), info and info.tokenizer)
     if info is None and args.layers + 2 < stages:
         raise ValueError(f"--layers={args.layers}: {args.schedule} on --pp={args.pp} cuts the model into {stages} stages, "
                          f"and the model has {args.layers + 2} layers (blocks, embedding, head); use --layers {stages - 2} or more")
@@ -197,6 +199,13 @@ def _check(args) -> None:
     if args.resume is not None:
         _check_resume(args, info)
     writable_folder(args.out, "--out")  # last: it makes the folder, so only when nothing else is wrong
+
+
+def _needs_tokenizer(args) -> bool:
+    """Whether --model's tokenizer reads text: the built-in corpus, or a text --data or --eval-data."""
+    from twinpipe.train.tokens import is_text
+
+    return args.data is None or is_text(args.data) or cli_eval.needs_tokenizer(args)
 
 
 def _check_host_id() -> None:
@@ -296,8 +305,9 @@ def _check_resume(args, info=None) -> None:
     except CheckpointError as error:
         raise ValueError(f"--resume={args.resume}: {error.problem}") from None
     shapes = info.parameters
-    if model is not None:  # --model: its parameters by name
-        return cli_model.check_resume(args, model, shapes)
+    if model is not None:  # --model: its parameters by name, then its configuration
+        cli_model.check_resume(args, model, shapes)
+        return _check_record(args, info.model, cli_model.model_record_of(model))
     saved = {
         "--layers": len({n.split(".")[1] for n in shapes if n.startswith("blocks.")}),
         "--dim": shapes.get("embed.tokens.weight", [0, args.dim])[1],
@@ -314,6 +324,17 @@ def _check_resume(args, info=None) -> None:
     wrong = [f"{flag}={mine[flag]} (the checkpoint's model has {value})" for flag, value in saved.items() if value != mine[flag]]
     if wrong:
         raise ValueError(f"--resume={args.resume}: holds another model than the options describe: {'; '.join(wrong)}")
+    _check_record(args, info.model, train_config.model_record(types.SimpleNamespace(config=_model_config(args))))
+
+
+def _check_record(args, saved: dict, mine: dict) -> None:
+    """The checkpoint's model record (``train.config.model_record``) against this run's: the ranks'
+    ``load_checkpoint`` refuses a difference, so it is refused here, before they start."""
+    differences = train_config.record_differences(saved, mine)
+    if differences:
+        more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""
+        raise ValueError(f"--resume={args.resume}: was written by a model of another configuration with the same "
+                         f"parameter shapes: {'; '.join(differences[:3])}{more}")
 
 
 def _options_record(args) -> dict:
@@ -469,9 +490,7 @@ def _train(args, device, stopper: StopOnSignals | None = None) -> int:
     cfg = _model_config(args)
     hf = None
     if args.model is not None:
-        from twinpipe.train.tokens import is_text
-
-        hf = cli_model.load(args, need_tokenizer=args.data is None or is_text(args.data))
+        hf = cli_model.load(args, need_tokenizer=_needs_tokenizer(args))
     corpus = cli_data.tokens(args, hf and hf.tokenizer)  # the built-in corpus by default
     sampler = BatchSampler(corpus, args.seq_len, seed=args.seed)
     config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
@@ -511,6 +530,7 @@ def _train(args, device, stopper: StopOnSignals | None = None) -> int:
         title = f"{args.schedule}, PP={args.pp} x DP={args.dp}, {hf.config.model_type} ({args.model}), {hf.count:,} parameters"
     unit = "byte" if args.data is None and args.model is None else "token"  # what the loss is counted per (the built-in corpus: bytes)
     progress = _progress(args, first, title, start, tokens, unit)
+    evaluation = cli_eval.Evaluation(args, trainer, hf and hf.tokenizer, log, progress)
     rank_times = RankTimes(args.timeout)
     began = time.perf_counter()
     with progress:
@@ -525,6 +545,7 @@ def _train(args, device, stopper: StopOnSignals | None = None) -> int:
             for key, value in result.times.items():
                 times.setdefault(key, []).append(value)
             progress.update(step, result, by_rank, trainer.skipped_steps)
+            evaluation.after(step)  # collective, when --eval-every or the last step says so
             if step + 1 < args.steps and (result.stop or saves.due(step + 1, result.save)):
                 if result.stop:
                     stopper.agreed()  # the grace period runs on every rank now
@@ -543,7 +564,7 @@ def _train(args, device, stopper: StopOnSignals | None = None) -> int:
         return 0
     log.write(elapsed_s=elapsed, skipped_steps=trainer.skipped_steps, memory=[e.to_dict() for e in memory])
     plot_losses([e["step"] for e in log.steps], [e["loss"] for e in log.steps], str(out / "train-loss.png"), title, unit=unit,
-                vocab=hf.vocab if hf is not None else cfg.vocab)
+                vocab=hf.vocab if hf is not None else cfg.vocab, held_out=[(e["step"], e["loss"]) for e in evaluation.results])
     mine = log.steps[len(log.steps) - (args.steps - start):]  # this start's steps (the summary's times are its own)
     rows = summary_rows([e["loss"] for e in mine], times, tokens, mirrored=trainer.is_dual, replicas=args.dp, unit=unit)
     rows.append(("steps skipped (not finite)", str(trainer.skipped_steps)))

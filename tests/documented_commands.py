@@ -281,6 +281,7 @@ COMMANDS: list[Command] = [
             "--batch-size 4", DATA_SMALL, folder="train-data", copy=("tests/data/tiny-deepseek-v3",), files=TRAIN_FILES,
             stdout=("deepseek_v3 (tests/data/tiny-deepseek-v3)",)),
     _help("twinpipe train --data train.bin --data-dtype uint16"),
+    _help("twinpipe train --model DIR --data train.npy --eval-data valid.npy --eval-every 50 --eval-batches 8"),
     _help('twinpipe train --model DIR --data "notes/*.txt"'),
     Command("torchrun --standalone --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda",
             f"torchrun --standalone --nproc-per-node 2 -m twinpipe.train --pp 2 --steps 2 {TINY}",

@@ -9,7 +9,8 @@ DualPipeV: every micro-batch's loss equal to the unsplit model's on its rows. No
 with routing-bias updates (DualPipeV) and the Llama with dropout (1F1B), each trained 3 steps with an
 evaluation after every step, give bitwise the losses, gradient norms and weights of the same run
 without evaluations (an evaluation that counted expert loads, moved a bias, drew random numbers or
-touched a gradient would change them), and evaluating twice in a row gives the same result.
+touched a gradient would change them), the step's gradients are as the step left them (no backward
+ran), and evaluating twice in a row gives the same result.
 """
 
 from __future__ import annotations
@@ -122,7 +123,10 @@ def _no_effect(name: str) -> list[str]:
         for step in range(3):
             results.append(trainer.step(step))
             if evaluating:
+                grads = [_grad(p) for p in trainer.params]
                 first, again = (trainer.evaluate(_held_out(), EVAL_BATCHES) for _ in range(2))
+                if any(not _same(a, _grad(p)) for a, p in zip(grads, trainer.params)):
+                    problems.append(f"step {step}: an evaluation changed the step's gradients (a backward ran?)")
                 if not torch.equal(first.losses, again.losses):
                     problems.append(f"step {step}: two evaluations in a row differ: {first.loss} then {again.loss}")
         runs.append(([r.losses for r in results], [r.grad_norm for r in results],
@@ -139,6 +143,15 @@ def _no_effect(name: str) -> list[str]:
     if name.startswith("moe") and not biases:
         problems.append("no routing bias on this rank: the case does not test them")
     return problems
+
+
+def _grad(p):
+    grad = getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+    return None if grad is None else grad.clone()
+
+
+def _same(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _world(rank: int, world: int) -> dict:

@@ -293,6 +293,7 @@ COMMANDS: list[Command] = [
             stdout=("wrote llama-step2",)),
     Command("twinpipe export-hf CHECKPOINT --model DIR --out OUT", "twinpipe export-hf --help", MENTION, stdout=("usage:",)),
     _help("twinpipe train --data train.bin --data-dtype uint16"),
+    _help("twinpipe train --model DIR --data train.npy --eval-data valid.npy --eval-every 50 --eval-batches 8"),
     _help('twinpipe train --model DIR --data "notes/*.txt"'),
     Command("torchrun --standalone --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda",
             f"torchrun --standalone --nproc-per-node 2 -m twinpipe.train --pp 2 --steps 2 {TINY}",

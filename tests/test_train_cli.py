@@ -201,6 +201,10 @@ BAD = [
     (["--model", "{file}"], "--model='{file}': must be a folder holding a transformers config.json"),
     (["--layout", "E|t,L"], "--layout='E|t,L': only with --model"),
     (["--ep", "0"], "--ep=0: must be >= 1"),
+    # --eval-* (tests/test_model_preflight.py has the rest)
+    (["--eval-data", "{file}"], "--eval-data='{file}': the file is empty"),
+    (["--eval-every", "2"], "--eval-every=2: needs --eval-data"),
+    (["--eval-batches", "2"], "--eval-batches=2: needs --eval-data"),
 ]
 # Refused by argparse (exit 2, its usage line and one error line).
 BAD_CHOICE = [["--dtype", "float16"], ["--device", "tpu"], ["--balance", "flops"], ["--dp-reduce", "sum"], ["--pp", "two"],

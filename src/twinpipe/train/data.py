@@ -79,7 +79,10 @@ class BatchSampler:
 
     def batch(self, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(batch_seed(self.seed, step))
-        starts = torch.randint(0, self.size - self.seq_len, (rows,), generator=gen)
+        return self.windows(torch.randint(0, self.size - self.seq_len, (rows,), generator=gen))
+
+    def windows(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, next-token labels) of the windows of ``seq_len + 1`` tokens at ``starts``."""
         if isinstance(self.tokens, torch.Tensor):
             window = self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)]
         else:  # read only the windows (a memory map stays on disk)

@@ -14,9 +14,10 @@ def bits_per_byte(loss_nats: float) -> float:
 
 
 def plot_losses(steps: Sequence[int], losses: Sequence[float], path: str, title: str, *, unit: str = "byte",
-                vocab: int = 256) -> None:
+                vocab: int = 256, held_out: Sequence[tuple[int, float]] = ()) -> None:
     """Training loss (bits per ``unit``: a byte, or a token of a ``vocab``-word vocabulary) per step,
-    with a 10-step running mean, saved to ``path``."""
+    with a 10-step running mean, and the ``held_out`` losses ``(steps trained, loss)`` when given,
+    saved to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -28,10 +29,13 @@ def plot_losses(steps: Sequence[int], losses: Sequence[float], path: str, title:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot(steps, bpb, color="#9ecae1", linewidth=1, label="loss per step")
     ax.plot(steps, smooth, color="#08519c", linewidth=2, label=f"mean of the last {window} steps")
+    if held_out:
+        ax.plot([s for s, _ in held_out], [bits_per_byte(v) for _, v in held_out], color="#d94801", linewidth=2, marker="o",
+                markersize=4, label="held-out loss (--eval-data)")
     ax.axhline(math.log2(vocab), color="#999999", linestyle=":", linewidth=1,
                label=f"uniform over {vocab} {unit}s ({math.log2(vocab):.3g} bits)")
     ax.set_xlabel("step")
-    ax.set_ylabel(f"training loss (bits per {unit})")
+    ax.set_ylabel(f"{'loss' if held_out else 'training loss'} (bits per {unit})")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")

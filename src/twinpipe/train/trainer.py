@@ -41,6 +41,7 @@ from twinpipe.schedule.spec import resolve
 from twinpipe.train.checkpoint_view import CheckpointView
 from twinpipe.train.config import TrainConfig, model_record
 from twinpipe.train.data import BatchSampler
+from twinpipe.train.evaluation import EvalResult, evaluate
 from twinpipe.train.experts import check_experts, check_row_group, expert_ids, shard_experts
 from twinpipe.train.memory import planned_options, state_bytes
 from twinpipe.train.mirrors import mirrors_equal
@@ -210,22 +211,23 @@ class Trainer:
         self.skipped_steps += result.skipped
         return result
 
+    def evaluate(self, batches: BatchSampler, count: int) -> EvalResult:
+        """The held-out loss on ``batches``' first ``count`` batches, forward only (``evaluation.py``); collective."""
+        return evaluate(self, batches, count)
+
     def finish_update(self) -> None:
-        """Await the all-gathers the last update left pending (ZeRO-1; nothing otherwise): afterwards
-        every parameter this rank holds has its updated value. Whatever reads the weights between steps
-        calls it first (checkpoints, ``mirrors_equal``, ``loaded_weights``); a stage's forward awaits its
-        own. Raises ``PipelineBrokenError`` when an all-gather failed or a failed step abandoned them."""
+        """Await the all-gathers the last update left pending (ZeRO-1; nothing otherwise), so every weight held is
+        updated. Whatever reads the weights between steps calls it first (a stage's forward awaits its own).
+        Raises ``PipelineBrokenError`` when an all-gather failed or a failed step abandoned them."""
         self.update.finish()
 
     def state_bytes(self) -> dict[str, int]:
-        """This rank's bytes of model state by part (``memory.state_bytes``): every parameter held (mirrored
-        copies included), their gradient buffers, the FP32 masters it updates (mixed precision), the optimizer's state."""
+        """This rank's bytes of model state by part: parameters held, gradients, FP32 masters, optimizer state (``memory.state_bytes``)."""
         masters = self.update.optimized.values() if self.mixed else ()
         return state_bytes(self.params, masters, self.optimizer)
 
     def loaded_weights(self) -> None:
-        """New values were written into the optimizer's tensors (a checkpoint): refresh the bf16
-        weights from the masters (mixed precision)."""
+        """New values were written into the optimizer's tensors (a checkpoint): the bf16 weights refreshed (mixed precision)."""
         self.finish_update()  # none pending after load_checkpoint (it awaits them before loading)
         self.update.refresh()
 

@@ -18,11 +18,13 @@ import os
 import re
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import twinpipe.cli_options as cli_options
 import twinpipe.train_command.data as cli_data
+import twinpipe.train_command.evaluate as cli_eval
 import twinpipe.train_command.export_hf as export_hf
 import twinpipe.train_command.model as cli_model
 import twinpipe.train_command.run_record as run_record
@@ -74,6 +76,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_training_arguments(parser)
     _add_run_arguments(parser)
     cli_data.add_arguments(parser)
+    cli_eval.add_arguments(parser)
     export_hf.add_train_arguments(cli_model.add_arguments(parser))
 
 
@@ -198,11 +201,10 @@ def _check(args) -> None:
         raise bad("--batch-size", args.batch_size, f"must be a multiple of --dp={args.dp} x --microbatch-size={args.microbatch_size} "
                   "(every replica runs whole micro-batches)")
     stages = _check_schedule(args, args.batch_size // (args.dp * args.microbatch_size))
-    from twinpipe.train.tokens import is_text
-
-    info = cli_model.check_model(args, stages, _defaults(), need_tokenizer=args.data is None or is_text(args.data))
+    info = cli_model.check_model(args, stages, _defaults(), need_tokenizer=_needs_tokenizer(args))
     # the built-in GPT's vocabulary: --vocab, or the data's largest id + 1 (with --model: the model's)
     args.data_vocab = cli_data.check_data(args, info and info.vocab, info and info.tokenizer)
+    cli_eval.check(args, info.vocab if info else cli_data.vocab(args), info and info.tokenizer)
     if info is None and args.layers + 2 < stages:
         raise ValueError(f"--layers={args.layers}: {args.schedule} on --pp={args.pp} cuts the model into {stages} stages, "
                          f"and the model has {args.layers + 2} layers (blocks, embedding, head); use --layers {stages - 2} or more")
@@ -222,6 +224,13 @@ def _check(args) -> None:
     if args.resume is not None:
         _check_resume(args, info)
     writable_folder(args.out, "--out")  # last: it makes the folder, so only when nothing else is wrong
+
+
+def _needs_tokenizer(args) -> bool:
+    """Whether --model's tokenizer reads text: the built-in corpus, or a text --data or --eval-data."""
+    from twinpipe.train.tokens import is_text
+
+    return args.data is None or is_text(args.data) or cli_eval.needs_tokenizer(args)
 
 
 def _check_host_id() -> None:
@@ -321,8 +330,9 @@ def _check_resume(args, info=None) -> None:
     except CheckpointError as error:
         raise ValueError(f"--resume={args.resume}: {error.problem}") from None
     shapes = info.parameters
-    if model is not None:  # --model: its parameters by name
-        return cli_model.check_resume(args, model, shapes)
+    if model is not None:  # --model: its parameters by name, then its configuration
+        cli_model.check_resume(args, model, shapes)
+        return _check_record(args, info.model, cli_model.model_record_of(model))
     saved = {
         "--layers": len({n.split(".")[1] for n in shapes if n.startswith("blocks.")}),
         "--dim": shapes.get("embed.tokens.weight", [0, args.dim])[1],
@@ -339,6 +349,17 @@ def _check_resume(args, info=None) -> None:
     wrong = [f"{flag}={mine[flag]} (the checkpoint's model has {value})" for flag, value in saved.items() if value != mine[flag]]
     if wrong:
         raise ValueError(f"--resume={args.resume}: holds another model than the options describe: {'; '.join(wrong)}")
+    _check_record(args, info.model, train_config.model_record(types.SimpleNamespace(config=_model_config(args))))
+
+
+def _check_record(args, saved: dict, mine: dict) -> None:
+    """The checkpoint's model record (``train.config.model_record``) against this run's: the ranks'
+    ``load_checkpoint`` refuses a difference, so it is refused here, before they start."""
+    differences = train_config.record_differences(saved, mine)
+    if differences:
+        more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""
+        raise ValueError(f"--resume={args.resume}: was written by a model of another configuration with the same "
+                         f"parameter shapes: {'; '.join(differences[:3])}{more}")
 
 
 def _options_record(args) -> dict:
@@ -503,7 +524,9 @@ class _Run:
     unit: str  # what the loss is counted per: "byte" (the built-in corpus) or "token"
     vocab: int  # the model's vocabulary (the picture's uniform-guess line)
     tokens: int  # per step
+    tokenizer: object = None  # --model's, for a text --eval-data
     times: dict[str, list[float]] = field(default_factory=dict)  # each step's result.times, by key
+    evaluation: object = None  # train_command/evaluate.Evaluation, made by the loop
 
 
 def _set_up(args, trainer, hf, start: int) -> _Run:
@@ -529,7 +552,8 @@ def _set_up(args, trainer, hf, start: int) -> _Run:
     return _Run(trainer=trainer, start=start, first=first, out=out, log=log,
                 saves=run_state.SavePolicy(args.save_every, args.save_minutes), title=title,
                 unit="byte" if args.data is None and args.model is None else "token",
-                vocab=hf.vocab if hf is not None else cfg.vocab, tokens=args.batch_size * args.seq_len)
+                vocab=hf.vocab if hf is not None else cfg.vocab, tokens=args.batch_size * args.seq_len,
+                tokenizer=hf and hf.tokenizer)
 
 
 def _build_trainer(args, device):
@@ -544,9 +568,7 @@ def _build_trainer(args, device):
 
     hf = None
     if args.model is not None:
-        from twinpipe.train.tokens import is_text
-
-        hf = cli_model.load(args, need_tokenizer=args.data is None or is_text(args.data))
+        hf = cli_model.load(args, need_tokenizer=_needs_tokenizer(args))
     sampler = BatchSampler(cli_data.tokens(args, hf and hf.tokenizer), args.seq_len, seed=args.seed)  # the built-in corpus by default
     config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                          max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout,
@@ -575,6 +597,7 @@ def _loop(run: _Run, args, stopper: StopOnSignals) -> int:
 
     trainer, log = run.trainer, run.log
     progress = _progress(args, run.first, run.title, run.start, run.tokens, run.unit)
+    evaluation = run.evaluation = cli_eval.Evaluation(args, trainer, run.tokenizer, log, progress)
     rank_times = RankTimes(args.timeout)
     began = time.perf_counter()
     with progress:
@@ -589,6 +612,7 @@ def _loop(run: _Run, args, stopper: StopOnSignals) -> int:
             for key, value in result.times.items():
                 run.times.setdefault(key, []).append(value)
             progress.update(step, result, by_rank, trainer.skipped_steps)
+            evaluation.after(step)  # collective, when --eval-every or the last step says so
             # after a step (every rank alike): a checkpoint when one is due (or a transformers folder), or the run stops
             hf_due = export_hf.due(args, step + 1) and not result.stop
             if step + 1 < args.steps and (result.stop or run.saves.due(step + 1, result.save) or hf_due):
@@ -624,7 +648,7 @@ def _end_of_run(run: _Run, args, elapsed: float, memory_entry) -> int:
         export_hf.export_after_save(args, out / run_state.FINAL, out / export_hf.FINAL)
     log.write(elapsed_s=elapsed, skipped_steps=trainer.skipped_steps, memory=[e.to_dict() for e in memory])
     plot_losses([e["step"] for e in log.steps], [e["loss"] for e in log.steps], str(out / "train-loss.png"), run.title,
-                unit=run.unit, vocab=run.vocab)
+                unit=run.unit, vocab=run.vocab, held_out=[(e["step"], e["loss"]) for e in run.evaluation.results])
     mine = log.steps[len(log.steps) - (args.steps - run.start):]  # this start's steps (the summary's times are its own)
     rows = summary_rows([e["loss"] for e in mine], run.times, run.tokens, mirrored=trainer.is_dual, replicas=args.dp,
                         unit=run.unit)

@@ -17,7 +17,7 @@ import numpy as np
 import twinpipe.cli_options as cli_options
 from twinpipe.train.tokens import BIN_DTYPES, CHUNK, is_text, open_tokens, token_range, tokenize_text
 
-__all__ = ["add_arguments", "check_data", "tokens", "vocab", "BYTE_VOCAB"]
+__all__ = ["add_arguments", "check_data", "tokens", "file_tokens", "vocab", "BYTE_VOCAB"]
 
 BYTE_VOCAB = 256  # the built-in corpus: a token is a byte
 
@@ -84,15 +84,22 @@ def tokens(args, tokenizer=None):
             return corpus
         text = corpus.numpy().tobytes().decode("utf-8", errors="replace")  # a cut may split a character
         return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
-    if is_text(args.data):
-        if args.data_dtype is not None:
-            raise ValueError(f"--data-dtype={args.data_dtype}: only for a .bin file, not text (--data={args.data!r})")
+    return file_tokens(args, args.data, "--data", tokenizer)
+
+
+def file_tokens(args, path: str, name: str, tokenizer=None):
+    """The token ids of file ``path`` (option ``name``: ``--data``, ``--eval-data``), by ``tokens``' rules:
+    a memory map (a .bin's width from ``--data-dtype`` or its .idx), or text tokenized with ``tokenizer``."""
+    if is_text(path):
+        if args.data_dtype is not None and name == "--data":
+            raise ValueError(f"--data-dtype={args.data_dtype}: only for a .bin file, not text ({name}={path!r})")
         if tokenizer is None:
             model = getattr(args, "model", None)
             where = f"--model={model} has no tokenizer files" if model else "give --model DIR, a folder with a tokenizer"
-            raise ValueError(f"--data={args.data!r}: text needs a tokenizer: {where} (or pass token ids as .npy/.bin)")
-        return tokenize_text(args.data, tokenizer, name="--data")
-    return open_tokens(args.data, args.data_dtype, name="--data", dtype_name="--data-dtype")
+            raise ValueError(f"{name}={path!r}: text needs a tokenizer: {where} (or pass token ids as .npy/.bin)")
+        return tokenize_text(path, tokenizer, name=name)
+    width = args.data_dtype if name == "--data" or Path(path).suffix.lower() == ".bin" else None  # --data's rules are its own
+    return open_tokens(path, width, name=name, dtype_name="--data-dtype")
 
 
 def vocab(args) -> int:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import twinpipe.cli_options as cli_options
 
-__all__ = ["add_arguments", "check_ep", "check_model", "load", "check_resume", "build_model", "ModelInfo", "GPT_OPTIONS"]
+__all__ = ["add_arguments", "check_ep", "check_model", "load", "check_resume", "model_record_of", "build_model", "ModelInfo",
+           "GPT_OPTIONS"]
 
 # The built-in GPT's options: with --model the folder's config.json says all of it.
 GPT_OPTIONS = ("--dim", "--heads", "--layers", "--experts", "--top-k", "--vocab")
@@ -105,8 +106,12 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
     if not weights and any(folder.glob("*.bin")) and not any(folder.glob("*.safetensors")):
         raise ValueError(f"--model={args.model!r}: holds .bin weights (pickled torch files); twinpipe reads safetensors "
                          "only: convert them (save_pretrained writes safetensors)")
+    if weights:
+        _check_weights(args, config)
     tokenizer = _tokenizer(args.model) if need_tokenizer else None
-    return ModelInfo(args.model, config, names, sum(_numel(shape) for _, shape in names), weights, tokenizer)
+    info = ModelInfo(args.model, config, names, sum(_numel(shape) for _, shape in names), weights, tokenizer)
+    info.dtype = getattr(args, "dtype", None)  # as load() sets it: build_model reads it
+    return info
 
 
 def _check_folder(args, defaults: dict) -> Path:
@@ -180,6 +185,16 @@ def _check_layers(args, layers: int, num_stages: int, config) -> None:
         raise ValueError(f"--seq-len={args.seq_len}: must be at most {limit}, --model's max_position_embeddings")
 
 
+def _check_weights(args, config) -> None:
+    """The folder's safetensors against its config.json, from the files' headers (``twinpipe.hf.preflight``)."""
+    from twinpipe.hf.preflight import check_weights
+
+    try:
+        check_weights(args.model, config)
+    except ValueError as error:
+        raise ValueError(f"--model={args.model!r}: its weights do not fit its config.json: {_first_line(error)}") from None
+
+
 def _check_ep(args, model) -> None:
     """``--ep`` above 1: the model has MoE blocks ``twinpipe.hf.experts`` shards, each with a multiple of
     ``--ep`` experts."""
@@ -251,6 +266,17 @@ def check_resume(args, info: ModelInfo, saved: dict) -> None:
         raise ValueError(f"--resume={args.resume}: holds another model than --model={args.model!r}: "
                          f"{len(set(mine) ^ set(saved))} parameter name(s) differ and "
                          f"{sum(1 for n in set(mine) & set(saved) if mine[n] != saved[n])} shape(s) (first: {differ[0]})")
+
+
+def model_record_of(info: ModelInfo) -> dict:
+    """The model record (``train.config.model_record``) the ranks' model of ``info`` has: built as they
+    build it (``build_model``), on the meta device."""
+    import torch
+
+    from twinpipe.train.config import model_record
+
+    with torch.device("meta"):
+        return model_record(build_model(info))
 
 
 def _config(folder: str):

@@ -4,7 +4,8 @@ On a terminal, rich's progress bar. Anywhere else (nohup, a scheduler's log file
 flushed, after the first step, every ``log_every`` steps, at least every ``log_seconds`` seconds
 (at the next step's end) and after the last step: the step, the loss, tokens/s since the last line,
 elapsed time, the time left at that pace, the skipped steps, and a rank persistently slower than
-the others (``stragglers.slow_rank``) when there is one.
+the others (``stragglers.slow_rank``) when there is one. A held-out evaluation (``--eval-data``)
+gets a line of its own: its loss and perplexity.
 """
 
 from __future__ import annotations
@@ -81,6 +82,20 @@ class TrainProgress:
         elif self._due(step):
             print(self.line(step, result.loss, skipped, note), flush=True)
             self._last_line, self._since_line = time.perf_counter(), (0, 0.0)
+
+    def evaluated(self, done: int, loss: float, perplexity: float) -> None:
+        """A held-out evaluation after ``done`` steps (``evaluate.py``): one line, above the bar on a terminal."""
+        if not self.show:
+            return
+        line = self.eval_line(done, loss, perplexity)
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, flush=True)
+
+    def eval_line(self, done: int, loss: float, perplexity: float) -> str:
+        return (f"eval after step {done}/{self.total}  held-out loss {loss:.4f} nats ({bits_per_byte(loss):.3f} "
+                f"bits/{self.unit})  perplexity {perplexity:.2f}")
 
     def _due(self, step: int) -> bool:
         done = step + 1

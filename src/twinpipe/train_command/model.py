@@ -48,11 +48,11 @@ class ModelInfo:
         self.vocab = int(config.vocab_size)
 
 
-def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool = False) -> ModelInfo | None:
+def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool = False, command: str = "train") -> ModelInfo | None:
     """Check ``--model``, ``--layout`` and ``--ep`` (ValueError naming the option); None without ``--model``.
 
     ``num_stages``: the model stages the schedule cuts; ``defaults``: the parser's defaults, to refuse
-    the built-in GPT's options set alongside ``--model``."""
+    the built-in GPT's options set alongside ``--model``; ``command``: the sub-command its warnings name."""
     if args.model is None:
         if args.layout is not None:
             raise ValueError(f"--layout={args.layout!r}: only with --model (the built-in GPT is cut by --balance)")
@@ -98,7 +98,7 @@ def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool =
         raise ValueError(f"--model={args.model!r}: {why}") from None
     for w in said:  # one line for ours; the others as they came
         if issubclass(w.category, hf.UntestedModelWarning):
-            print(f"twinpipe train: warning: {w.message}", file=sys.stderr)
+            print(f"twinpipe {command}: warning: {w.message}", file=sys.stderr)
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if args.ep > 1:

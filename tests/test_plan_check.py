@@ -10,6 +10,7 @@ them (a wrong expert-gradient scaling, the field's common bug), must exit 1 nami
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -143,3 +144,11 @@ def test_a_nan_gradient_is_never_within():
     rows = combine([[("loss", 0.0, 1.0, ()), ("router", float("nan"), 1.0, ("a",))],
                     [("router", 0.0, 1.0, ("b",))]])
     assert [(r.group, r.within, r.parameters) for r in rows] == [("loss", True, 0), ("router", False, 2)]
+
+
+def test_the_docs_show_the_bounds_the_check_holds():
+    """docs/hf.md's table of bounds is ``plan_check.BOUNDS``, row for row."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hf.md").read_text()
+    section = text.split("## Check your own plan", 1)[1].split("\n## ", 1)[0]
+    table = dict(re.findall(r"^\| (loss|gradients) \| ([0-9.e+-]+) \|$", section, re.M))
+    assert {name: float(value) for name, value in table.items()} == plan_check.BOUNDS

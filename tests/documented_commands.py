@@ -317,4 +317,8 @@ COMMANDS: list[Command] = [
     Command("torchrun --standalone --nproc-per-node 2 examples/hf_llama.py", "python examples/hf_llama.py",
             "the same run: `python examples/hf_llama.py` starts itself under torchrun with exactly these options",
             copy=("examples",)),
+    _help("twinpipe check --model DIR --schedule dualpipe --pp 2 --ep 2"),
+    Command("twinpipe check --model tests/data/tiny-qwen3-moe --schedule dualpipev --pp 2 --ep 2",
+            "twinpipe check --model tests/data/tiny-qwen3-moe --schedule dualpipev --pp 1 --ep 2", FOUR_ON_TWO + " (PP=1)",
+            copy=("tests/data/tiny-qwen3-moe",), stdout=("every difference is within its bound",)),
 ]

@@ -37,7 +37,7 @@ LAYERS = [
     ("train", "the trainer and its model description (GPTConfig)"),
     ("hf", "Hugging Face transformers causal LMs: stages for any schedule, expert parallelism, checkpoint weights (uses train; transformers imported lazily)"),
     ("plan", "the planner (pure Python; reads a GPTConfig without importing it)"),
-    ("train_command", "the twinpipe train command: its options, --model and --data checked before any rank starts (uses train and hf)"),
+    ("train_command", "the twinpipe train and check commands: their options, --model and --data checked before any rank starts (uses train and hf)"),
     ("__init__", "the public face: import twinpipe"),
     ("demo", "the demos twinpipe demo runs"),
     ("cli", "the twinpipe command"),

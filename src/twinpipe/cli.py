@@ -1,4 +1,4 @@
-"""The ``twinpipe`` command: ``demo | simulate | draw | eplb | train | plan | export | export-hf``. Each subcommand lives with its layer.
+"""The ``twinpipe`` command: ``demo | simulate | draw | eplb | train | plan | check | export | export-hf``. Each subcommand lives with its layer.
 
 Only the module of the subcommand that runs is imported: ``simulate`` and ``draw`` need neither
 torch nor the runtime, so they work where torch is not installed.
@@ -21,6 +21,7 @@ _COMMANDS = {
     "eplb": ("twinpipe.eplb.cli", "add_eplb_parser", "run_eplb", "balance MoE expert replicas across GPUs (DeepSeek EPLB)"),
     "train": ("twinpipe.train_command.cli", "add_train_parser", "run_train", "train a small byte-level GPT on a pipeline (any schedule) with data parallelism"),
     "plan": ("twinpipe.plan.cli", "add_plan_parser", "run_plan", "rank every schedule and pipeline size for a model on a cluster (or a traced run)"),
+    "check": ("twinpipe.train_command.check", "add_check_parser", "run_check", "check a parallel plan on a small float64 copy of a transformers model (split vs unsplit gradients)"),
     "export": ("twinpipe.cli", "add_export_parser", "run_export", "write a schedule in another tool's format (torch.distributed.pipelining CSV)"),
     "export-hf": ("twinpipe.train_command.export_hf", "add_export_hf_parser", "run_export_hf", "write a twinpipe train checkpoint as a transformers folder (from_pretrained loads it)"),
 }

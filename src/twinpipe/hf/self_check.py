@@ -28,7 +28,7 @@ import torch
 from twinpipe.hf.stage import CausalLMLoss, HFStage, count_items
 from twinpipe.hf.support import TESTED, ModelParts, UnsupportedModelError, UntestedModelWarning, _structure, known_extras
 
-__all__ = ["model_parts", "self_check", "shrunk_config", "RTOL"]
+__all__ = ["model_parts", "self_check", "shrunk_config", "small_copy", "RTOL"]
 
 RTOL = 1e-12  # largest |stages - model| / largest |model| accepted, in float64
 
@@ -114,7 +114,7 @@ def _sizes(model, name: str, kind, failures: list) -> str:
     """Each size of ``SIZES`` (with ``sdpa``, else ``eager`` attention) until one builds and runs; its outcome."""
     for size, attention in ((size, attention) for size in SIZES for attention in ("sdpa", "eager")):
         try:
-            tiny, how = _small_copy(model, size, attention)
+            tiny, how = small_copy(model, size, attention)
             # eager attention gives NaN on left-padded rows in float64 (a query with no key): right padding only
             batch = _batch(tiny.config, left=attention == "sdpa")
             reference = _model_outputs(tiny, *batch)
@@ -207,19 +207,21 @@ def _shrink_rope_factors(cfg, old_head_dim, old_heads) -> None:
                     table[key] = value[:half] if len(value) >= half else value + value[-1:] * (half - len(value))
 
 
-def _small_copy(model, size: dict, attention: str = "sdpa"):
-    """The model's class on ``shrunk_config``, float64, every parameter moved off its initial value
-    (norm weights of ones, zero biases and routers would hide a missing term)."""
+def small_copy(model, size: dict, attention: str = "sdpa", seed: int = 0):
+    """The model's class on ``shrunk_config``, float64 (every parameter and buffer), every parameter
+    moved off its initial value (norm weights of ones, zero biases and routers would hide a missing
+    term), from ``seed``; and how it was made, in words. ``twinpipe check`` trains such a copy."""
     cfg = shrunk_config(model.config, size, attention)
     with torch.device("meta"):  # its size first (parts a config does not shrink, such as a vision tower, may be large)
         count = sum(p.numel() for p in type(model)(cfg).parameters())
     if count > MAX_PARAMETERS:
         raise ValueError(f"the small copy would have {count:,} parameters (at most {MAX_PARAMETERS:,})")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.device("cpu"):  # not the meta device the model may have been built on
-        tiny = type(model)(cfg).to(torch.float64)
-    for p in tiny.parameters():
-        p.add_(torch.randn_like(p) * 0.05)
+        tiny = type(model)(cfg).to(torch.float64)  # DeepSeek-V3's router too (transformers makes it float32)
+    with torch.no_grad():
+        for p in tiny.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
     inner = tiny.model
     layers = len(inner.layers)
     how = (f"hidden_size={cfg.hidden_size}, {cfg.num_attention_heads} heads, {layers} layers"

@@ -79,19 +79,19 @@ class ModelInfo:
         self.vocab = int(config.vocab_size)
 
 
-def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool = False) -> ModelInfo | None:
+def check_model(args, num_stages: int, defaults: dict, *, need_tokenizer: bool = False, command: str = "train") -> ModelInfo | None:
     """Check ``--model``, ``--layout`` and ``--ep`` against the model (ValueError naming the option); None
     without ``--model``. ``args.ep``: ``check_ep``'s size.
 
     ``num_stages``: the model stages the schedule cuts; ``defaults``: the parser's defaults, to refuse
-    the built-in GPT's options set alongside ``--model``."""
+    the built-in GPT's options set alongside ``--model``; ``command``: the sub-command its warnings name."""
     if args.model is None:
         if args.layout is not None:
             raise ValueError(f"--layout={args.layout!r}: only with --model (the built-in GPT is cut by --balance)")
         return None
     folder = _check_folder(args, defaults)
     config, model = _meta_model(args)
-    parts = _model_parts(args, model)
+    parts = _model_parts(args, model, command)
     if args.ep > 1:
         _check_ep(args, model)
     if args.mtp_depth:
@@ -147,9 +147,9 @@ def _meta_model(args):
                          f"(model_type={getattr(config, 'model_type', None)!r}): {_first_line(error)}") from None
 
 
-def _model_parts(args, model):
+def _model_parts(args, model, command: str):
     """``twinpipe.hf.model_parts`` of ``model``: an unsupported one refused naming ``--model``, an
-    untested one's warning said in one line."""
+    untested one's warning said in one line (by ``twinpipe {command}``)."""
     from twinpipe import hf
 
     try:
@@ -161,7 +161,7 @@ def _model_parts(args, model):
         raise ValueError(f"--model={args.model!r}: {why}") from None
     for w in said:  # one line for ours; the others as they came
         if issubclass(w.category, hf.UntestedModelWarning):
-            print(f"twinpipe train: warning: {w.message}", file=sys.stderr)
+            print(f"twinpipe {command}: warning: {w.message}", file=sys.stderr)
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return parts

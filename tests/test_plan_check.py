@@ -27,12 +27,12 @@ from twinpipe.hf.plan_check import PlanRequest, combine, group_of  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 
-# Trainer.step's final scaling (twinpipe.train.trainer.scale_grads) with the fused routed-expert
+# Trainer.step's final scaling (twinpipe.train.step.scale_grads) with the fused routed-expert
 # tensors ([experts, ...], the only 3-D parameters) halved once more: every other gradient is right.
 WRONG_EXPERT_SCALING = '''
-import twinpipe.train.trainer as trainer
+import twinpipe.train.step as trainer_step
 
-_scale = trainer.scale_grads
+_scale = trainer_step.scale_grads
 
 
 def _halve_experts(params, count):
@@ -43,7 +43,7 @@ def _halve_experts(params, count):
             p.grad.div_(2)
 
 
-trainer.scale_grads = _halve_experts
+trainer_step.scale_grads = _halve_experts
 '''
 
 
@@ -110,7 +110,7 @@ def test_a_wrong_expert_gradient_scaling_fails_the_check_naming_the_routed_exper
 @pytest.mark.parametrize("argv, message", [
     (["--model", "no/such/folder"], "--model='no/such/folder': must be a folder"),
     (["--model", str(DATA / "tiny-llama"), "--ep", "2"], "has no MoE layers to spread"),
-    (["--model", str(DATA / "tiny-qwen3-moe"), "--ep", "2", "--dp", "4"], "--ep=2: must be 1 or --dp=4"),
+    (["--model", str(DATA / "tiny-qwen3-moe"), "--ep", "4", "--dp", "2"], "--ep=4: must divide --dp=2"),
     (["--model", str(DATA / "tiny-qwen3-moe"), "--ep", "3"], "--ep=3: must divide the 4 experts"),
     (["--model", str(DATA / "tiny-llama"), "--schedule", "nope"], "--schedule='nope'"),
     (["--model", str(DATA / "tiny-llama"), "--pp", "0"], "--pp=0: must be"),

@@ -164,8 +164,8 @@ def rank_differences(rank: int, world: int, request: PlanRequest) -> list:
     sampler = BatchSampler(tokens, request.seq_len, seed=request.seed)
     batch_size = request.dp * request.microbatches * request.rows
     config = TrainConfig(schedule=request.schedule, batch_size=batch_size, microbatch_size=request.rows,
-                         seed=request.seed, timeout=request.timeout)
-    source = HFSource(request.folder, ep_group=mesh.dp_group if request.ep > 1 else None)
+                         seed=request.seed, timeout=request.timeout, ep=request.ep)
+    source = HFSource(request.folder, ep_group=mesh.expert_groups(request.ep).ep_group)
     trainer = Trainer(lambda: small_model(request.folder, request.seed)[0], sampler, TokenLoss(aux),
                       lambda params: torch.optim.SGD(params, lr=0.0), mesh, config, dtype=torch.float64, stages=source)
     result = trainer.step(0)

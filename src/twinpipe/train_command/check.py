@@ -30,7 +30,8 @@ def add_check_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, metavar="DIR", help="a local transformers causal LM folder (its config.json)")
     cli_options.add(parser, "schedule", default="dualpipev")
     cli_options.add(parser, "pp", default=2)
-    cli_options.add(parser, "ep", default=1, more="1, or --dp: each stage's MoE experts spread over its data-parallel ranks")
+    cli_options.add(parser, "ep", default=1, more="a divisor of --dp: each stage's MoE experts spread over EP groups of --ep "
+                                                  "data-parallel ranks, as twinpipe train --ep does")
     cli_options.add(parser, "dp", default=None, default_text="--ep")
     cli_options.add(parser, "microbatches", default=None, default_text="2 x --pp")
     cli_options.add(parser, "seq_len", default=8)
@@ -62,7 +63,7 @@ def _request(args):
     """The checked request (ValueError ``--option=value: must be ...`` naming the first bad option)."""
     from twinpipe.hf.plan_check import PlanRequest
     from twinpipe.schedule import registry, resolve
-    from twinpipe.train_command.model import GPT_OPTIONS, check_model
+    from twinpipe.train_command.model import GPT_OPTIONS, check_ep, check_model
 
     dp = args.ep if args.dp is None else args.dp
     microbatches = 2 * args.pp if args.microbatches is None else args.microbatches
@@ -84,6 +85,7 @@ def _request(args):
     gpt = {flag[2:].replace("-", "_"): None for flag in GPT_OPTIONS}
     as_train = SimpleNamespace(model=args.model, layout=None, ep=args.ep, dp=dp, pp=args.pp, schedule=args.schedule,
                                seq_len=args.seq_len, mtp_depth=0, bias_update_speed=0.0, balance_alpha=0.0, **gpt)
+    check_ep(as_train)  # the one expert-parallel rule, as twinpipe train's
     check_model(as_train, schedule.placement.num_model_stages, gpt, command="check")
     return PlanRequest(folder=args.model, schedule=args.schedule, pp=args.pp, dp=dp, ep=args.ep, microbatches=microbatches,
                        seq_len=args.seq_len, seed=args.seed, timeout=args.timeout)

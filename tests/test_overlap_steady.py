@@ -110,3 +110,42 @@ def outcomes():
 def test_overlapped_step_equals_the_schedule_without_overlap(outcomes, case):
     """Losses bitwise, every gradient within 1e-13, each FB op run through the part engine."""
     assert {r: o[case] for r, o in enumerate(outcomes) if o.get(case)} == {}
+
+
+def test_engine_with_the_store_on_leaves_weight_gradients_to_the_caller():
+    """An F&B op whose backward half is a B (ZB-H1, ZB-V): called with the weight-gradient store
+    on, the engine runs no W step and files nothing itself; the caller files the closures under
+    its B and its W op runs them: then every gradient is F-then-BW's."""
+    import copy
+
+    import torch
+
+    import moe_models as mm
+    from exactness import TOL
+    from models import grad_error
+    from twinpipe.overlap import forward_backward
+    from twinpipe.runtime.weight_grad import GradStore
+
+    torch.manual_seed(1)
+    stages = [mm.make_stage("grouped", blocks=2, uneven=True) for _ in range(2)]
+    refs = copy.deepcopy(stages)
+    x0, x1 = (torch.randn(2, mm.SEQ, mm.HIDDEN, dtype=torch.float64) for _ in range(2))
+    label = torch.randn_like(x0)
+    out1 = stages[1](x1.clone().requires_grad_())
+    g1 = torch.randn_like(out1)
+    store = GradStore()
+    with store.active():
+        store.enabled = True
+        outputs0, loss0, events = forward_backward(stages[0], [x0], mm.mse, [label], stages[1], None, [out1], [g1])
+        store.enabled = False
+    assert not [e for e in events if e[1] == "W"] and store.pending() == 0 and store.cache
+    assert stages[1].blocks[0].qkv.weight.grad is None  # deferred: not yet computed
+    store.flush(("stage", 1))
+    store.pop(("stage", 1))
+    refs[0](x0)
+    refs[1](x1.clone().requires_grad_()).backward(g1)
+    for (name, p), q in zip(stages[1].named_parameters(), refs[1].parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert grad_error(p.grad, q.grad) <= TOL, name
+    assert mm.interleaved(events)

@@ -73,14 +73,32 @@ def test_steady_phase_pairs_next_forward_with_oldest_backward(name):
             assert [(op.microbatch, op.backward.microbatch) for op in pairs] == [(j + warmup, j) for j in range(m - warmup)], (r, k)
 
 
-def test_extra_warmup_holds_one_more_activation_per_rank():
-    """The memory of each: k extra warm-up forwards are k more micro-batches in flight on each rank
-    of 1F1B and ZB-H1 (the simulator's peak reads the ops; the planner reads the same)."""
-    for name in ("1f1b", "zb-h1"):
-        base = summarize(resolve(name, 4).build(8)).peak
-        for k in (0, 1, 2):
-            over = summarize(resolve(name, 4, overlap=True, warmup_extra=k).build(8)).peak
-            assert over == tuple(b + k for b in base), (name, k, base, over)
+def test_extra_warmup_holds_k_more_activations_per_rank():
+    """The memory of each (docs/schedules.md): pairing alone keeps every rank's peak; k extra warm-up
+    forwards add k micro-batches' activations on each rank (1F1B, interleaved, ZB-H1/H2), at most k
+    on ZB-V (whose first leg only takes them). The simulator's peak reads the ops; so does the planner."""
+    for name, m in (("1f1b", 8), ("interleaved-1f1b", 8), ("zb-h1", 8), ("zb-h2", 12), ("zbv", 8)):
+        for p in (2, 4):
+            base = summarize(resolve(name, p).build(m)).peak
+            for k in (0, 1, 2):
+                over = summarize(resolve(name, p, overlap=True, warmup_extra=k).build(m)).peak
+                if name == "zbv":
+                    assert all(b <= o <= b + k for b, o in zip(base, over)), (name, p, k, base, over)
+                else:
+                    assert over == tuple(b + k for b in base), (name, p, k, base, over)
+
+
+def test_pairs_couple_neighbour_ranks_unless_their_warmups_differ_by_two():
+    """How to choose (docs/schedules.md): a pair's forward waits for its backward's gradient. On a
+    linear placement (1F1B) rank r's pair i needs rank r+1's pair i, which needs rank r's pair i-1:
+    neighbours take turns, and even a pair that costs 2/3 of F+BW (T_FB=2) loses to no overlap,
+    whatever k. Interleaved 1F1B's warm-ups differ by 2 between neighbours: there it gains."""
+    costs = CostModel(t_f=1.0, t_b=1.0, t_w=1.0, t_fb=2.0)
+    plain = summarize(resolve("1f1b", 4).build(16), costs).makespan
+    assert all(summarize(resolve("1f1b", 4, overlap=True, warmup_extra=k).build(16), costs).makespan > plain for k in range(4))
+    plain = summarize(resolve("interleaved-1f1b", 4).build(16), costs).makespan
+    over = summarize(resolve("interleaved-1f1b", 4, overlap=True, warmup_extra=1).build(16), costs).makespan
+    assert over < 0.8 * plain, (over, plain)
 
 
 def test_validator_rejects_a_pairing_whose_halves_depend_on_each_other():
@@ -110,7 +128,7 @@ def test_fb_with_an_input_gradient_half_parses_and_prints():
 
 
 @pytest.mark.parametrize("name,fragment", [
-    ("gpipe", "gpipe: option overlap=True: not taken by gpipe (no 1F1B steady phase); schedules that take it: 1f1b"),
+    ("gpipe", "gpipe: option overlap=True: not taken by gpipe; schedules that take it: 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv"),
     ("chimera", "chimera: option overlap=True: not taken by chimera"),
     ("dualpipev", "dualpipev: option overlap=True: not taken by dualpipev (it overlaps F&B ops already)"),
 ])

@@ -129,7 +129,7 @@ def _check_options(info: ScheduleInfo, options: dict) -> None:
     allowed = info.options
     unknown = [key for key in options if allowed is not None and key not in allowed]
     if unknown and unknown[0] in FB_OPTIONS:
-        already = " (it overlaps F&B ops already)" if info.name in ("dualpipe", "dualpipev") else " (no 1F1B steady phase)"
+        already = " (it overlaps F&B ops already)" if info.name in ("dualpipe", "dualpipev") else ""
         raise checks.bad(f"{info.name}: option {unknown[0]}", options[unknown[0]],
                          f"not taken by {info.name}{already}; schedules that take it: {', '.join(overlappable())}")
     if unknown:

@@ -64,7 +64,7 @@ def run_backward(tensors, grads) -> None:
 
 def last_grad_writes(ops) -> dict[int, list[int]]:
     """Op index -> the stages whose weight gradients are final once that op has run: for each stage,
-    its last W, BW or F&B (by its BW half) in ``ops``. B counts too (layers that do not defer
+    its last W, BW or F&B (by its backward half) in ``ops``. B counts too (layers that do not defer
     compute their weight gradients in B), though a valid schedule always runs its W later."""
     last: dict[int, int] = {}
     for index, op in enumerate(ops):

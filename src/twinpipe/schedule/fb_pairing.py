@@ -10,8 +10,9 @@ A pair whose halves depend on each other cannot run at once (on the last rank of
 forward of micro-batch j is followed by its own backward): it stays two ops. ``warmup_extra=k``
 (Kimi K2's extra warm-up micro-batches) runs k more forwards before each rank's first backward,
 which keeps every later forward k ops earlier, so such pairs come apart and pair with older
-backwards (on a V placement, ZB-V's, the forwards of the first leg only). Each extra warm-up forward holds one more micro-batch's activations on its rank until
-the end of the steady phase; the schedule's ops say so, and every memory count reads the ops.
+backwards (on a V placement, ZB-V's, the forwards of the first leg only). Each extra warm-up
+forward holds one more micro-batch's activations on its rank until the end of the steady phase;
+the schedule's ops say so, and every memory count reads the ops.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 and ZB-V with ``overlap=True`` (and ``warmup_extra``) against the same schedule without, on
 twinpipe.moe stages whose F&B ops run through the part engine (all-to-alls interleaved with the
 other micro-batch's compute). Losses bitwise, gradients within 1e-13, for PP=2 and PP=4, EP=1 and
-EP=2, several micro-batch counts. One world of 4 gloo processes; each case runs on the ranks it needs.
+EP=2, several micro-batch counts; and a tiny transformers Qwen3-MoE model whose MoE layers run in
+parts (twinpipe.hf, EP=2) under overlapped ZB-H1 and interleaved 1F1B. One world of 4 gloo
+processes; each case runs on the ranks it needs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def _cases():
 
 
 CASES = _cases()
+HF_CASES = (("zb-h1", 4, 1), ("interleaved-1f1b", 4, 0))  # (schedule, micro-batches, warmup_extra) on PP=2 x EP=2
 
 
 def _compare(schedule: str, pp_group, ep_group, chunks: int, warmup_extra: int) -> list[str]:
@@ -81,6 +84,58 @@ def _compare(schedule: str, pp_group, ep_group, chunks: int, warmup_extra: int) 
     return problems
 
 
+def _compare_hf(schedule: str, pp_group, ep_group, chunks: int, warmup_extra: int) -> tuple[list[str], int]:
+    """Qwen3-MoE (2 MoE layers, experts sharded over EP) cut by twinpipe.hf with its MoE layers in
+    parts: one step with and without overlap, losses bitwise, gradients within 1e-13. Returns what
+    differs and how many F&B ops this rank ran through the part engine."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    import hf_models
+    from exactness import TOL
+    from models import grad_error
+    from twinpipe import hf
+    from twinpipe.hf.experts import shard_experts_
+    from twinpipe.hf.moe_layer import MoEDecoderLayer, wrap_layer
+    from twinpipe.moe import reduce_replica_grads
+
+    pp, rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+    base = hf_models.model("qwen3_moe", layers=2 * pp)
+    ids, mask, labels = hf_models.batch(chunks, 8, seed=1 + dist.get_rank(ep_group))
+    runs, problems, engine_ops = {}, [], 0
+    for overlap in (False, True):
+        options = dict(overlap=True, warmup_extra=warmup_extra) if overlap else {}
+        m = shard_experts_(copy.deepcopy(base), ep_group)
+        stages = hf.build(m, schedule, pp, rank, wrap_layer=wrap_layer, **options)
+        inputs, labs = stages.batch(ids, mask, labels, num_chunks=chunks)
+        with stages.pipeline(pp_group, timeout=120) as pipe:
+            loss, _ = pipe.step(*inputs, num_chunks=chunks, criterion=stages.criterion, labels=labs)
+            stages.sync_grads(pipe)
+        for module in stages.modules:
+            reduce_replica_grads(module)
+        grads = {n: p.grad.clone() for module in stages.modules for n, p in module.named_parameters() if p.grad is not None}
+        # A rank whose layers are all dense (Qwen3-MoE here: every second layer is MoE) holds plain
+        # stages: its F&B ops run F then B. A rank with MoE layers in parts runs them through the engine.
+        moe = any(isinstance(layer, MoEDecoderLayer) for module in stages.modules for layer in module.modules())
+        ran = sum(len(module.fb_events) for module in stages.modules if hasattr(module, "fb_events"))
+        pairs = [op for op in pipe.schedule_for(chunks).ops[rank] if op.kind.value == "FB"]
+        if overlap and moe and pairs and not ran:
+            problems.append(f"{len(pairs)} F&B ops, none through the part engine")
+        engine_ops = ran if overlap else engine_ops
+        runs[overlap] = (loss, grads)
+    (loss0, grads0), (loss1, grads1) = runs[False], runs[True]
+    if loss0 is not None and not torch.equal(loss0, loss1):  # None: this rank holds no last stage
+        problems.append(f"losses {loss1.tolist()} != {loss0.tolist()} without overlap")
+    if grads0.keys() != grads1.keys():
+        problems.append(f"gradients of {sorted(grads0.keys() ^ grads1.keys())} in one run only")
+    for name in grads0.keys() & grads1.keys():
+        if not grad_error(grads1[name], grads0[name]) <= TOL:
+            problems.append(f"{name}: gradient error {grad_error(grads1[name], grads0[name]):.3g} > {TOL}")
+    return problems, engine_ops
+
+
 def _world(rank, world):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -98,6 +153,12 @@ def _world(rank, world):
             except Exception as exc:  # report the case, keep the world going
                 results[case] = [f"{type(exc).__name__}: {exc}"]
         dist.barrier()
+    for case in HF_CASES:
+        try:
+            results[("hf",) + case], results[("hf-engine",) + case] = _compare_hf(case[0], *groups[2, 2], *case[1:])
+        except Exception as exc:
+            results[("hf",) + case], results[("hf-engine",) + case] = [f"{type(exc).__name__}: {exc}"], 0
+        dist.barrier()
     return results
 
 
@@ -110,6 +171,14 @@ def outcomes():
 def test_overlapped_step_equals_the_schedule_without_overlap(outcomes, case):
     """Losses bitwise, every gradient within 1e-13, each FB op run through the part engine."""
     assert {r: o[case] for r, o in enumerate(outcomes) if o.get(case)} == {}
+
+
+@pytest.mark.parametrize("case", HF_CASES, ids=lambda c: "{}-m{}-k{}".format(*c))
+def test_transformers_moe_in_parts_under_overlap_equals_without(outcomes, case):
+    """Losses bitwise, gradients within 1e-13; the MoE layers' F&B ops ran through the part engine."""
+    pytest.importorskip("transformers")
+    assert {r: o[("hf",) + case] for r, o in enumerate(outcomes) if o.get(("hf",) + case)} == {}
+    assert sum(o[("hf-engine",) + case] for o in outcomes) > 0
 
 
 def test_engine_with_the_store_on_leaves_weight_gradients_to_the_caller():

@@ -25,7 +25,8 @@ from twinpipe.schedule.limits import MAX_STAGE_MICROBATCHES, check_counts, check
 from twinpipe.schedule.ops import Schedule
 from twinpipe.schedule.placement import Placement, dual, dual_v, linear, vshape
 
-__all__ = ["ScheduleInfo", "BUILTIN", "FB_OPTIONS", "overlappable", "register", "get", "names", "variants", "build", "placement_for", "stages_of_rank"]
+__all__ = ["ScheduleInfo", "BUILTIN", "FB_OPTIONS", "overlappable", "register", "get", "names", "variants", "build",
+           "placement_for", "stages_of_rank"]
 
 
 def _keywords(fn: Callable, skip: int) -> tuple[str, ...] | None:

@@ -191,6 +191,11 @@ COMMANDS: list[Command] = [
           ("bitpipe", "bitpipe --pp 4 --microbatches 8"),
           ("bidirectional", "--compare dualpipe,chimera,bitpipe --pp 4 --microbatches 16"),
           ("compare", "--compare 1f1b,zb-h1,zb-h2,dualpipe --pp 4 --microbatches 12"),
+          # docs/schedules.md, "Overlapped F&B ops in the 1F1B family"
+          ("1f1b-overlap", "1f1b --pp 4 --microbatches 8 --overlap --overlap-warmup 1"),
+          ("interleaved-1f1b-overlap", "interleaved-1f1b --pp 4 --microbatches 8 --overlap --overlap-warmup 1 --fb 2"),
+          ("zb-h1-overlap", "zb-h1 --pp 4 --microbatches 8 --overlap"),
+          ("zbv-overlap", "zbv --pp 4 --microbatches 8 --overlap"),
       ]),
     # ---- docs/plan.md, docs/tracing.md
     Command("twinpipe plan --layers 24 --dim 2048 --seq-len 2048 --gpus 32 --microbatches 32", stdout=("dualpipev",)),

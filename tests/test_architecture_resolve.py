@@ -69,7 +69,7 @@ def test_a_name_resolves_to_what_the_registry_builds():
     (lambda r: r(3, 2), r"schedule=3: must be a registered name"),
     (lambda r: r("nope", 2), r"schedule='nope': allowed are "),
     (lambda r: r("1f1b", True), r"num_ranks=True: must be an int >= 1"),
-    (lambda r: r("1f1b", 2, pairs=2), r"1f1b: option pairs=2: unknown; 1f1b takes no options"),
+    (lambda r: r("1f1b", 2, pairs=2), r"1f1b: option pairs=2: unknown; 1f1b takes overlap, warmup_extra"),
     (lambda r: r("dualpipe", 3).build(6), r"dualpipe: num_ranks=3"),
     (lambda r: r("interleaved", 2, stages_per_rank=0), r"interleaved-1f1b: stages_per_rank=0"),
     (lambda r: r("zbv", 4).build(10**5), r"num_microbatches=100000: must be >= 1 and <= "),

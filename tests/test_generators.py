@@ -274,11 +274,11 @@ def test_bad_input_names_argument_value_and_allowed(name, p, m, options, message
 @pytest.mark.parametrize(
     "name,options,allowed",
     [
-        ("1f1b", {"mem_limit": 4}, "1f1b takes no options"),
+        ("1f1b", {"mem_limit": 4}, "1f1b takes overlap, warmup_extra"),
         ("dualpipev", {"mem_limit": 4}, "dualpipev takes no options"),
         ("dualpipe", {"stages_per_rank": 2}, "dualpipe takes no options"),
-        ("zbv", {"mem_limt": 9}, "zbv takes mem_limit, t_f, t_b, t_w, t_comm, mw"),
-        ("interleaved", {"stages": 2}, "interleaved-1f1b takes stages_per_rank"),
+        ("zbv", {"mem_limt": 9}, "zbv takes mem_limit, t_f, t_b, t_w, t_comm, mw, overlap, warmup_extra"),
+        ("interleaved", {"stages": 2}, "interleaved-1f1b takes stages_per_rank, overlap, warmup_extra"),
         ("chimera", {"pair": 2}, "chimera takes pairs"),
     ],
 )

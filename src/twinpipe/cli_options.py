@@ -52,6 +52,10 @@ VOCABULARY: dict[str, Option] = {o.dest: o for o in (
     Option("--microbatches", "micro-batches per step", int, "M", old=("--chunks", "-m"), low=1),
     Option("--microbatch-size", "sequences per micro-batch", int, "B", low=1),
     Option("--stages-per-rank", "stages per rank (interleaved-1f1b)", int, "V", low=1),
+    Option("--overlap", "pair each steady-phase forward with the backward after it as one overlapped F&B op "
+           "(1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv; docs/schedules.md)", None, None),
+    Option("--overlap-warmup", "extra warm-up forwards before the overlapped steady phase (Kimi K2), "
+           "one more micro-batch's activations held per rank each; with --overlap", int, "K", low=0),
     Option("--steps", "training steps", int, "N", low=1),
     Option("--lr", "learning rate", float, "LR", low=0, low_open=True),
     Option("--device", "cpu: gloo, one process per rank; cuda: NCCL, one GPU per rank", str, None),

@@ -194,7 +194,12 @@ def _reference_losses(model, placement, x, target, chunks) -> dict[int, torch.Te
 
 
 def _schedule_options(args) -> dict:
-    return {"stages_per_rank": args.stages_per_rank} if getattr(args, "stages_per_rank", None) else {}
+    options = {"stages_per_rank": args.stages_per_rank} if getattr(args, "stages_per_rank", None) else {}
+    if getattr(args, "overlap", False):
+        options["overlap"] = True
+    if getattr(args, "warmup_extra", None) is not None:
+        options["warmup_extra"] = args.warmup_extra
+    return options
 
 
 def _write_trace(pipe, chunks, args, rank) -> None:
@@ -269,6 +274,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     add("microbatch_size", default=2)
     add("blocks_per_stage", default=1)
     add("stages_per_rank", default=None, default_text="the schedule's own")
+    add("overlap")
+    add("overlap_warmup", dest="warmup_extra")
     add("dtype", choices=list(GRAD_TOLERANCE), default="float64",
         more="gradients must match one process within " + ", ".join(f"{t:g} ({d})" for d, t in GRAD_TOLERANCE.items()))
     add("lr", default=0.05, more="SGD")

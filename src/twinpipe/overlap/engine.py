@@ -3,7 +3,8 @@
 The order comes from ``twinpipe.sim.overlap.fb_order`` (the parts' kinds only, so every rank of
 an expert-parallel group issues its collectives in the same sequence). B parts defer their
 weight gradients to the running pipeline's weight-gradient store under a key of their own; W steps
-run them.
+run them. Called with the store on (the backward half of the op is a B, as in ZB-H1 and ZB-V), it
+runs no W step: the weight gradients stay in the store's cache for the caller to file under its B.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def forward_backward(module0, inputs0, criterion0, labels0, module1, loss1, outp
     clock = time.perf_counter
     store = current_store()  # the running pipeline's (class-level WeightGradStore acts on it too)
     enabled = store.enabled
+    if enabled:  # the caller defers the weight gradients (a B half): no W steps, nothing filed here
+        order = [step for step in order if step.stream != "W"]
     try:
         for step in order:
             t0 = clock()
@@ -107,7 +110,8 @@ def _backward_step(bwd: Record, k: int, step: Step, store, enabled: bool) -> Non
                 bwd.run_back(k)
         finally:
             store.enabled = enabled
-        store.flush(key)
+        if not enabled:  # else the closures stay in the cache for the caller's key
+            store.flush(key)
     elif step.action == "start":
         bwd.start_back(k)
     else:

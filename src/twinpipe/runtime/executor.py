@@ -64,7 +64,7 @@ def run_backward(tensors, grads) -> None:
 
 def last_grad_writes(ops) -> dict[int, list[int]]:
     """Op index -> the stages whose weight gradients are final once that op has run: for each stage,
-    its last W, BW or F&B (by its BW half) in ``ops``. B counts too (layers that do not defer
+    its last W, BW or F&B (by its backward half) in ``ops``. B counts too (layers that do not defer
     compute their weight gradients in B), though a valid schedule always runs its W later."""
     last: dict[int, int] = {}
     for index, op in enumerate(ops):
@@ -225,15 +225,18 @@ class Executor:
         self.live -= 1
 
     def _forward_backward(self, op: Op, data: StepData) -> None:
-        """F of one micro-batch with the full backward of another: the user's overlapped
-        implementation when the modules provide one, else one after the other."""
+        """F of one micro-batch with the backward of another (a full BW, or a B whose weight
+        gradients wait for a W op): the user's overlapped implementation when the modules provide
+        one, else one after the other. For a B half the store is on while the overlapped
+        implementation runs, so that deferring layers file their weight gradients under the B."""
         f_stage, f_mb = op.stage, op.microbatch
         b_stage, b_mb = op.backward.stage, op.backward.microbatch
+        defer_w = op.backward.kind is OpKind.B
         module0, module1 = self.modules[f_stage], self.modules[b_stage]
         if self.overlap_fn is None:
             self._forward(f_stage, f_mb, data)
             observe.sample()  # the forward's activations are live before the backward frees the other's
-            self._backward(b_stage, b_mb, False, data)
+            self._backward(b_stage, b_mb, defer_w, data)
             return
         inputs0 = self._inputs_for(f_stage, f_mb, data)
         last0 = self.placement.is_last(f_stage)
@@ -244,14 +247,20 @@ class Executor:
             outputs1, grads1 = [], []
         else:
             outputs1, grads1 = self._graph_roots(b_stage, b_mb, outputs1_all)
-        outputs0, loss0 = self.overlap_fn(module0, list(inputs0), criterion0, labels0, module1, loss1, outputs1, grads1)
+        self.store.enabled = defer_w
+        try:
+            outputs0, loss0 = self.overlap_fn(module0, list(inputs0), criterion0, labels0, module1, loss1, outputs1, grads1)
+        finally:
+            self.store.enabled = False
+        if defer_w:
+            self.store.flush((b_stage, b_mb))
         # A stage that reports its parts' times (``trace_spans``) gets them on extra trace lanes.
         if self.recorder is not None and not self.recorder.cuda and hasattr(module0, "trace_spans"):
             for lane, label, start, end in module0.trace_spans():
                 self.recorder.add(f"part:{lane}", label, start, end)
         # Finish both halves as the separate ops would; the backward graph has already run.
         self._forward(f_stage, f_mb, data, outputs=_as_tuple(outputs0), loss=loss0, inputs=inputs0)
-        self._backward(b_stage, b_mb, False, data, run_graph=False)
+        self._backward(b_stage, b_mb, defer_w, data, run_graph=False)
 
     # ---------------------------------------------------------------- the loop
     def run(self, data: StepData, num_microbatches: int) -> StepResult:

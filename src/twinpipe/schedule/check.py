@@ -6,19 +6,21 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from twinpipe.schedule.deps import WORK_DONE, Work, dependency_table, needs, required_work, work_done
+from twinpipe.schedule.deps import WORK_DONE, Work, coupled, dependency_table, needs, required_work, work_done
 from twinpipe.schedule.ops import Op, OpKind, Schedule
 
 __all__ = ["ScheduleError", "validate", "check_work", "dependencies", "execution_order"]
 
 
 class ScheduleError(ValueError):
-    """A schedule breaks a rule; ``rank``, ``index`` and ``rule`` say where and which."""
+    """A schedule breaks a rule; ``rank``, ``index`` and ``rule`` say where and which (a deadlock
+    also lists every stuck rank's (rank, op index) in ``stuck``)."""
 
     def __init__(self, rule: str, message: str, rank: int | None = None, index: int | None = None):
         where = "" if rank is None else f"rank {rank}" + ("" if index is None else f", op {index}") + ": "
         super().__init__(f"{where}[{rule}] {message}")
         self.rule, self.rank, self.index = rule, rank, index
+        self.stuck: list[tuple[int, int]] = []
 
 
 Key = tuple[Work, int, int]  # (work, stage, micro-batch), see deps.py
@@ -104,6 +106,8 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
     position = {}
     for rank, rank_ops in enumerate(ops):
         for index, op in enumerate(rank_ops):
+            if op.backward is not None:
+                _check_pairing(schedule, op, rank, index)
             for key in work_done(op):
                 position[key] = (rank, index)
     done: set[Key] = set()
@@ -142,8 +146,20 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
             owner = position.get(missing)
             src = f"rank {owner[0]} op {owner[1]}" if owner else "no rank"
             details.append(f"rank {r} op {cursor[r]} ({op}) waits for {_key_str(missing)} ({src})")
-        raise ScheduleError("deadlock", "no rank can proceed: " + "; ".join(details), stuck[0], cursor[stuck[0]])
+        error = ScheduleError("deadlock", "no rank can proceed: " + "; ".join(details), stuck[0], cursor[stuck[0]])
+        error.stuck = [(r, cursor[r]) for r in stuck]  # (rank, op index) where each stuck rank stopped
+        raise error
     return order
+
+
+def _check_pairing(schedule: Schedule, op: Op, rank: int, index: int) -> None:
+    """An FB op's halves run at once: neither may need what the other completes."""
+    found = coupled(schedule.placement, op)
+    if found is not None:
+        waiting, item = found
+        raise ScheduleError("FB pairing", f"{op} overlaps {waiting} with the op it needs ({_key_str(item)}); "
+                            "pair a forward with the backward of another micro-batch (or add warm-up forwards)",
+                            rank, index)
 
 
 def _key_str(key: Key) -> str:

@@ -8,8 +8,10 @@ planner all ask this module; none of them spells the rules below again
 
 **Time of one op.** F takes T_F, B (input gradient only) T_B, W T_W, BW (a full backward) T_B + T_W,
 each at its own stage. An FB op (DualPipe's F&B) is the F of one micro-batch and the BW of
-another, on two stages of one rank (every built-in schedule pairs a forward with the *other*
-stage of its rank: on rank 0 the first stage with the last, the one that computes the loss):
+another, on two stages of one rank (DualPipe pairs a forward with the *other* stage of its rank:
+on rank 0 the first stage with the last, the one that computes the loss; the 1F1B family with
+``overlap`` pairs one stage's forward and backward, or, interleaved, two chunks'). Where B and W
+are split (ZB-H1, ZB-V) the backward half is a B and everything below holds with T_B for T_B + T_W:
 
 - Overlap means the two halves' *parts* interleave: one micro-batch's communication (MoE
   all-to-alls) runs while the other computes. Compute does not overlap compute: the halves share
@@ -21,12 +23,14 @@ stage of its rank: on rank 0 the first stage with the last, the one that compute
   ``plan.costs``), FB ops measured on a traced run (``trace.costs``: only the stages whose FB ops
   were measured; the others are None), or the user's ``--fb``. It is keyed by the forward half's
   stage, which on the built-in schedules fixes the backward half's stage; a None entry means not
-  given for that stage: the halves back to back.
+  given for that stage: the halves back to back. It is a pair with a BW; a pair with a B takes
+  its halves back to back.
 
 **Memory of one op** (units of one stage's M_B, or bytes if M_B is given in bytes): F adds M_B
 (the micro-batch's activations); B adds M_W - M_B (it frees all but what W still needs, and
 *grows* memory when M_W > M_B); W frees M_W; BW frees M_B; FB is its F, then its BW: the
-forward's activations are live before the backward frees the other micro-batch's. A rank's peak
+forward's activations are live before the backward frees the other micro-batch's (a B half: its
+F, then its B). A rank's peak
 is taken after every step, B's included.
 
 This is the model the runtime's memory is to be measured against: whatever else a rank is found
@@ -153,7 +157,7 @@ def memory_delta(kind: OpKind | str, m_b: float = 1.0, mw: float = 0.5) -> float
 
 def memory_steps(op: Op, m_b: PerStage = 1.0, mw: float = 0.5) -> tuple[float, ...]:
     """The memory changes of ``op`` in the order they happen (one per simple op it performs: an FB
-    is its F, then its BW); a peak is taken after each. ``m_b``: a number or one per stage."""
+    is its F, then its backward half); a peak is taken after each. ``m_b``: a number or one per stage."""
     return tuple(memory_delta(part.kind, _at(m_b, part.stage), mw) for part in op.parts())
 
 
@@ -187,25 +191,27 @@ class OpCosts:
         self.duration = {_F: self.t_f, _B: self.t_b, _W: self.t_w, _BW: self.t_bw}
         self.memory = {kind: [memory_delta(kind, m, self.mw) for m in self.m_b] for kind in _SIMPLE}
 
-    def pair(self, stage: int, backward_stage: int) -> float:
-        """Time of an FB op whose F is on ``stage`` and whose BW is on ``backward_stage``."""
-        given = self.t_fb[stage] if self.t_fb is not None else None
-        return pair_time(self.t_f[stage], self.t_bw[backward_stage], given)
+    def pair(self, stage: int, backward_stage: int, backward_kind: OpKind = _BW) -> float:
+        """Time of an FB op whose F is on ``stage`` and whose backward half (a BW, or a B whose W
+        runs later) is on ``backward_stage``. ``t_fb`` is a pair with a BW: a B half's pair takes its
+        halves back to back."""
+        given = self.t_fb[stage] if self.t_fb is not None and backward_kind is _BW else None
+        return pair_time(self.t_f[stage], self.duration[backward_kind][backward_stage], given)
 
     def time(self, op: Op) -> float:
         """How long ``op`` takes."""
         if op.backward is not None:
-            return self.pair(op.stage, op.backward.stage)
+            return self.pair(op.stage, op.backward.stage, op.backward.kind)
         return self.duration[op.kind][op.stage]
 
-    def pair_steps(self, stage: int, backward_stage: int) -> tuple[float, float]:
-        """Memory changes of an FB op (F on ``stage``, BW on ``backward_stage``): its F, then its BW."""
-        return self.memory[_F][stage], self.memory[_BW][backward_stage]
+    def pair_steps(self, stage: int, backward_stage: int, backward_kind: OpKind = _BW) -> tuple[float, float]:
+        """Memory changes of an FB op (F on ``stage``, its backward half on ``backward_stage``): its F, then its backward."""
+        return self.memory[_F][stage], self.memory[backward_kind][backward_stage]
 
     def steps(self, op: Op) -> tuple[float, ...]:
         """``memory_steps`` of ``op`` under these costs."""
         if op.backward is not None:
-            return self.pair_steps(op.stage, op.backward.stage)
+            return self.pair_steps(op.stage, op.backward.stage, op.backward.kind)
         return (self.memory[op.kind][op.stage],)
 
     def microbatch_time(self, stage: int) -> float:

@@ -7,7 +7,8 @@ W or a BW). Every need is on the same micro-batch, so the rule is a table per (o
 - F needs the previous stage's F (nothing on a chain's first stage);
 - B and BW need their own stage's F and the next stage's B (only the F on a chain's last stage);
 - W needs its own stage's B;
-- an FB needs what its F half and its BW half need.
+- an FB needs what its F half and its backward half (BW or B) need, and neither half may need
+  what the other completes: the two run at once (``coupled`` finds such a pairing).
 
 The validator, the lowering (a need across ranks is a message), the simulator, the trace
 analysis and the planners all read this module.
@@ -22,7 +23,8 @@ from functools import lru_cache
 from twinpipe.schedule.ops import Op, OpKind
 from twinpipe.schedule.placement import Placement
 
-__all__ = ["Work", "WORK_DONE", "Need", "DependencyTable", "dependency_table", "needs", "neighbour", "work_done", "required_work"]
+__all__ = ["Work", "WORK_DONE", "Need", "DependencyTable", "dependency_table", "needs", "neighbour", "work_done", "required_work",
+           "coupled"]
 
 
 class Work(IntEnum):
@@ -117,6 +119,20 @@ def needs(placement: Placement, op: Op) -> list[tuple[Work, int, int]]:
 def work_done(op: Op) -> list[tuple[Work, int, int]]:
     """The work items ``op`` completes, as ``(work, stage, micro-batch)``."""
     return [(work, part.stage, part.microbatch) for part in op.parts() for work in WORK_DONE[part.kind]]
+
+
+def coupled(placement: Placement, op: Op) -> tuple[Op, tuple[Work, int, int]] | None:
+    """For an FB op whose halves depend on each other, (the half that waits, the work item it needs
+    from the other half); None when the halves can run at once (or ``op`` is not an FB)."""
+    if op.backward is None:
+        return None
+    forward, backward = op.parts()
+    for waiting, other in ((forward, backward), (backward, forward)):
+        made = set(work_done(other))
+        for item in needs(placement, waiting):
+            if item in made:
+                return waiting, item
+    return None
 
 
 def required_work(placement: Placement, num_microbatches: int, forward_only: bool = False):

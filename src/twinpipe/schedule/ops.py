@@ -5,7 +5,8 @@ written down here: it follows from the placement (see ``lower.py``).
 
 String forms (used in messages and tests): ``3F7`` is the forward of stage 3 on micro-batch 7,
 ``3B7`` its input-gradient backward, ``3W7`` its weight-gradient pass, ``3BW7`` a full backward,
-and ``(0F5;7BW2)`` a forward overlapped with a full backward (DualPipe's "F&B").
+``(0F5;7BW2)`` a forward overlapped with a full backward (DualPipe's "F&B") and ``(0F5;0B2)`` a
+forward overlapped with an input-gradient backward (the B/W-split schedules' F&B: its W comes later).
 """
 
 from __future__ import annotations
@@ -26,21 +27,23 @@ class OpKind(str, Enum):
     B = "B"  # backward for inputs only; the weight gradient waits for W
     W = "W"  # weight gradient of an earlier B
     BW = "BW"  # full backward: B and W at once
-    FB = "FB"  # forward of one micro-batch overlapped with the full backward of another
+    FB = "FB"  # forward of one micro-batch overlapped with the backward (BW, or B) of another
 
     def __str__(self) -> str:
         return self.value
 
 
 _FB_KIND = OpKind.FB
+_BACKWARD_HALVES = (OpKind.BW, OpKind.B)
 
 
 @dataclass(frozen=True, slots=True)
 class Op:
     """One compute operation on one stage and micro-batch.
 
-    For ``FB``, ``stage``/``microbatch`` name the forward half and ``backward`` the full
-    backward (kind ``BW``) it is overlapped with.
+    For ``FB``, ``stage``/``microbatch`` name the forward half and ``backward`` the backward it
+    is overlapped with: a full backward (``BW``) or, in schedules that split B and W, an
+    input-gradient backward (``B``) whose ``W`` is a later op.
     """
 
     kind: OpKind
@@ -53,11 +56,11 @@ class Op:
             return
         if (self.kind is OpKind.FB) != (self.backward is not None):
             raise ValueError(f"op {self.kind}: an FB op needs a backward half, no other op has one")
-        if self.backward is not None and self.backward.kind is not OpKind.BW:
-            raise ValueError(f"the backward half of an FB op must be BW, got {self.backward.kind}")
+        if self.backward is not None and self.backward.kind not in _BACKWARD_HALVES:
+            raise ValueError(f"the backward half of an FB op must be BW or B, got {self.backward.kind}")
 
     def parts(self) -> tuple[Op, ...]:
-        """The simple ops this op performs: itself, or (F, BW) for an FB op."""
+        """The simple ops this op performs: itself, or (F, its backward half) for an FB op."""
         if self.backward is None:
             return (self,)
         return (Op(OpKind.F, self.stage, self.microbatch), self.backward)
@@ -97,25 +100,27 @@ def BW(stage: int, microbatch: int) -> Op:
 
 
 def FB(forward: Op, backward: Op) -> Op:
-    """Overlap ``forward`` (an F op) with ``backward`` (a BW op)."""
+    """Overlap ``forward`` (an F op) with ``backward`` (a BW op, or a B op whose W runs later)."""
     if forward.kind is not OpKind.F:
         raise ValueError(f"FB needs an F op first, got {forward}")
+    if backward.kind not in _BACKWARD_HALVES:
+        raise ValueError(f"FB needs a BW or B op second, got {backward}")
     return Op(OpKind.FB, forward.stage, forward.microbatch, backward)
 
 
 _SIMPLE = re.compile(r"^(\d+)(BW|F|B|W)(\d+)$")
-_PAIR = re.compile(r"^\((\d+)F(\d+);(\d+)BW(\d+)\)$")
+_PAIR = re.compile(r"^\((\d+)F(\d+);(\d+)(BW|B)(\d+)\)$")
 
 
 def parse_op(text: str) -> Op:
     """Inverse of ``str(op)``: ``parse_op("3F7") == F(3, 7)``."""
     text = text.strip()
     if m := _PAIR.match(text):
-        s0, m0, s1, m1 = map(int, m.groups())
-        return FB(F(s0, m0), BW(s1, m1))
+        s0, m0, s1, kind, m1 = m.groups()
+        return FB(F(int(s0), int(m0)), Op(OpKind(kind), int(s1), int(m1)))
     if m := _SIMPLE.match(text):
         return Op(OpKind(m.group(2)), int(m.group(1)), int(m.group(3)))
-    raise ValueError(f"op string {text!r} is not of the form '3F7', '3B7', '3W7', '3BW7' or '(0F5;7BW2)'")
+    raise ValueError(f"op string {text!r} is not of the form '3F7', '3B7', '3W7', '3BW7' or '(0F5;7BW2)' / '(0F5;0B2)'")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,10 @@ _LOWERED = re.compile(r"^\d+(SEND_F|RECV_F|SEND_B|RECV_B)\d+$|^\d+(UNSHARD|RESHA
 
 def unexpressible(schedule: Schedule) -> str | None:
     """Why torch's CSV format cannot express ``schedule``, or None if it can."""
+    split = next((op for ops in schedule.ops for op in ops if op.backward is not None and op.backward.kind is OpKind.B), None)
+    if split is not None:
+        return (f"{schedule.name}: its F&B op {split} overlaps a forward with an input-gradient backward (B); "
+                "torch's OVERLAP_F_B pairs a forward with a full backward only")
     return placement_unexpressible(schedule.name, schedule.placement)
 
 

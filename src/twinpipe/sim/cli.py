@@ -32,7 +32,8 @@ from twinpipe.timeline import Timeline
 __all__ = ["add_simulate_parser", "run_simulate", "summarize", "simulate_from_args", "held_equal"]
 
 # CLI flag -> generator keyword, for the options some generators take.
-_OPTIONS = {"mem_limit": "--mem-limit", "stages_per_rank": "--stages-per-rank", "pairs": "--pairs"}
+_OPTIONS = {"mem_limit": "--mem-limit", "stages_per_rank": "--stages-per-rank", "pairs": "--pairs",
+            "overlap": "--overlap", "warmup_extra": "--overlap-warmup"}
 # CostModel fields that are also generator keywords (heuristics that plan with the costs).
 _COST_OPTIONS = ("t_f", "t_b", "t_w", "t_comm", "mw")
 HOLD = ("model", "stage")
@@ -65,6 +66,8 @@ def add_simulate_parser(subparsers, *, gpt: bool = True) -> argparse.ArgumentPar
                         "schedule's own stages); default: 1F1B's peak, p M_B of 1F1B stages")
     cli_options.add(parser, "stages_per_rank", default_text="2")
     parser.add_argument("--pairs", type=int, default=None, metavar="K", help="down/up pipeline pairs (chimera; default 1; 2K must divide P)")
+    cli_options.add(parser, "overlap")
+    cli_options.add(parser, "overlap_warmup", dest="warmup_extra")
     parser.add_argument("--hold", choices=HOLD, default="model",
                         help="what is the same for every schedule: 'model' (default): the times and M_B are those of one "
                         "1F1B stage (1/p of the model) and each schedule's stages get their share (1/v for V-shaped and "
@@ -217,12 +220,12 @@ def _build(name: str, args, costs: CostModel, strict: bool, size: Fraction | Non
     options = {}
     for key, flag in _OPTIONS.items():
         value = getattr(args, key)
-        if value is None:
+        if value is None or value is False:  # not given (--overlap is a switch)
             continue
         if key == "mem_limit" and size is not None and size != 1:
             value = float(value / size)
-        if allowed is None or key in allowed:
-            options[key] = value
+        if allowed is None or key in allowed or (strict and key in registry.FB_OPTIONS):
+            options[key] = value  # a schedule without a steady phase refuses --overlap itself, naming both
         elif strict:
             users = [n for n in registry.names() if key in (registry.get(n).options or ())]
             raise ValueError(f"{flag}={value:g} does not apply to schedule {info.name!r}; it applies to: {', '.join(users)}")

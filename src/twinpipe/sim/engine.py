@@ -89,7 +89,7 @@ def _run(schedule: Schedule, costs: CostModel, slices: list | None) -> Summary:
     ends = [-1.0] * (len(Work) * n)
     rule = dependency_table(placement).needs
     needs = {kind: [tuple((int(d.work) * n + d.stage * m, 0.0 if d.local else comm) for d in stage) for stage in rule[kind]] for kind in rule}
-    f_base, b_base, w_base = int(Work.F) * n, int(Work.B) * n, int(Work.W) * n
+    f_base = int(Work.F) * n
     done = {kind: tuple(int(work) * n for work in works) for kind, works in WORK_DONE.items()}  # what each simple op completes
     waiters: dict[int, list[int]] = {}
 
@@ -129,20 +129,20 @@ def _run(schedule: Schedule, costs: CostModel, slices: list | None) -> Summary:
                 kb = bs * m + back.microbatch
                 start, blocked = ready_at(_F, s, j, now)
                 if blocked < 0:
-                    start, blocked = ready_at(_BW, bs, back.microbatch, start)
+                    start, blocked = ready_at(back.kind, bs, back.microbatch, start)
             else:
                 start, blocked = ready_at(kind, s, j, now)
             if blocked >= 0:
                 waiters.setdefault(blocked, []).append(rank)
                 break
             if kind is _FB:  # the forward's activations are live before the backward frees the other's
-                end = start + pair(s, bs)
-                for change in pair_steps(s, bs):
+                end = start + pair(s, bs, back.kind)
+                for change in pair_steps(s, bs, back.kind):
                     mem += change
                     top = max(top, mem)
                 finish(f_base + k, end)
-                finish(b_base + kb, end)
-                finish(w_base + kb, end)
+                for base in done[back.kind]:  # a BW half finishes W too; a B half leaves it to a W op
+                    finish(base + kb, end)
             else:
                 end = start + duration[kind][s]
                 mem += delta[kind][s]

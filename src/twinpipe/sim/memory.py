@@ -385,7 +385,7 @@ class _Replay:
                 self.forward(op.stage, op.microbatch)
                 if self.fb_middle:
                     self.sample()
-                self.backward(op.backward.stage, op.backward.microbatch, False)
+                self.backward(op.backward.stage, op.backward.microbatch, op.backward.kind is OpKind.B)
             self.sample()
         for packet, keys in self.in_flight:
             self._retire(packet, keys)

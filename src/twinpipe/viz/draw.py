@@ -217,7 +217,7 @@ def _legend_entries(timelines: list[Timeline], cells: list[Cells]) -> tuple[list
             names.append(KIND_NAMES[kind])
     if any(c.has_fb for c in cells):
         handles.append(_FBHandle())
-        names.append("FB: F and BW overlapped")
+        names.append("FB: F over B/BW (top half F, bottom half its backward)")
     if any(len(c.waits) for c in cells):
         handles.append(Patch(facecolor=WAIT_COLOUR, edgecolor=WAIT_EDGE, hatch="////", linewidth=0))
         names.append("wait for input")

@@ -69,7 +69,7 @@ def test_the_switch_passes_the_options_to_the_schedule_layer_once_it_takes_them(
     assert candidates.schedule_layer_overlaps("interleaved-1f1b") is False  # before issue 32 item 1 is merged
     schedule, derived = candidates.build("interleaved-1f1b", 4, 8, {"overlap": True, "warmup_extra": 1})
     assert derived and schedule.options["warmup_extra"] == 1
-    monkeypatch.setattr(candidates, "schedule_layer_overlaps", lambda name: True)
+    monkeypatch.setattr(candidates, "schedule_layer_overlaps", lambda name, options: True)
     with pytest.raises(ValueError, match="overlap"):  # handed to the registry as they are, which does not know them yet
         candidates.build("interleaved-1f1b", 4, 8, {"overlap": True, "warmup_extra": 1})
 

@@ -36,16 +36,19 @@ def decision_candidates(max_warmup_extra: int = 2) -> list[tuple[str, dict]]:
             ("zbv", {}), ("zbv", {"overlap": True})]
 
 
-@lru_cache(maxsize=None)
-def schedule_layer_overlaps(name: str) -> bool:
-    """THE SWITCH: whether the schedule layer builds ``name`` with ``overlap``/``warmup_extra`` itself.
+_NEUTRAL = {"overlap": False, "warmup_extra": 0}
 
-    Feature-tested: ``resolve`` is asked for the neutral values (no overlap, no extra warm-up); once
-    it accepts them (issue 32 item 1), the planner passes the options through and ``plan.paired`` is
-    no longer used for ``name``.
+
+@lru_cache(maxsize=None)
+def schedule_layer_overlaps(name: str, options: tuple[str, ...] = ("overlap",)) -> bool:
+    """THE SWITCH: whether the schedule layer builds ``name`` with these ``OVERLAP_OPTIONS`` itself.
+
+    Feature-tested: ``resolve`` is asked for their neutral values (no overlap, no extra warm-up);
+    once it accepts them (issue 32 item 1), the planner passes the options through and
+    ``plan.paired`` is no longer used for ``name`` with them.
     """
     try:
-        resolve(name, _PROBE_RANKS, overlap=False, warmup_extra=0)
+        resolve(name, _PROBE_RANKS, **{k: _NEUTRAL[k] for k in options})
     except (TypeError, ValueError):
         return False
     return True
@@ -55,7 +58,7 @@ def _split(name: str, options: dict) -> tuple[dict, dict]:
     """(the schedule's own options, the overlap options the planner applies itself)."""
     options = dict(options or {})
     mine = {k: options.pop(k) for k in OVERLAP_OPTIONS if k in options}
-    if not mine or schedule_layer_overlaps(name):
+    if not mine or schedule_layer_overlaps(name, tuple(sorted(mine))):
         return {**options, **mine}, {}
     canonical = registry.get(name).name
     if canonical not in _PLANNER_BUILDS:

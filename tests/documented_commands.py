@@ -155,6 +155,7 @@ COMMANDS: list[Command] = [
     _bench("python bench/bench_eplb.py"),
     _bench("python bench/bench_eplb_loop.py"),
     _bench("python bench/bench_eplb_loop.py --steps 10"),
+    _bench("python bench/bench_overlap_all.py --blocks 3"),
     _bench("python bench/bench_overlap.py --e2e"),
     _bench("python bench/bench_overlap.py --draw docs/img/moe-overlap-pair.png"),
     _bench("python bench/bench_overlap.py --reps 9 --e2e --draw docs/img/moe-overlap-pair.png"),

@@ -155,6 +155,7 @@ COMMANDS: list[Command] = [
     _bench("python bench/bench_eplb.py"),
     _bench("python bench/bench_eplb_loop.py"),
     _bench("python bench/bench_eplb_loop.py --steps 10"),
+    _bench("python bench/bench_overlap_all.py --blocks 3"),
     _bench("python bench/bench_overlap.py --e2e"),
     _bench("python bench/bench_overlap.py --draw docs/img/moe-overlap-pair.png"),
     _bench("python bench/bench_overlap.py --reps 9 --e2e --draw docs/img/moe-overlap-pair.png"),
@@ -206,6 +207,16 @@ COMMANDS: list[Command] = [
     Command("twinpipe plan --layers 48 --dim 5120 --seq-len 4096 --experts 128 --top-k 8 --expert-ffn 1536 --ep 8 "
             "--gpus 256 --microbatches 64 --pp 16 --plot docs/img/plan-moe.png", files=("docs/img/plan-moe.png",),
             stdout=("3.54 s", "3.76 s", "4.17 s")),
+    Command("twinpipe plan --layers 64 --dim 7168 --seq-len 4096 --vocab 129280 --experts 256 --top-k 8 --expert-ffn 3072 --ep 64 "
+            "--optimizer-bytes 8 --zero1 --activation-share 0.5 --gpus 2048 --intra-gbps 160 --inter-gbps 50 "
+            "--microbatches 128 --pp 16 --memory-limit 80",  # DeepSeek-V3's inputs: the table docs/plan.md shows
+            stdout=("23.33 s", "23.71 s", "24.21 s", "28.14 s", "37.09 s", "9.2+18.3+5.5+29.1",
+                    "at 80 GiB: dualpipev (pp 16 x dp 128) wins", "2% ahead of dualpipe (pp 16)")),
+    Command("twinpipe plan --layers 64 --dim 7168 --seq-len 4096 --vocab 163840 --experts 384 --top-k 8 --expert-ffn 3072 --ep 16 "
+            "--optimizer-bytes 8 --zero1 --activation-share 0.3 --gpus 2048 --intra-gbps 160 --inter-gbps 50 "
+            "--microbatches 128 --pp 16 --memory-limit 80",  # Kimi K2's inputs: the table docs/plan.md shows
+            stdout=("23.03 s", "23.94 s", "27.70 s", "36.71 s", "12.3%", "11.6+23.2+4.1+25.2",
+                    "over the budget: dualpipe pp=16 needs 95.2 GiB = 23.2+46.5+8.1+17.5 (2 weight copies)")),
     Command("twinpipe export dualpipev --pp 4 --microbatches 8 --format torch-csv --out dualpipev.csv",
             files=("dualpipev.csv",)),
     Command("twinpipe export --list", stdout=("dualpipev: yes",)),

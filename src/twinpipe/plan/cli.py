@@ -3,6 +3,7 @@
     twinpipe plan --layers 32 --dim 4096 --seq-len 4096 --gpus 64 --microbatches 64
     twinpipe plan --layers 60 --dim 7168 --seq-len 4096 --experts 256 --top-k 8 --expert-ffn 2048 --gpus 256 --microbatches 64 --plot plan.png
     twinpipe plan --from-trace out/trace.json            # the op times a `twinpipe demo --trace out` run measured
+    twinpipe plan ... --zero1 --memory-limit 80           # DualPipe(V), interleaved 1F1B and ZB-V with/without overlap at 80 GiB
     twinpipe plan --gpt --layers 6 --dim 64 --seq-len 64 --vocab 256 --microbatch-size 2 --gpus 2 --pp 2 --microbatches 8
 
 With ``--gpt`` the model is ``twinpipe train``'s GPT and each row's memory is predicted per rank and
@@ -16,14 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
 import twinpipe.cli_options as cli_options
 from twinpipe import checks
+from twinpipe.plan.candidates import decision_candidates
 from twinpipe.plan.measured import load_traced
 from twinpipe.plan.predict import PLANNED_CAP, default_pp_sizes, plan
-from twinpipe.plan.report import as_dicts, draw_plan, print_table
+from twinpipe.plan.report import as_dicts, draw_plan, print_table, verdict
 from twinpipe.plan.spec import Cluster, Model
 from twinpipe.precisions import BF16_MIXED
 from twinpipe.schedule import registry
@@ -53,12 +56,25 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     cli_options.add(parser, "expert_ffn", group=m, default=0, more="MoE", default_text="--ffn")
     cli_options.add(parser, "ep", group=m, default=0, more="MoE, GPUs sharing a layer's experts",
                     default_text="the most within a node dividing the experts and the data-parallel size")
+    m.add_argument("--activation-share", type=float, default=1.0, metavar="S",
+                   help="share of a micro-batch's activations kept on the GPU until its backward, 0 < S <= 1 (default: 1, all; "
+                        "less with recomputation, FP8 storage or offload to host)")
+    m.add_argument("--optimizer-bytes", type=float, default=12.0, metavar="N",
+                   help="bytes of optimizer state per parameter, FP32 masters included (default: 12, AdamW in FP32)")
+    m.add_argument("--zero1", action="store_true",
+                   help="FP32 masters and optimizer state sharded over the data-parallel replicas (ZeRO-1; experts' over dp/ep)")
     c = parser.add_argument_group("cluster")
     cli_options.add(parser, "gpus", group=c, default_text="the traced run's ranks, else required")
     c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default: 8)")
     c.add_argument("--peak-tflops", type=float, default=989.0, help="peak TFLOP/s per GPU (default: 989, H100 bf16)")
     c.add_argument("--efficiency", type=float, default=0.5, help="share of the peak the layers reach (default: 0.5)")
     c.add_argument("--memory-gib", type=float, default=80.0, help="memory per GPU in GiB (default: 80)")
+    c.add_argument("--memory-limit", metavar="GIB",
+                   help="the memory budget per GPU in GiB (replaces --memory-gib): rows over it do not fit, and one line says which "
+                        "row wins at it and why; without --schedules, plans the candidates: dualpipe, dualpipev, interleaved-1f1b "
+                        "without and with overlap (k = 0..--max-warmup-extra extra warm-up micro-batches), zbv without and with overlap")
+    c.add_argument("--max-warmup-extra", type=int, default=2, metavar="K",
+                   help="with --memory-limit: interleaved-1f1b with overlap at k = 0..K extra warm-up micro-batches (default: 2)")
     c.add_argument("--intra-gbps", type=float, default=400.0, help="per-GPU bandwidth inside a node, GB/s (default: 400)")
     c.add_argument("--inter-gbps", type=float, default=50.0, help="per-GPU bandwidth across nodes, GB/s (default: 50)")
     c.add_argument("--latency-us", type=float, default=10.0, help="latency of every message, microseconds (default: 10)")
@@ -94,8 +110,12 @@ def _model(args) -> Model | None:
     missing = [f"--{name.replace('_', '-')}" for name in _MODEL if getattr(args, name) is None]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (the model; or give --from-trace alone)")
-    sizes = {}
+    sizes = {"optimizer_bytes": args.optimizer_bytes}
     if args.gpt:  # twinpipe train's GPT: its MLPs are 4 x dim; bytes per value as it trains
+        for flag, value, default in (("--optimizer-bytes", args.optimizer_bytes, 12.0), ("--activation-share", args.activation_share, 1.0),
+                                     ("--zero1", args.zero1, False)):
+            if value != default:  # the GPT's memory is the trainer's prediction: its own precision, optimizer and --zero
+                raise checks.bad(flag, value, "is not taken with --gpt (the trainer's own options say how it trains)")
         if args.ffn not in (0, 4 * args.dim):
             raise checks.bad("--ffn", args.ffn, f"must be 4 x --dim = {4 * args.dim} with --gpt (the GPT's MLP)")
         if args.expert_ffn not in (0, 4 * args.dim):
@@ -105,27 +125,43 @@ def _model(args) -> Model | None:
         sizes = dict(param_bytes=run.elsize, grad_bytes=4 if mixed else run.elsize, activation_bytes=run.elsize,
                      optimizer_bytes=12 if mixed else 2 * run.elsize)
     return Model(layers=args.layers, hidden=args.dim, seq=args.seq_len, microbatch_size=args.microbatch_size,
-                 ffn=args.ffn, vocab=args.vocab, experts=args.experts, top_k=args.top_k, expert_ffn=args.expert_ffn, ep=args.ep, **sizes)
+                 ffn=args.ffn, vocab=args.vocab, experts=args.experts, top_k=args.top_k, expert_ffn=args.expert_ffn, ep=args.ep,
+                 zero1=args.zero1, activation_share=args.activation_share, **sizes)
 
 
-def _cluster(args, gpus: int) -> Cluster:
+def memory_limit(text: str | None) -> float | None:
+    """``--memory-limit`` in bytes (None when not given); ValueError naming it unless a number of GiB > 0."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise checks.bad("--memory-limit", text, "must be a number of GiB > 0")
+    return value * 2**30
+
+
+def _cluster(args, gpus: int, budget: float | None) -> Cluster:
     for flag, value in (("--peak-tflops", args.peak_tflops), ("--memory-gib", args.memory_gib), ("--intra-gbps", args.intra_gbps),
                         ("--inter-gbps", args.inter_gbps), ("--latency-us", args.latency_us)):
         checks.check_float(value, flag, low=0)
     return Cluster(gpus=gpus, gpus_per_node=args.gpus_per_node, peak_flops=args.peak_tflops * 1e12, efficiency=args.efficiency,
-                   memory=args.memory_gib * 2**30, intra_bw=args.intra_gbps * 1e9, inter_bw=args.inter_gbps * 1e9,
+                   memory=budget or args.memory_gib * 2**30, intra_bw=args.intra_gbps * 1e9, inter_bw=args.inter_gbps * 1e9,
                    latency=args.latency_us * 1e-6)
 
 
 def plan_from_args(args) -> tuple[list, str, str]:
     """The ranked predictions, a title and a caption; ValueError naming the bad option."""
     check_gpt_options(args)
+    budget = memory_limit(args.memory_limit)
+    checks.check_int(args.max_warmup_extra, "--max-warmup-extra", low=0)
     traced = load_traced(args.from_trace) if args.from_trace else None
     model = _model(args)
     gpus = args.gpus if args.gpus is not None else (traced.pp if traced else None)
     if gpus is None:
         raise ValueError("missing --gpus (the cluster's GPUs in all)")
-    cluster = _cluster(args, gpus)
+    cluster = _cluster(args, gpus, budget)
     m = args.microbatches if args.microbatches is not None else (traced.microbatches if traced else None)
     if m is None:
         raise ValueError("missing --microbatches (per pipeline per step)")
@@ -134,7 +170,9 @@ def plan_from_args(args) -> tuple[list, str, str]:
     if args.gpt and model is None:
         raise ValueError("--gpt needs the model (--layers, --dim, --seq-len), not --from-trace alone")
     gpt = gpt_run(args) if args.gpt else None
-    results = plan(model, cluster, m, pp, schedules, costs_for=traced.costs_for if traced else None, workers=args.workers, gpt=gpt)
+    rows = decision_candidates(args.max_warmup_extra) if budget and not schedules else None
+    results = plan(model, cluster, m, pp, schedules, costs_for=traced.costs_for if traced else None, workers=args.workers, gpt=gpt,
+                   rows=rows)
     if traced:
         c = traced.costs
         title = (f"plan from {args.from_trace} ({traced.schedule}, p={traced.pp}, m={traced.microbatches}): "
@@ -165,6 +203,8 @@ def run_plan(args) -> int:
         print(json.dumps(as_dicts(results), indent=1))
         return 0
     print_table(results, title, caption + f" Planned in {time.perf_counter() - started:.2f} s.", args.top)
+    if args.memory_limit is not None:
+        print(verdict(results, memory_limit(args.memory_limit)))
     if args.gpt:
         _print_gpt_memory(results, args)
     if picture:

@@ -21,7 +21,8 @@ from twinpipe.plan.spec import Cluster, Model
 from twinpipe.schedule.costs import CostModel, full_backward_time, pair_time
 from twinpipe.sim.overlap import predict_fb
 
-__all__ = ["Layout", "layout", "LayerTimes", "layer_times", "stage_costs", "all_reduce_time", "activation_bytes_per_layer"]
+__all__ = ["Layout", "layout", "LayerTimes", "layer_times", "stage_costs", "all_reduce_time", "activation_bytes_per_layer",
+           "weight_grad_bytes_per_layer"]
 
 
 @dataclass(frozen=True)
@@ -106,16 +107,30 @@ def activation_bytes_per_layer(model: Model) -> float:
     return t * h * (15 + 19 * width / (4 * h)) * model.activation_bytes / 2
 
 
+def weight_grad_bytes_per_layer(model: Model) -> float:
+    """What a deferred W keeps of one layer after B (the runtime's M_W, docs/memory.md): each linear's
+    input and output gradient. Linears: q/k/v (h -> 3h), output (h -> h), the MLP's two (h -> w -> h,
+    w = its width, x top-k for experts)."""
+    t, h = model.tokens, model.hidden
+    width = model.expert_width * model.top_k if model.moe else model.ffn_width
+    inputs = 3 * h + width
+    output_grads = 3 * h + h + width + h
+    return t * (inputs + output_grads) * model.activation_bytes
+
+
 def stage_costs(model: Model, cluster: Cluster, lay: Layout) -> tuple[CostModel, LayerTimes, float]:
     """Costs of one 1F1B stage (``layers / pp`` layers; ``sim.costs.for_model`` scales them to any
-    placement), its layer times, and M_B in bytes. ``t_fb`` only for MoE layers (F&B hides all-to-alls).
+    placement), its layer times, and M_B in bytes (the ``activation_share`` kept). ``t_fb`` only for MoE layers (F&B hides all-to-alls);
+    ``mw``: M_W / M_B of a layer (``weight_grad_bytes_per_layer``), what B leaves until a deferred W.
     """
     per = layer_times(model, cluster, lay)
     n = model.layers / lay.pp
     message = model.tokens * model.hidden * model.activation_bytes
     t_comm = cluster.latency + message / cluster.bandwidth(cluster.gpus if lay.pp > 1 else 1)
-    costs = CostModel(t_f=n * per.f, t_b=n * per.b, t_w=n * per.w, t_fb=n * per.fb() if per.a2a else None, t_comm=t_comm)
-    return costs, per, n * activation_bytes_per_layer(model)
+    m_b = activation_bytes_per_layer(model)
+    costs = CostModel(t_f=n * per.f, t_b=n * per.b, t_w=n * per.w, t_fb=n * per.fb() if per.a2a else None, t_comm=t_comm,
+                      mw=weight_grad_bytes_per_layer(model) / m_b)
+    return costs, per, n * m_b * model.activation_share
 
 
 def all_reduce_time(num_bytes: float, group: int, bandwidth: float, latency: float) -> float:

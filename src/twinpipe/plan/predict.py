@@ -29,11 +29,11 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 from twinpipe import checks
+from twinpipe.plan import candidates
 from twinpipe.plan.costs import Layout, all_reduce_time, layout, stage_costs
 from twinpipe.plan.spec import Cluster, Model
 from twinpipe.schedule import registry
 from twinpipe.schedule.costs import op_costs
-from twinpipe.schedule.spec import resolve
 from twinpipe.schedule.limits import MAX_STAGE_MICROBATCHES
 from twinpipe.sim.costs import CostModel, for_model, stage_sizes
 from twinpipe.sim.engine import summarize
@@ -93,11 +93,13 @@ def simulate_metrics(name: str, p: int, m: int, costs: CostModel, options: dict 
     """Makespan, per-rank busy time and peak activations (M_B of a 1F1B stage) of ``name`` (with
     ``options``) simulated at (p, m)."""
     info, options = registry.get(name), dict(options or {})
-    placement = resolve(name, p, **options).placement
+    placement = candidates.spec_of(name, p, options).placement
     scaled = _scaled(costs, placement)
     options |= {k: getattr(scaled, k) for k in ("t_f", "t_b", "t_w", "t_comm", "mw") if k in (info.options or ())}
-    # Built-in generators are validated by their tests at every size; a registered one at every use.
-    summary = summarize(registry.build(name, p, m, **options), scaled, check=info not in registry.BUILTIN)
+    schedule, derived = candidates.build(name, p, m, options)
+    # Built-in generators are validated by their tests at every size; a registered one, or one the
+    # planner derived (plan.paired), at every use.
+    summary = summarize(schedule, scaled, check=derived or info not in registry.BUILTIN)
     return {"makespan": summary.makespan, "busy": list(summary.busy), "peak": list(summary.peak)}
 
 
@@ -198,7 +200,7 @@ def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, micro
     try:
         lay = layout(model, cluster, pp)
         pred.dp, pred.ep = lay.dp, lay.ep
-        placement = resolve(name, pp, **pred.options).placement
+        placement = candidates.spec_of(name, pp, pred.options).placement
         pred.copies = len(placement.chains)
         a2a_op, m_b = 0.0, 0.0  # measured op times hold their all-to-alls (if any)
         if model is not None:
@@ -209,7 +211,7 @@ def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, micro
             model_costs, per_layer, m_b = stage_costs(model, cluster, lay)
             if costs is None:
                 costs, a2a_op = model_costs, model.layers / pp * 4 * per_layer.a2a  # all-to-alls in one F + B of a 1F1B stage
-            _memory(pred, model, _rank_params(model, placement, lay), [0.0] * pp)
+            _memory(pred, model, lay, _rank_params(model, placement, lay), [0.0] * pp)
             if pred.memory["total"] > cluster.memory:  # the weights alone: no need to simulate
                 pred.why = _too_big(pred, cluster, before_activations=True)
                 return pred
@@ -265,21 +267,24 @@ def _collectives_and_memory(pred: Prediction, model: Model, cluster: Cluster, la
     if pred.copies > 1:
         pred.mirror_all_reduce = max(all_reduce_time((d + e) * model.grad_bytes, pred.copies, cluster.bandwidth(span), cluster.latency)
                                      for d, e in params)
-    _memory(pred, model, params, [max(0.0, a) * m_b for a in peak])
+    _memory(pred, model, lay, params, [max(0.0, a) * m_b for a in peak])
     if pred.memory["total"] > cluster.memory:
         pred.why = _too_big(pred, cluster)
 
 
-def _memory(pred: Prediction, model: Model, params: list, activations: list) -> None:
+def _memory(pred: Prediction, model: Model, lay: Layout, params: list, activations: list) -> None:
     """The fullest rank's memory parts and every rank's total, from its parameters and activation bytes."""
     totals = []
     # The parts of the trainer's memory report (twinpipe.sim.memory.MemoryParts): FP32 masters apart
     # from the optimizer's moments where the weights are narrower (mixed precision).
     master = 4.0 if model.param_bytes < 4 and model.optimizer_bytes >= 4 else 0.0
+    # ZeRO-1: each data-parallel rank updates a 1/dp share of the replicated weights and a 1/(dp/ep)
+    # share of its experts (their replicas), so it keeps only that share's masters and moments.
+    shards = (lay.dp, lay.dp // lay.ep) if model.zero1 else (1, 1)
     for (d, e), act in zip(params, activations):
-        n = d + e
-        parts = {"params": n * model.param_bytes, "grads": n * model.grad_bytes, "master": n * master,
-                 "optimizer": n * (model.optimizer_bytes - master), "activations_peak": act}
+        n, updated = d + e, d / shards[0] + e / shards[1]
+        parts = {"params": n * model.param_bytes, "grads": n * model.grad_bytes, "master": updated * master,
+                 "optimizer": updated * (model.optimizer_bytes - master), "activations_peak": act}
         parts["total"] = sum(parts.values())
         parts["activations"] = act  # the name it had before the report's
         totals.append(parts)
@@ -290,7 +295,9 @@ def _memory(pred: Prediction, model: Model, params: list, activations: list) -> 
 def _gpt_memory(pred: Prediction, gpt, cluster: Cluster, dp: int) -> None:
     """Memory per rank and part for twinpipe train's GPT (``GPTRun.predict``): the fullest rank's
     parts in ``memory``, every pipeline rank's largest total in ``memory_per_rank``."""
-    ranks = gpt.predict(pred.schedule, pred.pp, pred.microbatches, dp, pred.options)
+    schedule, derived = candidates.build(pred.schedule, pred.pp, pred.microbatches, pred.options)
+    # A schedule the planner derived is predicted as the fixed schedule it is (its ops, not its name).
+    ranks = gpt.predict(schedule if derived else pred.schedule, pred.pp, pred.microbatches, dp, {} if derived else pred.options)
     pred.memory_parts = [r.to_dict() for r in ranks]
     fullest = max(ranks, key=lambda r: r.parts.total)
     pred.memory = {**fullest.parts.to_dict(), "activations": fullest.parts.activations_peak}
@@ -326,11 +333,12 @@ def _limit(pred: Prediction, cluster: Cluster) -> str:
 
 
 def plan(model: Model, cluster: Cluster, microbatches: int, pp_sizes=None, schedules=None, costs_for=None,
-         workers: int | None = None, gpt=None) -> list[Prediction]:
+         workers: int | None = None, gpt=None, rows=None) -> list[Prediction]:
     """Every schedule (default ``registry.names()``) at every pipeline size (default: powers of two
     dividing the GPUs, 2..64), ranked: fitting ones by throughput (by step time without a model), then the rest.
 
     Schedules with variants (``registry.variants``: Chimera's pipeline pairs) get a row for each.
+    ``rows``: (schedule, options) pairs to plan instead (``candidates.decision_candidates()``), at every size.
     ``costs_for(name, pp, options)``: the op times to use instead of the model's (``predict_one``'s ``costs``).
     ``workers``: processes to predict in (None: one per core, up to ``MAX_WORKERS``, when the plan is
     large enough to pay for starting them; 1: in this process). The answer does not depend on it.
@@ -343,8 +351,13 @@ def plan(model: Model, cluster: Cluster, microbatches: int, pp_sizes=None, sched
     if workers is not None:
         _check_count("workers", workers)
     # Largest pipelines first, so that the pool's last tasks are short ones.
+    def variants(p: int) -> list[tuple[str, dict]]:
+        if rows is not None:
+            return [(registry.get(name).name, dict(options)) for name, options in rows]
+        return [(name, options) for name in schedules for options in registry.variants(name, p)]
+
     tasks = [(name, p, options, costs_for(name, p, options) if costs_for else None)
-             for p in sorted(pp_sizes, reverse=True) for name in schedules for options in registry.variants(name, p)]
+             for p in sorted(pp_sizes, reverse=True) for name, options in variants(p)]
     results = _predict_all(model, cluster, microbatches, tasks, _workers(workers, tasks, microbatches), gpt)
     return sorted(results, key=lambda r: (not r.fits, -r.tokens_per_s, r.step_time, r.pp, r.label))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from twinpipe.plan.predict import GiB, Prediction
 
-__all__ = ["as_dicts", "print_table", "draw_plan", "PARTS"]
+__all__ = ["as_dicts", "print_table", "draw_plan", "verdict", "memory_parts", "PARTS"]
 
 WIDE = 240  # columns of the table when the output is not a terminal
 
@@ -38,6 +38,55 @@ def _source(p: Prediction) -> str:
     return ("~" if approx else "") + f"m={a},{b}→{p.microbatches}"
 
 
+def memory_parts(p: Prediction) -> str:
+    """The fullest rank's memory in GiB as weights + gradients + (FP32 masters and optimizer state) + activations peak."""
+    if not p.memory:
+        return "-"
+    m = {k: v / GiB for k, v in p.memory.items()}
+    return f"{m['params']:.1f}+{m['grads']:.1f}+{m['master'] + m['optimizer']:.1f}+{m['activations_peak']:.1f}"
+
+
+def _hidden_share(p: Prediction) -> float:
+    total = p.a2a_hidden + p.a2a_exposed
+    return p.a2a_hidden / total if total else 0.0
+
+
+def _traits(p: Prediction) -> str:
+    return (f"step {_seconds(p.step_time)}, bubble {p.bubble / p.step_time:.0%} of it, all-to-all {_hidden_share(p):.0%} hidden, "
+            f"{p.memory['total'] / GiB:.1f} GiB")
+
+
+def verdict(predictions: list[Prediction], budget: float) -> str:
+    """One line: which row wins at ``budget`` bytes per GPU and why (its bubble, the all-to-all it
+    hides and its memory against the runner-up), and which rows the budget excluded."""
+    at = f"at {budget / GiB:g} GiB"
+    fitting = [p for p in predictions if p.fits]
+    over = [p for p in predictions if not p.fits and p.why.startswith("does not fit: needs")]
+    excluded = "; ".join(f"{p.label} pp={p.pp} needs {'over ' if not p.memory['activations_peak'] else ''}"
+                         f"{p.memory['total'] / GiB:.1f} GiB = {memory_parts(p)}" + (f" ({p.copies} weight copies)" if p.copies > 1 else "")
+                         for p in over)
+    if not fitting:
+        return f"{at}: nothing fits" + (f" ({excluded})" if excluded else "")
+    best = fitting[0]
+    line = f"{at}: {best.label} (pp {best.pp} x dp {best.dp}) wins: {_traits(best)}"
+    if len(fitting) > 1:
+        second = fitting[1]
+        why = []
+        if best.bubble / best.step_time < second.bubble / second.step_time - 0.005:
+            why.append("a smaller bubble")
+        if _hidden_share(best) > _hidden_share(second) + 0.005:
+            why.append("more all-to-all hidden")
+        if best.dp_all_reduce + best.mirror_all_reduce < second.dp_all_reduce + second.mirror_all_reduce:
+            why.append("less gradient all-reduce")
+        because = " and ".join(why) if why else "less compute on its busiest rank"
+        ahead = best.tokens_per_s / second.tokens_per_s if second.tokens_per_s else second.step_time / best.step_time
+        line += (f"; {ahead - 1:.0%} ahead of {second.label} (pp {second.pp}) by {because}"
+                 f" ({_traits(second)})")
+    if excluded:
+        line += f"; over the budget: {excluded}"
+    return line
+
+
 def print_table(predictions: list[Prediction], title: str, caption: str, top: int | None = None, console=None) -> None:
     """Fitting rows first, ranked by throughput; then the others with why they do not fit."""
     from rich.console import Console
@@ -46,7 +95,8 @@ def print_table(predictions: list[Prediction], title: str, caption: str, top: in
     table = Table(title=title, caption=caption, show_lines=False)
     for column, justify in (("#", "right"), ("schedule", "left"), ("pp x dp", "right"), ("step", "right"), ("tokens/s", "right"),
                             ("bubble", "right"), ("a2a exposed/hidden", "right"), ("DP AR", "right"), ("copies AR", "right"),
-                            ("memory GiB", "right"), ("simulated", "right"), ("what limits it", "left")):
+                            ("memory GiB", "right"), ("weights+grads+opt+act", "right"), ("simulated", "right"),
+                            ("what limits it", "left")):
         table.add_column(column, justify=justify, overflow="fold")
     fitting = [p for p in predictions if p.fits]
     rest = [p for p in predictions if not p.fits]
@@ -56,9 +106,10 @@ def print_table(predictions: list[Prediction], title: str, caption: str, top: in
         memory = f"{p.memory['total'] / GiB:.1f}" if p.memory else "-"
         table.add_row(str(i), p.label, f"{p.pp} x {p.dp}", _seconds(p.step_time), f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "-",
                       f"{p.bubble / p.step_time:.1%}" if p.step_time else "-", a2a, _seconds(p.dp_all_reduce) if p.dp_all_reduce else "-",
-                      _seconds(p.mirror_all_reduce) if p.copies > 1 and p.memory else "-", memory, _source(p), p.limit)
+                      _seconds(p.mirror_all_reduce) if p.copies > 1 and p.memory else "-", memory, memory_parts(p), _source(p),
+                      p.limit)
     for p in rest:
-        table.add_row("-", p.label, f"{p.pp} x {p.dp}", "", "", "", "", "", "", "", _source(p), p.why, style="dim")
+        table.add_row("-", p.label, f"{p.pp} x {p.dp}", "", "", "", "", "", "", "", memory_parts(p), _source(p), p.why, style="dim")
     if console is None:
         console = Console()
         if not console.is_terminal:  # piped or redirected: rich would fold every cell to 80 columns

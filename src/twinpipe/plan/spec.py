@@ -29,7 +29,10 @@ class Model:
     GPUs of the data-parallel group (expert parallelism; default: the largest count within a node
     that divides both the experts and the data-parallel size).
     Bytes per parameter: ``param_bytes`` (weights), ``grad_bytes`` (gradients, also what the
-    all-reduces send), ``optimizer_bytes`` (master weights and Adam moments).
+    all-reduces send), ``optimizer_bytes`` (master weights and Adam moments); ``zero1``: those of
+    the optimizer sharded over the data-parallel replicas (ZeRO-1). ``activation_share``: the share of
+    a micro-batch's activations (``plan.costs.activation_bytes_per_layer``, all of them) that stays on
+    the GPU until its backward: less than 1 with recomputation, FP8 storage or offload to host.
 
     ``Model.from_config(cfg)`` reads the description the trainer builds its model from
     (``twinpipe.train.GPTConfig``); ``twinpipe plan`` takes the same options as ``twinpipe train``.
@@ -49,6 +52,8 @@ class Model:
     grad_bytes: float = 4
     optimizer_bytes: float = 12
     activation_bytes: float = 2
+    zero1: bool = False
+    activation_share: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "seq", "microbatch_size"):
@@ -58,6 +63,8 @@ class Model:
         for name in ("param_bytes", "grad_bytes", "activation_bytes"):
             _check("model", name, getattr(self, name))
         _check("model", "optimizer_bytes", self.optimizer_bytes, strict=False)
+        checks.check_bool(self.zero1, "model.zero1")
+        checks.check_float(self.activation_share, "model.activation_share", low=0, low_open=True, high=1)
         if self.experts:
             _check("model", "top_k", self.top_k, integer=True, minimum=1, strict=False)
             if self.top_k > self.experts:

@@ -1,0 +1,223 @@
+"""The planner at a memory budget (issue 32): the candidates' schedules (overlap, extra warm-up),
+every memory part per row (DualPipe's second copy, ZeRO-1, deferred W, the extra warm-up), the
+``--memory-limit`` verdict, and the two published conclusions reproduced from their inputs
+(docs/plan.md, "Deciding at a memory budget"). Pure Python: no process group.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from twinpipe.cli import main
+from twinpipe.plan import Cluster, Model, plan, predict_one
+from twinpipe.plan import candidates
+from twinpipe.plan.costs import activation_bytes_per_layer, layout, stage_costs, weight_grad_bytes_per_layer
+from twinpipe.plan.paired import lead_warmup, pair_steady
+from twinpipe.schedule import registry
+from twinpipe.schedule.check import validate
+from twinpipe.schedule.deps import work_done
+from twinpipe.schedule.ops import OpKind
+from twinpipe.sim import CostModel
+from twinpipe.sim.costs import for_model
+from twinpipe.sim.engine import summarize
+
+GiB = 2**30
+# F&B hides 0.8 of the 3.0 an F plus a full backward take: what DualPipe's FB op is given.
+COSTS = CostModel(t_f=1.0, t_b=1.0, t_w=1.0, t_comm=0.05, t_fb=2.2)
+
+
+def _work(schedule) -> list:
+    return sorted(key for ops in schedule.ops for op in ops for key in work_done(op))
+
+
+def _summary(schedule):
+    return summarize(schedule, for_model(COSTS, schedule.placement))
+
+
+# --------------------------------------------------------------------------- the stand-in schedules
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zbv", "zb-h1"])
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 16)])
+def test_pairing_is_valid_does_the_same_work_and_never_fuses_a_wait_on_itself(name, p, m):
+    # Fusing every F next to a backward deadlocked 1F1B, ZB-H1 and ZB-V (the first version did):
+    # the rule fuses only pairs whose second op is ready before the first.
+    plain = registry.build(name, p, m)
+    paired = pair_steady(plain)
+    validate(paired)
+    assert _work(paired) == _work(plain)
+    fused = [op for ops in paired.ops for op in ops if op.kind is OpKind.FB]
+    assert fused and all(op.microbatch != op.backward.microbatch for op in fused)
+
+
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 16), (8, 32)])
+def test_extra_warmup_holds_k_more_microbatches_and_frees_interleaved_pairs(p, m):
+    plain = registry.build("interleaved-1f1b", p, m)
+    base = _summary(plain)
+    for k in (1, 2):
+        led = lead_warmup(plain, k)
+        validate(led)
+        assert _work(led) == _work(plain)
+        # k more forwards of a half-size stage (two per rank) before each backward: k/2 more 1F1B-stage M_B
+        assert max(_summary(led).peak) == pytest.approx(max(base.peak) + k / 2)
+    # Kimi K2's point: beyond 2 ranks, one extra warm-up micro-batch lets the pairs hide more than none
+    with_k = {k: _summary(pair_steady(lead_warmup(plain, k))).makespan for k in (0, 1)}
+    assert with_k[1] < base.makespan and (p == 2 or with_k[1] < with_k[0])
+
+
+def test_the_switch_passes_the_options_to_the_schedule_layer_once_it_takes_them(monkeypatch):
+    assert candidates.schedule_layer_overlaps("interleaved-1f1b") is False  # before issue 32 item 1 is merged
+    schedule, derived = candidates.build("interleaved-1f1b", 4, 8, {"overlap": True, "warmup_extra": 1})
+    assert derived and schedule.options["warmup_extra"] == 1
+    monkeypatch.setattr(candidates, "schedule_layer_overlaps", lambda name, options: True)
+    with pytest.raises(ValueError, match="overlap"):  # handed to the registry as they are, which does not know them yet
+        candidates.build("interleaved-1f1b", 4, 8, {"overlap": True, "warmup_extra": 1})
+
+
+def test_bad_candidate_options_name_themselves():
+    with pytest.raises(ValueError, match="warmup_extra=-1"):
+        candidates.build("interleaved-1f1b", 4, 8, {"overlap": True, "warmup_extra": -1})
+    with pytest.raises(ValueError, match="warmup_extra=1: must be 0 for ZB-V"):
+        candidates.build("zbv", 4, 8, {"overlap": True, "warmup_extra": 1})
+    with pytest.raises(ValueError, match="'1f1b'.*interleaved-1f1b, zbv only"):
+        candidates.build("1f1b", 4, 8, {"overlap": True})
+    assert "does not fit" in predict_one("1f1b", MOE, Cluster(gpus=64), 4, 16, options={"overlap": True}).why
+
+
+# --------------------------------------------------------------------------- memory per row
+
+MOE = Model(layers=16, hidden=1024, seq=1024, experts=16, top_k=2, expert_ffn=2048, ep=8, vocab=512)
+
+
+def test_memory_parts_per_candidate_dualpipe_twice_the_weights_dualpipev_once():
+    cluster = Cluster(gpus=64, memory=1e15)
+    rows = {r.label: r for r in plan(MOE, cluster, 16, [4], rows=candidates.decision_candidates(2), workers=1)}
+    assert set(rows) == {"dualpipe", "dualpipev", "interleaved-1f1b", "zbv", "zbv overlap=True",
+                         *(f"interleaved-1f1b overlap=True warmup_extra={k}" for k in range(3))}
+    assert all(r.fits for r in rows.values()), {k: r.why for k, r in rows.items()}
+    one = rows["interleaved-1f1b"].memory
+    for label, row in rows.items():
+        parts = row.memory
+        assert parts["total"] == pytest.approx(sum(parts[k] for k in ("params", "grads", "master", "optimizer", "activations_peak")))
+        copies = 2 if label == "dualpipe" else 1
+        # the layers' weights once (twice for DualPipe); the embedding and head move between ranks
+        assert parts["params"] == pytest.approx(copies * one["params"], rel=0.25), label
+        assert parts["grads"] == pytest.approx(2 * parts["params"])  # fp32 gradients of bf16 weights
+    led = [rows[f"interleaved-1f1b overlap=True warmup_extra={k}"].memory["activations_peak"] for k in range(3)]
+    _, _, m_b = stage_costs(MOE, cluster, layout(MOE, cluster, 4))
+    assert led[1] - led[0] == pytest.approx(m_b / 2) and led[2] - led[1] == pytest.approx(m_b / 2)  # k more half-stage M_B
+
+
+def test_zero1_shards_masters_and_moments_over_the_replicas():
+    cluster = Cluster(gpus=64, memory=1e15)
+    full = predict_one("dualpipev", MOE, cluster, 4, 16)
+    sharded = predict_one("dualpipev", Model(**{**MOE.__dict__, "zero1": True}), cluster, 4, 16)
+    assert sharded.memory["params"] == full.memory["params"] and sharded.memory["grads"] == full.memory["grads"]
+    dp, ep = 16, 8
+    n = full.memory["params"] / 2  # parameters on the fullest rank
+    expert = MOE.layer_params()[1] * MOE.layers / 4 / ep  # its experts: 2 half stages of 16/4 layers
+    assert sharded.memory["master"] == pytest.approx(4 * ((n - expert) / dp + expert / (dp // ep)))
+    assert sharded.memory["optimizer"] == pytest.approx(2 * sharded.memory["master"])
+
+
+def test_deferred_w_keeps_what_the_runtime_keeps_linear_inputs_and_output_gradients():
+    dense = Model(layers=4, hidden=256, seq=128)
+    t, h, w = 128, 256, 1024
+    assert weight_grad_bytes_per_layer(dense) == t * ((3 * h + w) + (5 * h + w)) * 2
+    costs, _, _ = stage_costs(dense, Cluster(gpus=4), layout(dense, Cluster(gpus=4), 4))
+    assert costs.mw == pytest.approx(weight_grad_bytes_per_layer(dense) / activation_bytes_per_layer(dense))
+    assert 0.9 < costs.mw < 1.0  # not the simulator's default 0.5: W keeps nearly all of it
+
+
+def test_deferred_w_is_within_10_percent_of_what_the_runtime_measures_for_the_gpt_block():
+    # sim.gpt.stage_memory equals the runtime's measurement of a GPT stage (tests/test_memory_predict.py)
+    from twinpipe.sim.gpt import stage_layers, stage_memory
+    from twinpipe.train.model import GPTConfig
+
+    for dim, seq in ((64, 64), (256, 128), (512, 512)):
+        cfg = GPTConfig(dim=dim, heads=4, seq_len=seq, layers=4, vocab=256)
+        measured = stage_memory(cfg, stage_layers(cfg, 4)[1], 2, 2)  # one block, micro-batches of 2, 16 bits
+        model = Model.from_config(cfg, microbatch_size=2)
+        assert weight_grad_bytes_per_layer(model) == pytest.approx(measured.m_w, rel=0.1), dim
+
+
+def test_activation_share_scales_the_activations_only():
+    cluster = Cluster(gpus=64, memory=1e15)
+    full = predict_one("dualpipev", MOE, cluster, 4, 16)
+    third = predict_one("dualpipev", Model(**{**MOE.__dict__, "activation_share": 1 / 3}), cluster, 4, 16)
+    assert third.memory["activations_peak"] == pytest.approx(full.memory["activations_peak"] / 3)
+    assert third.step_time == full.step_time
+    with pytest.raises(ValueError, match="model.activation_share=0"):
+        Model(layers=4, hidden=8, seq=8, activation_share=0)
+
+
+# --------------------------------------------------------------------------- the published conclusions
+
+# Inputs and their sources: docs/plan.md, "Deciding at a memory budget".
+H800 = dict(gpus=2048, gpus_per_node=8, peak_flops=989e12, memory=80 * GiB, intra_bw=160e9, inter_bw=50e9)
+DEEPSEEK_V3 = dict(layers=64, hidden=7168, seq=4096, vocab=129280, experts=256, top_k=8, expert_ffn=3072, ep=64,
+                   optimizer_bytes=8, zero1=True)
+KIMI_K2 = dict(layers=64, hidden=7168, seq=4096, vocab=163840, experts=384, top_k=8, expert_ffn=3072, ep=16,
+               optimizer_bytes=8, zero1=True)
+
+
+def _decide(model: dict, share: float) -> dict:
+    rows = plan(Model(**model, activation_share=share), Cluster(**H800), 128, [16], rows=candidates.decision_candidates(2), workers=1)
+    return {r.label: r for r in rows}
+
+
+@pytest.mark.parametrize("share", [0.7])  # the step times do not depend on it: DualPipe fits at any share up to this
+def test_deepseek_v3_dualpipe_fits_at_2048_h800s_and_beats_every_schedule_of_its_time(share):
+    rows = _decide(DEEPSEEK_V3, share)
+    dualpipe = rows["dualpipe"]
+    assert dualpipe.fits and dualpipe.memory["total"] < 80 * GiB
+    # ahead of interleaved 1F1B with and without the all-to-all hidden (ZB-V: not simulated at 32 stages x 128)
+    for label in ("interleaved-1f1b", *(f"interleaved-1f1b overlap=True warmup_extra={k}" for k in range(3))):
+        assert rows[label].fits and dualpipe.step_time < rows[label].step_time, label
+    assert rows["zbv"].why.startswith("skipped")
+    # DualPipeV, published after DeepSeek-V3, is the one ahead: no all-reduce between weight copies
+    assert rows["dualpipev"].step_time < dualpipe.step_time < 1.05 * rows["dualpipev"].step_time
+
+
+@pytest.mark.parametrize("share", [0.3, 1.0])
+def test_kimi_k2_dualpipe_excluded_by_its_doubled_weights_interleaved_with_overlap_fits(share):
+    rows = _decide(KIMI_K2, share)
+    dualpipe, interleaved = rows["dualpipe"], rows["interleaved-1f1b"]
+    assert not dualpipe.fits and dualpipe.why.startswith("does not fit: needs")
+    # both fullest ranks hold the first stage (and DualPipe's the last stage's copy, the head as large as the embedding)
+    assert dualpipe.memory["params"] == pytest.approx(2 * interleaved.memory["params"], rel=0.01)
+    assert dualpipe.memory["grads"] == pytest.approx(2 * interleaved.memory["grads"], rel=0.01)
+    # the second copy is what excludes it: with its weights and gradients once, it would fit
+    once = dualpipe.memory["total"] - (dualpipe.memory["params"] + dualpipe.memory["grads"]) / 2
+    assert (once < 80 * GiB) == (share < 1)
+    if share == 1.0:  # every activation kept: nothing fits (the report recomputes, stores FP8 and offloads to host)
+        assert not any(r.fits for r in rows.values())
+        return
+    chosen = rows["interleaved-1f1b overlap=True warmup_extra=1"]
+    assert chosen.fits and rows["dualpipev"].fits and rows["dualpipev"].step_time < chosen.step_time  # one copy, F&B built in
+    assert chosen.step_time < 0.75 * rows["interleaved-1f1b"].step_time  # hiding the all-to-all pays ...
+    assert chosen.step_time < rows["interleaved-1f1b overlap=True warmup_extra=0"].step_time  # ... with the extra warm-up
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_memory_limit_ranks_the_candidates_and_says_who_wins_and_why(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    args = ["plan", "--layers", "16", "--dim", "1024", "--seq-len", "1024", "--experts", "16", "--top-k", "2", "--expert-ffn", "2048",
+            "--ep", "8", "--vocab", "512", "--gpus", "64", "--microbatches", "16", "--pp", "4", "--zero1", "--workers", "1"]
+    assert main(args + ["--memory-limit", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "interleaved-1f1b overlap=True warmup_extra=2" in out and "weights+grads+opt+act" in out
+    line = next(x for x in out.splitlines() if x.startswith("at 1000 GiB: "))
+    assert " wins: step " in line and "ahead of" in line and "all-to-all" in line
+    assert main(args + ["--memory-limit", "1.5"]) == 0  # DualPipe needs 1.6 GiB there, the others at most 1.4
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("at 1.5 GiB: "))
+    assert "over the budget: dualpipe pp=4 needs" in line and "(2 weight copies)" in line
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "abc", "nan", "inf"])
+def test_memory_limit_must_be_a_positive_number(value, capsys):
+    assert main(["plan", "--layers", "8", "--dim", "512", "--seq-len", "512", "--gpus", "8", "--microbatches", "8",
+                 "--memory-limit", value]) == 2
+    assert f"--memory-limit={value!r}: must be a number of GiB > 0" in capsys.readouterr().err

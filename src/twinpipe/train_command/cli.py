@@ -89,6 +89,8 @@ def _add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
     add("steps", default=300, more="the step to reach, counted from 0 (also with --resume)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per step, all replicas together (default: 16)")
     add("microbatch_size", default=2)
+    add("overlap")
+    add("overlap_warmup", dest="warmup_extra")
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -180,6 +182,7 @@ def _check(args) -> None:
     if args.vocab is not None:
         check_int(args.vocab, "--vocab", low=1)
     export_hf.check_train_options(args)
+    _check_overlap(args)
     check_int(args.seed, "--seed", low=0, high=_MAX_SEED, why="torch's generator keeps 32 bits of a seed")
     check_float(args.lr, "--lr", low=0, low_open=True)
     check_float(args.max_norm, "--max-norm", low=0)  # 0: no clipping
@@ -224,6 +227,27 @@ def _check(args) -> None:
     if args.resume is not None:
         _check_resume(args, info)
     writable_folder(args.out, "--out")  # last: it makes the folder, so only when nothing else is wrong
+
+
+def _schedule_options(args) -> tuple:
+    """``--overlap`` and ``--overlap-warmup`` as ``TrainConfig.schedule_options``."""
+    options = (("overlap", True),) if args.overlap else ()
+    return options + ((("warmup_extra", args.warmup_extra),) if args.warmup_extra is not None else ())
+
+
+def _check_overlap(args) -> None:
+    """``--overlap`` only with a schedule that has a steady phase, ``--overlap-warmup`` only with
+    ``--overlap`` (ValueError naming the option, before ranks start)."""
+    from twinpipe.schedule import registry
+
+    if args.warmup_extra is not None:
+        check_int(args.warmup_extra, "--overlap-warmup", low=0)
+        if not args.overlap:
+            raise bad("--overlap-warmup", args.warmup_extra, "only with --overlap (the extra warm-up of overlapped F&B ops)")
+    if args.overlap and "overlap" not in (registry.get(args.schedule).options or ()):
+        already = " (it overlaps its F&B ops already)" if registry.get(args.schedule).name in ("dualpipe", "dualpipev") else ""
+        raise bad("--overlap", True, f"not with --schedule {args.schedule}{already}; the schedules that take it: "
+                  f"{', '.join(registry.overlappable())}")
 
 
 def _needs_tokenizer(args) -> bool:
@@ -573,7 +597,8 @@ def _build_trainer(args, device):
     config = TrainConfig(schedule=args.schedule, batch_size=args.batch_size, microbatch_size=args.microbatch_size,
                          max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout,
                          dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp, on_nonfinite=args.on_nonfinite,
-                         precision=args.precision, zero=args.zero, ep=args.ep, **_ds3_config(args))
+                         precision=args.precision, zero=args.zero, ep=args.ep, schedule_options=_schedule_options(args),
+                         **_ds3_config(args))
     mesh = build_mesh(args.dp, args.pp, device.type)
     optimizer_fn = lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01)  # noqa: E731
     dtype = getattr(torch, args.dtype)

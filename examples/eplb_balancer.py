@@ -10,7 +10,8 @@ import os, sys
 import torch, torch.distributed as dist
 from twinpipe.launch import init_torchrun_group
 from twinpipe.eplb import Balancer
-from twinpipe.moe import MoEBlock, MoEStage, reduce_dense_grads, reduce_replica_grads
+from twinpipe.moe import MoEBlock, MoEStage
+from twinpipe.moe import reduce_dense_grads, reduce_replica_grads
 
 hidden, heads, experts = 16, 2, 4
 

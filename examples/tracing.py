@@ -1,9 +1,9 @@
 """A traced DualPipeV step on 2 CPU ranks, written as a Chrome/Perfetto trace:
-torchrun --standalone --nproc-per-node 2 examples/tracing.py [FILE]
+torchrun --standalone --nproc-per-node 2 examples/tracing.py
 
 Every rank records when each of its ops ran (`trace=True`); `gather_timeline` aligns the ranks'
-clocks and gathers the records on pipeline rank 0, which writes FILE (default out/trace.json; open it
-in https://ui.perfetto.dev) and prints its path.
+clocks and gathers the records on pipeline rank 0, which writes out/trace.json (open it in
+https://ui.perfetto.dev) and prints its path.
 """
 import os, sys
 import torch, torch.distributed as dist
@@ -22,7 +22,7 @@ def crit(output, label):
     return nn.functional.mse_loss(output, label)
 
 
-def main(path):
+def main():
     init_torchrun_group("gloo")             # or "nccl"; from torchrun's variables, per restart
     rank, P = dist.get_rank(), dist.get_world_size()
     pipe = twinpipe.DualPipeV([twinpipe.defer_weight_grads(make_stage(s))
@@ -32,7 +32,7 @@ def main(path):
     loss, _ = pipe.step(*inputs, num_chunks=8, criterion=crit, labels=labels, trace=True)
     timeline = gather_timeline(pipe, num_chunks=8)  # every rank calls it: it is a collective
     if timeline is not None:  # only on the rank that runs pipeline rank 0
-        written = write_chrome_trace(timeline, path)
+        written = write_chrome_trace(timeline, "out/trace.json")
         print(f"losses {loss.tolist()}")
         print(f"wrote {written}: {len(timeline.slices)} slices on {P} ranks")
     pipe.close()                            # its threads end before the process group
@@ -43,4 +43,4 @@ if __name__ == "__main__":
     if "RANK" not in os.environ:            # plain `python examples/tracing.py`: start 2 ranks
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
         os.execv(sys.executable, torchrun + sys.argv)
-    main(sys.argv[1] if len(sys.argv) > 1 else "out/trace.json")
+    main()

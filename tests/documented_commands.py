@@ -304,4 +304,10 @@ COMMANDS: list[Command] = [
     Command("torchrun --standalone --nproc-per-node 2 examples/hf_llama.py", "python examples/hf_llama.py",
             "the same run: `python examples/hf_llama.py` starts itself under torchrun with exactly these options",
             copy=("examples",)),
+    # ---- README.md: the other examples (tests/test_examples.py checks what they print)
+    Command("python examples/moe_ep_overlap.py", copy=("examples",), stdout=("same with overlap off: True",)),
+    Command("python examples/hf_moe_ep.py", copy=("examples",), stdout=("step 1: rank 1: losses",)),
+    Command("python examples/eplb_balancer.py", copy=("examples",), stdout=("rebalance at step 2",)),
+    Command("python examples/tracing.py", copy=("examples",), files=("out/trace.json",), stdout=("wrote out/trace.json",)),
+    Command("python examples/compile_checkpointing.py", copy=("examples",), stdout=("step 1: losses",)),
 ]

@@ -310,4 +310,5 @@ COMMANDS: list[Command] = [
     Command("python examples/eplb_balancer.py", copy=("examples",), stdout=("rebalance at step 2",)),
     Command("python examples/tracing.py", copy=("examples",), files=("out/trace.json",), stdout=("wrote out/trace.json",)),
     Command("python examples/compile_checkpointing.py", copy=("examples",), stdout=("step 1: losses",)),
+    Command("python examples/train_loop.py", copy=("examples",), files=("ckpt-step3/",), stdout=("saved ckpt-step3",)),
 ]

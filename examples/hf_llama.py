@@ -33,14 +33,16 @@ def batch(step, rows=8):                    # a padded batch whose length change
 def main():
     init_torchrun_group("gloo")             # or "nccl"; from torchrun's variables, per restart
     rank, P = dist.get_rank(), dist.get_world_size()
-    stages = hf.build(make_model(), SCHEDULE, P, rank, layout="E,t|t|t|t,L" if P == 2 else None)
+    model = make_model()
+    stages = hf.build(model, SCHEDULE, P, rank, layout="E,t|t|t|t,L" if P == 2 else None)
     if rank == 0:
         print(f"layout {stages.layout}, tied embeddings: {stages.tie}")
     pipe = stages.pipeline()                # a twinpipe.Pipeline; sequence lengths may change
     params = [p for m in stages.modules for p in m.parameters()]
     optimizer = torch.optim.AdamW(list({id(p): p for p in params}.values()), lr=1e-3)
     for step in range(3):
-        inputs, labels = stages.batch(*batch(step), num_chunks=2 * P)  # every rank passes the whole batch
+        input_ids, attention_mask, labels = batch(step)  # every rank passes the whole batch
+        inputs, labels = stages.batch(input_ids, attention_mask, labels, num_chunks=2 * P)
         loss, _ = pipe.step(*inputs, num_chunks=2 * P, criterion=stages.criterion, labels=labels)
         stages.sync_grads(pipe)             # mirrored copies and tied embeddings
         optimizer.step(); optimizer.zero_grad()

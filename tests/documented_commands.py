@@ -337,4 +337,11 @@ COMMANDS: list[Command] = [
     Command("twinpipe check --model tests/data/tiny-qwen3-moe --schedule dualpipev --pp 2 --ep 2",
             "twinpipe check --model tests/data/tiny-qwen3-moe --schedule dualpipev --pp 1 --ep 2", FOUR_ON_TWO + " (PP=1)",
             copy=("tests/data/tiny-qwen3-moe",), stdout=("every difference is within its bound",)),
+    # ---- README.md: the other examples (tests/test_examples.py checks what they print)
+    Command("python examples/moe_ep_overlap.py", copy=("examples",), stdout=("same with overlap off: True",)),
+    Command("python examples/hf_moe_ep.py", copy=("examples",), stdout=("step 1: rank 1: losses",)),
+    Command("python examples/eplb_balancer.py", copy=("examples",), stdout=("rebalance at step 2",)),
+    Command("python examples/tracing.py", copy=("examples",), files=("out/trace.json",), stdout=("wrote out/trace.json",)),
+    Command("python examples/compile_checkpointing.py", copy=("examples",), stdout=("step 1: losses",)),
+    Command("python examples/train_loop.py", copy=("examples",), files=("ckpt-step3/",), stdout=("saved ckpt-step3",)),
 ]

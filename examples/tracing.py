@@ -9,7 +9,7 @@ import os, sys
 import torch, torch.distributed as dist
 from torch import nn
 import twinpipe
-from twinpipe.launch import exit_worker, init_torchrun_group
+from twinpipe.launch import init_torchrun_group
 from twinpipe.trace import gather_timeline, write_chrome_trace
 
 
@@ -37,9 +37,6 @@ def main():
         print(f"wrote {written}: {len(timeline.slices)} slices on {P} ranks")
     pipe.close()
     dist.destroy_process_group()
-    # C++ threads of torch.distributed can abort the interpreter's teardown after the work is done
-    # (SIGABRT; a rank did in 3 of 5 runs of this script here): end without it, output flushed.
-    exit_worker(0)
 
 
 if __name__ == "__main__":

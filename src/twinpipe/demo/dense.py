@@ -274,8 +274,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     add("microbatch_size", default=2)
     add("blocks_per_stage", default=1)
     add("stages_per_rank", default=None, default_text="the schedule's own")
-    add("overlap")
-    add("overlap_warmup", dest="warmup_extra")
+    add("overlap", default_text="off")
+    add("overlap_warmup", dest="warmup_extra", default_text="0")
     add("dtype", choices=list(GRAD_TOLERANCE), default="float64",
         more="gradients must match one process within " + ", ".join(f"{t:g} ({d})" for d, t in GRAD_TOLERANCE.items()))
     add("lr", default=0.05, more="SGD")

@@ -66,7 +66,7 @@ def add_simulate_parser(subparsers, *, gpt: bool = True) -> argparse.ArgumentPar
                         "schedule's own stages); default: 1F1B's peak, p M_B of 1F1B stages")
     cli_options.add(parser, "stages_per_rank", default_text="2")
     parser.add_argument("--pairs", type=int, default=None, metavar="K", help="down/up pipeline pairs (chimera; default 1; 2K must divide P)")
-    cli_options.add(parser, "overlap")
+    cli_options.add(parser, "overlap", default_text="off")
     cli_options.add(parser, "overlap_warmup", dest="warmup_extra")
     parser.add_argument("--hold", choices=HOLD, default="model",
                         help="what is the same for every schedule: 'model' (default): the times and M_B are those of one "

@@ -89,8 +89,8 @@ def _add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
     add("steps", default=300, more="the step to reach, counted from 0 (also with --resume)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per step, all replicas together (default: 16)")
     add("microbatch_size", default=2)
-    add("overlap")
-    add("overlap_warmup", dest="warmup_extra")
+    add("overlap", default_text="off")
+    add("overlap_warmup", dest="warmup_extra", default_text="0")
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:

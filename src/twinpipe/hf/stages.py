@@ -173,6 +173,39 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
     spread over that group too (slot s runs expert s); they run in the criterion, outside the parts.
     """
     parts = model_parts(model, untested=untested)
+    num_ranks, rank = _ranks(num_ranks, rank, process_group)
+    check_choice(rotary, "rotary", ROTARY)
+    check_bool(defer, "defer")
+    depth = _mtp_depth(model, parts, mtp_depth, mtp_weight, mtp_seed)
+    timeout = waits.timeout_for(timeout)
+    spec = resolve(schedule, num_ranks, **schedule_options)
+    n_stages = spec.placement.num_model_stages
+    if layout is not None:
+        items = parse_layout(layout, n_stages, len(parts.layers))
+    else:
+        check_choice(balance, "balance", BALANCE)
+        weights = _param_weights(parts) if balance == "params" else _time_weights(parts, sample, process_group, timeout)
+        items = balanced_layout(weights, n_stages)
+    cut = _Cut(parts, spec, rank, items, depth)
+    layers, kind = _stage_layers(cut, wrap_layer)
+    modules, ends = _stage_modules(model, cut, layers, kind, rotary=rotary, defer=defer, mtp_seed=mtp_seed)
+    criterion = CausalLMLoss(model.loss_function, parts.config.vocab_size, parts.aux)
+    if depth:
+        last = [m for m in modules if m.last]
+        criterion = HFMTPLoss(criterion, last[0] if last else None, float(mtp_weight), depth)
+    tied_keys = ("embed", "head") if cut.tie == "split" else ("embed", "mtp_embed") if depth and not cut.both_ends else ()
+    weight = parts.embed_tokens.weight
+    facts = {"model": type(model).__name__, "layers": len(parts.layers), "vocab": int(parts.config.vocab_size),
+             "hidden": int(parts.config.hidden_size), "aux": list(parts.aux or ()), "layout": format_layout(items),
+             "rotary": rotary, "tie": cut.tie, "mtp_depth": depth, "mtp_weight": float(mtp_weight) if depth else 0.0,
+             "mtp_seed": mtp_seed if depth else 0}
+    return HFRankStages(modules=modules, spec=spec, rank=rank, layout=format_layout(items), criterion=criterion,
+                        tie=cut.tie, rotary=rotary, _ends=ends, _tied_like=(tuple(weight.shape), weight.dtype, weight.device),
+                        facts=facts, mtp_depth=depth, _tied_keys=tied_keys)
+
+
+def _ranks(num_ranks: int | None, rank: int | None, process_group) -> tuple[int, int]:
+    """``build``'s ranks, checked: as given, else the process group's."""
     if dist.is_initialized():
         num_ranks = dist.get_world_size(process_group) if num_ranks is None else num_ranks
         rank = dist.get_rank(process_group) if rank is None else rank
@@ -180,36 +213,43 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
         raise ValueError("num_ranks and rank: give both, or initialise torch.distributed first")
     check_int(num_ranks, "num_ranks", low=1)
     check_int(rank, "rank", low=0, high=num_ranks - 1)
-    check_choice(rotary, "rotary", ROTARY)
-    check_bool(defer, "defer")
+    return num_ranks, rank
+
+
+def _mtp_depth(model, parts: ModelParts, mtp_depth: int | str, mtp_weight: float, mtp_seed: int) -> int:
+    """``build``'s MTP depth and options, checked."""
     depth = mtp_depth_of(model, mtp_depth)
     check_float(mtp_weight, "mtp_weight", low=0.0)
     check_int(mtp_seed, "mtp_seed", low=0)
-    timeout = waits.timeout_for(timeout)
     if depth and parts.aux:
         raise bad("mtp_depth", depth, "must be 0 with the router auxiliary loss on (output_router_logits)")
-    spec = resolve(schedule, num_ranks, **schedule_options)
-    placement = spec.placement
-    n_stages = placement.num_model_stages
-    n_layers = len(parts.layers)
-    if layout is not None:
-        items = parse_layout(layout, n_stages, n_layers)
-    else:
-        check_choice(balance, "balance", BALANCE)
-        weights = _param_weights(parts) if balance == "params" else _time_weights(parts, sample, process_group, timeout)
-        items = balanced_layout(weights, n_stages)
-    mine = list(spec.stages_of(rank))
-    model_stages = [placement.model_stage(s) for s in mine]
-    # One rank holds both ends, one copy of each (a V schedule): decided from the placement alone, so that
-    # every rank decides alike. Then a tied head and the MTP layers' embedding are the embedding itself.
-    both_ends = placement.num_stages == n_stages and placement.rank_of(0) == placement.rank_of(n_stages - 1)
-    tie = "none"
-    if parts.tied:
-        tie = "shared" if both_ends else "split"
-    starts = [sum(stage.count("t") for stage in items[:k]) for k in range(n_stages)]
+    return depth
+
+
+class _Cut:
+    """Where ``build`` cuts: this rank's stages and their model stages, the items of each model stage
+    and its first decoder layer, how a tied embedding is held, the MTP depth."""
+
+    def __init__(self, parts: ModelParts, spec: ScheduleSpec, rank: int, items: list, depth: int):
+        placement = spec.placement
+        n_stages = placement.num_model_stages
+        self.parts, self.spec, self.rank, self.items, self.depth = parts, spec, rank, items, depth
+        self.placement = placement
+        self.mine = list(spec.stages_of(rank))
+        self.model_stages = [placement.model_stage(s) for s in self.mine]
+        # One rank holds both ends, one copy of each (a V schedule): decided from the placement alone, so
+        # that every rank decides alike. Then a tied head and the MTP layers' embedding are the embedding itself.
+        self.both_ends = placement.num_stages == n_stages and placement.rank_of(0) == placement.rank_of(n_stages - 1)
+        self.tie = ("shared" if self.both_ends else "split") if parts.tied else "none"
+        self.starts = [sum(stage.count("t") for stage in items[:k]) for k in range(n_stages)]
+
+
+def _stage_layers(cut: _Cut, wrap_layer) -> tuple[dict, type]:
+    """Each of this rank's model stages' decoder layers (``wrap_layer`` applied), and the one stage
+    class for all of them (the pipeline overlaps F&B ops only when they agree)."""
+    parts, items, starts = cut.parts, cut.items, cut.starts
     layers = {k: decoder_layers(parts, range(starts[k], starts[k] + items[k].count("t")), wrap_layer)
-              for k in sorted(set(model_stages))}
-    # One stage class for all of this rank's stages (the pipeline overlaps F&B ops only when they agree).
+              for k in sorted(set(cut.model_stages))}
     kind = HFPartedStage if any(hasattr(layer, "parts") for ls in layers.values() for layer in ls.values()) else HFStage
     drops = [layer.index for ls in layers.values() for layer in ls.values() if drops_router_logits(layer)]
     if kind is HFPartedStage and parts.aux and drops:
@@ -217,27 +257,35 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
         raise bad("wrap_layer", wrap_layer, f"gives layers that declare parts, and the router auxiliary loss is on: layers "
                   f"{drops} have a router whose logits their parts do not carry (twinpipe.hf.moe_layer.MoEDecoderLayer "
                   "does, on a model sharded by shard_experts_); or set config.output_router_logits=False")
-    if depth and sum(items[k][-1] == "L" for k in model_stages) > 1:
-        raise bad("mtp_depth", depth, f"must be 0 for {spec.name} on {num_ranks} ranks: rank {rank} holds two copies of "
-                                      "the last stage, and the MTP layers run in the one criterion of a rank")
+    if cut.depth and sum(items[k][-1] == "L" for k in cut.model_stages) > 1:
+        raise bad("mtp_depth", cut.depth, f"must be 0 for {cut.spec.name} on {cut.spec.num_ranks} ranks: rank {cut.rank} holds "
+                                          "two copies of the last stage, and the MTP layers run in the one criterion of a rank")
+    return layers, kind
+
+
+def _stage_modules(model, cut: _Cut, layers: dict, kind: type, *, rotary: str, defer: bool, mtp_seed: int) -> tuple[list, dict]:
+    """This rank's stage modules, in ``cut.mine``'s order, and the ends of its tied tensors: ``"embed"``,
+    ``"head"``, ``"mtp_embed"`` -> ``[(stage, chain, parameter)]``."""
+    parts, depth = cut.parts, cut.depth
     # The MTP layers' experts spread as the main layers' (the model sharded by shard_experts_).
     mtp_ep = ep_group_of(nn.ModuleList(parts.layers)) if depth else None
     modules, ends, built = [], {}, set()
-    for s, k in zip(mine, model_stages):
+    for s, k in zip(cut.mine, cut.model_stages):
         head = mtp = mtp_embed = None
-        if items[k][-1] == "L" and tie == "split":
+        last = cut.items[k][-1] == "L"
+        if last and cut.tie == "split":
             head = copy.deepcopy(parts.lm_head)  # its own parameter, equal to the embedding
-        if items[k][-1] == "L" and depth:
+        if last and depth:
             mtp = mtp_layers(model, depth, seed=mtp_seed, ep_group=mtp_ep)
             weight = parts.embed_tokens.weight
-            mtp_embed = weight if both_ends else nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
-        module = kind(parts, items[k], starts[k], rotary=rotary, head=head, layers=layers[k], mtp=mtp, mtp_embed=mtp_embed)
+            mtp_embed = weight if cut.both_ends else nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
+        module = kind(parts, cut.items[k], cut.starts[k], rotary=rotary, head=head, layers=layers[k], mtp=mtp, mtp_embed=mtp_embed)
         if k in built:  # a second copy of one model stage on this rank
             module = copy.deepcopy(module)
         built.add(k)
         if defer:
             defer_weight_grads(module)
-        chain = placement.chain_of_stage(s)
+        chain = cut.placement.chain_of_stage(s)
         if module.first:
             ends.setdefault("embed", []).append((s, chain, module.embed_tokens.weight))
         if module.last:
@@ -245,20 +293,7 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
             if depth:
                 ends.setdefault("mtp_embed", []).append((s, chain, module.mtp_embed))
         modules.append(module)
-    criterion = CausalLMLoss(model.loss_function, parts.config.vocab_size, parts.aux)
-    if depth:
-        last = [m for m in modules if m.last]
-        criterion = HFMTPLoss(criterion, last[0] if last else None, float(mtp_weight), depth)
-    tied_keys = ("embed", "head") if tie == "split" else ("embed", "mtp_embed") if depth and not both_ends else ()
-    weight = parts.embed_tokens.weight
-    return HFRankStages(modules=modules, spec=spec, rank=rank, layout=format_layout(items), criterion=criterion,
-                            tie=tie, rotary=rotary, _ends=ends, _tied_like=(tuple(weight.shape), weight.dtype, weight.device),
-                            facts={"model": type(model).__name__, "layers": n_layers, "vocab": int(parts.config.vocab_size),
-                                   "hidden": int(parts.config.hidden_size), "aux": list(parts.aux or ()),
-                                   "layout": format_layout(items), "rotary": rotary, "tie": tie, "mtp_depth": depth,
-                                   "mtp_weight": float(mtp_weight) if depth else 0.0, "mtp_seed": mtp_seed if depth else 0},
-                            mtp_depth=depth, _tied_keys=tied_keys)
-
+    return modules, ends
 
 def _param_weights(parts: ModelParts) -> list[float]:
     def count(*modules):

@@ -52,6 +52,16 @@ def draw_timeline(timeline: Timeline, path: str | Path | None = None, *, title: 
     return draw_timelines([timeline], path, titles=None if title is None else [title], **options)
 
 
+def _checked_timelines(timelines: Sequence[Timeline], titles: Sequence[str] | None) -> list[Timeline]:
+    """``draw_timelines``' timelines as a list: at least one, and as many as ``titles`` when given."""
+    timelines = list(timelines)
+    if not timelines:
+        raise ValueError("timelines is empty: give at least one Timeline")
+    if titles is not None and len(titles) != len(timelines):
+        raise ValueError(f"titles has {len(titles)} entries for {len(timelines)} timelines")
+    return timelines
+
+
 def draw_timelines(
     timelines: Sequence[Timeline],
     path: str | Path | None = None,
@@ -71,11 +81,7 @@ def draw_timelines(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    timelines = list(timelines)
-    if not timelines:
-        raise ValueError("timelines is empty: give at least one Timeline")
-    if titles is not None and len(titles) != len(timelines):
-        raise ValueError(f"titles has {len(titles)} entries for {len(timelines)} timelines")
+    timelines = _checked_timelines(timelines, titles)
     fmt = _format_of(path) if path is not None else None
     scale, xlabel = time_axis(timelines)
     cells = [timeline_cells(t, scale) for t in timelines]

@@ -22,11 +22,11 @@ OVERLAP_OPTIONS = registry.FB_OPTIONS
 
 def decision_candidates(max_warmup_extra: int = 2) -> list[tuple[str, dict]]:
     """(schedule, options) rows of the memory-budget question: DualPipe, DualPipeV, interleaved 1F1B
-    without overlap and with it at k = 0..``max_warmup_extra`` extra warm-up micro-batches, ZB-V without and with."""
+    and ZB-V, each without overlap and with it at k = 0..``max_warmup_extra`` extra warm-up micro-batches."""
     checks.check_int(max_warmup_extra, "max_warmup_extra", low=0)
     return [("dualpipe", {}), ("dualpipev", {}), ("interleaved-1f1b", {}),
             *(("interleaved-1f1b", {"overlap": True, "warmup_extra": k}) for k in range(max_warmup_extra + 1)),
-            ("zbv", {}), ("zbv", {"overlap": True})]
+            ("zbv", {}), *(("zbv", {"overlap": True, "warmup_extra": k}) for k in range(max_warmup_extra + 1))]
 
 
 def spec_of(name: str, p: int, options: dict | None = None) -> ScheduleSpec:

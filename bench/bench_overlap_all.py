@@ -6,8 +6,8 @@ MoE blocks, ``twinpipe.train.model.block``) and tiny ``transformers`` Qwen3-MoE 
 
 - off: the schedule as it is (DualPipe's and DualPipeV's F&B ops run F then B);
 - on: DualPipe and DualPipeV with the part-level overlap inside their F&B ops; any other schedule
-  with ``resolve(name, p, overlap=True)``, once the schedule layer takes that option (feature-tested
-  by ``twinpipe.plan.candidates.schedule_layer_overlaps``; until then its row says "no overlap yet").
+  with ``resolve(name, p, overlap=True)`` where the registry declares that option for it
+  (``registry.get(name).options``; any other row says "no overlap").
 
 Blocks of steps alternate between off and on (``bench_vs_torch.alternating_blocks``; the baseline
 is off, in the same run). Printed: median step time off and on, the ratio on/off (median of the
@@ -45,13 +45,12 @@ SEQ, HIDDEN, EXPERTS, ROWS = 32, 64, 4, 2  # tokens per sequence, width, experts
 
 def overlap_on_options(name: str) -> dict | None:
     """How to turn the overlap on for ``name``: {} (its F&B ops exist: the modules' ``overlap`` flag),
-    {"overlap": True} (the schedule layer takes the option), or None (not available yet)."""
-    from twinpipe.plan.candidates import schedule_layer_overlaps
+    {"overlap": True} (the registry declares the option for it), or None (no overlap)."""
     from twinpipe.schedule import registry
 
     if len(registry.placement_for(name, 2).chains) > 1 or name == "dualpipev":
         return {}
-    return {"overlap": True} if schedule_layer_overlaps(name) else None
+    return {"overlap": True} if "overlap" in (registry.get(name).options or ()) else None
 
 
 def _moe_stages(name, pp_rank, ep_group):
@@ -208,7 +207,7 @@ def main() -> None:
         times, shares = row["times"], row["shares"]
         t_off = statistics.median(times["off"])
         if not row["on"]:
-            print(f"{head} {t_off * 1e3:8.1f} {'-':>8} {'-':>7} {'-':>10} {'-':>9} {'-':>10}  no overlap yet: the schedule layer "
+            print(f"{head} {t_off * 1e3:8.1f} {'-':>8} {'-':>7} {'-':>10} {'-':>9} {'-':>10}  no overlap: the schedule layer "
                   "does not take overlap=True for it")
             continue
         t_on = statistics.median(times["on"])

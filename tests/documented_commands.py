@@ -210,12 +210,12 @@ COMMANDS: list[Command] = [
     Command("twinpipe plan --layers 64 --dim 7168 --seq-len 4096 --vocab 129280 --experts 256 --top-k 8 --expert-ffn 3072 --ep 64 "
             "--optimizer-bytes 8 --zero1 --activation-share 0.5 --gpus 2048 --intra-gbps 160 --inter-gbps 50 "
             "--microbatches 128 --pp 16 --memory-limit 80",  # DeepSeek-V3's inputs: the table docs/plan.md shows
-            stdout=("23.33 s", "23.71 s", "24.21 s", "28.14 s", "37.09 s", "9.2+18.3+5.5+29.1",
-                    "at 80 GiB: dualpipev (pp 16 x dp 128) wins", "2% ahead of dualpipe (pp 16)")),
+            stdout=("22.75 s", "22.81 s", "23.33 s", "23.71 s", "30.36 s", "37.09 s", "9.2+18.3+5.5+29.1",
+                    "at 80 GiB: interleaved-1f1b overlap=True warmup_extra=1 (pp 16 x dp 128) wins")),
     Command("twinpipe plan --layers 64 --dim 7168 --seq-len 4096 --vocab 163840 --experts 384 --top-k 8 --expert-ffn 3072 --ep 16 "
             "--optimizer-bytes 8 --zero1 --activation-share 0.3 --gpus 2048 --intra-gbps 160 --inter-gbps 50 "
             "--microbatches 128 --pp 16 --memory-limit 80",  # Kimi K2's inputs: the table docs/plan.md shows
-            stdout=("23.03 s", "23.94 s", "27.70 s", "36.71 s", "12.3%", "11.6+23.2+4.1+25.2",
+            stdout=("22.40 s", "22.46 s", "23.03 s", "29.98 s", "36.71 s", "7.3%", "11.6+23.2+4.1+24.6",
                     "over the budget: dualpipe pp=16 needs 95.2 GiB = 23.2+46.5+8.1+17.5 (2 weight copies)")),
     Command("twinpipe export dualpipev --pp 4 --microbatches 8 --format torch-csv --out dualpipev.csv",
             files=("dualpipev.csv",)),

@@ -12,76 +12,30 @@ from twinpipe.cli import main
 from twinpipe.plan import Cluster, Model, plan, predict_one
 from twinpipe.plan import candidates
 from twinpipe.plan.costs import activation_bytes_per_layer, layout, stage_costs, weight_grad_bytes_per_layer
-from twinpipe.plan.paired import lead_warmup, pair_steady
 from twinpipe.schedule import registry
-from twinpipe.schedule.check import validate
-from twinpipe.schedule.deps import work_done
 from twinpipe.schedule.ops import OpKind
-from twinpipe.sim import CostModel
-from twinpipe.sim.costs import for_model
-from twinpipe.sim.engine import summarize
 
 GiB = 2**30
-# F&B hides 0.8 of the 3.0 an F plus a full backward take: what DualPipe's FB op is given.
-COSTS = CostModel(t_f=1.0, t_b=1.0, t_w=1.0, t_comm=0.05, t_fb=2.2)
 
 
-def _work(schedule) -> list:
-    return sorted(key for ops in schedule.ops for op in ops for key in work_done(op))
+# --------------------------------------------------------------------------- the candidates' schedules
 
 
-def _summary(schedule):
-    return summarize(schedule, for_model(COSTS, schedule.placement))
-
-
-# --------------------------------------------------------------------------- the stand-in schedules
-
-
-@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zbv", "zb-h1"])
-@pytest.mark.parametrize("p,m", [(2, 8), (4, 16)])
-def test_pairing_is_valid_does_the_same_work_and_never_fuses_a_wait_on_itself(name, p, m):
-    # Fusing every F next to a backward deadlocked 1F1B, ZB-H1 and ZB-V (the first version did):
-    # the rule fuses only pairs whose second op is ready before the first.
-    plain = registry.build(name, p, m)
-    paired = pair_steady(plain)
-    validate(paired)
-    assert _work(paired) == _work(plain)
-    fused = [op for ops in paired.ops for op in ops if op.kind is OpKind.FB]
-    assert fused and all(op.microbatch != op.backward.microbatch for op in fused)
-
-
-@pytest.mark.parametrize("p,m", [(2, 8), (4, 16), (8, 32)])
-def test_extra_warmup_holds_k_more_microbatches_and_frees_interleaved_pairs(p, m):
-    plain = registry.build("interleaved-1f1b", p, m)
-    base = _summary(plain)
-    for k in (1, 2):
-        led = lead_warmup(plain, k)
-        validate(led)
-        assert _work(led) == _work(plain)
-        # k more forwards of a half-size stage (two per rank) before each backward: k/2 more 1F1B-stage M_B
-        assert max(_summary(led).peak) == pytest.approx(max(base.peak) + k / 2)
-    # Kimi K2's point: beyond 2 ranks, one extra warm-up micro-batch lets the pairs hide more than none
-    with_k = {k: _summary(pair_steady(lead_warmup(plain, k))).makespan for k in (0, 1)}
-    assert with_k[1] < base.makespan and (p == 2 or with_k[1] < with_k[0])
-
-
-def test_the_switch_passes_the_options_to_the_schedule_layer_once_it_takes_them(monkeypatch):
-    assert candidates.schedule_layer_overlaps("interleaved-1f1b") is False  # before issue 32 item 1 is merged
-    schedule, derived = candidates.build("interleaved-1f1b", 4, 8, {"overlap": True, "warmup_extra": 1})
-    assert derived and schedule.options["warmup_extra"] == 1
-    monkeypatch.setattr(candidates, "schedule_layer_overlaps", lambda name, options: True)
-    with pytest.raises(ValueError, match="overlap"):  # handed to the registry as they are, which does not know them yet
-        candidates.build("interleaved-1f1b", 4, 8, {"overlap": True, "warmup_extra": 1})
+def test_the_planner_passes_the_overlap_options_to_the_schedule_layer():
+    # one pairing rule (schedule/fb_pairing.py): the planner's schedule is the registry's
+    options = {"overlap": True, "warmup_extra": 1}
+    schedule = candidates.build("interleaved-1f1b", 4, 8, options)
+    assert schedule == registry.build("interleaved-1f1b", 4, 8, **options)
+    assert schedule.options["warmup_extra"] == 1 and candidates.spec_of("interleaved-1f1b", 4, options).options["overlap"]
+    assert any(op.kind is OpKind.FB for ops in schedule.ops for op in ops)
 
 
 def test_bad_candidate_options_name_themselves():
     with pytest.raises(ValueError, match="warmup_extra=-1"):
         candidates.build("interleaved-1f1b", 4, 8, {"overlap": True, "warmup_extra": -1})
-    with pytest.raises(ValueError, match="warmup_extra=1: must be 0 for ZB-V"):
-        candidates.build("zbv", 4, 8, {"overlap": True, "warmup_extra": 1})
-    with pytest.raises(ValueError, match="'1f1b'.*interleaved-1f1b, zbv only"):
-        candidates.build("1f1b", 4, 8, {"overlap": True})
-    assert "does not fit" in predict_one("1f1b", MOE, Cluster(gpus=64), 4, 16, options={"overlap": True}).why
+    with pytest.raises(ValueError, match="overlap=True: not taken by dualpipe"):
+        candidates.build("dualpipe", 4, 8, {"overlap": True})
+    assert "not taken by gpipe" in predict_one("gpipe", MOE, Cluster(gpus=64), 4, 16, options={"overlap": True}).why
 
 
 # --------------------------------------------------------------------------- memory per row
@@ -92,8 +46,8 @@ MOE = Model(layers=16, hidden=1024, seq=1024, experts=16, top_k=2, expert_ffn=20
 def test_memory_parts_per_candidate_dualpipe_twice_the_weights_dualpipev_once():
     cluster = Cluster(gpus=64, memory=1e15)
     rows = {r.label: r for r in plan(MOE, cluster, 16, [4], rows=candidates.decision_candidates(2), workers=1)}
-    assert set(rows) == {"dualpipe", "dualpipev", "interleaved-1f1b", "zbv", "zbv overlap=True",
-                         *(f"interleaved-1f1b overlap=True warmup_extra={k}" for k in range(3))}
+    assert set(rows) == {"dualpipe", "dualpipev", "interleaved-1f1b", "zbv",
+                         *(f"{name} overlap=True warmup_extra={k}" for name in ("interleaved-1f1b", "zbv") for k in range(3))}
     assert all(r.fits for r in rows.values()), {k: r.why for k, r in rows.items()}
     one = rows["interleaved-1f1b"].memory
     for label, row in rows.items():
@@ -167,16 +121,25 @@ def _decide(model: dict, share: float) -> dict:
 
 
 @pytest.mark.parametrize("share", [0.7])  # the step times do not depend on it: DualPipe fits at any share up to this
-def test_deepseek_v3_dualpipe_fits_at_2048_h800s_and_beats_every_schedule_of_its_time(share):
+def test_deepseek_v3_dualpipe_fits_at_2048_h800s_and_beats_interleaved_1f1b_without_the_warmup_lead(share):
     rows = _decide(DEEPSEEK_V3, share)
     dualpipe = rows["dualpipe"]
     assert dualpipe.fits and dualpipe.memory["total"] < 80 * GiB
-    # ahead of interleaved 1F1B with and without the all-to-all hidden (ZB-V: not simulated at 32 stages x 128)
-    for label in ("interleaved-1f1b", *(f"interleaved-1f1b overlap=True warmup_extra={k}" for k in range(3))):
+    # ahead of interleaved 1F1B with the all-to-all exposed, and hidden without extra warm-up (ZB-V: not simulated at 32 stages x 128)
+    for label in ("interleaved-1f1b", "interleaved-1f1b overlap=True warmup_extra=0"):
         assert rows[label].fits and dualpipe.step_time < rows[label].step_time, label
     assert rows["zbv"].why.startswith("skipped")
-    # DualPipeV, published after DeepSeek-V3, is the one ahead: no all-reduce between weight copies
+    # DualPipeV, published after DeepSeek-V3, is ahead of it: no all-reduce between weight copies
     assert rows["dualpipev"].step_time < dualpipe.step_time < 1.05 * rows["dualpipev"].step_time
+
+
+@pytest.mark.xfail(strict=True, reason="moved with the schedule layer's pairing (schedule/fb_pairing.py): interleaved 1F1B "
+                   "with overlap and 1-2 extra warm-up micro-batches plans 22.75-22.81 s against DualPipe's 23.71 s "
+                   "(the planner's stand-in pairing gave 24.21-24.24 s); docs/plan.md")
+def test_deepseek_v3_dualpipe_beats_interleaved_1f1b_with_the_warmup_lead():
+    rows = _decide(DEEPSEEK_V3, 0.7)
+    for k in (1, 2):
+        assert rows["dualpipe"].step_time < rows[f"interleaved-1f1b overlap=True warmup_extra={k}"].step_time, k
 
 
 @pytest.mark.parametrize("share", [0.3, 1.0])
@@ -194,7 +157,8 @@ def test_kimi_k2_dualpipe_excluded_by_its_doubled_weights_interleaved_with_overl
         assert not any(r.fits for r in rows.values())
         return
     chosen = rows["interleaved-1f1b overlap=True warmup_extra=1"]
-    assert chosen.fits and rows["dualpipev"].fits and rows["dualpipev"].step_time < chosen.step_time  # one copy, F&B built in
+    # the fastest of what fits, DualPipeV (one copy, F&B built in) included
+    assert chosen.fits and rows["dualpipev"].fits and chosen.step_time == min(r.step_time for r in rows.values() if r.fits)
     assert chosen.step_time < 0.75 * rows["interleaved-1f1b"].step_time  # hiding the all-to-all pays ...
     assert chosen.step_time < rows["interleaved-1f1b overlap=True warmup_extra=0"].step_time  # ... with the extra warm-up
 

@@ -72,7 +72,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--memory-limit", metavar="GIB",
                    help="the memory budget per GPU in GiB (replaces --memory-gib): rows over it do not fit, and one line says which "
                         "row wins at it and why; without --schedules, plans the candidates: dualpipe, dualpipev, interleaved-1f1b "
-                        "without and with overlap (k = 0..--max-warmup-extra extra warm-up micro-batches), zbv without and with overlap")
+                        "and zbv, each without and with overlap (k = 0..--max-warmup-extra extra warm-up micro-batches)")
     c.add_argument("--max-warmup-extra", type=int, default=2, metavar="K",
                    help="with --memory-limit: interleaved-1f1b with overlap at k = 0..K extra warm-up micro-batches (default: 2)")
     c.add_argument("--intra-gbps", type=float, default=400.0, help="per-GPU bandwidth inside a node, GB/s (default: 400)")

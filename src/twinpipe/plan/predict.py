@@ -96,10 +96,9 @@ def simulate_metrics(name: str, p: int, m: int, costs: CostModel, options: dict 
     placement = candidates.spec_of(name, p, options).placement
     scaled = _scaled(costs, placement)
     options |= {k: getattr(scaled, k) for k in ("t_f", "t_b", "t_w", "t_comm", "mw") if k in (info.options or ())}
-    schedule, derived = candidates.build(name, p, m, options)
-    # Built-in generators are validated by their tests at every size; a registered one, or one the
-    # planner derived (plan.paired), at every use.
-    summary = summarize(schedule, scaled, check=derived or info not in registry.BUILTIN)
+    schedule = candidates.build(name, p, m, options)
+    # Built-in generators are validated by their tests at every size; a registered one at every use.
+    summary = summarize(schedule, scaled, check=info not in registry.BUILTIN)
     return {"makespan": summary.makespan, "busy": list(summary.busy), "peak": list(summary.peak)}
 
 
@@ -295,9 +294,7 @@ def _memory(pred: Prediction, model: Model, lay: Layout, params: list, activatio
 def _gpt_memory(pred: Prediction, gpt, cluster: Cluster, dp: int) -> None:
     """Memory per rank and part for twinpipe train's GPT (``GPTRun.predict``): the fullest rank's
     parts in ``memory``, every pipeline rank's largest total in ``memory_per_rank``."""
-    schedule, derived = candidates.build(pred.schedule, pred.pp, pred.microbatches, pred.options)
-    # A schedule the planner derived is predicted as the fixed schedule it is (its ops, not its name).
-    ranks = gpt.predict(schedule if derived else pred.schedule, pred.pp, pred.microbatches, dp, {} if derived else pred.options)
+    ranks = gpt.predict(pred.schedule, pred.pp, pred.microbatches, dp, pred.options)
     pred.memory_parts = [r.to_dict() for r in ranks]
     fullest = max(ranks, key=lambda r: r.parts.total)
     pred.memory = {**fullest.parts.to_dict(), "activations": fullest.parts.activations_peak}

@@ -298,11 +298,12 @@ def test_train_model_goes_through_the_guard(tmp_path, capsys):
     import argparse
 
     from twinpipe.train_command import cli
-    from twinpipe.train_command.model import check_model
+    from twinpipe.train_command.model import check_ep, check_model
 
     parser = argparse.ArgumentParser()
     cli._add_arguments(parser)
     args = parser.parse_args(["--model", str(fits), *common])
+    args.ep = check_ep(args)  # as the command's checks do first
     info = check_model(args, 1, cli._defaults())
     err = capsys.readouterr().err
     assert err.startswith("twinpipe train: warning: model=GraniteForCausalLM: model_type='granite' is not one twinpipe.hf "

@@ -19,6 +19,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from twinpipe.checks import DEFAULT_TIMEOUT
+
 __all__ = ["BOUNDS", "GROUPS", "PlanRequest", "PlanRow", "check_plan", "combine", "format_report", "group_of", "rank_differences", "small_model"]
 
 # Float64 throughout: a split run adds the same float64 numbers as the unsplit model in another order
@@ -63,7 +65,7 @@ class PlanRequest:
     rows: int = 1
     seq_len: int = 8
     seed: int = 0
-    timeout: float = 120.0
+    timeout: float = DEFAULT_TIMEOUT
 
 
 @dataclass(frozen=True)

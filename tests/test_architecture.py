@@ -35,10 +35,9 @@ PUBLIC = {
 # Kept for a reason other than a signature: the simulator's event loop reads locals, not attributes,
 # for its speed over millions of ops (bench/bench_sim.py); records (dataclasses, named tuples) of more
 # than 6 fields built by keyword in this code but positionally in users' code or older checkpoints'
-# readers are not made keyword-only; HFStage's constructor is next.
+# readers are not made keyword-only.
 EXEMPT = {
     "sim/engine.py:_run",
-    "hf/stage.py:HFStage.__init__",
     "eplb/report.py:BalanceReport",
     "hf/stages.py:HFRankStages", "hf/support.py:ModelParts", "moe/exchange.py:_Route",
     "schedule/costs.py:CostModel", "schedule/registry.py:ScheduleInfo", "schedule/spec.py:ScheduleSpec",

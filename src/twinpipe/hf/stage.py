@@ -9,7 +9,7 @@ such stages with the model's own forward, and ``twinpipe.hf.stages``, which buil
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -22,11 +22,21 @@ from twinpipe.hf.support import ModelParts
 from twinpipe.overlap import stage as overlap_stage
 from twinpipe.overlap.parts import Compute
 
-__all__ = ["HFStage", "HFPartedStage", "CausalLMLoss", "count_items", "ROTARY", "IGNORE_INDEX"]
+__all__ = ["HFStage", "HFPartedStage", "LastItems", "CausalLMLoss", "count_items", "ROTARY", "IGNORE_INDEX"]
 
 
 ROTARY = ("recompute", "pass")
 IGNORE_INDEX = -100
+
+
+class LastItems(NamedTuple):
+    """What a last stage may hold of its own: a ``head`` (a tied head's copy, when the two ends are on
+    different stages), DeepSeek-V3's ``mtp`` layers and their embedding copy ``mtp_embed``. None:
+    the model's head, no MTP layers."""
+
+    head: nn.Module | None = None
+    mtp: nn.ModuleList | None = None
+    mtp_embed: nn.Parameter | None = None
 
 
 class HFStage(nn.Module):
@@ -35,9 +45,9 @@ class HFStage(nn.Module):
     names they have in the unsplit model (``model.layers.3.mlp...``, ``lm_head.weight``)."""
 
     def __init__(self, parts: ModelParts, items: Sequence[str], first_layer: int, *, rotary: str = "recompute",
-                 head: nn.Module | None = None, layers: dict | None = None, mtp: nn.ModuleList | None = None,
-                 mtp_embed: nn.Parameter | None = None):
+                 layers: dict | None = None, last: LastItems | None = None):
         super().__init__()
+        head, mtp, mtp_embed = last if last is not None else LastItems()
         self.items = tuple(items)
         self.first, self.last = self.items[0] == "E", self.items[-1] == "L"
         self.rotary = rotary

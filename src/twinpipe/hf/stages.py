@@ -20,7 +20,7 @@ from twinpipe.hf.layer import drops_router_logits
 from twinpipe.hf.layout import BALANCE, balanced_layout, format_layout, parse_layout
 from twinpipe.hf.mtp import HFMTPLoss, depth_counts, mtp_depth_of, mtp_layers
 from twinpipe.hf.self_check import model_parts
-from twinpipe.hf.stage import IGNORE_INDEX, ROTARY, CausalLMLoss, HFPartedStage, HFStage, count_items, decoder_layers
+from twinpipe.hf.stage import IGNORE_INDEX, ROTARY, CausalLMLoss, HFPartedStage, HFStage, LastItems, count_items, decoder_layers
 from twinpipe.hf.support import ModelParts
 from twinpipe.runtime.batches import batch_layout
 from twinpipe.runtime import waits
@@ -279,7 +279,7 @@ def _stage_modules(model, cut: _Cut, layers: dict, kind: type, *, rotary: str, d
             mtp = mtp_layers(model, depth, seed=mtp_seed, ep_group=mtp_ep)
             weight = parts.embed_tokens.weight
             mtp_embed = weight if cut.both_ends else nn.Parameter(weight.detach().clone(), requires_grad=weight.requires_grad)
-        module = kind(parts, cut.items[k], cut.starts[k], rotary=rotary, head=head, layers=layers[k], mtp=mtp, mtp_embed=mtp_embed)
+        module = kind(parts, cut.items[k], cut.starts[k], rotary=rotary, layers=layers[k], last=LastItems(head, mtp, mtp_embed))
         if k in built:  # a second copy of one model stage on this rank
             module = copy.deepcopy(module)
         built.add(k)

@@ -637,7 +637,8 @@ def _loop(run: _Run, args, stopper: StopOnSignals) -> int:
             for key, value in result.times.items():
                 run.times.setdefault(key, []).append(value)
             progress.update(step, result, by_rank, trainer.skipped_steps)
-            evaluation.after(step)  # collective, when --eval-every or the last step says so
+            if not result.stop:  # a stop agreed by every rank spends its grace period on the save, not an evaluation
+                evaluation.after(step)  # collective, when --eval-every or the last step says so
             # after a step (every rank alike): a checkpoint when one is due (or a transformers folder), or the run stops
             hf_due = export_hf.due(args, step + 1) and not result.stop
             if step + 1 < args.steps and (result.stop or run.saves.due(step + 1, result.save) or hf_due):

@@ -198,9 +198,9 @@ def test_traced_planner_costs_average_only_the_measured_fb_stages():
 def test_planner_pair_without_all_to_all_is_its_halves():
     from twinpipe.plan.costs import LayerTimes
 
-    layer = LayerTimes(1.0, 2.0, 1.5, 3.0, 2.5, 2.0, 0.0)
+    layer = LayerTimes(1.0, 2.0, 1.5, 3.0, 2.5, 2.0, a2a=0.0)
     assert layer.fb() == pair_time(layer.f, layer.b + layer.w)
-    moe = LayerTimes(1.0, 2.0, 1.5, 3.0, 2.5, 2.0, 0.7)
+    moe = LayerTimes(1.0, 2.0, 1.5, 3.0, 2.5, 2.0, a2a=0.7)
     assert moe.fb() < moe.f + moe.b + moe.w  # the all-to-alls hide behind the other half's compute
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from twinpipe.checks import MAX_TIMEOUT, MIN_TIMEOUT, check_float, check_int
 
@@ -33,6 +33,7 @@ class Option:
     words: str
     type: type | None = int
     metavar: str | None = None
+    _: KW_ONLY
     old: tuple[str, ...] = ()
     low: float | None = None
     high: float | None = None

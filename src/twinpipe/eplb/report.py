@@ -58,7 +58,7 @@ class Imbalance:
         return int(self.per_layer.argmax())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BalanceReport:
     """Loads and imbalance before (no EPLB) and after a placement; node fields None for one node."""
 

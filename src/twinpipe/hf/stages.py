@@ -31,7 +31,7 @@ from twinpipe.train.balance import measured_once, time_weights
 
 __all__ = ["HFStage", "HFPartedStage", "CausalLMLoss", "HFRankStages", "build", "ROTARY", "IGNORE_INDEX"]
 
-@dataclass
+@dataclass(kw_only=True)
 class HFRankStages:
     """One rank's share of a causal LM under a schedule: pass ``modules`` and ``spec`` to
     ``Pipeline`` (or call ``pipeline()``), ``batch()`` to ``step()`` with ``criterion``, and call

@@ -51,7 +51,7 @@ class UntestedModelWarning(UserWarning):
     """The model's architecture is not one ``twinpipe.hf`` is tested on; its stages passed the self-check."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelParts:
     """The pieces of a causal LM that stages are made of (shared with the model, not copies)."""
 

@@ -18,7 +18,7 @@ gradient: for ``twinpipe.moe.apply_placement_``) and ``reset_counts()``.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ class _Route:
     shape: tuple  # (batch, seq, hidden) of the block input
     order: torch.Tensor  # token copies (token*k + j) sorted by physical slot, stable
     counts: torch.Tensor  # [R] copies this rank sends to each slot ([R, k]: per slot and choice)
+    _: KW_ONLY
     send: list | None = None  # rows to each rank
     recv: list | None = None  # rows from each rank
     recv_counts: torch.Tensor | None = None  # [ep, local slots] rows from each rank for each local slot

@@ -15,7 +15,7 @@ other micro-batch's compute as ``sim.overlap.predict_fb`` orders the parts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from twinpipe.plan.spec import Cluster, Model
 from twinpipe.schedule.costs import CostModel, full_backward_time, pair_time
@@ -58,6 +58,7 @@ class LayerTimes:
     mlp_f: float
     mlp_b: float
     mlp_w: float
+    _: KW_ONLY
     a2a: float  # one dispatch or combine; 0 for a dense model
 
     @property
@@ -93,7 +94,7 @@ def layer_times(model: Model, cluster: Cluster, lay: Layout) -> LayerTimes:
         volume = t * model.top_k * h * model.activation_bytes * (lay.ep - 1) / lay.ep
         a2a = cluster.latency + volume / cluster.bandwidth(lay.ep)
     return LayerTimes((attn_mm + scores) / rate, (attn_mm + 2 * scores) / rate, attn_mm / rate,
-                      mlp_mm / rate, mlp_mm / rate, mlp_mm / rate, a2a)
+                      mlp_mm / rate, mlp_mm / rate, mlp_mm / rate, a2a=a2a)
 
 
 def activation_bytes_per_layer(model: Model) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, replace
 from pathlib import Path
 
 from twinpipe.schedule.spec import resolve
@@ -34,6 +34,7 @@ class Traced:
     pp: int
     microbatches: int
     costs: CostModel  # one 1F1B stage at pipeline size ``pp``
+    _: KW_ONLY
     split_assumed: bool = False  # the run had only full backwards: T_B = T_W = half of one
     per_stage: CostModel | None = None  # the traced schedule's own per-stage means
 
@@ -117,4 +118,5 @@ def load_traced(path: str | Path) -> Traced:
     if split:  # the same halves as traced_costs, so that schedules with a separate W can run on these times
         halves = [b / 2 for b in per_stage.t_b]
         per_stage = replace(per_stage, t_b=halves, t_w=halves)
-    return Traced(timeline, timeline.name, timeline.num_ranks, timeline.num_microbatches, costs, split, per_stage)
+    return Traced(timeline, timeline.name, timeline.num_ranks, timeline.num_microbatches, costs,
+                  split_assumed=split, per_stage=per_stage)

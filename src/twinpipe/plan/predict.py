@@ -26,7 +26,7 @@ import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from twinpipe import checks
 from twinpipe.plan import candidates
@@ -53,6 +53,7 @@ class Prediction:
     schedule: str
     pp: int
     microbatches: int
+    _: KW_ONLY
     options: dict = field(default_factory=dict)  # the schedule's options (a variant: Chimera's pairs=k)
     dp: int = 1
     ep: int = 1
@@ -195,7 +196,7 @@ def predict_one(name: str, model: Model | None, cluster: Cluster, pp: int, micro
         raise ValueError("model=None: give a Model, or the costs of a traced run")
     _check_count("pp", pp)
     _check_count("microbatches", microbatches)
-    pred = Prediction(registry.get(name).name, pp, microbatches, dict(options or {}))
+    pred = Prediction(registry.get(name).name, pp, microbatches, options=dict(options or {}))
     try:
         lay = layout(model, cluster, pp)
         pred.dp, pred.ep = lay.dp, lay.ep

@@ -5,7 +5,7 @@ what is allowed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from twinpipe import checks
 
@@ -41,6 +41,7 @@ class Model:
     layers: int
     hidden: int
     seq: int
+    _: KW_ONLY
     microbatch_size: int = 1
     ffn: int = 0  # 0: 4 x hidden
     vocab: int = 32000
@@ -121,6 +122,7 @@ class Cluster:
     """
 
     gpus: int
+    _: KW_ONLY
     gpus_per_node: int = 8
     peak_flops: float = 989e12  # H100 SXM dense bf16
     efficiency: float = 0.5

@@ -39,7 +39,7 @@ to hold (receive buffers, kept losses) belongs in this module too, not in its us
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import NamedTuple, Sequence, Union
 
 from twinpipe import checks
@@ -85,6 +85,7 @@ class CostModel:
     t_f: PerStage = 1.0
     t_b: PerStage = 1.0
     t_w: PerStage = 1.0
+    _: KW_ONLY
     t_fb: PerStage | None = None
     t_comm: Number = 0.0
     m_b: PerStage = 1.0

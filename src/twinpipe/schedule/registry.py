@@ -14,7 +14,7 @@ Tools outside this package resolve a schedule once with
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, replace
 from functools import cached_property
 from typing import Callable
 
@@ -47,6 +47,7 @@ class ScheduleInfo:
     summary: str
     aliases: tuple[str, ...] = ()
     max_pairs: int = MAX_STAGE_MICROBATCHES  # stages x micro-batches (limits.py)
+    _: KW_ONLY
     # Other option sets worth comparing at p ranks (the planner's rows), beside the defaults.
     variants: Callable[[int], list[dict]] | None = None
     # A 1F1B steady phase (a forward and a backward in turn): takes FB_OPTIONS (fb_pairing.py).
@@ -94,8 +95,8 @@ def register(name: str, generator: Callable[..., Schedule], placement: Callable[
     taken = [n for n in (name, *aliases) if n.lower() in _REGISTRY or n.lower() in _ALIASES]
     if taken:
         raise ValueError(f"schedule name(s) {', '.join(map(repr, taken))} already registered; choose another")
-    info = ScheduleInfo(name.lower(), generator, placement, summary, tuple(a.lower() for a in aliases), max_pairs, variants,
-                        checks.check_bool(steady, "steady"))
+    info = ScheduleInfo(name.lower(), generator, placement, summary, tuple(a.lower() for a in aliases), max_pairs, variants=variants,
+                        steady=checks.check_bool(steady, "steady"))
     _REGISTRY[info.name] = info
     _ALIASES.update({alias: info.name for alias in info.aliases})
     return info

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, fields
 from types import MappingProxyType
 from typing import Callable, Mapping
 
@@ -37,6 +37,7 @@ class ScheduleSpec:
     num_ranks: int
     placement: Placement
     options: Mapping[str, object]
+    _: KW_ONLY
     source: str | Callable[..., Schedule] | Schedule = field(compare=False, repr=False)
     info: registry.ScheduleInfo | None = field(default=None, compare=False, repr=False)
     # A generator's schedule built to learn its placement, reused when asked for the same size.
@@ -49,7 +50,8 @@ class ScheduleSpec:
         return hash((self.name, self.num_ranks))
 
     def __reduce__(self):  # a mappingproxy does not pickle: copy and pickle the options as a dict
-        return (ScheduleSpec, (self.name, self.num_ranks, self.placement, dict(self.options), self.source, self.info, self._probe))
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return (_from_fields, ({**values, "options": dict(self.options)},))
 
     @property
     def kind(self) -> str:
@@ -87,6 +89,11 @@ class ScheduleSpec:
     def describe(self) -> str:
         """``name(option=value, ...)``: how ranks compare the schedules they built."""
         return describe(self.name, self.options)
+
+
+def _from_fields(values: dict) -> ScheduleSpec:
+    """``ScheduleSpec.__reduce__``'s way back: every field by name."""
+    return ScheduleSpec(**values)
 
 
 def describe(name: str, options: Mapping[str, object]) -> str:
@@ -134,11 +141,11 @@ def resolve(schedule: str | Callable[..., Schedule] | Schedule | ScheduleSpec, n
         if num_ranks is not None and num_ranks != schedule.num_ranks:
             raise ValueError(f"schedule is for {schedule.num_ranks} ranks but num_ranks={num_ranks!r} "
                              "(a Pipeline's is its process group's size)")
-        return ScheduleSpec(name_of(schedule), schedule.num_ranks, schedule.placement, options, schedule)
+        return ScheduleSpec(name_of(schedule), schedule.num_ranks, schedule.placement, options, source=schedule)
     if isinstance(schedule, str):
         info = registry.get(schedule)
         placement = registry.placement_for(info.name, num_ranks, **options)
-        return ScheduleSpec(info.name, num_ranks, placement, options, info.name, info)
+        return ScheduleSpec(info.name, num_ranks, placement, options, source=info.name, info=info)
     if not callable(schedule):
         raise ValueError(f"schedule={schedule!r}: must be a registered name (twinpipe.schedule_names()), "
                          "a generator fn(num_ranks, num_microbatches, **options) or a Schedule")
@@ -147,4 +154,4 @@ def resolve(schedule: str | Callable[..., Schedule] | Schedule | ScheduleSpec, n
     probe = schedule(p, m, **options)  # any valid micro-batch count shows a generator's placement
     if not isinstance(probe, Schedule):
         raise ValueError(f"schedule={label}: a generator must return a Schedule; it returned a {type(probe).__name__}")
-    return ScheduleSpec(name_of(schedule), p, probe.placement, options, schedule, None, probe)
+    return ScheduleSpec(name_of(schedule), p, probe.placement, options, source=schedule, _probe=probe)

@@ -20,7 +20,7 @@ transport (CPU ranks on one host: shared memory; ``flattens=True`` for process-g
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from twinpipe import checks
 from twinpipe.precisions import BF16_MIXED, PRECISIONS, PURE
@@ -202,6 +202,7 @@ class GPTRun:
     heads: int
     vocab: int
     microbatch_size: int
+    _: KW_ONLY
     dtype: str = "float32"
     precision: str = PURE
     zero: int = 0

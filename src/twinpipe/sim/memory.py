@@ -94,7 +94,7 @@ def memory_lines(entries: list[RankMemory]) -> list[str]:
 # --------------------------------------------------------------------------- activations, replayed
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StageMemory:
     """What one stage's micro-batch holds, in bytes, measured from the stage itself
     (``twinpipe.runtime.memory.measure_stage``).

@@ -20,7 +20,7 @@ ROW = 0.8  # height of an op cell, in rows
 WAIT_ROW = 0.36  # height of the hatched band of a wait slice
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Cells:
     """Everything one timeline panel draws, as arrays ready for matplotlib collections."""
 

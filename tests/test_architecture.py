@@ -156,6 +156,70 @@ def test_every_exemption_is_still_needed():
     assert not stale, f"exempted but no longer over the limits (remove them from the lists): {stale}"
 
 
+# Module-level mutable state, each where one value for the whole process is the point; everything
+# else a module keeps at its top level is immutable (tuple, frozenset, MappingProxyType, frozen
+# records) or lives in an object. Keyed "file:name"; the rule is test_module_level_state_is_listed's.
+PROCESS_STATE = {
+    "schedule/registry.py:_REGISTRY": "the schedule registry: register() makes a name known to every tool",
+    "schedule/registry.py:_ALIASES": "the schedule registry's aliases, added with their names",
+    "schedule/deps.py:dependency_table": "a cache of a pure function of an immutable Placement",
+    "schedule/vshape_memory.py:_type_needs": "a cache of a pure function of the pipeline size",
+    "runtime/comm.py:_SHAPES": "set_p2p_tensor_shapes(): the official DualPipe API declares it process-wide",
+    "runtime/comm.py:_DTYPE": "set_p2p_tensor_dtype(): the official DualPipe API declares it process-wide",
+    "runtime/weight_grad.py:_PROCESS_STORE": "the store the class-level WeightGradStore API acts on outside a step",
+    "runtime/weight_grad.py:_local": "each thread's current store (a step's, while it runs)",
+    "runtime/weight_grad.py:_in_backward": "the stores whose backward runs now, for autograd's device threads",
+    "runtime/weight_grad.py:_file_or_run_untraced": "the dynamo-excluded wrapper, made once when torch.compile is loaded",
+    "runtime/memory.py:_recomputing": "open measuring contexts: torch's checkpoint recomputation hook is process-wide",
+    "runtime/memory.py:_recomputing_lock": "guards _recomputing across threads",
+    "runtime/observe.py:_local": "each thread's installed step observer",
+    "runtime/waits.py:_CURRENT": "the wait context of the running step (a ContextVar)",
+    "runtime/pipeline.py:_BY_IDENTITY": "every live pipeline of the process, weakly, for out-of-step marking",
+    "runtime/board.py:_BOARDS": "one shared-memory board per process group, for every pipeline on it",
+    "runtime/collectives.py:_CPU_GROUPS": "gloo groups shared by the pipelines of one process, counted",
+    "runtime/releases.py:EARLY_RELEASE": "the switch bench/bench_memory.py turns one release off with, for all code",
+    "overlap/state.py:_STATE": "the overlap engine's side streams (one per device) and the capture in progress",
+    "hf/self_check.py:_CACHE": "a model class and configuration checked once per process",
+}
+_MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Counter", "bytearray", "local",
+                  "Lock", "RLock", "ContextVar", "WeakKeyDictionary", "WeakValueDictionary", "WeakSet"}
+_CACHES = {"lru_cache", "cache"}
+
+
+def _module_state(file: str, tree: ast.Module) -> dict[str, str]:
+    """``"file:name"`` -> what it is, of every piece of mutable state ``tree`` keeps at module level:
+    a mutable container (a list, dict or set display or comprehension, or a call making one, a
+    lock, a thread-local or a context variable) or an instance of a class of the module bound at
+    the top level, a name a ``global`` statement rebinds, and a function cached by ``functools``.
+    ``__all__`` (a list by the language's convention, never changed) is not counted."""
+    own_classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+    state = {}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        value = getattr(node, "value", None)
+        mutable = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)) or (
+            isinstance(value, ast.Call) and (_name(value) in _MUTABLE_CALLS or _name(value) in own_classes))
+        for target in targets:
+            if mutable and isinstance(target, ast.Name) and target.id != "__all__":
+                state[f"{file}:{target.id}"] = f"{type(value).__name__} {ast.unparse(value)[:60]}"
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(_name(d) in _CACHES for d in node.decorator_list):
+            state[f"{file}:{node.name}"] = "a cached function"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            state.update({f"{file}:{name}": "rebound by a global statement" for name in node.names})
+    return state
+
+
+def test_module_level_state_is_listed():
+    """Mutable module-level state only where a process-wide value is the point (``PROCESS_STATE``,
+    each with its reason); a constant table is immutable (tuple, frozenset, ``MappingProxyType``)."""
+    found = {key: what for file, tree in _modules() for key, what in _module_state(file, tree).items()}
+    stray = [f"{key} ({what})" for key, what in found.items() if key not in PROCESS_STATE]
+    assert not stray, f"module-level mutable state not in PROCESS_STATE (make it immutable or an object's): {stray}"
+    stale = sorted(set(PROCESS_STATE) - set(found))
+    assert not stale, f"in PROCESS_STATE but no longer module-level state (remove them): {stale}"
+
+
 def test_the_trainer_stays_small():
     """``Trainer`` keeps the step's call and what a user calls; its parts (train/step.py,
     ownership.py, routing.py, ...) each live in their own module."""
@@ -249,3 +313,28 @@ def test_the_constructor_rule_counts_records(source, refused):
     """Records with more than 6 positional fields are refused; keyword-only fields past the sixth,
     ``ClassVar``s and ``init=False`` fields are not counted."""
     assert bool(_wide_constructors([("r.py", ast.parse(source))])) is refused
+
+
+_STATES = {  # source -> the names the module-state rule counts
+    "_SEEN = {}\n\n\ndef see(x):\n    _SEEN[x] = True\n": ["_SEEN"],
+    "_SEEN: set = set()\n_ORDER = [1, 2]\n": ["_SEEN", "_ORDER"],
+    "class _Box:\n    pass\n\n\n_BOX = _Box()\n": ["_BOX"],
+    "_N = 0\n\n\ndef bump():\n    global _N\n    _N += 1\n": ["_N"],
+    "import functools\n\n\n@functools.lru_cache(maxsize=8)\ndef table(p):\n    return p\n": ["table"],
+    "from types import MappingProxyType\n\n__all__ = ['T']\nT = MappingProxyType({'a': 1})\nS = frozenset({1})\nL = (1,)\n": [],
+}
+
+
+@pytest.mark.parametrize("source, names", list(_STATES.items()))
+def test_the_module_state_rule_counts(source, names):
+    """Mutable containers, a module's own singleton, ``global`` and caches are counted; immutable
+    tables and ``__all__`` are not."""
+    assert sorted(_module_state("m.py", ast.parse(source))) == sorted(f"m.py:{name}" for name in names)
+
+
+def test_a_stray_module_level_dict_fails_the_rule(monkeypatch, tmp_path):
+    (tmp_path / "cache.py").write_text("_SEEN = {}\n\n\ndef remember(key, value):\n    _SEEN[key] = value\n")
+    monkeypatch.setitem(globals(), "SRC", tmp_path)
+    monkeypatch.setitem(globals(), "PROCESS_STATE", {})
+    with pytest.raises(AssertionError, match="cache.py:_SEEN"):
+        test_module_level_state_is_listed()

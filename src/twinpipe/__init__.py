@@ -13,6 +13,7 @@ and say where they live now (a ``DeprecationWarning``); the error classes stay r
 
 import importlib
 import warnings
+from types import MappingProxyType
 
 from twinpipe.schedule.registry import names as schedule_names
 from twinpipe.schedule.registry import stages_of_rank
@@ -21,18 +22,18 @@ __version__ = "0.1.0"
 
 # name -> the module it lives in. The runtime needs torch; the schedule layer and the simulator do
 # not, so these load on first use.
-_HERE = {
+_HERE = MappingProxyType({
     "Pipeline": "twinpipe.runtime", "DualPipe": "twinpipe.runtime", "DualPipeV": "twinpipe.runtime",
     "WeightGradStore": "twinpipe.runtime", "defer_weight_grads": "twinpipe.runtime",
     "set_p2p_tensor_shapes": "twinpipe.runtime", "set_p2p_tensor_dtype": "twinpipe.runtime",
     "batch_layout": "twinpipe.runtime", "PipelineError": "twinpipe.runtime", "simulate": "twinpipe.sim",
-}
-_ERRORS = {
+})
+_ERRORS = frozenset({
     "PipelineCommError", "PipelineTimeoutError", "PipelinePeerFailedError", "PipelineMismatchError",
     "PipelineAbortedError", "PipelineBrokenError", "PipelineOutOfStepError",
-}
+})
 # Older top-level names: (where they live now, the name there).
-_MOVED = {
+_MOVED = MappingProxyType({
     "Op": ("twinpipe.schedule", "Op"), "OpKind": ("twinpipe.schedule", "OpKind"),
     "Schedule": ("twinpipe.schedule", "Schedule"), "build_schedule": ("twinpipe.schedule", "build"),
     "GradStore": ("twinpipe.runtime", "GradStore"), "DeferredLinear": ("twinpipe.runtime", "DeferredLinear"),
@@ -42,7 +43,7 @@ _MOVED = {
         "ExpertLoads", "apply_placement_")},
     **{name: ("twinpipe.overlap", name) for name in ("PartedStage", "PartedSequential", "Compute", "Comm")},
     "split": ("twinpipe.train", "split"),
-}
+})
 
 __all__ = ["Pipeline", "DualPipe", "DualPipeV", "WeightGradStore", "defer_weight_grads", "set_p2p_tensor_shapes",
            "set_p2p_tensor_dtype", "batch_layout", "stages_of_rank", "schedule_names", "simulate", "PipelineError"]

@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from types import MappingProxyType
 
 import twinpipe.cli_options as cli_options
 from twinpipe import __version__
 
 # name -> (module, function adding its parser, function running it, one-line help for the listing)
-_COMMANDS = {
+_COMMANDS = MappingProxyType({
     "demo": ("twinpipe.demo", "add_demo_parser", "run_demo", "train a small model on a pipeline and check it against one process (--moe: MoE blocks with F&B overlap)"),
     "simulate": ("twinpipe.sim.cli", "add_simulate_parser", "run_simulate", "simulate a schedule: bubble, per-rank idle time, peak activation memory"),
     "draw": ("twinpipe.viz.cli", "add_draw_parser", "run_draw", "draw a simulated schedule (or several, stacked) as PNG/SVG/PDF"),
@@ -24,7 +25,7 @@ _COMMANDS = {
     "check": ("twinpipe.train_command.check", "add_check_parser", "run_check", "check a parallel plan on a small float64 copy of a transformers model (split vs unsplit gradients)"),
     "export": ("twinpipe.cli", "add_export_parser", "run_export", "write a schedule in another tool's format (torch.distributed.pipelining CSV)"),
     "export-hf": ("twinpipe.train_command.export_hf", "add_export_hf_parser", "run_export_hf", "write a twinpipe train checkpoint as a transformers folder (from_pretrained loads it)"),
-}
+})
 
 
 def _command_of(argv: list[str]) -> str | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import KW_ONLY, dataclass
+from types import MappingProxyType
 
 from twinpipe.checks import MAX_TIMEOUT, MIN_TIMEOUT, check_float, check_int
 
@@ -44,7 +45,7 @@ class Option:
         return self.flag.lstrip("-").replace("-", "_")
 
 
-VOCABULARY: dict[str, Option] = {o.dest: o for o in (
+VOCABULARY: MappingProxyType[str, Option] = MappingProxyType({o.dest: o for o in (
     # the pipeline and the step
     Option("--schedule", "pipeline schedule", str, "NAME"),
     Option("--pp", "pipeline ranks", int, "P", old=("--ranks", "-p"), low=1),
@@ -80,7 +81,7 @@ VOCABULARY: dict[str, Option] = {o.dest: o for o in (
     Option("--plot", "also draw a picture to this file", str, "FILE"),
     Option("--json", "print JSON instead of a table", None, None),
     Option("--gpus", "GPUs in all", int, "GPUS", low=1),
-)}
+)})
 
 
 def _default_text(default) -> str:

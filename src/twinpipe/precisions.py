@@ -8,6 +8,8 @@ is float32 (``twinpipe.train.precision`` says what each precision does).
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from twinpipe.checks import bad
 
 __all__ = ["PURE", "BF16_MIXED", "PRECISIONS", "MASTER_DTYPE_NAME", "check_model_dtype"]
@@ -16,7 +18,7 @@ PURE = "pure"  # everything in the model's dtype
 BF16_MIXED = "bf16-mixed"  # bf16 compute, FP32 masters, gradients and optimizer state
 PRECISIONS = (PURE, BF16_MIXED)
 MASTER_DTYPE_NAME = "float32"  # bf16-mixed's master weights, gradients and optimizer state
-_MODEL_DTYPE = {BF16_MIXED: MASTER_DTYPE_NAME}  # the masters are made from the model's weights
+_MODEL_DTYPE = MappingProxyType({BF16_MIXED: MASTER_DTYPE_NAME})  # the masters are made from the model's weights
 
 
 def check_model_dtype(precision: str, dtype, *, dtype_arg: str = "dtype", precision_arg: str = "precision") -> None:

@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 import time
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -218,15 +219,15 @@ def _worker(rank: int, world: int, args) -> None:
     _run_rank(args)
 
 
-TRACE_FILES = {
+TRACE_FILES = MappingProxyType({
     "trace.json": "Chrome/Perfetto trace of the last step",
     "measured.png": "its timeline",
     "predicted.png": "the simulator's timeline from the measured op times",
     "compare.png": "both on one time axis",
-}
+})
 
 # Gradient check: relative squared error |a-b|^2 / (|a|^2+|b|^2) against one process, per dtype.
-GRAD_TOLERANCE = {"float64": 1e-13, "float32": 1e-6}
+GRAD_TOLERANCE = MappingProxyType({"float64": 1e-13, "float32": 1e-6})
 
 
 def grad_tolerance(dtype: torch.dtype) -> float:

@@ -13,7 +13,7 @@ from .migrate import replicas_to_move
 from .plot import plot_balance
 from .report import BalanceReport, Imbalance, balance_report, gpu_loads, naive_gpu_loads
 
-_LAZY = {"Balancer", "RebalanceReport", "LayerRebalance"}
+_LAZY = frozenset({"Balancer", "RebalanceReport", "LayerRebalance"})
 
 
 def __getattr__(name):

@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from types import MappingProxyType
 
 import twinpipe.cli_options as cli_options
 
 from .checks import EplbArgumentError
 
 # Library parameter -> the command-line argument that feeds it.
-_FLAGS = {
+_FLAGS = MappingProxyType({
     "weight": "LOADS",
     "loads": "LOADS",
     "num_replicas": "--replicas",
@@ -26,7 +27,7 @@ _FLAGS = {
     "refine": "--refine",
     "previous_phy2log": "--previous",
     "plot": "--plot",
-}
+})
 
 # Print the per-GPU placement only when it fits on a screen.
 _MAX_SHOWN_LAYERS = 8

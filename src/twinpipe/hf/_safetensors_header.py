@@ -13,6 +13,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from twinpipe.folders import UnsafeFile, open_listed
 
@@ -20,8 +21,8 @@ __all__ = ["TensorHeader", "DamagedFile", "read_header", "FLOATING", "HEADER_MAX
 
 HEADER_MAX_BYTES = 100 << 20  # safetensors' own limit on a header
 # Bytes per element of each dtype the format names.
-_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_ITEM_BYTES = MappingProxyType({"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8})
 FLOATING = ("F64", "F32", "BF16", "F16", "F8_E4M3", "F8_E5M2")
 
 

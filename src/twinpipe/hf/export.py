@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -31,7 +32,7 @@ __all__ = ["export_checkpoint", "tokenizer_files", "TOKENIZER_FILES", "COMPUTE_D
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
                    "chat_template.json", "generation_config.json")
-COMPUTE_DTYPE = {BF16_MIXED: torch.bfloat16}  # precision -> the dtype its compute weights have (else the stored one)
+COMPUTE_DTYPE = MappingProxyType({BF16_MIXED: torch.bfloat16})  # precision -> the dtype its compute weights have (else the stored one)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from twinpipe.checks import DEFAULT_TIMEOUT
 
@@ -29,7 +30,7 @@ __all__ = ["BOUNDS", "GROUPS", "PlanRequest", "PlanRow", "check_plan", "combine"
 # sum of n float64 terms moves by at most about n * 2**-53 of the sum of their magnitudes; the sums
 # of a small copy have at most a few hundred terms: 1e-12 of the largest value leaves a margin, and
 # a wrong scaling (a factor 2 or 1/2) misses it by eleven orders of magnitude.
-BOUNDS = {"loss": 1e-12, "gradients": 1e-12}
+BOUNDS = MappingProxyType({"loss": 1e-12, "gradients": 1e-12})
 
 # The parameter groups, in the order the report lists them: the first pattern a parameter's name
 # (in the unsplit model) matches names its group.

@@ -12,6 +12,7 @@ against its own forward) and accepted, with an ``UntestedModelWarning``, only wh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from torch import nn
 
@@ -22,7 +23,7 @@ __all__ = ["TESTED", "UnsupportedModelError", "UntestedModelWarning", "ModelPart
 
 # model_type -> what it is; each is tested exact against the unsplit model (tests/test_hf_stages.py,
 # tests/test_hf_archs.py).
-TESTED = {
+TESTED = MappingProxyType({
     "llama": "Llama (GQA; tied or untied embeddings)",
     "qwen3": "Qwen3",
     "qwen3_moe": "Qwen3-MoE (router auxiliary loss carried)",
@@ -38,7 +39,7 @@ TESTED = {
     "gemma": "Gemma (embeddings scaled inside their module, (1 + w) norms, tied embeddings)",
     "olmoe": "OLMoE (MoE in every layer, q and k norms; router auxiliary loss carried)",
     "smollm3": "SmolLM3 (layers without rotary, sliding-window layers by layer_types, tied embeddings)",
-}
+})
 
 MASK_KINDS = ("full_attention", "sliding_attention")  # the masks a stage makes (twinpipe.hf.stages)
 
@@ -168,11 +169,11 @@ def known_extras(parts: ModelParts) -> list[str]:
 # config.sliding_window is set), "types" (by config.layer_types). Other models: "types" when the
 # config has layer_types, else "window" when it has a sliding window, else "full" (the self-check,
 # with a window shorter than its batch, finds out when that is not what the model does).
-MASK_RULES = {
+MASK_RULES = MappingProxyType({
     "llama": "full", "deepseek_v3": "full", "olmo": "full", "glm": "full", "gemma": "full", "olmoe": "full",
     "mistral": "window", "mixtral": "window", "qwen3_moe": "window", "phi3": "window", "starcoder2": "window",
     "qwen3": "types", "qwen2": "types", "qwen2_moe": "types", "smollm3": "types",
-}
+})
 
 
 def _mask_kinds(config, n: int) -> list[str]:

@@ -3,11 +3,13 @@ events as a Chrome trace (written by ``twinpipe.trace.chrome``, the one trace wr
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from twinpipe.trace.chrome import process, span, thread, trace_document
 
 __all__ = ["comm_hidden", "fb_spans", "fb_chrome_trace"]
 
-_TIDS = {"parts": 0, "comm F": 1, "comm B": 2}
+_TIDS = MappingProxyType({"parts": 0, "comm F": 1, "comm B": 2})
 
 
 def _overlap(a0: float, a1: float, spans: list[tuple[float, float]]) -> float:

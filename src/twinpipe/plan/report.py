@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+from types import MappingProxyType
 
 from twinpipe.plan.predict import GiB, Prediction
 
@@ -14,13 +15,13 @@ __all__ = ["as_dicts", "print_table", "draw_plan", "verdict", "memory_parts", "P
 WIDE = 240  # columns of the table when the output is not a terminal
 
 # Parts of a step, in the order they are stacked: attribute -> legend label.
-PARTS = {
+PARTS = MappingProxyType({
     "compute": "compute (busiest rank)",
     "a2a_exposed": "EP all-to-all not hidden",
     "bubble": "bubble and pipeline messages",
     "dp_all_reduce": "data-parallel all-reduce",
     "mirror_all_reduce": "all-reduce between weight copies",
-}
+})
 
 
 def as_dicts(predictions: list[Prediction]) -> list[dict]:

@@ -13,6 +13,7 @@ import datetime
 import math
 import time
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -104,11 +105,11 @@ def declared_layout(shapes=None, dtype=None) -> Layout | None:
 # Header: [number of messages, then per message: number of tensors, then per tensor: dtype code,
 # ndim, *sizes], zero-padded to HEADER_LEN.
 HEADER_LEN = 128
-_DTYPES = [
+_DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-]
-_CODES = {d: i for i, d in enumerate(_DTYPES)}
+)
+_CODES = MappingProxyType({d: i for i, d in enumerate(_DTYPES)})
 
 
 def encode_header(layouts: list[Layout]) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import lru_cache
+from types import MappingProxyType
 
 from twinpipe.schedule.ops import Op, OpKind
 from twinpipe.schedule.placement import Placement
@@ -42,12 +43,12 @@ class Work(IntEnum):
 
 
 # The work each simple op kind completes.
-WORK_DONE: dict[OpKind, tuple[Work, ...]] = {
+WORK_DONE: MappingProxyType[OpKind, tuple[Work, ...]] = MappingProxyType({
     OpKind.F: (Work.F,),
     OpKind.B: (Work.B,),
     OpKind.W: (Work.W,),
     OpKind.BW: (Work.B, Work.W),
-}
+})
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ produced before it is needed, no rank can wait forever.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from twinpipe.schedule.check import ScheduleError, validate
 from twinpipe.schedule.deps import WORK_DONE, DependencyTable, Work, dependency_table
@@ -83,7 +84,7 @@ def forward_only(schedule: Schedule) -> Schedule:
     return Schedule(schedule.name, schedule.placement, schedule.num_microbatches, tuple(ops), options)
 
 
-_MESSAGE_KIND = {Work.F: "act", Work.B: "grad"}  # what a need across ranks carries
+_MESSAGE_KIND = MappingProxyType({Work.F: "act", Work.B: "grad"})  # what a need across ranks carries
 
 
 def _messages_of(table: DependencyTable, op: Op) -> tuple[list[Message], list[Message]]:

@@ -18,6 +18,7 @@ import csv
 import io
 import re
 from pathlib import Path
+from types import MappingProxyType
 
 from twinpipe.schedule.check import check_work
 from twinpipe.schedule.ops import BW, FB, Op, OpKind, Schedule, B, F, W
@@ -25,8 +26,8 @@ from twinpipe.schedule.placement import Placement, linear, looped, vshape
 
 __all__ = ["unexpressible", "placement_unexpressible", "to_torch_csv", "write_torch_csv", "from_torch_csv", "parse_torch_csv"]
 
-_TO_TORCH = {OpKind.F: "F", OpKind.B: "I", OpKind.W: "W", OpKind.BW: "B"}
-_FROM_TORCH = {"F": F, "I": B, "W": W, "B": BW}
+_TO_TORCH = MappingProxyType({OpKind.F: "F", OpKind.B: "I", OpKind.W: "W", OpKind.BW: "B"})
+_FROM_TORCH = MappingProxyType({"F": F, "I": B, "W": W, "B": BW})
 _SIMPLE = re.compile(r"^(\d+)(F|I|W|B)(\d+)$")
 _OVERLAP = re.compile(r"^\((\d+)F(\d+);(\d+)B(\d+)\)OVERLAP_F_B$")
 # Actions torch's lowering adds (compute_comms format): our lowering derives them from the placement.

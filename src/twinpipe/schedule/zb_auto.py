@@ -18,6 +18,7 @@ Cost = max over stages of (last W end - first F start), as in the paper.
 from __future__ import annotations
 
 from itertools import product
+from types import MappingProxyType
 
 from twinpipe import checks
 from twinpipe.schedule._args import check_int, check_number, per_stage
@@ -31,7 +32,7 @@ __all__ = ["zb_auto"]
 _NAME = "zb-auto"
 
 
-_KINDS = {"F": OpKind.F, "B": OpKind.B, "W": OpKind.W}
+_KINDS = MappingProxyType({"F": OpKind.F, "B": OpKind.B, "W": OpKind.W})
 
 
 class _Infeasible(Exception):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from itertools import product
+from types import MappingProxyType
 
 from twinpipe import checks
 from twinpipe.schedule._args import check_int, check_number, per_stage
@@ -36,7 +37,7 @@ __all__ = ["zbv"]
 
 _NAME = "zbv"
 _INF = float("inf")
-_KINDS = {"F": OpKind.F, "B": OpKind.B}
+_KINDS = MappingProxyType({"F": OpKind.F, "B": OpKind.B})
 
 
 class _VListScheduler:

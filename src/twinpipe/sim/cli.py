@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 from fractions import Fraction
+from types import MappingProxyType
 
 import twinpipe.cli_options as cli_options
 from twinpipe import checks
@@ -32,8 +33,8 @@ from twinpipe.timeline import Timeline
 __all__ = ["add_simulate_parser", "run_simulate", "summarize", "simulate_from_args", "held_equal"]
 
 # CLI flag -> generator keyword, for the options some generators take.
-_OPTIONS = {"mem_limit": "--mem-limit", "stages_per_rank": "--stages-per-rank", "pairs": "--pairs",
-            "overlap": "--overlap", "warmup_extra": "--overlap-warmup"}
+_OPTIONS = MappingProxyType({"mem_limit": "--mem-limit", "stages_per_rank": "--stages-per-rank", "pairs": "--pairs",
+                             "overlap": "--overlap", "warmup_extra": "--overlap-warmup"})
 # CostModel fields that are also generator keywords (heuristics that plan with the costs).
 _COST_OPTIONS = ("t_f", "t_b", "t_w", "t_comm", "mw")
 HOLD = ("model", "stage")

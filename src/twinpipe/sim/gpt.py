@@ -21,6 +21,7 @@ transport (CPU ranks on one host: shared memory; ``flattens=True`` for process-g
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
+from types import MappingProxyType
 
 from twinpipe import checks
 from twinpipe.precisions import BF16_MIXED, PRECISIONS, PURE
@@ -35,7 +36,7 @@ from twinpipe.sim.shards import BUCKET_BYTES, buckets, mirror_copies, runs  # no
 __all__ = ["ELSIZE", "PLANNED_WITH_MW", "RankPrediction", "layer_names", "layer_numels", "stage_layers", "stage_memory",
            "GPTRun"]
 
-ELSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+ELSIZE = MappingProxyType({"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2})
 PLANNED_WITH_MW = ("zbv", "zb-auto")  # generators that order their ops by the memory W keeps (the trainer measures mw)
 
 

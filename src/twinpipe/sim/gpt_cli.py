@@ -8,6 +8,7 @@ The options are ``twinpipe train``'s and mean the same; a command that already h
 from __future__ import annotations
 
 import argparse
+from types import MappingProxyType
 
 import twinpipe.cli_options as cli_options
 from twinpipe import checks
@@ -18,12 +19,12 @@ from twinpipe.sim.memory import PARTS, format_bytes
 __all__ = ["TRAIN_DEFAULTS", "add_gpt_options", "check_gpt_options", "gpt_settings", "gpt_run", "memory_table", "BOUND_NOTE"]
 
 # twinpipe train's defaults (tests/test_memory_predict.py holds them to its parser's)
-TRAIN_DEFAULTS = {"layers": 6, "dim": 64, "heads": 4, "seq_len": 64, "vocab": 256, "microbatch_size": 2, "dtype": "float32",
-                  "precision": PURE, "zero": 0, "dp": 1, "experts": 0, "mtp_depth": 0}
+TRAIN_DEFAULTS = MappingProxyType({"layers": 6, "dim": 64, "heads": 4, "seq_len": 64, "vocab": 256, "microbatch_size": 2, "dtype": "float32",
+                                   "precision": PURE, "zero": 0, "dp": 1, "experts": 0, "mtp_depth": 0})
 TOP_K = 2  # twinpipe train's --top-k with --experts
 TRANSPORTS = ("auto", "process-group")
 BOUND_NOTE = "MoE blocks: 'activations peak' is an upper bound (the routing decides; docs/memory.md)"
-HEADERS = {"params": "params", "grads": "grads", "master": "master", "optimizer": "optimizer", "activations_peak": "activations peak"}
+HEADERS = MappingProxyType({"params": "params", "grads": "grads", "master": "master", "optimizer": "optimizer", "activations_peak": "activations peak"})
 
 
 def add_gpt_options(parser: argparse.ArgumentParser, have: tuple[str, ...] = ()) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +73,7 @@ class GPTConfig:
             raise bad("balance_alpha", self.balance_alpha, "must be 0 for a dense model (experts=0): no router to balance")
 
 
-_LATER_FIELDS = {"score": "softmax", "balance_alpha": 0.0, "mtp_depth": 0}  # added after checkpoints were written
+_LATER_FIELDS = MappingProxyType({"score": "softmax", "balance_alpha": 0.0, "mtp_depth": 0})  # added after checkpoints were written
 
 
 class Embed(nn.Module):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import glob
 import os
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 
@@ -31,7 +32,7 @@ BIN_DTYPES = ("uint16", "uint32")
 CHUNK = 1 << 24  # ids per chunk of token_range's scan (16 Mi ids: 32 or 64 MiB)
 # Megatron's MMapIndexedDataset .idx header: 9 magic bytes, version (<Q, 1), dtype code (<B).
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
-MEGATRON_DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 8: "uint16"}  # its integer codes
+MEGATRON_DTYPES = MappingProxyType({1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 8: "uint16"})  # its integer codes
 
 
 def is_text(path: str) -> bool:

@@ -11,7 +11,7 @@ from twinpipe.train_command.model import GPT_OPTIONS
 
 __all__ = ["logged_options", "model_entry"]
 
-_GPT_DESTS = {flag[2:].replace("-", "_") for flag in GPT_OPTIONS}
+_GPT_DESTS = frozenset({flag[2:].replace("-", "_") for flag in GPT_OPTIONS})
 
 
 def logged_options(options: dict, model) -> dict:

@@ -5,21 +5,23 @@ Pure data (no matplotlib), so that other tools can reuse the palette.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from twinpipe.schedule.placement import Placement
 
 __all__ = ["KIND_COLOURS", "KIND_NAMES", "WAIT_COLOUR", "WAIT_EDGE", "direction", "direction_names", "text_colour"]
 
 # (light, dark): the light shade is direction 0 (DualPipe's chain 0, a V's first leg).
-KIND_COLOURS: dict[str, tuple[str, str]] = {
+KIND_COLOURS: MappingProxyType[str, tuple[str, str]] = MappingProxyType({
     "F": ("#f8c471", "#d9822b"),  # orange
     "B": ("#a3d9a5", "#3f9a4f"),  # green
     "W": ("#a9c8ec", "#3c78c3"),  # blue
     "BW": ("#d5b8e8", "#8a4fb5"),  # purple
-}
-KIND_NAMES = {"F": "F forward", "B": "B backward (inputs)", "W": "W backward (weights)", "BW": "BW full backward"}
+})
+KIND_NAMES = MappingProxyType({"F": "F forward", "B": "B backward (inputs)", "W": "W backward (weights)", "BW": "BW full backward"})
 WAIT_COLOUR = "#e3e3e3"
 WAIT_EDGE = "#9a9a9a"
-_DARK = {dark for _, dark in KIND_COLOURS.values()}
+_DARK = frozenset({dark for _, dark in KIND_COLOURS.values()})
 
 
 def direction(placement: Placement | None, stage: int) -> int:

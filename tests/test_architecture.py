@@ -338,3 +338,23 @@ def test_a_stray_module_level_dict_fails_the_rule(monkeypatch, tmp_path):
     monkeypatch.setitem(globals(), "PROCESS_STATE", {})
     with pytest.raises(AssertionError, match="cache.py:_SEEN"):
         test_module_level_state_is_listed()
+
+
+def test_the_architecture_page_states_these_rules():
+    """docs/architecture.md's "Size and state" paragraph gives the limits this module holds and
+    names the lists where exceptions are kept."""
+    text = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    section = text.split("## Size and state", 1)[1].split("\n## ", 1)[0]
+    stated = " ".join(section.split())
+    assert f"over {MAX_LINES} lines" in stated and f"more than {MAX_ARGUMENTS} parameters" in stated
+    assert f"at most {MAX_ARGUMENTS} are positional" in stated
+    assert all(f"`{name}`" in section for name in ("PUBLIC", "EXEMPT", "PROCESS_STATE"))
+    named = {"schedule/registry.py:_REGISTRY", "runtime/comm.py:_SHAPES", "runtime/weight_grad.py:_PROCESS_STORE",
+             "runtime/weight_grad.py:_local", "runtime/board.py:_BOARDS"}  # the examples the paragraph gives
+    assert named <= set(PROCESS_STATE)
+    examples = {"CostModel": "schedule/costs.py", "ScheduleSpec": "schedule/spec.py"}
+    for cls, file in examples.items():  # the examples shown are the records as they are
+        node = next(c for c in _classes(dict(_modules())[file]) if c.name == cls)
+        positional, keyword = _record_fields(node)
+        shown = section.split(f"`{cls}(", 1)[1].split("*", 1)[0]
+        assert [n.strip() for n in shown.split(",") if n.strip()] == positional, (cls, positional)

@@ -9,7 +9,8 @@ counted (``*args``/``**kwargs`` are not). A record -- a dataclass or a NamedTupl
 ``__init__`` only stores its fields -- may have more fields only when at most 6 of them can be
 passed by position and the rest are keyword-only (``kw_only=True``, a ``KW_ONLY`` marker or
 ``field(kw_only=True)``), so that every call site names them; a NamedTuple's fields are all
-positional, so it has at most 6. Fields with ``init=False`` and ``ClassVar``s are not parameters.
+positional, so it has at most 6. Fields with ``init=False`` and ``ClassVar``s are not parameters;
+a dataclass's own fields come after those of its dataclass bases (in the same module).
 """
 
 from __future__ import annotations
@@ -120,11 +121,15 @@ def _wide_constructors(modules) -> dict[str, str]:
     constructor the rule in this module's docstring refuses."""
     wide = {}
     for file, tree in modules:
+        records = {}  # class name -> its (positional, keyword-only) fields, bases' included
         for cls in _classes(tree):
             for fn in cls.body:
                 if isinstance(fn, ast.FunctionDef) and fn.name == "__init__" and len(_arguments(fn)) > MAX_ARGUMENTS:
                     wide[f"{file}:{cls.name}.__init__"] = ", ".join(_arguments(fn))
             record = _record_fields(cls)
+            if record is not None:  # a dataclass's bases in this module come first in its __init__
+                bases = [records[b.id] for b in cls.bases if isinstance(b, ast.Name) and b.id in records]
+                record = records[cls.name] = ([n for r in bases for n in r[0]] + record[0], record[1])
             if record is not None and len(record[0]) > MAX_ARGUMENTS:
                 wide[f"{file}:{cls.name}"] = ", ".join(record[0]) + " (a record: the fields past the sixth keyword-only)"
         for call in ast.walk(tree):  # namedtuple("Name", "a b c") and NamedTuple("Name", [("a", int), ...])
@@ -305,6 +310,8 @@ _RECORDS = {  # source -> refused by the constructor rule
     "@dataclass\nclass R:\n" + "".join(f"    f{i}: int\n" for i in range(6))
     + "    g: int = field(kw_only=True)\n    h: ClassVar[int] = 0\n    i: int = field(init=False)\n": False,
     "class R(NamedTuple):\n" + "".join(f"    f{i}: int\n" for i in range(6)): False,
+    "@dataclass\nclass Base:\n" + "".join(f"    b{i}: int\n" for i in range(4))
+    + "\n\n@dataclass\nclass R(Base):\n" + "".join(f"    f{i}: int\n" for i in range(3)): True,
 }
 
 

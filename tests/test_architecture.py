@@ -16,6 +16,7 @@ a dataclass's own fields come after those of its dataclass bases (in the same mo
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -49,10 +50,15 @@ TRAINER_LINES = 260  # train/trainer.py: the step and what a user calls; the par
 
 
 def _modules(root: Path | None = None) -> list[tuple[str, ast.Module]]:
-    root = root or SRC
+    return list(_parsed(root or SRC))
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(root: Path) -> tuple[tuple[str, ast.Module], ...]:
+    """Every module under ``root``, parsed once for all the checks of this file (none changes a tree)."""
     files = sorted(root.rglob("*.py"))
     assert files, f"no sources under {root}"
-    return [(f.relative_to(root).as_posix(), ast.parse(f.read_text(), str(f))) for f in files]
+    return tuple((f.relative_to(root).as_posix(), ast.parse(f.read_text(), str(f))) for f in files)
 
 
 def _functions(tree: ast.AST, prefix: str = ""):
@@ -360,8 +366,9 @@ def test_the_architecture_page_states_these_rules():
              "runtime/weight_grad.py:_local", "runtime/board.py:_BOARDS"}  # the examples the paragraph gives
     assert named <= set(PROCESS_STATE)
     examples = {"CostModel": "schedule/costs.py", "ScheduleSpec": "schedule/spec.py"}
+    modules = dict(_modules(SRC / "schedule"))
     for cls, file in examples.items():  # the examples shown are the records as they are
-        node = next(c for c in _classes(dict(_modules())[file]) if c.name == cls)
+        node = next(c for c in _classes(modules[file.removeprefix("schedule/")]) if c.name == cls)
         positional, keyword = _record_fields(node)
         shown = section.split(f"`{cls}(", 1)[1].split("*", 1)[0]
         assert [n.strip() for n in shown.split(",") if n.strip()] == positional, (cls, positional)

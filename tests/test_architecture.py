@@ -37,7 +37,6 @@ PUBLIC = {
 # than 6 fields built by keyword in this code but positionally in users' code or older checkpoints'
 # readers are not made keyword-only.
 EXEMPT = {
-    "sim/engine.py:_run",
     "eplb/report.py:BalanceReport",
     "hf/stages.py:HFRankStages", "hf/support.py:ModelParts", "moe/exchange.py:_Route",
     "schedule/costs.py:CostModel", "schedule/registry.py:ScheduleInfo", "schedule/spec.py:ScheduleSpec",

@@ -93,3 +93,19 @@ def test_simulate_takes_fb_b_and_checks_it(capsys):
     assert json.loads(given)["makespan"] < json.loads(back_to_back)["makespan"]
     assert main(args + ["--fb-b", "-1"]) == 2
     assert "--fb-b" in capsys.readouterr().err
+
+
+def test_a_traced_run_gives_each_pair_kind_its_own_time():
+    """Measured F&B ops with a B half are T_FB_B, not T_FB (a pair with a full backward): the
+    planner fed a traced ZB-H1 run must not time DualPipe's pairs by them."""
+    from twinpipe.plan.measured import Traced, traced_costs
+    from twinpipe.trace import estimate_costs
+
+    timeline = simulate(resolve("zb-h1", 2, overlap=True).build(6), CostModel(t_f=1.0, t_b=2.0, t_w=0.5, t_fb_b=2.2))
+    measured = estimate_costs(timeline, comm=False)
+    assert measured.t_fb is None
+    assert measured.t_fb_b[0] == pytest.approx(2.2)  # keyed by the forward's stage, None where no pair ran
+    one_stage, _ = traced_costs(timeline)
+    assert one_stage.t_fb is None and one_stage.t_fb_b == pytest.approx(2.2)
+    # at twice the pipeline size a stage is half as large: its pair too
+    assert Traced(timeline, "zb-h1", 2, 6, one_stage).costs_at(4).t_fb_b == pytest.approx(1.1)

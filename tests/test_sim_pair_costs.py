@@ -109,3 +109,9 @@ def test_a_traced_run_gives_each_pair_kind_its_own_time():
     assert one_stage.t_fb is None and one_stage.t_fb_b == pytest.approx(2.2)
     # at twice the pipeline size a stage is half as large: its pair too
     assert Traced(timeline, "zb-h1", 2, 6, one_stage).costs_at(4).t_fb_b == pytest.approx(1.1)
+
+
+def test_zbv_at_pipeline_2_forms_a_single_pair_on_rank_1():
+    """Why bench/bench_overlap_all.py's ZB-V rows show no hidden share (docs/plan.md): rank 0 has no F&B op."""
+    schedule = resolve("zbv", 2, overlap=True).build(8)
+    assert [sum(op.kind is OpKind.FB for op in ops) for ops in schedule.ops] == [0, 1]

@@ -14,8 +14,9 @@ is off, in the same run). Printed: median step time off and on, the ratio on/off
 paired blocks), the share of the all-to-alls' in-flight time during which a compute part ran
 (``twinpipe.overlap.report.comm_hidden`` over the F&B ops' events), and the simulator's ratio for
 the same costs: one traced off step's op times (``trace.estimate_costs``, cores shared as the run
-shared them) simulated as they are, and with each F&B op shortened by the ratio
-``sim.overlap.predict_fb`` gives for the part times the off run recorded.
+shared them) simulated as they are, and the on schedule with each F&B op shortened by the ratio
+``sim.overlap.predict_fb`` gives for the part times of F&B ops run F then B (DualPipe's off step;
+for the other schedules, one step of their overlapped schedule with the part overlap off).
 
     python bench/bench_overlap_all.py [--models moe,qwen3_moe,deepseek_v3] [--schedules ...] [--blocks 3]
 """
@@ -125,7 +126,8 @@ def _fb_speedup(ops: list) -> float | None:
 
 
 def _predicted(name: str, options: dict, timeline, speedup: float | None) -> float | None:
-    """The simulator's step time on / off for the traced off run's costs, F&B ops at ``speedup``."""
+    """The simulator's step time on / off for the traced off run's costs, F&B ops at ``speedup``
+    times their halves back to back (``t_fb`` for a pair with a full backward, ``t_fb_b`` with a B)."""
     from dataclasses import replace
 
     from twinpipe.schedule.spec import resolve
@@ -139,8 +141,9 @@ def _predicted(name: str, options: dict, timeline, speedup: float | None) -> flo
     stage = costs.per_stage(spec.placement.num_stages)
     measured = stage.get("t_fb") or [None] * len(stage["t_f"])  # the off run's F&B ops, F then B: scaled as they ran
     t_fb = [speedup * (fb if fb is not None else f + b + w) for f, b, w, fb in zip(stage["t_f"], stage["t_b"], stage["t_w"], measured)]
+    t_fb_b = [speedup * (f + b) for f, b in zip(stage["t_f"], stage["t_b"])]
     off = simulate(resolve(name, 2).build(CHUNKS), costs).makespan
-    return simulate(spec.build(CHUNKS), replace(costs, t_fb=t_fb)).makespan / off
+    return simulate(spec.build(CHUNKS), replace(costs, t_fb=t_fb, t_fb_b=t_fb_b)).makespan / off
 
 
 def _case(model: str, name: str, blocks: int, pp, ep) -> dict:
@@ -160,6 +163,8 @@ def _case(model: str, name: str, blocks: int, pp, ep) -> dict:
     row["shares"] = {k: _shares(v) for k, v in outputs.items()}
     events = _step(*off, overlap=False, trace=True)
     timeline = gather_timeline(off[0], CHUNKS)
+    if on is not None and on is not off:  # the option's F&B ops, run F then B: their parts' times alone
+        events = _step(*on, overlap=False)
     row["predicted"] = _predicted(name, on_options, timeline, _fb_speedup(events)) if on is not None else None
     off[0].close()
     if on is not None and on is not off:
@@ -212,12 +217,12 @@ def main() -> None:
             continue
         t_on = statistics.median(times["on"])
         ratio = statistics.median(a / b for a, b in zip(times["on"], times["off"]))
-        hid = {k: (h / f if f else float("nan")) for k, (f, h) in shares.items()}
+        hid = {k: (f"{h / f:.0%}" if f else "-") for k, (f, h) in shares.items()}  # "-": no F&B op ran
         pred = f"{row['predicted']:.3f}" if row["predicted"] else "-"
-        print(f"{head} {t_off * 1e3:8.1f} {t_on * 1e3:8.1f} {ratio:7.3f} {hid['off']:10.0%} {hid['on']:9.0%} {pred:>10}")
+        print(f"{head} {t_off * 1e3:8.1f} {t_on * 1e3:8.1f} {ratio:7.3f} {hid['off']:>10} {hid['on']:>9} {pred:>10}")
     print(f"hidden: share of the F&B ops' all-to-all in-flight time (start to the return of its wait) during which a compute "
           f"part ran, rank 0. sim on/off: the simulator, fed the traced off step's op times, with each F&B op shortened by "
-          f"the ratio sim.overlap.predict_fb gives for the parts the off run recorded.")
+          f"the ratio sim.overlap.predict_fb gives for the parts of F&B ops run F then B.")
     if cores < 4:
         print(f"Honest note: 4 ranks share {cores} cores here, so a rank's all-to-all waits for a peer that is waiting for a "
               f"core, and an overlapped part has no idle core to run on: the measured on/off ratio says how the cores were "

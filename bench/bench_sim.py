@@ -38,12 +38,13 @@ def _median_seconds(fn, repeats: int) -> float:
 def _cases():
     """(label, function, target seconds or None); uses only APIs every version has."""
     from twinpipe.schedule.registry import build
-    from twinpipe.sim import simulate
+    from twinpipe.sim import simulate, summarize
 
     dualpipe = build("dualpipe", 64, 512)
     return [
         ("zb-auto p=32 m=256: build (grid over 8 heuristics)", lambda: build("zb-auto", 32, 256), 1.0),
         ("dualpipe p=64 m=512: simulate", lambda: simulate(dualpipe), 1.0),
+        ("dualpipe p=64 m=512: summarize (the planner's path)", lambda: summarize(dualpipe, check=False), None),
         ("dualpipe p=64 m=512: build", lambda: build("dualpipe", 64, 512), None),
         ("zbv p=16 m=64: build (grid over 4 settings)", lambda: build("zbv", 16, 64), None),
         ("v-min p=8 m=64: build", lambda: build("v-min", 8, 64), None),

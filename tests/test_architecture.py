@@ -41,8 +41,6 @@ PUBLIC = {
 }
 # Kept for a reason other than a signature; each goes when its reason does.
 EXEMPT = {
-    "sim/engine.py:_run": "the simulator's event loop reads locals, not attributes, for its speed over millions of "
-                          "ops (bench/bench_sim.py); its split is under way in sim/engine.py's own change",
     "timeline.py:Timeline": "sim/engine.py's simulate() builds it with 8 positional fields, and that file is being "
                             "changed beside this one; Timeline goes keyword-only past ``slices`` with that call",
 }

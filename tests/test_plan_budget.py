@@ -11,7 +11,7 @@ import pytest
 from twinpipe.cli import main
 from twinpipe.plan import Cluster, Model, plan, predict_one
 from twinpipe.plan import candidates
-from twinpipe.plan.costs import activation_bytes_per_layer, layout, stage_costs, weight_grad_bytes_per_layer
+from twinpipe.plan.costs import activation_bytes_per_layer, layer_times, layout, stage_costs, weight_grad_bytes_per_layer
 from twinpipe.schedule import registry
 from twinpipe.schedule.ops import OpKind
 
@@ -133,13 +133,37 @@ def test_deepseek_v3_dualpipe_fits_at_2048_h800s_and_beats_interleaved_1f1b_with
     assert rows["dualpipev"].step_time < dualpipe.step_time < 1.05 * rows["dualpipev"].step_time
 
 
-@pytest.mark.xfail(strict=True, reason="moved with the schedule layer's pairing (schedule/fb_pairing.py): interleaved 1F1B "
-                   "with overlap and 1-2 extra warm-up micro-batches plans 22.75-22.81 s against DualPipe's 23.71 s "
-                   "(the planner's stand-in pairing gave 24.21-24.24 s); docs/plan.md")
-def test_deepseek_v3_dualpipe_beats_interleaved_1f1b_with_the_warmup_lead():
+def test_deepseek_v3_interleaved_1f1b_with_the_warmup_lead_plans_within_5_percent_ahead_of_dualpipe():
+    """What the planner finds beyond the report's comparison (docs/plan.md): the report weighed
+    DualPipe against 1F1B and ZB1P only (section 3.2.1, Table 2); interleaved 1F1B with the
+    all-to-all hidden and Kimi K2's extra warm-up came later. With the same F&B pair time and as
+    much all-to-all hidden, it plans 3-5% ahead of DualPipe: most of the gap is DualPipe's second
+    weight copy (a data-parallel all-reduce twice as large, and the all-reduce between the copies),
+    the rest its bubble; without the copies' all-reduce DualPipe would still be behind."""
     rows = _decide(DEEPSEEK_V3, 0.7)
+    dualpipe = rows["dualpipe"]
     for k in (1, 2):
-        assert rows["dualpipe"].step_time < rows[f"interleaved-1f1b overlap=True warmup_extra={k}"].step_time, k
+        led = rows[f"interleaved-1f1b overlap=True warmup_extra={k}"]
+        assert led.fits and 0.95 * dualpipe.step_time < led.step_time < 0.97 * dualpipe.step_time, k
+        assert led.a2a_hidden == pytest.approx(dualpipe.a2a_hidden, rel=0.01) and led.compute == pytest.approx(dualpipe.compute)
+        gap = dualpipe.step_time - led.step_time
+        second_copy = dualpipe.mirror_all_reduce + dualpipe.dp_all_reduce - led.dp_all_reduce
+        assert dualpipe.dp_all_reduce == pytest.approx(2 * led.dp_all_reduce, rel=0.01)
+        assert 0.6 * gap < second_copy < gap and dualpipe.bubble > led.bubble
+        assert dualpipe.step_time - dualpipe.mirror_all_reduce > led.step_time
+        assert all(73 * GiB < r.memory["total"] < 76 * GiB for r in (led, dualpipe))
+    # a layer's F&B is bound by its four all-to-alls on one link, a little more than its compute
+    lay = layout(Model(**DEEPSEEK_V3), Cluster(**H800), 16)
+    per = layer_times(Model(**DEEPSEEK_V3), Cluster(**H800), lay)
+    assert per.fb() == pytest.approx(4 * per.a2a) and 1 < per.fb() / (per.f + per.b + per.w - 4 * per.a2a) < 1.3
+    # not an artefact of 128 micro-batches; at the report's 120 interleaved 1F1B cannot run (a multiple of 16)
+    model = Model(**DEEPSEEK_V3, activation_share=0.7)
+    for m in (96, 256):
+        led = predict_one("interleaved-1f1b", model, Cluster(**H800), 16, m, options={"overlap": True, "warmup_extra": 1})
+        assert led.step_time < predict_one("dualpipe", model, Cluster(**H800), 16, m).step_time, m
+    why = predict_one("interleaved-1f1b", model, Cluster(**H800), 16, 120, options={"overlap": True}).why
+    assert "num_microbatches=120: must be >= 16 and a multiple of 16" in why, why  # the count asked for, not one simulated for it
+    assert predict_one("dualpipe", model, Cluster(**H800), 16, 120).fits
 
 
 @pytest.mark.parametrize("share", [0.3, 1.0])

@@ -10,7 +10,8 @@ Per layer and micro-batch of T tokens (matrix products at ``efficiency`` x peak)
 params x T FLOPs + attention scores 4 T s h; B (input gradient) = the same with the scores twice;
 W (weight gradient) = the weight products again. An MoE layer adds dispatch and combine
 all-to-alls (T x top_k x h activations each) to F and to B; F&B (an FB op) hides them behind the
-other micro-batch's compute as ``sim.overlap.predict_fb`` orders the parts.
+other micro-batch's compute as ``sim.overlap.predict_fb`` orders the parts, whether its backward
+half is a full backward (``t_fb``) or a B whose W runs later (``t_fb_b``).
 """
 
 from __future__ import annotations
@@ -75,11 +76,21 @@ class LayerTimes:
 
     def fb(self) -> float:
         """An F overlapped with a full backward of another micro-batch (``predict_fb``'s part order)."""
-        forward = [("compute", self.attn_f), ("comm", self.a2a), ("compute", self.mlp_f), ("comm", self.a2a)]
-        backward = [("comm", self.a2a), ("compute", self.mlp_b), ("comm", self.a2a), ("compute", self.attn_b)]
         if not self.a2a:  # nothing to hide: the halves back to back
             return pair_time(self.f, full_backward_time(self.b, self.w))
-        return predict_fb(forward, backward, weight=[0.0, self.mlp_w, 0.0, self.attn_w])
+        return self._overlapped(weight=[0.0, self.mlp_w, 0.0, self.attn_w])
+
+    def fb_b(self) -> float:
+        """An F overlapped with an input-gradient backward (B) of another: the same part order, without
+        the W parts (they run later, in a W op)."""
+        if not self.a2a:
+            return pair_time(self.f, self.b)
+        return self._overlapped(weight=None)
+
+    def _overlapped(self, weight: list | None) -> float:
+        forward = [("compute", self.attn_f), ("comm", self.a2a), ("compute", self.mlp_f), ("comm", self.a2a)]
+        backward = [("comm", self.a2a), ("compute", self.mlp_b), ("comm", self.a2a), ("compute", self.attn_b)]
+        return predict_fb(forward, backward, weight=weight)
 
 
 def layer_times(model: Model, cluster: Cluster, lay: Layout) -> LayerTimes:
@@ -121,7 +132,8 @@ def weight_grad_bytes_per_layer(model: Model) -> float:
 
 def stage_costs(model: Model, cluster: Cluster, lay: Layout) -> tuple[CostModel, LayerTimes, float]:
     """Costs of one 1F1B stage (``layers / pp`` layers; ``sim.costs.for_model`` scales them to any
-    placement), its layer times, and M_B in bytes (the ``activation_share`` kept). ``t_fb`` only for MoE layers (F&B hides all-to-alls);
+    placement), its layer times, and M_B in bytes (the ``activation_share`` kept). ``t_fb`` (an F with a BW) and
+    ``t_fb_b`` (an F with a B) only for MoE layers (F&B hides all-to-alls);
     ``mw``: M_W / M_B of a layer (``weight_grad_bytes_per_layer``), what B leaves until a deferred W.
     """
     per = layer_times(model, cluster, lay)
@@ -129,8 +141,8 @@ def stage_costs(model: Model, cluster: Cluster, lay: Layout) -> tuple[CostModel,
     message = model.tokens * model.hidden * model.activation_bytes
     t_comm = cluster.latency + message / cluster.bandwidth(cluster.gpus if lay.pp > 1 else 1)
     m_b = activation_bytes_per_layer(model)
-    costs = CostModel(t_f=n * per.f, t_b=n * per.b, t_w=n * per.w, t_fb=n * per.fb() if per.a2a else None, t_comm=t_comm,
-                      mw=weight_grad_bytes_per_layer(model) / m_b)
+    pairs = {"t_fb": n * per.fb(), "t_fb_b": n * per.fb_b()} if per.a2a else {}
+    costs = CostModel(t_f=n * per.f, t_b=n * per.b, t_w=n * per.w, t_comm=t_comm, mw=weight_grad_bytes_per_layer(model) / m_b, **pairs)
     return costs, per, n * m_b * model.activation_share
 
 

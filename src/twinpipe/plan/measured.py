@@ -51,7 +51,8 @@ class Traced:
         """The 1F1B-stage costs at pipeline size ``pp``: the model's share per stage scales by self.pp / pp."""
         k = self.pp / pp
         c = self.costs
-        return replace(c, t_f=c.t_f * k, t_b=c.t_b * k, t_w=c.t_w * k, t_fb=None if c.t_fb is None else c.t_fb * k)
+        return replace(c, t_f=c.t_f * k, t_b=c.t_b * k, t_w=c.t_w * k, **{name: None if getattr(c, name) is None else getattr(c, name) * k
+                                                                           for name in ("t_fb", "t_fb_b")})
 
 
 def read_trace(path: str | Path) -> Timeline:
@@ -106,8 +107,8 @@ def traced_costs(timeline: Timeline) -> tuple[CostModel, bool]:
     split = t_w == 0 and t_b > 0
     if split:
         t_b = t_w = t_b / 2
-    return replace(per_stage, t_f=one(per_stage.t_f), t_b=t_b, t_w=t_w,
-                   t_fb=None if per_stage.t_fb is None else one(per_stage.t_fb)), split
+    pairs = {name: None if getattr(per_stage, name) is None else one(getattr(per_stage, name)) for name in ("t_fb", "t_fb_b")}
+    return replace(per_stage, t_f=one(per_stage.t_f), t_b=t_b, t_w=t_w, **pairs), split
 
 
 def load_traced(path: str | Path) -> Traced:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -148,7 +149,7 @@ def _metrics(name: str, p: int, m: int, costs: CostModel, num_stages: int, max_p
     except ValueError as error:  # a generator refuses a count by its size and residue: m's residue stands in for m
         text = str(error)
         for k in range(m0, m0 + 3 * q, q):
-            text = text.replace(f"={k} ", f"={m} ")
+            text = re.sub(rf"={k}\b", f"={m}", text)  # "num_microbatches=24:" says 120 when 120 was asked
         raise _NoFit(text) from None
     used = (m0 + q, m0 + 2 * q)
     exact = _linear(*(runs[k] for k in (m0, *used)))

@@ -23,8 +23,11 @@ are split (ZB-H1, ZB-V) the backward half is a B and everything below holds with
   ``plan.costs``), FB ops measured on a traced run (``trace.costs``: only the stages whose FB ops
   were measured; the others are None), or the user's ``--fb``. It is keyed by the forward half's
   stage, which on the built-in schedules fixes the backward half's stage; a None entry means not
-  given for that stage: the halves back to back. It is a pair with a BW; a pair with a B takes
-  its halves back to back.
+  given for that stage: the halves back to back. It is a pair with a BW.
+- ``t_fb_b`` is the same for a pair whose backward half is a B (ZB-H1, ZB-V with ``overlap``):
+  the F's parts against the B's, the W parts left out (they run later, in a W op). The planner
+  predicts it from the same part order (``plan.costs``); ``--fb-b`` gives it. Where it is not
+  given, that pair takes its halves back to back, T_F + T_B.
 
 **Memory of one op** (units of one stage's M_B, or bytes if M_B is given in bytes): F adds M_B
 (the micro-batch's activations); B adds M_W - M_B (it frees all but what W still needs, and
@@ -62,7 +65,8 @@ def check_cost(name: str, value) -> float:
     return checks.check_float(value, name, low=0)
 
 
-PER_STAGE = ("t_f", "t_b", "t_w", "t_fb", "m_b")  # the CostModel fields that grow with a stage's share of the model
+_PAIRS = ("t_fb", "t_fb_b")  # pair times: optional, per stage too
+PER_STAGE = ("t_f", "t_b", "t_w", "t_fb", "m_b", "t_fb_b")  # the CostModel fields that grow with a stage's share of the model
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,8 @@ class CostModel:
     ``t_b`` is the input-gradient backward only; a full backward (BW) takes ``t_b + t_w``.
     ``t_fb`` is an F overlapped with a BW (DualPipe's F&B), keyed by the forward half's stage; by
     default (None, or a None entry) the pair costs its halves back to back, the F at its stage and
-    the BW at its own (see the module doc: when to give it). ``t_comm`` is paid on every dependency
+    the BW at its own (see the module doc: when to give it). ``t_fb_b``: the same for an F
+    overlapped with a B (its W deferred to a W op). ``t_comm`` is paid on every dependency
     between *different* ranks; a hand-off inside one rank (the turn of a V) is free. Memory: F
     holds ``m_b``; B turns it into ``mw * m_b`` (the inputs W still needs); W frees that; BW frees
     ``m_b`` at once. Every value is finite and >= 0.
@@ -91,6 +96,7 @@ class CostModel:
     m_b: PerStage = 1.0
     mw: Number = 0.5
     cores: int | None = None
+    t_fb_b: PerStage | None = None
 
     def __post_init__(self) -> None:
         if self.cores is not None:
@@ -103,7 +109,7 @@ class CostModel:
                 if not value:
                     raise checks.bad(name, value, "must be a finite number >= 0 or a non-empty sequence of them")
                 for i, v in enumerate(value):
-                    if not (v is None and name == "t_fb"):  # a stage without a given T_FB
+                    if not (v is None and name in _PAIRS):  # a stage without a given pair time
                         check_cost(f"{name}[{i}]", v)
             else:
                 check_cost(name, value)
@@ -111,11 +117,12 @@ class CostModel:
             check_cost(name, getattr(self, name))
 
     def per_stage(self, num_stages: int) -> dict[str, list]:
-        """Every per-stage quantity as a list of ``num_stages`` floats (``t_fb`` only if given; its
-        None entries stay None)."""
+        """Every per-stage quantity as a list of ``num_stages`` floats (``t_fb`` and ``t_fb_b`` only
+        if given; their None entries stay None)."""
         out = {name: self._expand(name, getattr(self, name), num_stages) for name in ("t_f", "t_b", "t_w", "m_b")}
-        if self.t_fb is not None:
-            out["t_fb"] = self._expand("t_fb", self.t_fb, num_stages)
+        for name in _PAIRS:
+            if getattr(self, name) is not None:
+                out[name] = self._expand(name, getattr(self, name), num_stages)
         return out
 
     @staticmethod
@@ -181,22 +188,23 @@ class OpCosts:
     and the memory change (``memory``) of F, B, W and BW, and the rules for an FB. What the
     simulator's loop indexes; ``time`` and ``steps`` answer for any op."""
 
-    __slots__ = ("t_f", "t_b", "t_w", "t_bw", "t_fb", "m_b", "mw", "t_comm", "duration", "memory")
+    __slots__ = ("t_f", "t_b", "t_w", "t_bw", "given_pair", "m_b", "mw", "t_comm", "duration", "memory")
 
     def __init__(self, costs: CostModel, num_stages: int):
         per = costs.per_stage(num_stages)
         self.t_f, self.t_b, self.t_w, self.m_b = per["t_f"], per["t_b"], per["t_w"], per["m_b"]
         self.t_bw = [full_backward_time(b, w) for b, w in zip(self.t_b, self.t_w)]
-        self.t_fb = per.get("t_fb")  # None, or per stage (None entries: not given)
+        # per backward half's kind: None, or the pair time per forward stage (None entries: not given)
+        self.given_pair = {_BW: per.get("t_fb"), _B: per.get("t_fb_b")}
         self.mw, self.t_comm = float(costs.mw), float(costs.t_comm)
         self.duration = {_F: self.t_f, _B: self.t_b, _W: self.t_w, _BW: self.t_bw}
         self.memory = {kind: [memory_delta(kind, m, self.mw) for m in self.m_b] for kind in _SIMPLE}
 
     def pair(self, stage: int, backward_stage: int, backward_kind: OpKind = _BW) -> float:
         """Time of an FB op whose F is on ``stage`` and whose backward half (a BW, or a B whose W
-        runs later) is on ``backward_stage``. ``t_fb`` is a pair with a BW: a B half's pair takes its
-        halves back to back."""
-        given = self.t_fb[stage] if self.t_fb is not None and backward_kind is _BW else None
+        runs later) is on ``backward_stage``: ``t_fb`` (a BW half) or ``t_fb_b`` (a B half) where given."""
+        given = self.given_pair[backward_kind]
+        given = given[stage] if given is not None else None
         return pair_time(self.t_f[stage], self.duration[backward_kind][backward_stage], given)
 
     def time(self, op: Op) -> float:
@@ -231,7 +239,7 @@ def op_time(op: Op, costs: CostModel | OpCosts) -> float:
     """How long ``op`` takes under ``costs`` (a CostModel, or one already expanded by ``op_costs``)."""
     if isinstance(costs, OpCosts):
         return costs.time(op)
-    sized = [len(v) for v in (costs.t_f, costs.t_b, costs.t_w, costs.t_fb, costs.m_b) if isinstance(v, (list, tuple))]
+    sized = [len(v) for v in (getattr(costs, name) for name in PER_STAGE) if isinstance(v, (list, tuple))]
     num_stages = sized[0] if sized else 1 + max(part.stage for part in op.parts())
     return op_costs(costs, num_stages).time(op)
 

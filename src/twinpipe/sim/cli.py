@@ -58,6 +58,8 @@ def add_simulate_parser(subparsers, *, gpt: bool = True) -> argparse.ArgumentPar
     parser.add_argument("--b", type=float, default=1.0, metavar="TB", help="input-gradient backward time T_B only (default 1)")
     parser.add_argument("--w", type=float, default=1.0, metavar="TW", help="weight-gradient time T_W (default 1); a full backward takes TB+TW")
     parser.add_argument("--fb", type=float, default=None, metavar="TFB", help="overlapped forward+full backward (DualPipe F&B); default TF+TB+TW")
+    parser.add_argument("--fb-b", type=float, default=None, metavar="TFBB",
+                        help="overlapped forward+input-gradient backward (an F&B whose W runs later: zb-h1, zbv with --overlap); default TF+TB")
     parser.add_argument("--comm", type=float, default=0.0, metavar="TC", help="time of one message between ranks, any schedule (default 0)")
     parser.add_argument("--mw", type=float, default=0.5, metavar="RATIO", help="M_W/M_B: memory kept from B until W (default 0.5)")
     parser.add_argument("--cores", type=int, default=None, metavar="C",
@@ -120,6 +122,7 @@ def simulate_from_args(args: argparse.Namespace) -> list[Timeline]:
 def held_equal(args: argparse.Namespace) -> str:
     """One line saying what every schedule shares under ``--hold`` (for tables and pictures)."""
     times = f"T_F={args.f:g}, T_B={args.b:g}, T_W={args.w:g}" + (f", T_FB={args.fb:g}" if args.fb is not None else "")
+    times += f", T_FB_B={args.fb_b:g}" if args.fb_b is not None else ""
     times += f", T_comm={args.comm:g}" if args.comm else ""
     if args.hold == "model":
         return (f"same model: {times} and M_B per 1F1B stage (1/p of the model); a stage of size 1/v gets 1/v of them "
@@ -204,10 +207,11 @@ def _schedule_names(args) -> list[str]:
 
 
 def _costs(args) -> CostModel:
-    for flag, value in (("--f", args.f), ("--b", args.b), ("--w", args.w), ("--fb", args.fb), ("--comm", args.comm), ("--mw", args.mw)):
+    for flag, value in (("--f", args.f), ("--b", args.b), ("--w", args.w), ("--fb", args.fb), ("--fb-b", args.fb_b), ("--comm", args.comm),
+                        ("--mw", args.mw)):
         if value is not None:
             check_cost(flag, value)
-    return CostModel(t_f=args.f, t_b=args.b, t_w=args.w, t_fb=args.fb, t_comm=args.comm, mw=args.mw, cores=args.cores)
+    return CostModel(t_f=args.f, t_b=args.b, t_w=args.w, t_fb=args.fb, t_comm=args.comm, mw=args.mw, cores=args.cores, t_fb_b=args.fb_b)
 
 
 def _build(name: str, args, costs: CostModel, strict: bool, size: Fraction | None = Fraction(1)):

@@ -74,28 +74,95 @@ def _checked(schedule: Schedule, costs: CostModel | None, check: bool = True) ->
 
 
 def _run(schedule: Schedule, costs: CostModel, slices: list | None) -> Summary:
-    """The event loop; appends to ``slices`` unless it is None."""
+    """Time ``schedule``; appends a Slice per op (and per wait) to ``slices`` unless it is None."""
     if costs.cores is not None and costs.cores < schedule.placement.num_ranks:
         return _run_shared(schedule, costs, slices)
-    placement = schedule.placement
-    num_ranks, num_stages, m = placement.num_ranks, placement.num_stages, schedule.num_microbatches
-    table = op_costs(costs, num_stages)  # op times and memory changes: schedule/costs.py's rules
-    duration, delta, pair, pair_steps, comm = table.duration, table.memory, table.pair, table.pair_steps, table.t_comm
+    return _event_loop(schedule, _Tables(schedule, costs), slices)
 
-    # End time of work item (work, s, j) at ends[work*n + s*m + j]; -1 = not done yet. A blocked
-    # rank waits on the index of the item it needs. needs[kind][s]: (index base, delay) per need,
-    # the delay being T_comm across ranks and 0 on one rank.
-    n = num_stages * m
-    ends = [-1.0] * (len(Work) * n)
-    rule = dependency_table(placement).needs
-    needs = {kind: [tuple((int(d.work) * n + d.stage * m, 0.0 if d.local else comm) for d in stage) for stage in rule[kind]] for kind in rule}
-    f_base = int(Work.F) * n
-    done = {kind: tuple(int(work) * n for work in works) for kind, works in WORK_DONE.items()}  # what each simple op completes
-    waiters: dict[int, list[int]] = {}
 
-    def ready_at(kind: OpKind, s: int, j: int, start: float) -> tuple[float, int]:
+class _Tables:
+    """What the event loop looks up per op, worked out once per simulation. Work item (work, s, j)
+    ends at ``ends[work*n + s*m + j]``; ``needs[kind][s]``: (index base, delay) per item an op of
+    ``kind`` at stage s waits for (an FB: its forward's), the delay T_comm across ranks and 0 on one
+    rank; ``done[kind]``: the bases of the items a simple op completes; ``steps[kind][s]``: its
+    memory changes (one)."""
+
+    def __init__(self, schedule: Schedule, costs: CostModel):
+        placement = schedule.placement
+        self.m = schedule.num_microbatches
+        self.n = n = placement.num_stages * self.m
+        self.costs = table = op_costs(costs, placement.num_stages)  # op times and memory changes: schedule/costs.py's rules
+        rule = dependency_table(placement).needs
+        self.needs = {kind: [tuple((int(d.work) * n + d.stage * self.m, 0.0 if d.local else table.t_comm) for d in stage)
+                             for stage in rule[kind]] for kind in rule}
+        self.needs[_FB] = self.needs[_F]
+        self.done = {kind: tuple(int(work) * n for work in works) for kind, works in WORK_DONE.items()}
+        self.steps = {kind: [(change,) for change in changes] for kind, changes in table.memory.items()}
+
+
+def _event_loop(schedule: Schedule, tables: _Tables, slices: list | None) -> Summary:
+    """Advance each rank through its ops until one needs an item not done yet; finishing an item
+    wakes the ranks blocked on it. Every op starts once: O(total ops)."""
+    n, m, needs, done, steps, duration = tables.n, tables.m, tables.needs, tables.done, tables.steps, tables.costs.duration
+    pair, pair_steps, f_base = tables.costs.pair, tables.costs.pair_steps, int(Work.F) * n
+    num_ranks = schedule.placement.num_ranks
+    ends = [-1.0] * (len(Work) * n)  # -1: not done yet
+    waiters: dict[int, list[int]] = {}  # item index -> the ranks blocked on it
+    runnable = list(range(num_ranks - 1, -1, -1))
+    ready_at, finish = _ready_and_finish(ends, waiters, runnable)
+    cursor, free, memory, peak, busy, first = [0] * num_ranks, *([0.0] * num_ranks for _ in range(5))
+    while runnable:
+        rank = runnable.pop()
+        ops, i, now, mem, top, work = schedule.ops[rank], cursor[rank], free[rank], memory[rank], peak[rank], busy[rank]
+        while i < len(ops):
+            op = ops[i]
+            kind, s, j, back = op.kind, op.stage, op.microbatch, op.backward
+            start, blocked = ready_at(needs[kind][s], j, now)
+            if back is not None and blocked < 0:
+                start, blocked = ready_at(needs[back.kind][back.stage], back.microbatch, start)
+            if blocked >= 0:
+                waiters.setdefault(blocked, []).append(rank)
+                break
+            if back is None:
+                end = start + duration[kind][s]
+                changes = steps[kind][s]
+            else:  # the forward's activations are live before the backward frees the other's
+                end = start + pair(s, back.stage, back.kind)
+                changes = pair_steps(s, back.stage, back.kind)
+            for change in changes:
+                mem += change
+                if mem > top:  # after B too: it adds memory when M_W > M_B
+                    top = mem
+            if back is None:
+                for base in done[kind]:
+                    finish(base + s * m + j, end)
+            else:
+                finish(f_base + s * m + j, end)
+                for base in done[back.kind]:  # a BW half finishes W too; a B half leaves it to a W op
+                    finish(base + back.stage * m + back.microbatch, end)
+            if i == 0:
+                first[rank] = start
+            if slices is not None:
+                if start > now and i > 0:
+                    slices.append(Slice(rank, now, start, None, "wait"))
+                slices.append(Slice(rank, start, end, op))
+            work += end - start
+            now = end
+            i += 1
+        cursor[rank], free[rank], memory[rank], peak[rank], busy[rank] = i, now, mem, top, work
+    stuck = [r for r in range(num_ranks) if cursor[r] < len(schedule.ops[r])]
+    if stuck:
+        raise _deadlock(schedule, stuck, cursor, waiters, n, m)
+    ran = [r for r in range(num_ranks) if schedule.ops[r]]  # a rank with no ops has no span
+    return Summary(tuple(busy), tuple(first[r] for r in ran), tuple(free[r] for r in ran), tuple(peak))
+
+
+def _ready_and_finish(ends: list[float], waiters: dict[int, list[int]], runnable: list[int]):
+    """The event loop's two steps on ``ends``: when an op's needs are met, and an item's end."""
+
+    def ready_at(item_needs: tuple, j: int, start: float) -> tuple[float, int]:
         """Earliest start given the needs of one simple op, or (start, index of a missing item)."""
-        for base, delay in needs[kind][s]:
+        for base, delay in item_needs:
             t = ends[base + j]
             if t < 0:
                 return start, base + j
@@ -109,63 +176,7 @@ def _run(schedule: Schedule, costs: CostModel, slices: list | None) -> Summary:
         if index in waiters:
             runnable.extend(waiters.pop(index))
 
-    cursor = [0] * num_ranks
-    free = [0.0] * num_ranks
-    memory = [0.0] * num_ranks
-    peak = [0.0] * num_ranks
-    busy = [0.0] * num_ranks
-    first = [0.0] * num_ranks
-    runnable = list(range(num_ranks - 1, -1, -1))
-    while runnable:
-        rank = runnable.pop()
-        ops, i, now, mem, top, work = schedule.ops[rank], cursor[rank], free[rank], memory[rank], peak[rank], busy[rank]
-        while i < len(ops):
-            op = ops[i]
-            kind, s, j = op.kind, op.stage, op.microbatch
-            k = s * m + j
-            if kind is _FB:
-                back = op.backward
-                bs = back.stage
-                kb = bs * m + back.microbatch
-                start, blocked = ready_at(_F, s, j, now)
-                if blocked < 0:
-                    start, blocked = ready_at(back.kind, bs, back.microbatch, start)
-            else:
-                start, blocked = ready_at(kind, s, j, now)
-            if blocked >= 0:
-                waiters.setdefault(blocked, []).append(rank)
-                break
-            if kind is _FB:  # the forward's activations are live before the backward frees the other's
-                end = start + pair(s, bs, back.kind)
-                for change in pair_steps(s, bs, back.kind):
-                    mem += change
-                    top = max(top, mem)
-                finish(f_base + k, end)
-                for base in done[back.kind]:  # a BW half finishes W too; a B half leaves it to a W op
-                    finish(base + kb, end)
-            else:
-                end = start + duration[kind][s]
-                mem += delta[kind][s]
-                if mem > top:  # after B too: it adds memory when M_W > M_B
-                    top = mem
-                for base in done[kind]:
-                    finish(base + k, end)
-            if i == 0:
-                first[rank] = start
-            if slices is not None:
-                if start > now and i > 0:
-                    slices.append(Slice(rank, now, start, None, "wait"))
-                slices.append(Slice(rank, start, end, op))
-            work += end - start
-            now = end
-            i += 1
-        cursor[rank], free[rank], memory[rank], peak[rank], busy[rank] = i, now, mem, top, work
-
-    stuck = [r for r in range(num_ranks) if cursor[r] < len(schedule.ops[r])]
-    if stuck:
-        raise _deadlock(schedule, stuck, cursor, waiters, n, m)
-    ran = [r for r in range(num_ranks) if schedule.ops[r]]  # a rank with no ops has no span
-    return Summary(tuple(busy), tuple(first[r] for r in ran), tuple(free[r] for r in ran), tuple(peak))
+    return ready_at, finish
 
 
 def _run_shared(schedule: Schedule, costs: CostModel, slices: list | None) -> Summary:

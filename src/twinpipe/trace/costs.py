@@ -48,12 +48,14 @@ def alone_durations(timeline: Timeline, cores: int | None) -> list[float]:
 
 
 def mean_op_times(timeline: Timeline, cores: int | None = None) -> dict[str, dict[int, float]]:
-    """``{kind: {stage: mean seconds}}`` for F, B, W, BW and FB (FB keyed by its forward's stage);
-    with ``cores``, the times each op would have taken alone (``alone_durations``)."""
+    """``{kind: {stage: mean seconds}}`` for F, B, W, BW, FB and FB_B (an FB whose backward half is
+    a B; both keyed by the forward's stage); with ``cores``, the times each op would have taken
+    alone (``alone_durations``)."""
     samples: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     compute = [s for s in timeline.slices if s.op is not None]
     for s, duration in zip(compute, alone_durations(timeline, cores)):
-        samples[s.op.kind.value][s.op.stage].append(duration)
+        back = s.op.backward
+        samples["FB_B" if back is not None and back.kind is OpKind.B else s.op.kind.value][s.op.stage].append(duration)
     return {kind: {stage: statistics.fmean(v) for stage, v in by_stage.items()} for kind, by_stage in samples.items()}
 
 
@@ -95,14 +97,14 @@ def estimate_comm(timeline: Timeline) -> float:
 
 
 def estimate_costs(timeline: Timeline, comm: bool = True) -> CostModel:
-    """Per-stage mean T_F, T_B, T_W, T_FB (and T_comm if ``comm``) measured on ``timeline``.
+    """Per-stage mean T_F, T_B, T_W, T_FB, T_FB_B (and T_comm if ``comm``) measured on ``timeline``.
 
     A stage that ran full backwards and no B gets T_B = its mean BW and T_W = 0 (the simulator
     charges T_B + T_W for a BW), whatever other stages ran. T_FB is keyed by its forward half's stage, and given only for the stages
     whose FB ops were measured: another stage's entry is None, so the simulator times its FB ops
     as their halves back to back (``schedule.costs``), the F at that stage and the BW at its own;
-    no FB at all gives ``t_fb=None``. Other times missing on a stage fall back to that kind's mean
-    over all stages. A run whose ranks shared fewer cores (``shared_cores``) gives the times of
+    no FB at all gives ``t_fb=None``. The same for ``t_fb_b``, from the FB ops whose backward half
+    is a B. Other times missing on a stage fall back to that kind's mean over all stages. A run whose ranks shared fewer cores (``shared_cores``) gives the times of
     each op alone and ``cores``, so the simulator shares them too.
     """
     if timeline.placement is None:
@@ -130,6 +132,5 @@ def estimate_costs(timeline: Timeline, comm: bool = True) -> CostModel:
         else:
             t_b.append(bw[s] or 0.0)
             t_w.append(0.0)
-    measured_fb = means.get("FB")
-    t_fb = [measured_fb.get(s) for s in range(num_stages)] if measured_fb else None
-    return CostModel(t_f=t_f, t_b=t_b, t_w=t_w, t_fb=t_fb, t_comm=estimate_comm(timeline) if comm else 0.0, cores=cores)
+    pairs = {name: [means[key].get(s) for s in range(num_stages)] for name, key in (("t_fb", "FB"), ("t_fb_b", "FB_B")) if means.get(key)}
+    return CostModel(t_f=t_f, t_b=t_b, t_w=t_w, t_comm=estimate_comm(timeline) if comm else 0.0, cores=cores, **pairs)

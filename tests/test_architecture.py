@@ -41,8 +41,6 @@ PUBLIC = {
 }
 # Kept for a reason other than a signature; each goes when its reason does.
 EXEMPT = {
-    "timeline.py:Timeline": "sim/engine.py's simulate() builds it with 8 positional fields, and that file is being "
-                            "changed beside this one; Timeline goes keyword-only past ``slices`` with that call",
 }
 TRAINER_LINES = 260  # train/trainer.py: the step and what a user calls; the parts live beside it
 

@@ -230,7 +230,7 @@ def test_shared_cores_reads_where_the_ranks_ran(meta, expected):
     from twinpipe.timeline import Timeline
     from twinpipe.trace.costs import shared_cores
 
-    assert shared_cores(Timeline("1f1b", 4, 4, [], None, "measured", None, meta)) == expected
+    assert shared_cores(Timeline("1f1b", 4, 4, [], source="measured", meta=meta)) == expected
 
 
 def test_alone_durations_undo_the_sharing():
@@ -240,7 +240,7 @@ def test_alone_durations_undo_the_sharing():
     from twinpipe.trace.costs import alone_durations
 
     slices = [Slice(0, 0.0, 1.0, F(0, 0)), Slice(0, 1.0, 3.0, F(0, 1)), Slice(1, 1.0, 3.0, F(1, 0)), Slice(1, 3.0, 3.5, None, "wait")]
-    timeline = Timeline("gpipe", 2, 2, slices, None, "measured")
+    timeline = Timeline("gpipe", 2, 2, slices, source="measured")
     assert alone_durations(timeline, 1) == pytest.approx([1.0, 1.0, 1.0])
     assert alone_durations(timeline, 2) == pytest.approx([1.0, 2.0, 2.0])
     assert alone_durations(timeline, None) == [1.0, 2.0, 2.0]

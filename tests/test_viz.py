@@ -112,7 +112,7 @@ def _measured_like() -> Timeline:
         Slice(1, t0 + 0.0025, t0 + 0.004, F(1, 0), "1F0"),
         Slice(1, t0 + 0.004, t0 + 0.009, FB(F(1, 1), BW(1, 0)), "(1F1;1BW0)"),
     ]
-    return Timeline("hand-made", 2, 2, slices, linear(2), "measured", None, {"time_unit": "s"})
+    return Timeline("hand-made", 2, 2, slices, placement=linear(2), source="measured", meta={"time_unit": "s"})
 
 
 def test_measured_timeline_with_waits(tmp_path):

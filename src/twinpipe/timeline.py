@@ -8,7 +8,7 @@ under uniform costs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from twinpipe.schedule.ops import Op
 from twinpipe.schedule.placement import Placement
@@ -54,6 +54,7 @@ class Timeline:
     num_ranks: int
     num_microbatches: int
     slices: list[Slice]
+    _: KW_ONLY
     placement: Placement | None = None
     source: str = "simulated"  # or "measured"
     peak_activation: tuple[float, ...] | None = None  # per rank, in units of M_B

@@ -84,7 +84,7 @@ def read_trace(path: str | Path) -> Timeline:
             raise ValueError(f"trace={str(path)!r}: op {piece.op} on rank {piece.rank} does not match {schedule}'s placement "
                              f"on {ranks} ranks with options {options} (was it run with other options?)")
     meta = {"time_unit": "s", "options": options, **{key: other[key] for key in PROCESSOR_KEYS if key in other}}
-    return Timeline(schedule, ranks, m, slices, placement, "measured", None, meta)
+    return Timeline(schedule, ranks, m, slices, placement=placement, source="measured", meta=meta)
 
 
 def traced_costs(timeline: Timeline) -> tuple[CostModel, bool]:

@@ -49,8 +49,8 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
     slices: list[Slice] = []
     summary = _run(schedule, costs, slices)
     meta = {"costs": costs, "options": dict(schedule.options)}
-    return Timeline(schedule.name, schedule.placement.num_ranks, schedule.num_microbatches, slices, schedule.placement,
-                    "simulated", summary.peak, meta)
+    return Timeline(schedule.name, schedule.placement.num_ranks, schedule.num_microbatches, slices, placement=schedule.placement,
+                    source="simulated", peak_activation=summary.peak, meta=meta)
 
 
 def summarize(schedule: Schedule, costs: CostModel | None = None, check: bool = True) -> Summary:

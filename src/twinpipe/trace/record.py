@@ -118,4 +118,4 @@ def build_timeline(traces: dict[int, list], schedule, name: str | None = None, o
     meta = {"time_unit": "s", "schedule": schedule.name, "options": dict(schedule.options)}
     if parts:
         meta["parts"] = parts  # [rank, lane, label, start, end]: compute parts and comm in flight
-    return Timeline(name or schedule.name, schedule.num_ranks, schedule.num_microbatches, slices, schedule.placement, "measured", None, meta)
+    return Timeline(name or schedule.name, schedule.num_ranks, schedule.num_microbatches, slices, placement=schedule.placement, source="measured", meta=meta)

@@ -60,6 +60,8 @@ TINY = "--layers 2 --dim 16 --heads 2 --seq-len 16 --batch-size 4 --corpus-bytes
 TRAIN_MOE = f"twinpipe train --experts 4 --top-k 2 --pp 1 --dp 2 --steps 2 {TINY}"  # test_train_moe checks this run too
 DATA_TINY = "--layers 2 --dim 16 --heads 2 --seq-len 16 --batch-size 4"
 DATA_SMALL = "the documented run takes minutes: 2 steps of a small model (the same processes and schedule)"
+TORCHRUN_TRAIN = (f"torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m twinpipe.train --pp 2 --steps 2 {TINY} "
+                  "--resume auto")
 TRAIN_FILES = ("twinpipe-train/train-loss.png", "twinpipe-train/train-log.json", "twinpipe-train/checkpoint-final/")
 LOADS_CSV = "90,132,40,61,104,165,39,4,73,56,183,86", "20,107,104,64,19,197,187,157,172,86,16,27"
 TRACE_FILES = ("out/trace.json", "out/measured.png", "out/predicted.png", "out/compare.png")
@@ -311,9 +313,10 @@ COMMANDS: list[Command] = [
     _help("twinpipe train --data train.bin --data-dtype uint16"),
     _help("twinpipe train --model DIR --data train.npy --eval-data valid.npy --eval-every 50 --eval-batches 8"),
     _help('twinpipe train --model DIR --data "notes/*.txt"'),
-    Command("torchrun --standalone --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda",
-            f"torchrun --standalone --nproc-per-node 2 -m twinpipe.train --pp 2 --steps 2 {TINY}",
-            NO_GPU + "; 2 processes, a tiny model, 2 steps", files=TRAIN_FILES),
+    Command("torchrun --standalone --nproc-per-node 8 -m twinpipe.train --pp 4 --dp 2 --device cuda", TORCHRUN_TRAIN,
+            NO_GPU + "; 2 processes, a tiny model, 2 steps; one run with the `--max-restarts 3 ... --resume auto` line "
+            "below (in a fresh folder --resume auto starts from step 0, and nothing fails: no restart)", files=TRAIN_FILES,
+            stdout=("bits per byte, first step",)),
     # ---- docs/train.md: several machines
     *(Command(f"torchrun --nnodes 2 --node-rank {n} --nproc-per-node 8 --master-addr node0 --master-port 29500 -m twinpipe.train "
               "--pp 8 --dp 2 --device cuda --out /shared/gpt",
@@ -325,8 +328,8 @@ COMMANDS: list[Command] = [
             _two_nodes("--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:$P --rdzv-id gpt"),
             TWO_NODES + "; the same line on both", folder="nodes-c10d", files=NODES_FILES, stdout=("bits per byte, first step",)),
     Command("torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m twinpipe.train --pp 4 --resume auto",
-            f"torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m twinpipe.train --pp 2 --steps 2 {TINY} --resume auto",
-            FOUR_ON_TWO + ", a tiny model, 2 steps (tests/test_preemption.py kills a rank of such a run)", files=TRAIN_FILES,
+            TORCHRUN_TRAIN, FOUR_ON_TWO + ", a tiny model, 2 steps (tests/test_preemption.py kills a rank of such a run)",
+            files=TRAIN_FILES,
             stdout=("bits per byte, first step",)),
     # ---- docs/hf.md
     Command("python examples/hf_llama.py", copy=("examples",), stdout=("step 2: loss",)),

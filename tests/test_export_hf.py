@@ -2,15 +2,15 @@
 ``--save-hf-every N`` ``hf-stepK/`` beside the checkpoints), ``twinpipe export-hf`` converts any
 checkpoint, and ``train-log.json`` records the model that ran.
 
-Three runs through the installed command, 2 steps each, ``--save-hf-every 1``: a tied Llama on PP=2
-(float32, its tokenizer copied), the tiny Qwen3-MoE with ``--dp 2 --ep 2 --precision bf16-mixed``
-and the tiny DeepSeek-V3 with ``--mtp-depth 1`` (``--mtp-weight 0``: its logged loss is the main
-model's, which ``from_pretrained`` computes). For each: ``from_pretrained(hf-final)`` holds every
-tensor of ``checkpoint-final`` bit for bit (bf16-mixed: the FP32 masters rounded to bfloat16), and
-``from_pretrained(hf-step1)``'s loss on batch 1 is the loss the log states for step 1 (the weights
-that step computed with). Then the Qwen3-MoE checkpoint, loaded and saved again on another
-mesh (one process, no expert parallelism), exported by ``twinpipe export-hf``: the same files as the
-run's ``hf-final``. Bad input: one line, exit 2.
+Three runs of ``twinpipe train`` (its function in this process, its ranks processes), 2 steps each,
+``--save-hf-every 1``: a tied Llama on PP=2 (float32, its tokenizer copied), the tiny Qwen3-MoE with
+``--dp 2 --ep 2 --precision bf16-mixed`` and the tiny DeepSeek-V3 with ``--mtp-depth 1`` (``--mtp-weight 0``:
+its logged loss is the main model's, which ``from_pretrained`` computes). For each:
+``from_pretrained(hf-final)`` holds every tensor of ``checkpoint-final`` bit for bit (bf16-mixed: the
+FP32 masters rounded to bfloat16), and ``from_pretrained(hf-step1)``'s loss on batch 1 is the loss the
+log states for step 1 (the weights that step computed with). Then the Qwen3-MoE checkpoint, loaded
+and saved again on another mesh (one process, no expert parallelism), exported by ``twinpipe
+export-hf``: the same files as the run's ``hf-final``. Bad input: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from distributed import run_world
-from typed import typed_env
+from in_process import run_in_process
 
 pytest.importorskip("transformers")
 
@@ -43,11 +43,9 @@ RUNS = {
 }
 
 
-def _command(args, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = typed_env()  # the script next to this interpreter, found without an activated environment
-    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), **env}  # this tree, unless told
-    return subprocess.run([shutil.which("twinpipe", path=env["PATH"]), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+def _command(args, cwd) -> subprocess.CompletedProcess:
+    """``twinpipe ARGS`` in ``cwd``, in this process (``in_process.run_in_process``)."""
+    return run_in_process(args, cwd)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 import hf_models  # noqa: E402
 from distributed import run_world  # noqa: E402
-from test_hf_stages import _case, _ref_key, _reference, _run  # noqa: E402 (one runner for every architecture)
+from test_hf_stages import _case, _ref_key, _run, shared_references  # noqa: E402 (one runner for every architecture)
 from twinpipe import hf  # noqa: E402
 
 CASES = {}
@@ -36,9 +36,10 @@ for i, arch in enumerate(hf_models.MORE):
                                                seqs=(8, 5) if schedule == "1f1b" else (8,))
 
 
-def _world(rank, world, names, references):
+def _world(rank, world, names):
     import torch.distributed as dist
 
+    references = shared_references(rank, world, [CASES[name] for name in names])
     group = dist.new_group([0, 1])
     results = {}
     with warnings.catch_warnings():
@@ -55,15 +56,7 @@ def _world(rank, world, names, references):
 
 @pytest.fixture(scope="module")
 def outcomes():
-    references, threads = {}, torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread is faster, and does not spin on a loaded machine
-    try:
-        for case in CASES.values():
-            if _ref_key(case) not in references:
-                references[_ref_key(case)] = _reference(case)
-    finally:
-        torch.set_num_threads(threads)
-    return run_world(2, _world, list(CASES), references, timeout=600)
+    return run_world(2, _world, list(CASES), timeout=600)
 
 
 @pytest.mark.parametrize("name", list(CASES))

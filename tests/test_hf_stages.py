@@ -153,10 +153,26 @@ def _tied_copies_differ(stages, group) -> list[str]:
     return [] if len(merged) == 1 else [f"tied weight copies differ: {len(merged)} different gradients"]
 
 
-def _world(rank, world, names, references):
+def shared_references(rank: int, world: int, cases) -> dict:
+    """Each distinct case's ``_reference``, by ``_ref_key``: the i-th computed by rank ``i % world`` alone,
+    then every rank gets them all (computed in the parent, one process did all of them while the other
+    core idled)."""
+    import torch.distributed as dist
+
+    distinct = {}
+    for case in cases:
+        distinct.setdefault(_ref_key(case), case)
+    mine = {key: _reference(case) for i, (key, case) in enumerate(distinct.items()) if i % world == rank}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return {key: value for part in everyone for key, value in part.items()}
+
+
+def _world(rank, world, names):
     """Like distributed.run_cases, with one group per size for all cases (fewer groups to build)."""
     import torch.distributed as dist
 
+    references = shared_references(rank, world, [CASES[name] for name in names if name in CASES])
     groups = {size: dist.new_group(list(range(size))) for size in (2, 4)}
     results = {}
     for name in names:
@@ -293,15 +309,8 @@ def _pp_ep_case(pp_group, ep_group) -> str:
 
 
 def run_all(names) -> list:
-    """Each case's outcome per rank; the references are computed once here, for all ranks."""
-    references = {}
-    for name in names:
-        if name not in CASES:
-            continue
-        key = _ref_key(CASES[name])
-        if key not in references:
-            references[key] = _reference(CASES[name])
-    return run_world(4, _world, list(names), references, timeout=600)
+    """Each case's outcome per rank (the references computed once, in the world: ``shared_references``)."""
+    return run_world(4, _world, list(names), timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from in_process import run_in_process
 from typed import typed_env
 
 TINY_LLAMA = Path(__file__).parent / "data" / "tiny-llama"
@@ -59,8 +60,9 @@ def root(tmp_path_factory) -> Path:
     np.save(root / "train.npy", torch.randint(0, VOCAB, (2000,), generator=gen).numpy())
     np.save(root / "eval.npy", torch.randint(0, VOCAB, (200,), generator=gen).numpy())
     (root / "text.txt").write_text("held-out text needs a tokenizer\n" * 20)
-    done = _installed(["--model", "llama", "--data", "train.npy", *SHAPE, "--steps", "2", "--eval-data", "eval.npy",
-                       "--eval-every", "1", "--eval-batches", "3", "--save-every", "0", "--out", "run"], root)
+    # In this process (the console script's function; test_the_installed_command_says_the_same_line types one).
+    done = run_in_process(["train", "--model", "llama", "--data", "train.npy", *SHAPE, "--steps", "2", "--eval-data", "eval.npy",
+                           "--eval-every", "1", "--eval-batches", "3", "--save-every", "0", "--out", "run"], root)
     (root / "run.txt").write_text(f"exit {done.returncode}\n{done.stdout}\n{done.stderr}")
     return root
 

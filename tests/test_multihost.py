@@ -31,12 +31,12 @@ CASES = {
     "moe-dualpipe-pp2-dp2": ["--schedule", "dualpipe", "--pp", "2", "--dp", "2", "--experts", "4", "--layers", "4",
                              "--batch-size", "8", *TINY],
 }
+_NOT_INHERITED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TWINPIPE_HOST_ID")  # by any run here
 _SEGMENT = re.compile(r"^\S+ \S+ \S+ (\S+) (\d+)\s+(/dev/shm/twinpipe-\S+)")  # dev, inode, path of a maps line
 
 
 def _environment(host_id: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.pop("TWINPIPE_HOST_ID", None)
+    env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
     env["PYTHONFAULTHANDLER"] = "1"  # a worker killed by a signal prints where it was
     if host_id is not None:
         env["TWINPIPE_HOST_ID"] = host_id
@@ -162,9 +162,14 @@ def _wait(agents: list[subprocess.Popen], logs: list[Path]) -> None:
 
 
 def _one_host(args: list[str], out: Path) -> dict:
-    done = subprocess.run([sys.executable, "-m", "twinpipe", "train", *args, "--out", str(out)], env=_environment(None),
-                          capture_output=True, text=True, timeout=LIMIT_S)
-    assert done.returncode == 0, done.stderr[-4000:]
+    """The reference: ``twinpipe train``'s function called here (its ranks on this host alone; no second
+    interpreter to import torch again), with no host identity set."""
+    from twinpipe.train_command.cli import main
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in _NOT_INHERITED:
+            patch.delenv(name, raising=False)
+        assert main([*args, "--out", str(out)]) == 0
     return json.loads((out / "train-log.json").read_text())
 
 

@@ -3,15 +3,11 @@ the checks before any rank starts, and whole runs through the command line's ent
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +17,7 @@ import torch
 from twinpipe.train_command.cli import main as train_main
 from twinpipe.train.data import BatchSampler
 from twinpipe.train.tokens import MEGATRON_MAGIC, open_tokens, token_range
+from in_process import run_in_process
 
 TINY_LLAMA = Path(__file__).parent / "data" / "tiny-llama"
 TINY_MOE = Path(__file__).parent / "data" / "tiny-qwen3-moe"  # 2 layers, 4 experts, top-2, no auxiliary loss (a copy turns it on)
@@ -206,43 +203,8 @@ def test_bad_models(tmp_path, capsys):
 # ---- whole runs, through the command line's entry point
 
 def _run(args, cwd) -> subprocess.CompletedProcess:
-    """``twinpipe train ARGS`` in ``cwd``: ``twinpipe.cli.main``, the function the console script calls,
-    in this process (its ranks are fresh processes either way; tests/test_documented_commands.py runs the
-    installed script itself). Its exit code and everything it and its ranks wrote."""
-    from twinpipe.cli import main
-
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err, _in_folder(cwd):
-        with _descriptors_to(out, err), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(["train", *args])
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(["twinpipe", "train", *args], code, out.read(), err.read())
-
-
-@contextlib.contextmanager
-def _in_folder(folder):
-    before = os.getcwd()
-    os.chdir(folder)
-    try:
-        yield
-    finally:
-        os.chdir(before)
-
-
-@contextlib.contextmanager
-def _descriptors_to(out, err):
-    """File descriptors 1 and 2 to ``out`` and ``err`` (the ranks inherit them), then back."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    os.dup2(out.fileno(), 1)
-    os.dup2(err.fileno(), 2)
-    try:
-        yield
-    finally:
-        for fd, copy in zip((1, 2), saved):
-            os.dup2(copy, fd)
-            os.close(copy)
+    """``twinpipe train ARGS`` in ``cwd``, in this process (``in_process.run_in_process``)."""
+    return run_in_process(["train", *args], cwd)
 
 
 def _losses(out: Path) -> list[float]:

@@ -39,24 +39,51 @@ CASES = [
 CASES += [Case(name, 2, 2, "sgd", max_norm=0.3, steps=3) for name in registry.names() if name not in {c.schedule for c in CASES}]
 
 
-def _run_case(rank: int, case: Case) -> list[str]:
+def _setup(case: Case):
+    """The case's model, data, loss, optimizer and config (the same for the pipeline and its reference)."""
+    return tiny_setup(case.schedule, max_norm=case.max_norm, optimizer=case.optimizer, dp_reduce=case.dp_reduce,
+                      overlap_dp=case.overlap_dp)
+
+
+def _reference(case: Case) -> tuple:
+    """The case's run in one process (float64): each step's result and the final parameters."""
     import torch
+
+    from twinpipe.train.reference import ReferenceTrainer
+
+    model_fn, sampler, criterion, make_opt, config = _setup(case)
+    ref = ReferenceTrainer(model_fn, sampler, criterion, make_opt, config, case.dp, case.pp, dtype=torch.float64)
+    steps = [ref.step(step) for step in range(case.steps or STEPS)]
+    return steps, {k: v.detach() for k, v in ref.named_parameters().items()}
+
+
+def _shared_references(rank: int, world: int) -> dict:
+    """Every case's reference, case i's run by rank ``i % world`` alone, then shared with every rank (rank 0
+    running each in turn left the other core idle); a failed one is its message, failing that case."""
     import torch.distributed as dist
 
+    mine = {}
+    for case in CASES[rank::world]:
+        try:
+            mine[case.id] = _reference(case)
+        except Exception as exc:
+            mine[case.id] = f"{type(exc).__name__}: {exc}"
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return {name: value for part in everyone for name, value in part.items()}
+
+
+def _run_case(rank: int, case: Case, expected) -> list[str]:
+    import torch
+
     from twinpipe.train.mesh import build_mesh
-    from twinpipe.train.reference import ReferenceTrainer
     from twinpipe.train.trainer import Trainer
     from models import grad_error
 
-    model_fn, sampler, criterion, make_opt, config = tiny_setup(case.schedule, max_norm=case.max_norm, optimizer=case.optimizer,
-                                                                dp_reduce=case.dp_reduce, overlap_dp=case.overlap_dp)
-    expected = [None]
-    if rank == 0:  # one reference run, shared (the ranks share two cores)
-        ref = ReferenceTrainer(model_fn, sampler, criterion, make_opt, config, case.dp, case.pp, dtype=torch.float64)
-        steps = [ref.step(step) for step in range(case.steps or STEPS)]
-        expected = [(steps, {k: v.detach() for k, v in ref.named_parameters().items()})]
-    dist.broadcast_object_list(expected, src=0)
-    steps, final = expected[0]
+    if isinstance(expected, str):
+        raise RuntimeError(f"the reference run failed: {expected}")
+    steps, final = expected
+    model_fn, sampler, criterion, make_opt, config = _setup(case)
     mesh = build_mesh(case.dp, case.pp)
     trainer = Trainer(model_fn, sampler, criterion, make_opt, mesh, config, dtype=torch.float64)
     problems, clipped = [], 0
@@ -134,9 +161,9 @@ def _mirror_check(rank: int) -> list[str]:
 
 
 def _world(rank: int, world: int) -> dict:
-    results = {}
-    results.update(run_named([(case.id, lambda case=case: _run_case(rank, case)) for case in CASES] + [("mirror_check", lambda: _mirror_check(rank))]))
-    return results
+    references = _shared_references(rank, world)
+    cases = [(case.id, lambda case=case: _run_case(rank, case, references[case.id])) for case in CASES]
+    return run_named([*cases, ("mirror_check", lambda: _mirror_check(rank))])
 
 
 @pytest.fixture(scope="module")

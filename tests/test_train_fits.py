@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from typed import run_typed
+from in_process import run_in_process
 
 
 @pytest.mark.parametrize("options", ["--dim 1000000",
                                      "--batch-size 1000000000 --microbatch-size 1000000 --corpus-bytes 70000000000"])
 def test_a_run_too_big_is_refused_before_any_rank_starts(tmp_path, options):
-    done = run_typed(f"twinpipe train {options} --steps 1 --out big", tmp_path, timeout=120)
+    done = run_in_process(["train", *options.split(), "--steps", "1", "--out", "big"], tmp_path)  # the console script's function
     assert done.returncode == 2, done
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr

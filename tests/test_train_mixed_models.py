@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from distributed import run_named, run_world
-from typed import typed_env
+from in_process import run_in_process
 from train_setup import gather_state, predicted_from_sizes, reference_state, state_differences, steps_against_reference
 
 WORLD = 4
@@ -224,16 +223,14 @@ def test_transformers_experts_with_bf16_mixed_and_zero1(outcomes):
     assert all(o["hf-moe-ep2"] == [] for o in outcomes), [o["hf-moe-ep2"] for o in outcomes][:2]
 
 
-# ---- twinpipe train end to end (the installed console script, this tree's source)
+# ---- twinpipe train end to end (the console script's function, in this process; its ranks are processes)
 
 SHAPE = ["--seq-len", "8", "--batch-size", "4", "--microbatch-size", "1", "--precision", "bf16-mixed"]
 
 
 def _run(args, cwd) -> subprocess.CompletedProcess:
-    env = typed_env()  # the script next to this interpreter, found without an activated environment
-    exe = shutil.which("twinpipe", path=env["PATH"])
-    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), **env}  # this tree, unless told
-    return subprocess.run([exe, "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    """``twinpipe train ARGS`` in ``cwd``, in this process (``in_process.run_in_process``)."""
+    return run_in_process(["train", *args], cwd)
 
 
 def _steps(out: Path) -> list[dict]:

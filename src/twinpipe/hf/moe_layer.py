@@ -22,6 +22,8 @@ block's parts in order inside ``mlp``: the same arithmetic.
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from twinpipe.checks import bad
@@ -29,7 +31,7 @@ from twinpipe.hf.experts import EPMoE
 from twinpipe.hf.layer import DecoderLayer, drops_router_logits
 from twinpipe.overlap.parts import Compute
 
-__all__ = ["MoEDecoderLayer", "part_layers_", "wrap_layer"]
+__all__ = ["MoEDecoderLayer", "moe_parts", "part_layers_", "wrap_layer"]
 
 
 class MoEDecoderLayer(DecoderLayer):
@@ -44,11 +46,18 @@ class MoEDecoderLayer(DecoderLayer):
         _check(self)
 
     def parts(self) -> list:
-        return [Compute("attn", self._attn), *self.mlp.exchange_parts()]
+        return moe_parts(self)
 
-    def _attn(self, hidden, ctx):
-        h = self.attention(hidden, ctx)
-        return self.mlp.route(h, self.post_attention_layernorm(h), ctx)
+
+def moe_parts(layer: DecoderLayer) -> list:
+    """The parts of a ``DecoderLayer`` whose ``mlp`` is an ``EPMoE`` (the table above), on the state
+    ``(hidden, ctx)``: a ``MoEDecoderLayer``'s, and an MTP layer's after its input projection."""
+    return [Compute("attn", functools.partial(_attn, layer)), *layer.mlp.exchange_parts()]
+
+
+def _attn(layer: DecoderLayer, hidden, ctx):
+    h = layer.attention(hidden, ctx)
+    return layer.mlp.route(h, layer.post_attention_layernorm(h), ctx)
 
 
 def _check(layer: DecoderLayer) -> None:

@@ -46,7 +46,7 @@ __all__ = ["Context", "DecoderLayer", "HALVES", "drops_router_logits"]
 HALVES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # what a layer must have
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Context:
     """What every layer of a stage needs besides ``hidden``, built once per micro-batch by the stage."""
 

@@ -22,16 +22,14 @@ block's parts in order inside ``mlp``: the same arithmetic.
 
 from __future__ import annotations
 
-import functools
-
 from torch import nn
 
 from twinpipe.checks import bad
 from twinpipe.hf.experts import EPMoE
 from twinpipe.hf.layer import DecoderLayer, drops_router_logits
-from twinpipe.overlap.parts import Compute
+from twinpipe.hf.moe_parts import moe_parts
 
-__all__ = ["MoEDecoderLayer", "moe_parts", "part_layers_", "wrap_layer"]
+__all__ = ["MoEDecoderLayer", "part_layers_", "wrap_layer"]
 
 
 class MoEDecoderLayer(DecoderLayer):
@@ -49,15 +47,6 @@ class MoEDecoderLayer(DecoderLayer):
         return moe_parts(self)
 
 
-def moe_parts(layer: DecoderLayer) -> list:
-    """The parts of a ``DecoderLayer`` whose ``mlp`` is an ``EPMoE`` (the table above), on the state
-    ``(hidden, ctx)``: a ``MoEDecoderLayer``'s, and an MTP layer's after its input projection."""
-    return [Compute("attn", functools.partial(_attn, layer)), *layer.mlp.exchange_parts()]
-
-
-def _attn(layer: DecoderLayer, hidden, ctx):
-    h = layer.attention(hidden, ctx)
-    return layer.mlp.route(h, layer.post_attention_layernorm(h), ctx)
 
 
 def _check(layer: DecoderLayer) -> None:

@@ -41,7 +41,7 @@ import functools
 from twinpipe.checks import bad, check_int
 from twinpipe.hf.experts import EPMoE
 from twinpipe.hf.layer import Context, DecoderLayer
-from twinpipe.hf.moe_layer import moe_parts
+from twinpipe.hf.moe_parts import moe_parts
 from twinpipe.overlap.parts import Compute
 from twinpipe.overlap.tail import with_tail
 from twinpipe.hf.mtp_layer import (EMBED, HEAD, MTPLayer, checkpoint_names, copy_name,
@@ -238,7 +238,8 @@ def depth_context(config, rotary_emb, hidden: torch.Tensor, length: int, attenti
     position_ids = torch.arange(length, device=x.device).unsqueeze(0)
     cos_sin = rotary_emb(x, position_ids)
     causal = create_causal_mask(config=config, inputs_embeds=x, attention_mask=mask, cache=None, position_ids=position_ids)
-    return Context(mask, position_ids, cos_sin, {"full_attention": causal})
+    return Context(attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin,
+                   masks={"full_attention": causal})
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:

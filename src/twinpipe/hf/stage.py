@@ -144,7 +144,8 @@ class HFStage(nn.Module):
         makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         masks = {kind: makers[kind](config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
                                     position_ids=position_ids) for kind in self.mask_kinds}
-        ctx = Context(attention_mask, position_ids, cos_sin, masks, [] if self.aux else None, aux_sums)
+        ctx = Context(attention_mask=attention_mask, position_ids=position_ids, position_embeddings=cos_sin, masks=masks,
+                      router_logits=[] if self.aux else None, aux_sums=aux_sums)
         return hidden, ctx
 
     def exit(self, hidden, ctx) -> tuple:

@@ -8,6 +8,7 @@ part order, in flight while the other micro-batch computes, its weight gradients
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from exactness import TOL
 from models import grad_error
 from twinpipe.overlap import Comm, Compute, Done, PartedStage, forward_backward
 from twinpipe.overlap.graph import capture_backward
+
+MTP_COMM = ("mtp1.dispatch", "mtp1.combine")  # the MTP layer's all-to-alls, as the F&B ops name them
 
 
 # ---------------------------------------------------------------- the mechanism, on one process
@@ -139,7 +142,7 @@ def _mtp_fb(group) -> list:
     ops = [[(action, stream, part) for action, stream, part, *_ in e] for m in stages.modules for e in m.fb_events]
     problems = []
     for stream in ("F", "B"):
-        for part in ("mtp1.dispatch", "mtp1.combine"):
+        for part in MTP_COMM:
             if not any(_hidden(steps, stream, part) for steps in ops):
                 problems.append(f"no F&B op with {part}({stream}) in flight while another stream computes")
     if not any(("run", "W", "mtp1.in") in steps for steps in ops):
@@ -174,3 +177,8 @@ def world():
 
 def test_the_mtp_layers_all_to_alls_are_in_the_fb_ops_part_order_hidden_by_the_other_microbatch(world):
     assert [r["mtp-fb"] for r in world] == [[], []]
+
+
+def test_the_hf_page_says_what_this_module_checks():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hf.md").read_text()
+    assert all(f"`{part}`" in text for part in MTP_COMM) and "tests/test_mtp_fb.py" in text

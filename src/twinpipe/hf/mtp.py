@@ -31,12 +31,12 @@ Parameter names are DeepSeek-V3's checkpoint names, ``model.layers.{N+k-1}.enorm
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import dataclasses
-import functools
 
 from twinpipe.checks import bad, check_int
 from twinpipe.hf.experts import EPMoE

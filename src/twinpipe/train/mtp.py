@@ -8,8 +8,10 @@ predicts token i+k+1 through the shared output head. With T tokens per sequence,
 positions. The step's loss is ``L_main + weight / D * sum_k L_MTP^k`` (``weight``: lambda).
 
 The labels a last stage gets (token i+1 at position i) are all the tokens it needs: token i+k is
-label i+k-1, the target of depth k at i is label i+k. So MTP runs in the criterion (``MTPLoss``),
-where the labels are, on modules the last stage holds.
+label i+k-1, the target of depth k at i is label i+k. So the criterion (``MTPLoss``), which gets
+the labels, runs MTP on modules the last stage holds; a ``twinpipe.hf`` last stage's MTP layers it
+adds to the stage as parts after the stage's own (``stage_parts``, ``twinpipe.overlap.tail``), so
+that F&B ops overlap their all-to-alls as the main layers'.
 
 The embedding: a last stage holds a copy of the embedding table (``tied_copies`` of a model name
 (main, copy) pairs); the trainer sums the two gradients before the data-parallel reduction

@@ -97,12 +97,13 @@ def _exact(schedule: str, reference, group) -> str:
     return "; ".join(problems[:6]) or "ok"
 
 
-def _ep(group) -> str:
+def _ep(group, schedule: str = "dualpipev") -> str:
     """MTP depth 1 with expert parallelism: the model's experts spread over the 2 ranks (EP=2,
     ``shard_experts_``), each rank a one-rank DualPipeV pipeline (both stages; the layers in parts,
-    F&B ops running their all-to-alls) training its own batch. The MTP layer's MoE block holds
-    half of the experts too (the build spreads them as the main layers'), and runs in the criterion
-    (its all-to-alls not overlapped). Losses and gradients within EP_BOUND (tests/hf_models.py: the
+    F&B ops running their all-to-alls) training its own batch; or a one-rank ``schedule`` (zb-h1:
+    B and W apart, no F&B op). The MTP layer's MoE block holds half of the experts too (the build
+    spreads them as the main layers'), and runs as parts of the last stage (tests/test_mtp_fb.py:
+    in the F&B ops' part order). Losses and gradients within EP_BOUND (tests/hf_models.py: the
     all-to-all reorders sums) of the unsplit model plus the same MTP layer, losses on the rank's
     batch, gradients summed over the two batches (dense ones summed over the EP pair, experts'
     assembled from both ranks)."""
@@ -118,7 +119,7 @@ def _ep(group) -> str:
     for g in {id(g): g for g in ref_grads.values()}.values():  # (the embedding copy's is the embedding's tensor)
         dist.all_reduce(g, group=group)  # the two ranks' batches together
     model = shard_experts_(_model(), group)
-    stages = hf.build(model, "dualpipev", 1, 0, mtp_depth=1, mtp_weight=WEIGHT, wrap_layer=wrap_layer)
+    stages = hf.build(model, schedule, 1, 0, mtp_depth=1, mtp_weight=WEIGHT, wrap_layer=wrap_layer)
     last = next(m for m in stages.modules if m.last)
     problems = []
     block = last.mtp[0].mlp
@@ -132,7 +133,7 @@ def _ep(group) -> str:
         loss, _ = pipe.step(*inputs, num_chunks=CHUNKS, criterion=stages.criterion, labels=labs)
         stages.sync_grads(pipe)
     events = [e for m in stages.modules for e in m.fb_events]
-    if not any(action == "start" for e in events for action, *_ in e):
+    if schedule == "dualpipev" and not any(action == "start" for e in events for action, *_ in e):
         problems.append(f"{len(events)} F&B ops, none with an all-to-all")
     want = torch.stack(ref_losses)
     if not hf_models.rel(loss, want) <= hf_models.EP_BOUND:
@@ -398,7 +399,7 @@ def _world(rank: int, world: int, root: str) -> dict:
     results = {}
     named = [(s, lambda s=s: _exact(s, reference, group)) for s in SCHEDULES]
     named += [("saved", lambda: _saved(Path(root), group)), ("cli", lambda: _cli(Path(root), group))]
-    named += [("ep", lambda: _ep(group)), ("saved-ep", lambda: _saved_ep(Path(root), group)),
+    named += [("ep", lambda: _ep(group)), ("ep-zb-h1", lambda: _ep(group, "zb-h1")), ("saved-ep", lambda: _saved_ep(Path(root), group)),
               ("cli-ep", lambda: _cli(Path(root), group, ("--pp", "1", "--dp", "2", "--ep", "2"), "cli-ep")),
               ("mixed", lambda: _mixed(Path(root)))]
     for name, fn in named:
@@ -423,6 +424,10 @@ def test_mtp_stages_are_exact_against_the_unsplit_model(world, schedule):
 
 def test_mtp_with_expert_parallelism_spreads_the_mtp_experts_and_matches_the_unsplit_model(world):
     assert [r["ep"] for r in world] == ["ok", "ok"]
+
+
+def test_mtp_with_expert_parallelism_and_zb_h1_defers_the_mtp_layers_w_and_matches_the_unsplit_model(world):
+    assert [r["ep-zb-h1"] for r in world] == ["ok", "ok"]
 
 
 def test_mtp_layers_with_expert_parallelism_save_every_expert_and_read_back_their_rows(world):

@@ -46,7 +46,7 @@ __all__ = ["Context", "DecoderLayer", "HALVES", "drops_router_logits"]
 HALVES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # what a layer must have
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Context:
     """What every layer of a stage needs besides ``hidden``, built once per micro-batch by the stage."""
 
@@ -56,6 +56,7 @@ class Context:
     masks: dict = field(default_factory=dict)  # mask kind ("full_attention", "sliding_attention") -> mask or None
     router_logits: list | None = None  # a list when the router auxiliary loss is on (see the module doc)
     aux_sums: tuple | None = None  # the auxiliary loss's running sums received by the stage (when on)
+    carry: tuple = ()  # tensors a later part returns (the MTP layers' parts: the stage's outputs, each h^k)
 
 
 class DecoderLayer(nn.Module):

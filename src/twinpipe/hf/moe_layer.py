@@ -27,7 +27,7 @@ from torch import nn
 from twinpipe.checks import bad
 from twinpipe.hf.experts import EPMoE
 from twinpipe.hf.layer import DecoderLayer, drops_router_logits
-from twinpipe.overlap.parts import Compute
+from twinpipe.hf.moe_parts import moe_parts
 
 __all__ = ["MoEDecoderLayer", "part_layers_", "wrap_layer"]
 
@@ -44,11 +44,9 @@ class MoEDecoderLayer(DecoderLayer):
         _check(self)
 
     def parts(self) -> list:
-        return [Compute("attn", self._attn), *self.mlp.exchange_parts()]
+        return moe_parts(self)
 
-    def _attn(self, hidden, ctx):
-        h = self.attention(hidden, ctx)
-        return self.mlp.route(h, self.post_attention_layernorm(h), ctx)
+
 
 
 def _check(layer: DecoderLayer) -> None:

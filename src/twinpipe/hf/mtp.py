@@ -14,10 +14,14 @@ holds lm_head, and the embedding itself where one rank holds both ends (a V sche
 (``mtp_embed``) whose gradient is summed with the embedding's by the tied-pair rule
 (``HFRankStages.sync_tied_grads``; under ``twinpipe.train.Trainer``, its ``tied_copies``).
 
-With expert parallelism (the model sharded by ``twinpipe.hf.experts.shard_experts_`` before
-``build``) the MTP layers' MoE blocks are sharded over the same EP group (``mtp_layers(...,
-ep_group=)``). They run in the criterion, after the stage's forward: their all-to-alls are not
-among the stage's parts, so DualPipe's F&B ops do not overlap them.
+The MTP layers read the tokens, which only the criterion gets (its labels): the criterion adds
+them to the last stage as parts after the stage's own (``mtp_parts``, declared by ``HFMTPLoss.stage_parts``
+and run by ``twinpipe.overlap.tail``), from its outputs ``(logits, h^0)`` to ``(logits, h^0, h^1,
+..., h^D)``, then computes the losses. With expert parallelism (the model sharded by
+``twinpipe.hf.experts.shard_experts_`` before ``build``) the MTP layers' MoE blocks are sharded over
+the same EP group (``mtp_layers(..., ep_group=)``) and declare the main layers' parts: in the F&B
+ops of a stage in parts (``HFPartedStage``) their dispatch and combine run interleaved with the
+other micro-batch's compute as the main layers' do, and their weight gradients wait for W alike.
 
 Parameter names are DeepSeek-V3's checkpoint names, ``model.layers.{N+k-1}.enorm.weight``,
 ``...eh_proj.weight``, ``...self_attn.kv_a_proj_with_mqa.weight``...; the embedding copy is named
@@ -27,16 +31,23 @@ Parameter names are DeepSeek-V3's checkpoint names, ``model.layers.{N+k-1}.enorm
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from twinpipe.checks import bad, check_int
-from twinpipe.hf.layer import Context
+from twinpipe.hf.experts import EPMoE
+from twinpipe.hf.layer import Context, DecoderLayer
+from twinpipe.hf.moe_parts import moe_parts
+from twinpipe.overlap.parts import Compute
+from twinpipe.overlap.tail import with_tail
 from twinpipe.hf.mtp_layer import (EMBED, HEAD, MTPLayer, checkpoint_names, copy_name,
                                    copy_sources, mtp_names)
 
-__all__ = ["MTPLayer", "mtp_layers", "mtp_depth_of", "HFMTPLoss", "checkpoint_names", "copy_sources",
+__all__ = ["MTPLayer", "mtp_layers", "mtp_depth_of", "mtp_parts", "HFMTPLoss", "checkpoint_names", "copy_sources",
            "mtp_names", "load_places", "save_tensors", "EMBED", "HEAD"]
 
 def mtp_depth_of(model, mtp_depth) -> int:
@@ -140,26 +151,73 @@ class HFMTPLoss:
     k+1 places ahead (-100 ignored), divided by the number of tokens it counts in the whole batch.
 
     Called as ``criterion(logits, hidden, labels, counts, input_ids, attention_mask)``
-    (``HFRankStages.batch`` makes the last four; ``counts[:, k]``: depth k's count, 0 the main loss's)."""
+    (``HFRankStages.batch`` makes the last four; ``counts[:, k]``: depth k's count, 0 the main loss's);
+    ``stage_parts`` (the same labels) gives the MTP layers' parts, which run in the last stage's record."""
 
     def __init__(self, main, head: nn.Module | None, weight: float, depth: int):
         self.main, self.head, self.weight, self.depth = main, head, weight, depth
 
-    def __call__(self, logits, hidden, labels, counts, input_ids, attention_mask):
-        from twinpipe.train.mtp import mtp_hidden
-
-        head = self.head
-        if head is None:
+    def stage_parts(self, labels, counts, input_ids, attention_mask) -> list:
+        if self.head is None:
             raise RuntimeError("HFMTPLoss: called on a rank whose stages hold no MTP layers (not the last stage's)")
+        return self.head.mtp_parts(input_ids[:, 1:], attention_mask)
+
+    def __call__(self, logits, hidden, labels, counts, input_ids, attention_mask):
+        head = self.head
+        parts = self.stage_parts(labels, counts, input_ids, attention_mask)
+        logits, _, *depths = with_tail((logits, hidden), parts)  # the logits again: one graph, the tail's
         loss = self.main(logits, labels, counts[:, 0])
-        kwargs = lambda length: head.mtp_block_kwargs(hidden, length, attention_mask)  # noqa: E731
         extra = None
-        for k, h in mtp_hidden(head.mtp, hidden, input_ids[:, 1:], head.mtp_embedding, kwargs):
+        for k, h in enumerate(depths, start=1):
             term = self.main.loss_function(logits=head.logits(head.mtp[k - 1].out_norm(h)), labels=None,
                                            vocab_size=self.main.vocab_size, num_items_in_batch=counts[0, k],
                                            shift_labels=labels[:, k + 1:])
             extra = term if extra is None else extra + term
         return loss + (self.weight / self.depth) * extra
+
+
+def mtp_parts(stage, next_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list:
+    """The MTP layers of last ``stage`` as parts after its own (``twinpipe.overlap.tail``): from its
+    outputs ``(logits, h^0)`` to ``(logits, h^0, h^1, ..., h^D)``. ``next_ids [B, t]``: token i+1 at
+    position i; depth k runs on the first t-k positions with tokens ``next_ids[:, k-1:t-1]``. Each
+    depth: ``mtp{k}.in`` (its embeddings and ``project``), then its decoder layer's parts (a MoE
+    layer's, ``moe_parts``, when its ``mlp`` is an ``EPMoE``; else one part), then ``mtp.out``."""
+    t = next_ids.shape[1]
+    if len(stage.mtp) >= t:
+        raise ValueError(f"mtp depth {len(stage.mtp)}: must be below the sequence length ({t})")
+    parts = []
+    for k, layer in enumerate(stage.mtp, start=1):
+        parts.append(Compute(f"mtp{k}.in", functools.partial(_depth_input, stage, k, next_ids, attention_mask)))
+        parts += [dataclasses.replace(p, name=f"mtp{k}.{p.name}") for p in _layer_parts(layer)]
+    parts.append(Compute("mtp.out", _tail_outputs))
+    return parts
+
+
+def _layer_parts(layer: DecoderLayer) -> list:
+    if isinstance(layer.mlp, EPMoE):
+        return moe_parts(layer)
+    return [Compute("layer", lambda hidden, ctx: (DecoderLayer.forward(layer, hidden, ctx), ctx))]
+
+
+def _depth_input(stage, k: int, next_ids, attention_mask, *state) -> tuple:
+    """Depth k's input ``(project(h^{k-1}, e), ctx)``. What the tail returns at its end travels in
+    ``ctx.carry`` (the stage's outputs, then h^1..h^{k-1}): each a tensor this part or an earlier
+    one received, whose gradient that part hands on (``twinpipe.hf.layer``'s rule for the router logits)."""
+    if k == 1:
+        logits, h = state
+        carry = (logits, h)
+    else:
+        h, ctx = state
+        carry = (*ctx.carry, h)
+    length = next_ids.shape[1] - k
+    ctx = depth_context(stage.config, stage.rotary_emb, h, length, attention_mask)
+    ctx.carry = carry
+    e = stage.mtp_embedding(next_ids[:, k - 1 : k - 1 + length])
+    return stage.mtp[k - 1].project(h[:, :length], e), ctx
+
+
+def _tail_outputs(h, ctx) -> tuple:
+    return (*ctx.carry, h)
 
 
 def depth_counts(labels: torch.Tensor, depth: int, ignore_index: int = -100) -> list[int]:
@@ -180,7 +238,8 @@ def depth_context(config, rotary_emb, hidden: torch.Tensor, length: int, attenti
     position_ids = torch.arange(length, device=x.device).unsqueeze(0)
     cos_sin = rotary_emb(x, position_ids)
     causal = create_causal_mask(config=config, inputs_embeds=x, attention_mask=mask, cache=None, position_ids=position_ids)
-    return Context(mask, position_ids, cos_sin, {"full_attention": causal})
+    return Context(attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin,
+                   masks={"full_attention": causal})
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:

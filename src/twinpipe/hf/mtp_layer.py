@@ -19,7 +19,8 @@ EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 class MTPLayer(DecoderLayer):
     """One MTP depth: DeepSeek-V3's decoder layer ``index`` (a ``DecoderLayer``: its own parameter
     names) with ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``. ``forward(h, e, ctx)``
-    gives h^k from h^{k-1} and the embeddings e; ``out_norm`` is the norm before the shared head."""
+    gives h^k from h^{k-1} and the embeddings e (``project``, then the decoder layer); ``out_norm`` is
+    the norm before the shared head."""
 
     def __init__(self, layer: nn.Module, index: int, norm_cls, hidden: int, eps: float):
         super().__init__(layer, index, "full_attention", None)
@@ -33,9 +34,12 @@ class MTPLayer(DecoderLayer):
     def out_norm(self) -> nn.Module:
         return self.shared_head.norm
 
+    def project(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """The decoder layer's input: ``eh_proj [enorm(e) ; hnorm(h)]``."""
+        return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))
+
     def forward(self, h: torch.Tensor, e: torch.Tensor, ctx: Context) -> torch.Tensor:
-        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))
-        return self.feed_forward(self.attention(x, ctx), ctx)
+        return super().forward(self.project(h, e), ctx)
 
 
 def _meta_layers(config, depth: int) -> list[MTPLayer]:

@@ -17,7 +17,7 @@ from torch import nn
 from twinpipe.checks import bad
 from twinpipe.hf.layer import Context, DecoderLayer
 from twinpipe.hf.layout import format_layout
-from twinpipe.hf.mtp import copy_name as mtp_copy_name, depth_context
+from twinpipe.hf.mtp import copy_name as mtp_copy_name, mtp_parts
 from twinpipe.hf.support import ModelParts
 from twinpipe.overlap import stage as overlap_stage
 from twinpipe.overlap.parts import Compute
@@ -114,9 +114,10 @@ class HFStage(nn.Module):
         """The token embedding, through the last stage's copy (or the embedding itself)."""
         return torch.nn.functional.embedding(ids, self.mtp_embed, self._mtp_padding)
 
-    def mtp_block_kwargs(self, hidden: torch.Tensor, length: int, attention_mask: torch.Tensor | None = None) -> dict:
-        """An MTP layer's arguments for the first ``length`` positions (``attention_mask``: the padding mask)."""
-        return {"ctx": depth_context(self.config, self.rotary_emb, hidden, length, attention_mask)}
+    def mtp_parts(self, next_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list:
+        """The MTP layers as parts after the stage's own, for a criterion's ``stage_parts``
+        (``twinpipe.hf.mtp.mtp_parts``: from ``(logits, h^0)`` to ``(logits, h^0, h^1, ..., h^D)``)."""
+        return mtp_parts(self, next_ids, attention_mask)
 
     # ------------------------------------------------------------------ the flow (see layer.py)
     def enter(self, *flow) -> tuple:
@@ -143,7 +144,8 @@ class HFStage(nn.Module):
         makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         masks = {kind: makers[kind](config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
                                     position_ids=position_ids) for kind in self.mask_kinds}
-        ctx = Context(attention_mask, position_ids, cos_sin, masks, [] if self.aux else None, aux_sums)
+        ctx = Context(attention_mask=attention_mask, position_ids=position_ids, position_embeddings=cos_sin, masks=masks,
+                      router_logits=[] if self.aux else None, aux_sums=aux_sums)
         return hidden, ctx
 
     def exit(self, hidden, ctx) -> tuple:
@@ -153,7 +155,7 @@ class HFStage(nn.Module):
             aux = _fold_router_logits(ctx.aux_sums, ctx.router_logits, ctx.attention_mask, self.aux[0], self.aux[1])
         if self.last:
             logits = self.lm_head(self.norm(hidden))
-            if hasattr(self, "mtp"):  # h^0 for the MTP layers, which run in the criterion
+            if hasattr(self, "mtp"):  # h^0 for the MTP layers, which the criterion adds after these parts
                 return (logits, hidden, *aux)
             return (logits, *aux)
         passed = tuple(ctx.position_embeddings) if self.rotary == "pass" else ()

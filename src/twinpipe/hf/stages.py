@@ -170,7 +170,9 @@ def build(model, schedule: str | ScheduleSpec = "dualpipev", num_ranks: int | No
     ``"config"``: the config's ``num_nextn_predict_layers``), initialised from ``mtp_seed`` alike on
     every rank; the criterion is then ``HFMTPLoss``: main loss + ``mtp_weight`` / D x the depths' losses.
     On a model whose MoE blocks ``shard_experts_`` spread over an EP group, the MTP layers' experts are
-    spread over that group too (slot s runs expert s); they run in the criterion, outside the parts.
+    spread over that group too (slot s runs expert s); the criterion adds the MTP layers to the last
+    stage as parts after its own (``HFMTPLoss.stage_parts``): in a stage in parts, overlapped in F&B ops as
+    the main layers are.
     """
     parts = model_parts(model, untested=untested)
     num_ranks, rank = _ranks(num_ranks, rank, process_group)

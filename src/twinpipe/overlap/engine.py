@@ -5,6 +5,8 @@ an expert-parallel group issues its collectives in the same sequence). B parts d
 weight gradients to the running pipeline's weight-gradient store under a key of their own; W steps
 run them. Called with the store on (the backward half of the op is a B, as in ZB-H1 and ZB-V), it
 runs no W step: the weight gradients stay in the store's cache for the caller to file under its B.
+The parts a last stage's criterion adds (``twinpipe.overlap.tail``: DeepSeek-V3's MTP layers) run
+in the forward record after the stage's own, interleaved alike.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from twinpipe.overlap.graph import Record, accumulate_input_grads, capture_backward
 from twinpipe.overlap.parts import check_parts
+from twinpipe.overlap.tail import tail_parts
 from twinpipe.runtime.weight_grad import current_store
 from twinpipe.sim.overlap import Step, fb_order
 
@@ -57,7 +60,9 @@ def forward_backward(module0, inputs0, criterion0, labels0, module1, loss1, outp
     and module1's stage inputs), as the executor expects of ``overlapped_forward_backward``.
     """
     owner = type(module0).__name__
-    fwd = Record(check_parts(module0.parts(), owner), tuple(inputs0), owner)
+    own = check_parts(module0.parts(), owner)
+    fwd = Record(own + tail_parts(criterion0, labels0), tuple(inputs0), owner)
+    fwd.tail_from = len(own)
     bwd = _backward_record(module1, loss1, outputs1, output_grads1)
     b_parts = list(reversed(bwd.parts)) if bwd is not None else []
     n_b = len(b_parts)
@@ -84,6 +89,8 @@ def forward_backward(module0, inputs0, criterion0, labels0, module1, loss1, outp
     if bwd is not None:
         accumulate_input_grads(bwd)
     outputs0 = fwd.outputs()
+    if fwd.width is not None:  # the criterion's parts ran: it reads their outputs (with_tail), the caller the stage's
+        fwd.tail_outputs, outputs0 = outputs0, outputs0[: fwd.width]
     loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
     return list(outputs0), loss0, events
 

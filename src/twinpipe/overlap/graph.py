@@ -19,7 +19,7 @@ from twinpipe.overlap import state
 from twinpipe.overlap.parts import Comm, check_state
 from twinpipe.runtime.executor import run_backward
 
-__all__ = ["Record", "run_parts", "capture_backward"]
+__all__ = ["Record", "run_parts", "capture_backward", "record_of"]
 
 
 def _leaf(value):
@@ -38,10 +38,15 @@ class Record:
         self.saved: list = []
         self.pending = None
         self.keep = torch.is_grad_enabled()
+        # A last stage's criterion may add parts after the stage's own (twinpipe.overlap.tail):
+        self.tail_from = len(parts)  # the first of them
+        self.width: int | None = None  # how many entries the stage's own parts ended with
+        self.tail_outputs: tuple | None = None  # the joined outputs, once the added parts have run
 
     # ------------------------------------------------------------ forward
     def run(self, k: int) -> None:
         part = self.parts[k]
+        self._reach(k)
         if self.keep:
             leaves = tuple(_leaf(v) for v in self.state)
             out = check_state(part.fn(*leaves), part, "its result")
@@ -51,7 +56,12 @@ class Record:
         self.state = out
 
     def start(self, k: int) -> None:
+        self._reach(k)
         self.pending = self.parts[k].start(*self.state)
+
+    def _reach(self, k: int) -> None:
+        if k == self.tail_from:
+            self.width = len(self.state)
 
     def wait(self, k: int) -> None:
         part = self.parts[k]
@@ -88,6 +98,17 @@ class Record:
             if o.grad_fn is not None and o._base is None and not any(o is x for x in self.inputs):
                 o.data = torch.empty(0, dtype=o.dtype, device=o.device)
         return outs
+
+    def extend(self, parts: list, outputs: tuple) -> tuple:
+        """Go on from this record's joined ``outputs`` with ``parts`` (a criterion's, see
+        ``twinpipe.overlap.tail``) and join again: one record, one backward for all its parts."""
+        self.tail_from = len(self.parts)
+        self.parts = [*self.parts, *parts]
+        self.state = tuple(outputs)
+        for k in range(self.tail_from, len(self.parts)):
+            self.step_forward(k)
+        self.tail_outputs = self.outputs()
+        return self.tail_outputs
 
     # ------------------------------------------------------------ backward
     def run_back(self, k: int) -> None:
@@ -176,6 +197,15 @@ def run_parts(parts: list, inputs: tuple, owner: str, *, capture: bool = True):
         record.step_forward(k)
     outs = record.outputs()
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def record_of(outputs) -> Record | None:
+    """The record whose join gave ``outputs`` (a stage in parts, with autograd on), else None."""
+    for out in outputs:
+        if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            record = getattr(out.grad_fn, "record", None)  # a custom function's node is its ctx: _Join's keeps the record
+            return record if isinstance(record, Record) else None
+    return None
 
 
 def capture_backward(roots: list, grads: list) -> list[tuple[Record, tuple]]:

@@ -8,8 +8,10 @@ predicts token i+k+1 through the shared output head. With T tokens per sequence,
 positions. The step's loss is ``L_main + weight / D * sum_k L_MTP^k`` (``weight``: lambda).
 
 The labels a last stage gets (token i+1 at position i) are all the tokens it needs: token i+k is
-label i+k-1, the target of depth k at i is label i+k. So MTP runs in the criterion (``MTPLoss``),
-where the labels are, on modules the last stage holds.
+label i+k-1, the target of depth k at i is label i+k. So the criterion (``MTPLoss``), which gets
+the labels, runs MTP on modules the last stage holds; a ``twinpipe.hf`` last stage's MTP layers it
+adds to the stage as parts after the stage's own (``stage_parts``, ``twinpipe.overlap.tail``), so
+that F&B ops overlap their all-to-alls as the main layers'.
 
 The embedding: a last stage holds a copy of the embedding table (``tied_copies`` of a model name
 (main, copy) pairs); the trainer sums the two gradients before the data-parallel reduction
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinpipe.checks import bad, check_float, check_int
+from twinpipe.overlap.tail import with_tail
 from twinpipe.runtime.weight_grad import DeferredLinear
 
 __all__ = ["MTPModule", "mtp_hidden", "mtp_losses", "MTPLoss", "mtp_heads", "hf_mtp_module"]
@@ -84,22 +87,31 @@ class MTPLoss:
 
     ``head`` is the model's last layer as the stage holds it: its output is ``(logits, hidden)``
     and it has ``mtp`` (the D ``MTPModule``s), ``mtp_embed`` (the embedding copy, a [vocab, d]
-    parameter) and ``logits(h)`` (the shared output head). A ``twinpipe.hf`` last stage also has
-    ``mtp_embedding(ids)`` (the embedding through the copy, with the model's padding row) and
-    ``mtp_block_kwargs(hidden, length)`` (its layers' ``ctx``), which are used when present."""
+    parameter) and ``logits(h)`` (the shared output head). A ``twinpipe.hf`` last stage has
+    ``mtp_parts(next_ids)`` instead: its MTP layers as parts after its own (``stage_parts``,
+    ``twinpipe.overlap.tail``), in its record, whose outputs the losses read."""
 
     def __init__(self, loss_fn: Callable, head: nn.Module, weight: float):
         self.loss_fn, self.head = loss_fn, head
         self.weight = check_float(weight, "mtp_weight", low=0.0)
         self.depth = len(head.mtp)
 
+    def stage_parts(self, *rest) -> list:
+        """The head's MTP layers as parts for the labels ``rest`` (the next tokens last), if it declares them."""
+        declare = getattr(self.head, "mtp_parts", None)
+        return declare(rest[-1]) if declare is not None else []
+
     def __call__(self, logits: torch.Tensor, hidden: torch.Tensor, *rest) -> torch.Tensor:
         """``rest``: what ``loss_fn`` takes after the logits, the labels last."""
         head, labels = self.head, rest[-1]
-        embed = getattr(head, "mtp_embedding", None) or (lambda ids: F.embedding(ids, head.mtp_embed))
-        kwargs = getattr(head, "mtp_block_kwargs", None)  # a Hugging Face stage's: its layers' Context
-        block_kwargs = None if kwargs is None else (lambda length: kwargs(hidden, length))
-        losses = mtp_losses(head.mtp, hidden, labels, embed, head.logits, self.loss_fn, block_kwargs)
+        parts = self.stage_parts(*rest)
+        if parts:  # the depths' hidden states from the stage's record; the logits again (one graph)
+            logits, _, *depths = with_tail((logits, hidden), parts)
+            losses = [self.loss_fn(head.logits(module.out_norm(h)), labels[:, k:])
+                      for k, (module, h) in enumerate(zip(head.mtp, depths), start=1)]
+        else:
+            embed = lambda ids: F.embedding(ids, head.mtp_embed)  # noqa: E731
+            losses = mtp_losses(head.mtp, hidden, labels, embed, head.logits, self.loss_fn)
         extra = losses[0]
         for loss in losses[1:]:
             extra = extra + loss

@@ -65,9 +65,9 @@ def start(modules: Sequence[nn.Module], optimizer, config, timeout: float) -> Li
 
 
 def summary(report: RebalanceReport, placements: dict[str, list[int]]) -> dict:
-    """A rebalance as the run's log keeps it: per block the max/mean rank load before and after,
-    experts sent, and the placement now."""
-    return {"step": report.step, "experts_sent": sum(layer.move.transfers for layer in report.layers if layer.move),
+    """A rebalance as the run's log keeps it (the step's entry): per block the max/mean rank load before
+    and after, experts sent, and the placement now."""
+    return {"experts_sent": sum(layer.move.transfers for layer in report.layers if layer.move),
             "bytes_sent": report.bytes_sent,
             "blocks": [{"name": layer.name, "before": layer.before, "after": layer.after, "moved": layer.move is not None,
                         "phy2log": placements.get(layer.name)} for layer in report.layers]}

@@ -102,6 +102,8 @@ def test_live_rebalancing_moves_experts_and_changes_no_loss(runs):
     # By logical expert, one tensor each: the checkpoint and the transformers folder, against the run without EPLB.
     ours, theirs = _checkpoint_models(root / "live" / "checkpoint-final"), _checkpoint_models(root / "plain" / "checkpoint-step2")
     assert not _far(ours, theirs, WEIGHTS)
+    marker = json.loads((root / "live" / "checkpoint-final" / "twinpipe-checkpoint.json").read_text())
+    assert marker["expert_placements"] == {f"model.layers.{i}.mlp": final[f"0.layers.{i}.mlp"] for i in range(2)}, marker
     assert not _far(_tensors(root / "live" / "hf-final"), _tensors(root / "plain" / "hf-step2"), WEIGHTS)
 
 

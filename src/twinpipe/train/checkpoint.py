@@ -154,6 +154,7 @@ def save_checkpoint(trainer, path: str, step: int) -> None:
         try:
             view.finish_update()  # the last update's pending all-gathers (ZeRO-1)
             tensors, plain = _rank_state(view)
+            mine["placements"] = _placements(view)
             if rank == 0:
                 made = prepare_folder(path)
                 mine["folder"] = str(made)
@@ -161,6 +162,7 @@ def save_checkpoint(trainer, path: str, step: int) -> None:
             mine["error"] = _describe(error)
         said = gather_json(group, mine, timeout, f"{where}: preparing")
         folder = Path(said[0]["folder"]) if said[0].get("folder") else None
+        placements = {block: p for s in said for block, p in (s.get("placements") or {}).items()}
         _raise_if_failed(said, where, path, before)
         # 2. Every rank writes (DCP raises on every rank when one fails), then digests its own files.
         try:
@@ -182,7 +184,7 @@ def save_checkpoint(trainer, path: str, step: int) -> None:
                 files = {name: {"bytes": size, "sha256": sha} for s in said for name, size, sha in s["files"]}
                 _check_listed(folder, files)
                 _check_seen(folder, said, files)
-                write_marker(folder, _marker_record(view, step, files))
+                write_marker(folder, {**_marker_record(view, step, files), **({"expert_placements": placements} if placements else {})})
                 put_in_place(folder, path)
             except Exception as error:
                 mine["error"] = _describe(error)
@@ -223,6 +225,14 @@ def _check_seen(folder: Path, said: list[dict], files: dict) -> None:
             raise RuntimeError(f"rank {rank} of the checkpoint group wrote its files where rank 0 does not see them "
                                f"({problems[0]}): the checkpoint folder must be one folder that every rank sees, "
                                "such as a shared filesystem on several hosts")
+
+
+def _placements(view: CheckpointView) -> dict[str, list[int]]:
+    """This rank's MoE blocks (by the unsplit model's name) whose placement is not one slot per expert
+    by id (EPLB) -> ``phy2log``: the marker records them; the tensors are stored by expert id regardless."""
+    if view.placed is None:
+        return {}
+    return {name.rsplit(".experts.", 1)[0]: view.placed.phy2log(p) for name, p, _ in view.held if view.placed.placed(p)}
 
 
 def _marker_record(view: CheckpointView, step: int, files: dict) -> dict:

@@ -98,6 +98,10 @@ class PlacedRows:
         block = self.blocks.get(id(p))
         return block is not None and not torch.equal(block.phy2log, torch.arange(block.num_experts))
 
+    def phy2log(self, p: torch.Tensor) -> list[int]:
+        """The placement of ``p``'s block: the logical expert of every slot."""
+        return self.blocks[id(p)].phy2log.tolist()
+
     def by_expert(self, p: torch.Tensor, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """An empty tensor for this EP rank's ``E/ep`` rows of ``p`` by expert id (``like``'s row shape and device)."""
         block = self.blocks[id(p)]

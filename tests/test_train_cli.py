@@ -210,7 +210,7 @@ BAD = [
     (["--eplb-every", "2"], "--eplb-every=2: only with --model"),
     (["--redundant-experts", "2"], "--redundant-experts=2: only with --eplb-every N >= 1"),
     (["--eplb-window", "0", "--eplb-every", "1"], "--eplb-window=0: must be >= 1"),
-    (["--eplb-threshold", "0.5", "--eplb-every", "1"], "--eplb-threshold=0.5: must be a finite number >= 1"),
+    (["--eplb-threshold", "nan", "--eplb-every", "1"], "--eplb-threshold=nan: must be a finite number >= 1"),
     # --eval-* (tests/test_model_preflight.py has the rest)
     (["--eval-data", "{file}"], "--eval-data='{file}': the file is empty"),
     (["--eval-every", "2"], "--eval-every=2: needs --eval-data"),

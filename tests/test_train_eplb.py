@@ -118,6 +118,7 @@ def test_a_checkpoint_of_one_slot_per_expert_loads_into_redundant_slots(runs):
 
 
 BAD = [
+    (["--eplb-every", "1", "--ep", "2", "--eplb-threshold", "0.5"], "--eplb-threshold=0.5: must be a finite number >= 1"),
     (["--eplb-every", "1"], "--eplb-every=1: needs the experts spread over EP ranks (--ep >= 2; it is 1)"),
     (["--eplb-every", "1", "--ep", "2", "--redundant-experts", "1"], "--redundant-experts=1: must be a multiple of --ep=2"),
     (["--eplb-every", "1", "--ep", "2", "--dp", "4", "--batch-size", "8"], "--eplb-every=1: needs --ep = --dp (2 != 4)"),

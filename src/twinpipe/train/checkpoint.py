@@ -93,9 +93,13 @@ def _sharded(view: CheckpointView, t: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(t, view.row_mesh, [Shard(0)], run_check=False)
 
 
+def _placed_rows(view: CheckpointView, p: torch.Tensor) -> bool:
+    """Whether ``p``'s rows are the slots of a placement other than one slot per expert by id (EPLB)."""
+    return id(p) in view.row_shards and view.placed is not None and view.placed.placed(p)
+
+
 def _placed(view: CheckpointView, p: torch.Tensor, t: torch.Tensor) -> bool:
-    """Whether ``t``'s rows are slots of a placement other than one slot per expert by id (EPLB)."""
-    return _is_rows(view, p, t) and view.placed is not None and view.placed.placed(p)
+    return _is_rows(view, p, t) and _placed_rows(view, p)
 
 
 def _rows(view: CheckpointView, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -184,7 +188,7 @@ def save_checkpoint(trainer, path: str, step: int) -> None:
                 files = {name: {"bytes": size, "sha256": sha} for s in said for name, size, sha in s["files"]}
                 _check_listed(folder, files)
                 _check_seen(folder, said, files)
-                write_marker(folder, {**_marker_record(view, step, files), **({"expert_placements": placements} if placements else {})})
+                write_marker(folder, _marker_record(view, step, files, placements))
                 put_in_place(folder, path)
             except Exception as error:
                 mine["error"] = _describe(error)
@@ -230,13 +234,11 @@ def _check_seen(folder: Path, said: list[dict], files: dict) -> None:
 def _placements(view: CheckpointView) -> dict[str, list[int]]:
     """This rank's MoE blocks (by the unsplit model's name) whose placement is not one slot per expert
     by id (EPLB) -> ``phy2log``: the marker records them; the tensors are stored by expert id regardless."""
-    if view.placed is None:
-        return {}
-    return {name.rsplit(".experts.", 1)[0]: view.placed.phy2log(p) for name, p, _ in view.held if view.placed.placed(p)}
+    return {name.rsplit(".experts.", 1)[0]: view.placed.phy2log(p) for name, p, _ in view.held if _placed_rows(view, p)}
 
 
-def _marker_record(view: CheckpointView, step: int, files: dict) -> dict:
-    return {
+def _marker_record(view: CheckpointView, step: int, files: dict, placements: dict) -> dict:
+    return ({"expert_placements": placements} if placements else {}) | {
         "step": int(step),
         "twinpipe": twinpipe.__version__,
         "model": {"parameters": [[n, list(s)] for n, s in view.parameter_names], "record": view.model_record,
@@ -416,7 +418,7 @@ class _Reads:
             tensors = {}
             for key, short in self.optim_keys.get(id(t), []):
                 value = _local(self.state[key])
-                if id(p) in self.view.row_shards and value.dim() and self.view.placed is not None and self.view.placed.placed(p):
+                if value.dim() and _placed_rows(self.view, p):
                     value = self.view.placed.to_slots(p, value)  # read by expert id (collective over p's EP group)
                 value = _state_dtype(value, short, t)
                 tensors[short] = value.clone() if key in used else value

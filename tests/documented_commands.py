@@ -298,6 +298,12 @@ COMMANDS: list[Command] = [
             "twinpipe train --model tests/data/tiny-deepseek-v3 --data tokens.npy --pp 2 --mtp-depth 1 --steps 2 --seq-len 16 "
             "--batch-size 4", DATA_SMALL, folder="train-data", copy=("tests/data/tiny-deepseek-v3",), files=TRAIN_FILES,
             stdout=("deepseek_v3 (tests/data/tiny-deepseek-v3)",)),
+    Command("twinpipe train --model tests/data/tiny-qwen3-moe --data tokens.npy --pp 1 --dp 2 --ep 2 --schedule 1f1b "
+            "--eplb-every 10 --redundant-experts 2 --steps 50",
+            "twinpipe train --model tests/data/tiny-qwen3-moe --data tokens.npy --pp 1 --dp 2 --ep 2 --schedule 1f1b "
+            "--eplb-every 1 --redundant-experts 2 --steps 2 --seq-len 16 --batch-size 4 --out eplb-run",
+            DATA_SMALL + "; a rebalance after every step", folder="train-data", copy=("tests/data/tiny-qwen3-moe",),
+            files=("eplb-run/train-log.json", "eplb-run/checkpoint-final/"), stdout=("qwen3_moe (tests/data/tiny-qwen3-moe)",)),
     Command("twinpipe train --model tests/data/tiny-llama --data tokens.npy --pp 2 --steps 50 --save-hf-every 25",
             "twinpipe train --model tests/data/tiny-llama --data tokens.npy --pp 2 --steps 3 --save-hf-every 2 --seq-len 16 "
             "--batch-size 4", "the documented run takes minutes: 3 steps of a small model, a transformers folder after step 2",

@@ -205,6 +205,12 @@ BAD = [
     (["--model", "{file}"], "--model='{file}': must be a folder holding a transformers config.json"),
     (["--layout", "E|t,L"], "--layout='E|t,L': only with --model"),
     (["--ep", "0"], "--ep=0: must be >= 1"),
+    # EPLB in the loop (tests/test_train_eplb.py has the rest)
+    (["--eplb-every", "-1"], "--eplb-every=-1: must be >= 0"),
+    (["--eplb-every", "2"], "--eplb-every=2: only with --model"),
+    (["--redundant-experts", "2"], "--redundant-experts=2: only with --eplb-every N >= 1"),
+    (["--eplb-window", "0", "--eplb-every", "1"], "--eplb-window=0: must be >= 1"),
+    (["--eplb-threshold", "nan", "--eplb-every", "1"], "--eplb-threshold=nan: must be a finite number >= 1"),
     # --eval-* (tests/test_model_preflight.py has the rest)
     (["--eval-data", "{file}"], "--eval-data='{file}': the file is empty"),
     (["--eval-every", "2"], "--eval-every=2: needs --eval-data"),

@@ -75,6 +75,12 @@ VOCABULARY: MappingProxyType[str, Option] = MappingProxyType({o.dest: o for o in
     Option("--experts", "routed experts per MoE block (0: dense MLPs)", int, "E", low=0),
     Option("--top-k", "experts each token is routed to", int, "K", low=1),
     Option("--expert-ffn", "width of one expert's MLP", int, "WIDTH", old=("--expert-hidden",), low=0),
+    # EPLB in the loop (twinpipe.train.TrainConfig's eplb_* and redundant_experts)
+    Option("--eplb-every", "re-place the MoE experts every N steps from their measured loads (EPLB; 0: never)", int, "N", low=0),
+    Option("--redundant-experts", "extra expert slots per MoE block, for replicas of the busiest experts; a multiple of --ep",
+           int, "R", low=0),
+    Option("--eplb-window", "steps of loads a rebalance decides from", int, "W", low=1),
+    Option("--eplb-threshold", "re-place a block only when its max/mean EP-rank load is above this", float, "T", low=1),
     # what a command writes
     Option("--out", "where to write", str, "PATH", old=("--output", "-o")),
     Option("--trace", "record the last step", str, "DIR"),

@@ -4,7 +4,7 @@ LM cut by ``build``, weights read per stage, MoE experts sharded over an EP grou
 
 from __future__ import annotations
 
-from twinpipe.hf.experts import FUSED, EPMoE, expert_rows, shard_experts_
+from twinpipe.hf.experts import FUSED, EPMoE, expert_rows, is_moe_block, shard_experts_
 from twinpipe.hf.moe_layer import wrap_layer
 from twinpipe.hf.mtp import copy_name, load_places, mtp_names
 from twinpipe.hf.stages import HFStage, build
@@ -39,13 +39,16 @@ class HFSource:
     ``weights`` the folder's tensors of this rank's stages are read into them
     (``twinpipe.hf.weights.load``: only those tensors). ``ep_group``: the mesh's EP group to shard the
     MoE experts over (``mesh.expert_groups(ep).ep_group`` for the trainer's ``TrainConfig.ep``; the
-    trainer sums their gradients over the expert-data-parallel group), or None (every expert on every rank)."""
+    trainer sums their gradients over the expert-data-parallel group), or None (every expert on every rank);
+    ``redundant_experts``: extra slots per MoE block for replicas (``twinpipe.train.experts.initial_placement``;
+    the trainer's ``eplb_every`` re-places them)."""
 
     def __init__(self, folder: str, layout: str | None = None, *, balance: str = "params", sample=None, weights: bool = False,
-                 ep_group=None, mtp_depth: int = 0):
+                 ep_group=None, mtp_depth: int = 0, redundant_experts: int = 0):
         self.folder, self.layout, self.balance, self.sample, self.weights = folder, layout, balance, sample, weights
         self.mtp_depth = mtp_depth  # DeepSeek-V3's MTP layers on the last stage (twinpipe.hf.mtp); the trainer reads it
         self.ep_group = ep_group  # with it, MoE experts sharded over it (twinpipe.hf.experts; the trainer's EP group)
+        self.redundant_experts = redundant_experts
         self.built = None
 
     initial_biases_kept = True  # routing biases a checkpoint lacks keep the --model folder's values
@@ -108,7 +111,7 @@ class HFSource:
     def build(self, model, schedule, pp_rank: int) -> list:
         wrap = None
         if self.ep_group is not None:  # each rank keeps its rows of the fused experts; layers declare parts
-            shard_experts_(model, self.ep_group)
+            shard_experts_(model, self.ep_group, self._placement(model))
             wrap = wrap_layer
         self.built = build(model, schedule, schedule.num_ranks, pp_rank, layout=self.layout, balance=self.balance,
                            sample=self.sample if self.balance == "time" else None, wrap_layer=wrap,
@@ -116,6 +119,17 @@ class HFSource:
         if self.weights:
             self._load(self.built.modules)
         return self.built.modules
+
+    def _placement(self, model):
+        """Every MoE block's first placement: one slot per expert, then ``redundant_experts`` replicas (None: none)."""
+        if not self.redundant_experts:
+            return None
+        from twinpipe.train.experts import initial_placement
+
+        experts = {int(m.experts.gate_up_proj.shape[0]) for m in model.modules() if is_moe_block(m)}
+        if len(experts) != 1:
+            raise bad("redundant_experts", self.redundant_experts, f"needs MoE blocks of one expert count (found {sorted(experts)})")
+        return initial_placement(experts.pop(), self.redundant_experts)
 
     def _load(self, modules) -> None:
         """Each parameter and persistent buffer (DeepSeek-V3's routing biases) of ``modules`` from the

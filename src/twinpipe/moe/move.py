@@ -22,7 +22,7 @@ from twinpipe.moe.exchange import ExpertExchange
 from twinpipe.moe.placement import check_placement
 from twinpipe.runtime.collectives import collective
 
-__all__ = ["MovePlan", "MoveReport", "plan_moves", "apply_placement_", "check_optimizer_holds_experts"]
+__all__ = ["MovePlan", "MoveReport", "plan_moves", "apply_placement_", "check_optimizer_holds_experts", "regroup_rows"]
 
 
 @dataclass(frozen=True)
@@ -167,3 +167,36 @@ def apply_placement_(block: ExpertExchange, phy2log, optimizer=None, timeout: fl
     copies = sum(1 for f in plan.fills if f[2][0] == "copy")
     return MoveReport(len(plan.fills), len(plan.transfers), copies, size * len(plan.transfers), size * len(new),
                       tuple((e, src, dst) for src, dst, e, _ in plan.transfers))
+
+
+def regroup_rows(local: torch.Tensor, have, want, group, timeout: float | None = None) -> torch.Tensor:
+    """Rows of one tensor per slot laid out by placement ``have`` [S] re-laid out by ``want`` [S']:
+    ``local`` is this rank's ``S/ep`` rows (slot order), the result its ``S'/ep`` rows, row i holding
+    the row of logical expert ``want[rank * S'/ep + i]`` from the lowest slot of ``have`` holding it.
+    Checkpoints use it both ways between a placement and the identity (one row per expert, by id).
+    Collective over ``group`` (None: one rank): one all-to-all, the plan computed alike by every rank
+    from the two placements, which every rank of the group must pass alike."""
+    have, want = torch.as_tensor(have).tolist(), torch.as_tensor(want).tolist()
+    ep = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    held, got = len(have) // ep, len(want) // ep
+    first: dict[int, int] = {}
+    for slot, expert in enumerate(have):
+        first.setdefault(expert, slot)
+    source = [first[e] for e in want]  # for every wanted row, the slot it comes from
+    if ep == 1:
+        return local.index_select(0, torch.tensor(source, device=local.device))
+    # To each rank, in its row order, the rows it wants from this one; from each rank, the rows it sends here.
+    send = [s - rank * held for d in range(ep) for s in source[d * got : (d + 1) * got] if s // held == rank]
+    send_splits = [sum(1 for s in source[d * got : (d + 1) * got] if s // held == rank) for d in range(ep)]
+    mine = source[rank * got : (rank + 1) * got]
+    recv_splits = [sum(1 for s in mine if s // held == r) for r in range(ep)]
+    out = local.new_empty((sum(recv_splits), *local.shape[1:]))
+    collective(dist.all_to_all_single, out, local.index_select(0, torch.tensor(send, dtype=torch.long, device=local.device)),
+               recv_splits, send_splits, group=group, timeout=ep_timeout(timeout),
+               what=f"regroup_rows: EP rank {rank} waiting for its peers in the expert-rows all-to-all")
+    # ``out`` holds the rows by source rank, each source's in this rank's row order: put them in row order.
+    order = sorted(range(got), key=lambda i: (mine[i] // held, i))
+    back = torch.empty(got, dtype=torch.long)
+    back[torch.tensor(order, dtype=torch.long)] = torch.arange(got)
+    return out.index_select(0, back.to(out.device))

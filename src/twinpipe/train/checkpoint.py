@@ -79,16 +79,35 @@ def _param_groups(optimizer) -> list[dict]:
     return [{k: _json_value(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
-def _rows(view: CheckpointView, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``t`` (``p``, its master or a state tensor of its shape) as DCP should store it: where ``p`` holds
-    this data-parallel rank's rows of a model tensor (``row_shards``: a transformers model's
-    experts), a DTensor sharded by rows over the data-parallel ranks (one tensor of all rows in the
-    checkpoint, each row written once, readable at any expert-parallel size); else ``t``."""
-    if id(p) not in view.row_shards or t.dim() == 0 or t.shape != p.shape:
-        return t
+def _is_rows(view: CheckpointView, p: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``t`` (``p``, its master or a state tensor) holds this rank's rows of a model tensor
+    (``row_shards``: a transformers model's fused experts)."""
+    return id(p) in view.row_shards and t.dim() > 0 and t.shape == p.shape
+
+
+def _sharded(view: CheckpointView, t: torch.Tensor) -> torch.Tensor:
+    """This EP rank's rows ``t`` (experts ``ep_rank * E/ep ..``, by id) as a DTensor sharded by rows over
+    ``row_mesh``: one tensor of all rows in the checkpoint, each row written once, readable at any EP size."""
     from torch.distributed.tensor import DTensor, Shard
 
     return DTensor.from_local(t, view.row_mesh, [Shard(0)], run_check=False)
+
+
+def _placed_rows(view: CheckpointView, p: torch.Tensor) -> bool:
+    """Whether ``p``'s rows are the slots of a placement other than one slot per expert by id (EPLB)."""
+    return id(p) in view.row_shards and view.placed is not None and view.placed.placed(p)
+
+
+def _placed(view: CheckpointView, p: torch.Tensor, t: torch.Tensor) -> bool:
+    return _is_rows(view, p, t) and _placed_rows(view, p)
+
+
+def _rows(view: CheckpointView, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as DCP should store it: rows of experts by expert id (``_sharded``; from the slots of a
+    placement with replicas or moves: ``PlacedRows.to_experts``, collective over the EP group), else ``t``."""
+    if not _is_rows(view, p, t):
+        return t
+    return _sharded(view, view.placed.to_experts(p, t) if _placed(view, p, t) else t)
 
 
 def _rank_state(view: CheckpointView) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -139,6 +158,7 @@ def save_checkpoint(trainer, path: str, step: int) -> None:
         try:
             view.finish_update()  # the last update's pending all-gathers (ZeRO-1)
             tensors, plain = _rank_state(view)
+            mine["placements"] = _placements(view)
             if rank == 0:
                 made = prepare_folder(path)
                 mine["folder"] = str(made)
@@ -146,6 +166,7 @@ def save_checkpoint(trainer, path: str, step: int) -> None:
             mine["error"] = _describe(error)
         said = gather_json(group, mine, timeout, f"{where}: preparing")
         folder = Path(said[0]["folder"]) if said[0].get("folder") else None
+        placements = {block: p for s in said for block, p in (s.get("placements") or {}).items()}
         _raise_if_failed(said, where, path, before)
         # 2. Every rank writes (DCP raises on every rank when one fails), then digests its own files.
         try:
@@ -167,7 +188,7 @@ def save_checkpoint(trainer, path: str, step: int) -> None:
                 files = {name: {"bytes": size, "sha256": sha} for s in said for name, size, sha in s["files"]}
                 _check_listed(folder, files)
                 _check_seen(folder, said, files)
-                write_marker(folder, _marker_record(view, step, files))
+                write_marker(folder, _marker_record(view, step, files, placements))
                 put_in_place(folder, path)
             except Exception as error:
                 mine["error"] = _describe(error)
@@ -210,8 +231,14 @@ def _check_seen(folder: Path, said: list[dict], files: dict) -> None:
                                "such as a shared filesystem on several hosts")
 
 
-def _marker_record(view: CheckpointView, step: int, files: dict) -> dict:
-    return {
+def _placements(view: CheckpointView) -> dict[str, list[int]]:
+    """This rank's MoE blocks (by the unsplit model's name) whose placement is not one slot per expert
+    by id (EPLB) -> ``phy2log``: the marker records them; the tensors are stored by expert id regardless."""
+    return {name.rsplit(".experts.", 1)[0]: view.placed.phy2log(p) for name, p, _ in view.held if _placed_rows(view, p)}
+
+
+def _marker_record(view: CheckpointView, step: int, files: dict, placements: dict) -> dict:
+    return ({"expert_placements": placements} if placements else {}) | {
         "step": int(step),
         "twinpipe": twinpipe.__version__,
         "model": {"parameters": [[n, list(s)] for n, s in view.parameter_names], "record": view.model_record,
@@ -324,6 +351,7 @@ class _Reads:
         self.casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read, into): a model value stored in another dtype
         self.into: dict[str, torch.Tensor] = {}  # model key -> the tensor that holds its value once read
         self.again: list[tuple[str, torch.Tensor]] = []  # (model key, tensor): a second tensor of this rank taking a key's value
+        self.placed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (p, read by expert id, its slots to fill)
         for name, p, _ in view.held:
             t = view.optimized_tensor(p)  # the master (mixed precision), p, or None (ZeRO-1: another rank updates it)
             source = self.stored_as.get(name, name)
@@ -344,6 +372,11 @@ class _Reads:
             return
         self.into[key] = target
         stored = self.saved[key].properties.dtype
+        if _placed(self.view, p, target):  # read by expert id, then into the slots (copy_model_values)
+            read = self.view.placed.by_expert(p, target, stored)
+            self.placed.append((p, read, target))
+            self.state[key] = _sharded(self.view, read)
+            return
         if stored != target.dtype:  # e.g. FP32 masters into a parameter another rank updates
             read = torch.empty(target.shape, dtype=stored, device=target.device)
             self.casts.append((read, target))
@@ -356,13 +389,17 @@ class _Reads:
             if key.startswith(prefix):
                 if key not in self.state:  # else the main parameter's, read once and cloned below
                     size = p.shape if id(p) in self.view.row_shards and len(meta.size) else meta.size  # rows: this rank's
-                    self.state[key] = _rows(self.view, p, torch.empty(size, dtype=meta.properties.dtype,
-                                                                      device=p.device if meta.size else "cpu"))
+                    value = torch.empty(size, dtype=meta.properties.dtype, device=p.device if meta.size else "cpu")
+                    if _placed(self.view, p, value):  # by expert id; into the slots in give_optimizer_state
+                        value = self.view.placed.by_expert(p, value, value.dtype)
+                    self.state[key] = _sharded(self.view, value) if id(p) in self.view.row_shards and len(meta.size) else value
                 self.optim_keys.setdefault(id(t), []).append((key, key[len(prefix):]))
 
     def copy_model_values(self) -> None:
         """After the read: values stored in another dtype cast in, a second holder of a key given its value."""
         with torch.no_grad():
+            for p, read, target in self.placed:  # collective over p's EP group, in the same order on every rank
+                target.copy_(self.view.placed.to_slots(p, read))
             for read, target in self.casts:
                 target.copy_(read)
             for key, target in self.again:
@@ -380,7 +417,10 @@ class _Reads:
             done.add(id(t))
             tensors = {}
             for key, short in self.optim_keys.get(id(t), []):
-                value = _state_dtype(_local(self.state[key]), short, t)
+                value = _local(self.state[key])
+                if value.dim() and _placed_rows(self.view, p):
+                    value = self.view.placed.to_slots(p, value)  # read by expert id (collective over p's EP group)
+                value = _state_dtype(value, short, t)
                 tensors[short] = value.clone() if key in used else value
                 used.add(key)
             self.view.optimizer.state[t] = {**tensors, **plain.get(source, {})}

@@ -39,6 +39,7 @@ class CheckpointView:
     tied: Sequence[tuple[str, str]]
     row_shards: frozenset = frozenset()
     row_mesh: object = None
+    placed: object = None  # experts.PlacedRows: row_shards by logical expert, whatever the placement (EPLB)
     zero_unsaved_buffers: bool = True
     optimized_tensor: Callable[[torch.Tensor], torch.Tensor | None]
     finish_update: Callable[[], None]

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, is_dataclass
 from twinpipe.checks import DEFAULT_TIMEOUT, bad, check_bool, check_choice, check_float, check_int, check_ints, checked_timeout
 from twinpipe.precisions import PRECISIONS, PURE  # what each means, and the model dtype it needs
 
-__all__ = ["TrainConfig", "DP_REDUCE", "ON_NONFINITE", "BALANCE", "PRECISIONS", "ZERO", "MAX_SEED", "model_record", "record_differences"]
+__all__ = ["TrainConfig", "DP_REDUCE", "ON_NONFINITE", "BALANCE", "PRECISIONS", "ZERO", "MAX_SEED", "EPLB_THRESHOLD", "check_eplb", "check_eplb_mesh", "model_record", "record_differences"]
 
 DP_REDUCE = ("all-reduce", "ordered")  # the same names as grads.DataParallelReducer takes
 ON_NONFINITE = ("skip", "raise")
@@ -22,6 +22,7 @@ ZERO = (0, 1)  # 0: every data-parallel rank holds all optimizer state; 1: each 
 # torch's CPU generator keeps the low 32 bits of a seed (and train/data.py mixes seeds modulo 2**32):
 # a larger seed would silently repeat a smaller one's run.
 MAX_SEED = 2**32 - 1
+EPLB_THRESHOLD = 1.1  # twinpipe.eplb.Balancer's default
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +49,10 @@ class TrainConfig:
     ``ep``: the expert-parallel size, dividing the data-parallel size: each stage's MoE experts spread
     over EP groups of ``ep`` data-parallel ranks, replicated over the ``dp/ep`` groups
     (``mesh.TrainMesh.expert_groups``); None: ``dp`` (one EP group, no expert replicas).
+    ``eplb_every`` (N >= 0; 0: off): EPLB in the loop (``live_eplb.py``): every N steps the experts of
+    each MoE block whose max/mean EP-rank load over the last ``eplb_window`` steps (default N) is above
+    ``eplb_threshold`` are re-placed, weights and optimizer state; ``redundant_experts`` (R >= 0, a
+    multiple of the EP size): extra slots per block for replicas of the busiest experts.
     """
 
     schedule: str = "dualpipev"
@@ -68,6 +73,10 @@ class TrainConfig:
     zero: int = 0
     balance_alpha: float = 0.0  # DeepSeek-V3's sequence-wise balance loss on a transformers model's gates
     ep: int | None = None  # expert-parallel size (None: the data-parallel size)
+    eplb_every: int = 0  # steps between rebalances (0: the placement never changes)
+    redundant_experts: int = 0  # replica slots per MoE block, beyond one per expert
+    eplb_window: int | None = None  # steps of loads a rebalance decides from (None: eplb_every)
+    eplb_threshold: float = EPLB_THRESHOLD  # max/mean rank load above which a block is re-placed
 
     def __post_init__(self):
         from twinpipe.schedule import registry
@@ -100,6 +109,7 @@ class TrainConfig:
         if self.ep is not None:
             check_int(self.ep, "ep", low=1, why="None: the data-parallel size")
         object.__setattr__(self, "schedule_options", _checked_options(self.schedule_options, info))
+        check_eplb(self.eplb_every, self.redundant_experts, self.eplb_window, self.eplb_threshold)
 
     def expert_parallel(self, dp: int) -> int:
         """The expert-parallel size on ``dp`` data-parallel ranks: ``ep``, or ``dp`` when None."""
@@ -112,6 +122,47 @@ class TrainConfig:
                 f"batch_size={self.batch_size}: must be a multiple of dp={dp} x microbatch_size={self.microbatch_size}"
             )
         return self.batch_size // (dp * self.microbatch_size)
+
+
+def check_eplb(every: int, redundant: int, window: int | None, threshold: float, *, flags: bool = False) -> None:
+    """The EPLB settings' own bounds, named as fields (``flags``: as the command's ``--eplb-every``...);
+    what they need of the model and the mesh is checked where those are known (``live_eplb.py``)."""
+    name = (lambda field: f"--{field.replace('_', '-')}") if flags else (lambda field: field)
+    check_int(every, name("eplb_every"), low=0, why="0: no rebalancing")
+    check_int(redundant, name("redundant_experts"), low=0)
+    if window is not None:
+        check_int(window, name("eplb_window"), low=1, why="steps of loads")
+    check_float(threshold, name("eplb_threshold"), low=1.0, why="a max/mean load ratio")
+    if not every:
+        for field, value, default in (("redundant_experts", redundant, 0), ("eplb_window", window, None),
+                                      ("eplb_threshold", threshold, EPLB_THRESHOLD)):
+            if value != default:
+                raise bad(name(field), value, f"only with {name('eplb_every')} N >= 1 (EPLB in the loop)")
+
+
+def check_eplb_mesh(*, eplb_every: int, redundant: int, ep: int, dp: int, precision: str, zero: int, mirrored: bool,
+               flags: bool = False) -> None:
+    """What EPLB in the loop needs of the mesh and the update (ValueError naming the setting, as
+    ``--eplb-every`` with ``flags``): experts over more than one rank, one EP group per stage, an
+    optimizer over the expert weights themselves, one copy of each stage."""
+    if not eplb_every:
+        return
+    name = (lambda s: f"--{s.replace('_', '-')}") if flags else (lambda s: s)
+    if ep < 2:
+        raise bad(name("eplb_every"), eplb_every, f"needs the experts spread over EP ranks ({name('ep')} >= 2; it is {ep})")
+    if redundant % ep:
+        raise bad(name("redundant_experts"), redundant, f"must be a multiple of {name('ep')}={ep} (every EP rank holds "
+                  "the same number of slots)")
+    if ep != dp:
+        raise bad(name("eplb_every"), eplb_every, f"needs {name('ep')} = {name('dp')} ({ep} != {dp}): with several EP "
+                  "groups per stage each would place its experts by its own loads")
+    refused = [why for hit, why in ((precision != PURE, f"{name('precision')}={precision!r}: the optimizer updates FP32 masters"),
+                                    (bool(zero), f"{name('zero')}={zero}: each rank updates a share of the weights"),
+                                    (mirrored, "a schedule with mirrored stage copies (DualPipe, Chimera, BitPipe): "
+                                               "each copy would move alone")) if hit]
+    if refused:
+        raise bad(name("eplb_every"), eplb_every, f"is not supported with {refused[0]}; "
+                  "EPLB in the loop moves the experts' weights and Adam state together (pure precision, zero 0)")
 
 
 def _checked_balance(balance):

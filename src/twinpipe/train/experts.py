@@ -16,13 +16,16 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
 from torch import nn
 
 from twinpipe.checks import bad
 from twinpipe.moe.block import MoEBlock
+from twinpipe.moe.exchange import ExpertExchange
 from twinpipe.moe.grads import expert_parameters
+from twinpipe.moe.move import regroup_rows
 
-__all__ = ["check_experts", "shard_experts", "expert_ids"]
+__all__ = ["check_experts", "shard_experts", "expert_ids", "initial_placement", "PlacedRows"]
 
 
 def check_experts(model: nn.Module, ep: int, name: str = "ep") -> int:
@@ -70,3 +73,61 @@ def check_row_group(row_group, groups) -> None:
         expected = dist.get_process_group_ranks(groups.ep_group) if groups.ep_group is not None else "None"
         raise bad("stages.ep_group", mine, f"must be the mesh's EP group for ep={groups.ep} ({expected}: "
                   "mesh.expert_groups(ep).ep_group; the rows of each expert tensor are stored sharded over it)")
+
+
+def initial_placement(num_experts: int, redundant: int) -> torch.Tensor:
+    """A run's first placement with ``redundant`` extra slots: every expert once, in id order, then one
+    replica each of experts 0, 1, ... (EPLB re-places them from the loads it measures)."""
+    return torch.cat([torch.arange(num_experts), torch.arange(redundant) % num_experts])
+
+
+class PlacedRows:
+    """The fused expert tensors of this rank's sharded MoE blocks (``twinpipe.hf.experts.EPMoE``: one
+    row per local slot), seen by logical expert: checkpoints store one row per expert, by expert id,
+    whatever the placement (``to_experts``/``to_slots``, collective over the block's EP group when the
+    placement is not one slot per expert in id order), and the gradient norm counts one replica of
+    each expert (``counted``)."""
+
+    def __init__(self, modules: Sequence[nn.Module], timeout: float):
+        self.timeout = timeout
+        self.blocks = {id(p): b for m in modules for b in m.modules() if isinstance(b, ExpertExchange)
+                       for p in b.experts.parameters() if p.dim() and p.shape[0] == b.local}
+
+    def placed(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s rows are not expert ``ep_rank * E/ep + i`` in row i (replicas, or moved)."""
+        block = self.blocks.get(id(p))
+        return block is not None and not torch.equal(block.phy2log, torch.arange(block.num_experts))
+
+    def phy2log(self, p: torch.Tensor) -> list[int]:
+        """The placement of ``p``'s block: the logical expert of every slot."""
+        return self.blocks[id(p)].phy2log.tolist()
+
+    def by_expert(self, p: torch.Tensor, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An empty tensor for this EP rank's ``E/ep`` rows of ``p`` by expert id (``like``'s row shape and device)."""
+        block = self.blocks[id(p)]
+        return torch.empty((block.num_experts // block.ep, *like.shape[1:]), dtype=dtype, device=like.device)
+
+    def to_experts(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (``p``'s rows, or a master or state tensor of its shape) as this EP rank's ``E/ep`` rows by expert id."""
+        block = self.blocks[id(p)]
+        return regroup_rows(t, block.phy2log, torch.arange(block.num_experts), block.ep_group, self.timeout)
+
+    def to_slots(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The inverse: this EP rank's rows by expert id -> ``p``'s rows in slot order (replicas filled)."""
+        block = self.blocks[id(p)]
+        return regroup_rows(t, torch.arange(block.num_experts), block.phy2log, block.ep_group, self.timeout)
+
+    def counted(self) -> dict[int, torch.Tensor]:
+        """``id(p)`` -> the rows of ``p`` to count in the gradient norm (each expert's lowest slot), for
+        the parameters of blocks with replicas (after ``reduce_replica_grads`` every replica holds the sum)."""
+        rows = {}
+        for pid, block in self.blocks.items():
+            phy2log = block.phy2log
+            if len(phy2log) == block.num_experts:
+                continue
+            first = {}
+            for slot, expert in enumerate(phy2log.tolist()):
+                first.setdefault(expert, slot)
+            lowest = set(first.values())
+            rows[pid] = torch.tensor([i for i in range(block.local) if block.first_slot + i in lowest], dtype=torch.long)
+        return rows

@@ -29,10 +29,16 @@ def scale_grads(params: Iterable[torch.Tensor], count: int) -> None:
             g.div_(count)
 
 
-def squared_norms(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Each gradient's squared 2-norm, in float64 (zero where there is none)."""
+def squared_norms(params: Sequence[torch.Tensor], rows: dict | None = None) -> torch.Tensor:
+    """Each gradient's squared 2-norm, in float64 (zero where there is none); ``rows``: ``id(p)`` ->
+    the rows of ``p``'s gradient to count (one replica of each expert), all rows where absent."""
+    rows = rows or {}
+
+    def counted(p, g):
+        return g.index_select(0, rows[id(p)].to(g.device)) if id(p) in rows else g
+
     return torch.stack([
-        g.double().pow(2).sum() if g is not None else torch.zeros((), dtype=torch.float64, device=p.device)
+        counted(p, g).double().pow(2).sum() if g is not None else torch.zeros((), dtype=torch.float64, device=p.device)
         for p, g in ((p, grad_of(p)) for p in params)
     ]) if params else torch.zeros(0, dtype=torch.float64)
 

@@ -26,6 +26,7 @@ from twinpipe.schedule.placement import Placement
 from twinpipe.train import precision
 from twinpipe.train.config import TrainConfig
 from twinpipe.train.data import BatchSampler, replica_rows
+from twinpipe.train.experts import PlacedRows
 from twinpipe.train.grads import clip_coefficient, clip_grads, scale_grads, squared_norms
 from twinpipe.train.mesh import TrainMesh
 from twinpipe.train.ownership import Ownership
@@ -48,6 +49,7 @@ class StepResult:
     skipped: bool = False  # the loss or the gradients were not finite: no rank updated (on_nonfinite="skip")
     stop: bool = False  # some rank asked ``step(stop=True)``: the same on every rank (agreed in the step's all-reduce)
     save: bool = False  # some rank asked ``step(save=True)``: the same on every rank
+    rebalance: object = None  # EPLB in the loop: this rank's RebalanceReport when the step ended with a rebalance
 
 
 class NonFiniteStepError(FloatingPointError):
@@ -79,6 +81,7 @@ class StepParts:
     routing: RoutingBalance
     tied: TiedPairs
     experts: bool  # MoE experts: reduced as twinpipe.moe.reduce_replica_grads says
+    placed: PlacedRows | None = None  # EPLB in the loop: replicas' gradients summed, each expert counted once in the norm
     where: Callable[[str], str]  # "rank dp=.. pp=..: <what>"
 
 
@@ -181,7 +184,7 @@ class TrainStep:
             reducer.wait(where)
         else:
             reducer.all_reduce(where)
-        if p.experts:
+        if p.experts or p.placed is not None:
             reduce_replica_grads(p.pipe.module, self.timeout)
         if p.ownership.expert_reducer is not None:  # the same experts in every EP group: their gradients summed
             p.ownership.expert_reducer.all_reduce(where)
@@ -201,7 +204,8 @@ class TrainStep:
             p.routing.add_loads(vec.loads)
         vec.set_digest(digest)
         if clip:
-            vec.norms[self._owned_index] = squared_norms(p.ownership.owned)  # a non-finite gradient makes its norm non-finite
+            counted = p.placed.counted() if p.placed is not None else None
+            vec.norms[self._owned_index] = squared_norms(p.ownership.owned, counted)  # a non-finite gradient makes its norm non-finite
         else:
             vec.nonfinite[0] = any_nonfinite(p.ownership.owned)
         if loss is not None:

@@ -42,13 +42,13 @@ from twinpipe.train.checkpoint_view import CheckpointView
 from twinpipe.train.config import TrainConfig, model_record
 from twinpipe.train.data import BatchSampler
 from twinpipe.train.evaluation import EvalResult, evaluate
-from twinpipe.train.experts import check_experts, check_row_group, expert_ids, shard_experts
+from twinpipe.train.experts import PlacedRows, check_experts, check_row_group, expert_ids, shard_experts
 from twinpipe.train.memory import planned_options, state_bytes
 from twinpipe.train.mirrors import mirrors_equal
 from twinpipe.train.mesh import TrainMesh
 from twinpipe.train.mtp import rank_criterion
 from twinpipe.precisions import BF16_MIXED
-from twinpipe.train import precision
+from twinpipe.train import live_eplb, precision
 from twinpipe.train.update import WeightUpdate
 from twinpipe.train.zero import first_forward_in_fb  # noqa: F401  (re-exported)
 from twinpipe.train.split_source import SplitStages, model_parameter_names, model_routers  # noqa: F401  (re-exported)
@@ -72,9 +72,8 @@ class Trainer:
     ``stages``: how to cut a model that is not a sequence of one-tensor layers (a ``transformers``
     causal LM: ``twinpipe train --model``, ``twinpipe.hf.HFSource``), a ``StageSource``
     (``stage_source.py``: every method the trainer calls); None cuts by ``split`` with
-    ``config.balance`` (``split_source.SplitStages``).
-
-    Its nine arguments are the signature users call (docs/train.md): kept (tests/test_architecture.py, PUBLIC).
+    ``config.balance`` (``split_source.SplitStages``). Its nine arguments are the signature users call
+    (docs/train.md): kept (tests/test_architecture.py, PUBLIC).
     """
 
     def __init__(self, model_fn: Callable[[], nn.Module], sampler: BatchSampler, criterion, optimizer_fn,
@@ -108,10 +107,9 @@ class Trainer:
         self.layout = batch_layout(self.schedule, mesh.pp, mesh.pp_rank, self.num_chunks)
         self.expert_groups = mesh.expert_groups(config.expert_parallel(mesh.dp))  # collective: ep strictly inside (1, dp)
         self.experts = check_experts(model, self.expert_groups.ep, "dp" if config.ep is None else "ep")
+        live_eplb.check_trainer(config, self.expert_groups.ep, mesh.dp, gpt_experts=self.experts, mirrored=self.is_dual)
         modules = self._build_stages(model)
-        experts = expert_ids(modules)
-        # Tied copies (an MTP head's embedding copy, a transformers model's tied head): kept equal to
-        # their main parameter, not in the norm.
+        # Tied copies (an MTP head's embedding copy, a transformers model's tied head): equal to their main, not in the norm.
         self._tied = TiedPairs(self.source.tied_copies(model), model)
         self.tied = self._tied.pairs
         criterion = rank_criterion(criterion, modules, held=self.source.mtp_modules(model), depth=config.mtp_depth,
@@ -120,14 +118,17 @@ class Trainer:
         if config.balance_alpha:
             self.source.add_balance_loss(model, modules, config.balance_alpha, bool(self.routing.size))
         own = self.ownership = own_parameters(modules, self.placement.stages_of(mesh.pp_rank), placement=self.placement,
-                                              mesh=mesh, config=config, experts=experts, tied=self.tied,
+                                              mesh=mesh, config=config, experts=expert_ids(modules), tied=self.tied,
                                               timeout=self.timeout, expert_groups=self.expert_groups)
         self.params, self.held, self.reducer, self.overlap_dp = own.params, own.held, own.reducer, own.overlap_dp
         self._prepare_update(modules, optimizer_fn)
+        # Experts by logical id (checkpoints); EPLB in the loop, or None (collective over the EP groups).
+        self.placed, self.eplb = PlacedRows(modules, self.timeout), live_eplb.start(modules, self.optimizer, config, self.timeout)
         self.train_step = TrainStep(StepParts(
             config=config, mesh=mesh, sampler=sampler, source=self.source, pipe=self.pipe, placement=self.placement,
             layout=self.layout, parameter_names=self.parameter_names, ownership=own, update=self.update,
-            optimizer=self.optimizer, routing=self.routing, tied=self._tied, experts=self.experts, where=self._where), criterion)
+            optimizer=self.optimizer, routing=self.routing, tied=self._tied, experts=self.experts, where=self._where,
+            placed=self.placed if self.eplb else None), criterion)
 
     def _build_stages(self, model: nn.Module) -> list[nn.Module]:
         """This rank's stage modules (``StageSource.build``), MoE experts sharded over its EP group."""
@@ -136,8 +137,7 @@ class Trainer:
             modules = list(self.source.build(model, self.schedule, mesh.pp_rank))
         if groups.ep_group is not None:
             shard_experts(modules, groups.ep_group)  # expert parallelism over the stage's EP group
-        # Parameters holding this EP rank's rows of a model tensor (a transformers model's fused
-        # experts): stored in checkpoints as one tensor sharded over ``row_mesh``.
+        # This EP rank's rows of a model tensor (fused experts): stored as one tensor sharded over ``row_mesh``.
         self.row_shards = set(self.source.row_shards(modules))
         self.row_mesh = groups.ep_mesh if self.row_shards else None
         if self.row_shards:
@@ -159,8 +159,7 @@ class Trainer:
         self.optimizer = optimizer_fn(self.update.masters)
         agree_optimizer(self.optimizer, self.checkpoint_group, self.timeout, where)  # before the initial weights' broadcast
         self._agree_group = cpu_group(mesh.pp_group, self.timeout)  # small CPU exchanges (mirrors_equal)
-        broadcast_start(self.ownership.dense, mesh, self.timeout,
-                        self._where("broadcasting the initial weights across data-parallel replicas"))
+        broadcast_start(self.ownership.dense, mesh, self.timeout, self._where("broadcasting the initial weights to the replicas"))
         if self.is_dual:  # every mirrored copy from one copy's weights
             self.pipe.sync_mirrored_weights()
         self.routing.zero_loads()  # balance="time" ran the layers
@@ -173,9 +172,8 @@ class Trainer:
 
     @property
     def held_buffers(self) -> list[tuple[str, torch.Tensor, bool]]:
-        """``(name, buffer, owned)`` of the routing biases this rank holds (checkpoints store them):
-        ``<router>.bias`` of a ``twinpipe.moe`` router, ``model.layers.N.mlp.gate.e_score_correction_bias``
-        of a transformers DeepSeek-V3 gate; owned by data-parallel rank 0's first copy."""
+        """``(name, buffer, owned)`` of the routing biases this rank holds (checkpoints store them; owned by
+        data-parallel rank 0's first copy): a ``twinpipe.moe`` router's ``bias``, a DeepSeek-V3 gate's."""
         return self.routing.buffers
 
     def checkpoint_view(self) -> CheckpointView:
@@ -187,7 +185,8 @@ class Trainer:
             written_by={"schedule": c.schedule, "dp": self.mesh.dp, "pp": self.mesh.pp, "ep": self.expert_groups.ep,
                         "precision": c.precision, "zero": c.zero},
             optimizer=self.optimizer, held=self.held, buffers=self.held_buffers, tied=self.tied,
-            row_shards=frozenset(self.row_shards), row_mesh=self.row_mesh, zero_unsaved_buffers=not self.source.initial_biases_kept,
+            row_shards=frozenset(self.row_shards), row_mesh=self.row_mesh, placed=self.placed,
+            zero_unsaved_buffers=not self.source.initial_biases_kept,
             optimized_tensor=self.optimized_tensor, finish_update=self.finish_update, loaded_weights=self.loaded_weights)
 
     @property
@@ -208,6 +207,7 @@ class Trainer:
         signal arrived, a save is due by its clock), agreed in the step's all-reduce: the result's
         ``stop``/``save`` are True on every rank when any rank asked, so all ranks act alike."""
         result = self.train_step.run(step, (bool(stop), bool(save)))  # train/step.py
+        result.rebalance = self.eplb.after_step() if self.eplb else None  # collective over the EP groups
         self.skipped_steps += result.skipped
         return result
 

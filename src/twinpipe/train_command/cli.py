@@ -34,6 +34,7 @@ from twinpipe.folders import writable_folder
 from twinpipe.moe.router import SCORES
 from twinpipe.precisions import PURE, check_model_dtype
 from twinpipe.train import config as train_config
+from twinpipe.train.config import EPLB_THRESHOLD, check_eplb, check_eplb_mesh
 from twinpipe.train.fits import check_fits
 from twinpipe.train.run_lock import take_run_lock
 from twinpipe.train.stopping import STOPPED_EXIT_CODE, StopOnSignals
@@ -74,6 +75,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_mesh_arguments(parser)
     _add_model_arguments(parser)
     _add_training_arguments(parser)
+    _add_eplb_arguments(parser)
     _add_run_arguments(parser)
     cli_data.add_arguments(parser)
     cli_eval.add_arguments(parser)
@@ -141,6 +143,29 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
                              "(ZeRO-1: gradients reduce-scattered, weights all-gathered)")
 
 
+def _add_eplb_arguments(parser: argparse.ArgumentParser) -> None:
+    """EPLB in the loop: with --model (a transformers MoE model) and --ep = --dp >= 2 (docs/eplb.md)."""
+    group = parser.add_argument_group("EPLB in the loop (with --model, --ep = --dp >= 2; docs/eplb.md)")
+    add = functools.partial(cli_options.add, parser, group=group)
+    add("eplb_every", default=0, default_text="0, off")
+    add("redundant_experts", default=0)
+    add("eplb_window", default=None, default_text="--eplb-every")
+    add("eplb_threshold", default=EPLB_THRESHOLD)
+
+
+def _check_eplb(args) -> None:
+    """The EPLB options against each other, the model and the mesh (ValueError naming the option)."""
+    check_eplb(args.eplb_every, args.redundant_experts, args.eplb_window, args.eplb_threshold, flags=True)
+    if args.eplb_every and args.model is None:
+        raise bad("--eplb-every", args.eplb_every, "only with --model (a transformers MoE model) for now: the built-in "
+                  "GPT's checkpoints name its experts by slot")
+    if args.eplb_every and args.mtp_depth:
+        raise bad("--eplb-every", args.eplb_every, f"not with --mtp-depth={args.mtp_depth} yet (the MTP layers' experts "
+                  "keep one slot each)")
+    check_eplb_mesh(eplb_every=args.eplb_every, redundant=args.redundant_experts, ep=args.ep, dp=args.dp,
+                    precision=args.precision, zero=args.zero, mirrored=args.mirrored_stages, flags=True)
+
+
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The seed and data size, ``--out``, checkpoints, signals, the timeout and the log."""
     add = functools.partial(cli_options.add, parser)
@@ -204,6 +229,7 @@ def _check(args) -> None:
         raise bad("--batch-size", args.batch_size, f"must be a multiple of --dp={args.dp} x --microbatch-size={args.microbatch_size} "
                   "(every replica runs whole micro-batches)")
     stages = _check_schedule(args, args.batch_size // (args.dp * args.microbatch_size))
+    _check_eplb(args)
     info = cli_model.check_model(args, stages, _defaults(), need_tokenizer=_needs_tokenizer(args))
     # the built-in GPT's vocabulary: --vocab, or the data's largest id + 1 (with --model: the model's)
     args.data_vocab = cli_data.check_data(args, info and info.vocab, info and info.tokenizer)
@@ -313,6 +339,7 @@ def _check_schedule(args, num_microbatches: int) -> int:
             batch_layout(schedule, args.pp, rank, num_microbatches)
     except ValueError as error:
         raise ValueError(_schedule_problem(args, num_microbatches, str(error))) from None
+    args.mirrored_stages = len(schedule.placement.chains) > 1  # not an option: DualPipe's copies (_check_eplb)
     return schedule.placement.num_model_stages
 
 
@@ -598,7 +625,8 @@ def _build_trainer(args, device):
                          max_norm=args.max_norm or None, balance=args.balance, seed=args.seed, timeout=args.timeout,
                          dp_reduce=args.dp_reduce, overlap_dp=args.overlap_dp, on_nonfinite=args.on_nonfinite,
                          precision=args.precision, zero=args.zero, ep=args.ep, schedule_options=_schedule_options(args),
-                         **_ds3_config(args))
+                         eplb_every=args.eplb_every, redundant_experts=args.redundant_experts, eplb_window=args.eplb_window,
+                         eplb_threshold=args.eplb_threshold, **_ds3_config(args))
     mesh = build_mesh(args.dp, args.pp, device.type)
     optimizer_fn = lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01)  # noqa: E731
     dtype = getattr(torch, args.dtype)
@@ -609,7 +637,8 @@ def _build_trainer(args, device):
 
     stages = HFSource(args.model, args.layout, balance=args.balance, weights=hf.weights,
                       sample=sampler.batch(0, args.microbatch_size)[0].to(device),
-                      ep_group=mesh.expert_groups(args.ep).ep_group, mtp_depth=args.mtp_depth)
+                      ep_group=mesh.expert_groups(args.ep).ep_group, mtp_depth=args.mtp_depth,
+                      redundant_experts=args.redundant_experts)
     return Trainer(lambda: cli_model.build_model(hf), sampler, TokenLoss(hf.aux), optimizer_fn, mesh, config,
                    device=device, dtype=dtype, stages=stages), hf
 
@@ -633,7 +662,7 @@ def _loop(run: _Run, args, stopper: StopOnSignals) -> int:
                 result = trainer.step(step, stop=stopper.requested, save=run.first and run.saves.clock_due())
             by_rank = rank_times.gather(step, result.times["busy"])  # collective
             log.add({"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "skipped": result.skipped,
-                     **result.times, "rank_times": by_rank})
+                     **result.times, "rank_times": by_rank, **_rebalanced(trainer, result, progress)})
             for key, value in result.times.items():
                 run.times.setdefault(key, []).append(value)
             progress.update(step, result, by_rank, trainer.skipped_steps)
@@ -657,6 +686,23 @@ def _loop(run: _Run, args, stopper: StopOnSignals) -> int:
     return _end_of_run(run, args, time.perf_counter() - began, memory_entry)
 
 
+def _rebalanced(trainer, result, progress) -> dict:
+    """A rebalance at the end of the step: a progress line when experts moved, and the log's entry
+    (this rank's blocks: their loads before and after, the placements now); ``{}`` without one."""
+    if result.rebalance is None:
+        return {}
+    from twinpipe.train.live_eplb import summary
+
+    entry = summary(result.rebalance, trainer.eplb.placements())
+    moved = [b for b in entry["blocks"] if b["moved"]]
+    if moved:
+        worst = max(moved, key=lambda b: b["before"])
+        progress.note(f"rebalance after step {result.step}: {len(moved)} of {len(entry['blocks'])} MoE blocks re-placed, "
+                      f"{entry['experts_sent']} experts sent; max/mean EP-rank load {worst['before']:.3f} -> "
+                      f"{worst['after']:.3f} ({worst['name']})")
+    return {"eplb": entry}
+
+
 def _end_of_run(run: _Run, args, elapsed: float, memory_entry) -> int:
     """After the last step: the memory report and the final checkpoint (collectives), then rank 0's
     log, loss picture and summary table."""
@@ -672,7 +718,8 @@ def _end_of_run(run: _Run, args, elapsed: float, memory_entry) -> int:
         return 0
     if args.model is not None:
         export_hf.export_after_save(args, out / run_state.FINAL, out / export_hf.FINAL)
-    log.write(elapsed_s=elapsed, skipped_steps=trainer.skipped_steps, memory=[e.to_dict() for e in memory])
+    placements = {"eplb_placements": trainer.eplb.placements()} if trainer.eplb else {}
+    log.write(elapsed_s=elapsed, skipped_steps=trainer.skipped_steps, memory=[e.to_dict() for e in memory], **placements)
     plot_losses([e["step"] for e in log.steps], [e["loss"] for e in log.steps], str(out / "train-loss.png"), run.title,
                 unit=run.unit, vocab=run.vocab, held_out=[(e["step"], e["loss"]) for e in run.evaluation.results])
     mine = log.steps[len(log.steps) - (args.steps - run.start):]  # this start's steps (the summary's times are its own)

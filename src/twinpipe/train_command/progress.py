@@ -85,9 +85,12 @@ class TrainProgress:
 
     def evaluated(self, done: int, loss: float, perplexity: float) -> None:
         """A held-out evaluation after ``done`` steps (``evaluate.py``): one line, above the bar on a terminal."""
+        self.note(self.eval_line(done, loss, perplexity))
+
+    def note(self, line: str) -> None:
+        """One line of news (an evaluation, a rebalance), above the bar on a terminal."""
         if not self.show:
             return
-        line = self.eval_line(done, loss, perplexity)
         if self._bar is not None:
             self._bar.console.print(line, markup=False, highlight=False)
         else:

@@ -174,7 +174,7 @@ class EPMoE(ExpertExchange):
         hidden_states = self._jitter(hidden_states)
         _, weights, experts = self._route(hidden_states)
         parts = [Compute("route", self._sort_part), *self.exchange_parts()]
-        # Not a stage's parts (the block may run in a criterion: MTP layers): its backward runs through.
+        # Called as a module, outside a stage's parts (unsplit models, stages not in parts): its backward runs through.
         return run_parts(parts, (hidden_states, weights, experts), type(self).__name__, capture=False)
 
     def route(self, residual, hidden_states: torch.Tensor, ctx=None) -> tuple:

@@ -396,11 +396,12 @@ def _check_resume(args, info=None) -> None:
         saved["--heads"] = config["heads"]
     if config.get("experts"):
         saved["--top-k"] = config.get("top_k")
-    mine = {**{flag: _option(args, flag) for flag in saved}, "--vocab": cli_data.vocab(args)}
+    described = _model_config(args)  # the options with their defaults applied (--top-k's is not argparse's)
+    mine = {**{flag: _option(args, flag) for flag in saved}, "--vocab": cli_data.vocab(args), "--top-k": described.top_k}
     wrong = [f"{flag}={mine[flag]} (the checkpoint's model has {value})" for flag, value in saved.items() if value != mine[flag]]
     if wrong:
         raise ValueError(f"--resume={args.resume}: holds another model than the options describe: {'; '.join(wrong)}")
-    _check_record(args, info.model, train_config.model_record(types.SimpleNamespace(config=_model_config(args))))
+    _check_record(args, info.model, train_config.model_record(types.SimpleNamespace(config=described)))
 
 
 def _check_record(args, saved: dict, mine: dict) -> None:

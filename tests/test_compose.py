@@ -412,29 +412,46 @@ def eager_against_compiled(kind: str, backend: str) -> list[str]:
     return problems
 
 
+# In this order so that rank 0 runs both traced checks and rank 1 the compiled-autograd one (about as long).
 LOCAL = {
     "traced-with-store-off": lambda: decided_at_backward(False),
-    "traced-with-store-on": lambda: decided_at_backward(True),
     "compiled-autograd": compiled_autograd_defers_or_refuses,
+    "traced-with-store-on": lambda: decided_at_backward(True),
 }
 
 
 # ----------------------------------------------------------------------------- the world
 def run_all(rank: int, world: int, cases: list) -> dict[str, list[str]]:
+    """The one-process checks first, check i on rank ``i % world`` alone (side by side, not one rank
+    running them all while the other waits), then every pipeline case on both ranks."""
     import torch.distributed as dist
 
     torch._dynamo.config.recompile_limit = 64  # every case compiles fresh modules
     results = {}
+    local = [name for name in cases if isinstance(name, str)]
+    for name in local[rank::world]:
+        results[name] = _reported(LOCAL[name])
+    dist.barrier()
     for case in cases:
-        try:
-            if isinstance(case, str):  # a one-process check, on rank 0 only
-                results[case] = LOCAL[case]() if rank == 0 else []
-            else:
-                results[case.id] = run_case(rank, dist.group.WORLD, case)
-        except Exception as exc:  # report the case, keep the world going
-            results[getattr(case, "id", case)] = [f"{type(exc).__name__}: {exc}"]
-        dist.barrier()
+        if not isinstance(case, str):
+            results[case.id] = _reported(lambda case=case: run_case(rank, dist.group.WORLD, case))
+            dist.barrier()
     return results
+
+
+def _reported(check) -> list[str]:
+    """``check()``'s problems, an exception among them (report the case, keep the world going)."""
+    try:
+        return check()
+    except Exception as exc:
+        return [f"{type(exc).__name__}: {exc}"]
+
+
+def _local(outcomes, name: str) -> list[str]:
+    """The problems of one-process check ``name``, from the one rank that ran it."""
+    found = [o[name] for o in outcomes if name in o]
+    assert len(found) == 1, f"{name}: run by {len(found)} ranks"
+    return found[0]
 
 
 WRAPS = ("compile", "checkpoint", "reentrant", "checkpoint+compile")
@@ -473,11 +490,11 @@ def test_watch_catches_weight_grads_computed_during_b(outcomes, case):
 
 @pytest.mark.parametrize("name", ("traced-with-store-off", "traced-with-store-on"))
 def test_deferral_is_decided_when_backward_runs_not_when_traced(outcomes, name):
-    assert outcomes[0][name] == []
+    assert _local(outcomes, name) == []
 
 
 def test_compiled_autograd_defers_exactly_or_refuses_to_lose_weight_grads(outcomes):
-    assert outcomes[0]["compiled-autograd"] == []
+    assert _local(outcomes, "compiled-autograd") == []
 
 
 @pytest.mark.parametrize("kind", [k for k in BITWISE if k != "mlp"])  # the MLP: in every pipeline case above

@@ -50,8 +50,11 @@ def test_the_command_saves_every_2_steps_and_resumes_from_the_command_line(tmp_p
     # twinpipe simulate --gpt predicts the same parts from the sizes alone (docs/memory.md; plan --gpt too:
     # test_memory_predict.py); 4 rows in micro-batches of 2: 2 micro-batches.
     assert [e["predicted"] for e in log["memory"]] == _simulated_parts("dualpipev", 2, 2, TINY)
-    resumed = run_typed(f"twinpipe train --pp 2 --resume twinpipe-train/checkpoint-step2 --steps 4 {tiny} --out resumed",
-                        tmp_path, timeout=300)
+    # The resumed run calls the script's function in this process (the first run covered the script itself).
+    from in_process import run_in_process
+
+    resumed = run_in_process(["train", "--pp", "2", "--resume", "twinpipe-train/checkpoint-step2", "--steps", "4", *TINY,
+                              "--out", "resumed"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = json.loads((tmp_path / "resumed" / "train-log.json").read_text())["steps"]
     # The same weights, optimizer state and batches: the same losses, bitwise.
@@ -272,25 +275,37 @@ def test_an_out_folder_that_cannot_be_written_is_refused_and_nothing_is_left_beh
     assert not (tmp_path / "new").exists()
 
 
-# A handful through the console script: exit 2, exactly one line on stderr, no traceback, no folder.
+# A handful typed: exit 2, exactly one line on stderr, no traceback, no folder. The first TYPED_SCRIPT go
+# through the console script (a fresh interpreter: nothing else it prints at start-up slips in); the rest
+# call its function, ``twinpipe.cli.main``, in this process (``in_process.run_in_process``): the same
+# path from the command line to the message without starting python and importing torch once more each.
 TYPED = [
     ("--device cuda", "--device='cuda': must be cpu on this machine"),
-    ("--timeout 1e300", "--timeout=1e+300: must be a finite number"),
     ("--out a-file", "--out='a-file': must be a folder; it is a file"),
+    ("--timeout 1e300", "--timeout=1e+300: must be a finite number"),
     ("--schedule dualpipe --pp 1", "--pp=1: must be >= 2 and even for --schedule dualpipe"),
     ("--corpus-bytes 0", "--corpus-bytes=0: must be >= 1"),
     ("--lr nan", "--lr=nan: must be a finite number > 0"),
 ]
+TYPED_SCRIPT = 2
 
 
 def test_bad_options_typed_give_one_line_and_exit_2(tmp_path):
+    from in_process import run_in_process
+
     (tmp_path / "a-file").write_text("")
+    scripted = TYPED[:TYPED_SCRIPT]
     # Side by side (each starts python and imports torch): each one's stderr and exit code to its own file, then in order.
-    runs = " ".join(f'(twinpipe train {argv} 2> err{i}; echo "exit $?" >> err{i}) &' for i, (argv, _) in enumerate(TYPED))
-    show = " ".join(f"err{i}" for i in range(len(TYPED)))
+    runs = " ".join(f'(twinpipe train {argv} 2> err{i}; echo "exit $?" >> err{i}) &' for i, (argv, _) in enumerate(scripted))
+    show = " ".join(f"err{i}" for i in range(len(scripted)))
     done = run_typed(f"{runs} wait; cat {show} >&2; rm {show}", tmp_path, timeout=120)
+    assert done.stdout == "", done.stdout
     lines = done.stderr.splitlines()
-    assert len(lines) == 2 * len(TYPED) and "Traceback" not in done.stderr and done.stdout == "", done.stderr
+    for argv, _ in TYPED[TYPED_SCRIPT:]:
+        called = run_in_process(["train", *argv.split()], tmp_path)
+        assert called.stdout == "", (argv, called.stdout)
+        lines += [*called.stderr.splitlines(), f"exit {called.returncode}"]
+    assert len(lines) == 2 * len(TYPED) and "Traceback" not in "\n".join(lines), lines
     for (argv, message), line, code in zip(TYPED, lines[::2], lines[1::2]):
         assert line.startswith(f"twinpipe train: error: {message}") and code == "exit 2", (argv, line, code)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no twinpipe-train/ left behind

@@ -1,5 +1,7 @@
 """EPLB in ``twinpipe train`` (``--eplb-every N --redundant-experts R``, docs/eplb.md): three runs of the
-tiny Qwen3-MoE through the installed command, float64, ``--dp 2 --ep 2``:
+tiny Qwen3-MoE, float64, ``--dp 2 --ep 2``; ``live`` through the installed command, the other two through
+the command's function in this process (``in_process.run_in_process``: no second interpreter importing
+torch and transformers before the ranks start):
 
 - ``plain``: 3 steps, no EPLB, a checkpoint and a transformers folder after step 2;
 - ``live``: 2 steps, ``--eplb-every 1 --redundant-experts 2``: experts move after each step (the log says so);
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from in_process import run_in_process
 from typed import typed_env
 
 pytest.importorskip("transformers")
@@ -34,11 +37,15 @@ RUNS = {
     "live": ["--steps", "2", "--eplb-every", "1", "--redundant-experts", "2"],
     "into-live": ["--steps", "3", "--resume", "plain/checkpoint-step2", "--eplb-every", "1", "--redundant-experts", "4"],
 }
+INSTALLED = {"live"}  # the runs that go through the console script (its stdout is checked below)
 # float64 weights after 3 Adam steps: a replica sum in another order moves the last bits only
 WEIGHTS = 1e-13
 
 
-def _command(args, cwd) -> subprocess.CompletedProcess:
+def _command(args, cwd, installed: bool) -> subprocess.CompletedProcess:
+    """``twinpipe train ARGS`` in ``cwd``: the installed script, or its function in this process."""
+    if not installed:
+        return run_in_process(["train", *args], cwd)
     env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), **typed_env()}
     return subprocess.run([shutil.which("twinpipe", path=env["PATH"]), "train", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -52,7 +59,7 @@ def runs(tmp_path_factory):
     np.save(root / "t.npy", np.random.default_rng(0).integers(0, 128, 3000).astype(np.uint16))
     done = {}
     for name, options in RUNS.items():
-        done[name] = _command([*COMMON, *options, "--out", name], root)
+        done[name] = _command([*COMMON, *options, "--out", name], root, name in INSTALLED)
         assert done[name].returncode == 0, f"{name}: {done[name].stderr[-3000:]}"
     return root, done
 

@@ -32,17 +32,17 @@ def check_trainer(config, ep: int, dp: int, *, gpt_experts: int, mirrored: bool)
 
 
 class LiveBalance:
-    """The balancer of this rank's stage ``modules`` and their MoE ``blocks`` (built collectively over their EP groups)."""
+    """The balancer of this rank's stage ``modules`` and their MoE ``blocks``, as ``config``'s ``eplb_*`` fields
+    say (built collectively over their EP groups)."""
 
-    def __init__(self, modules: Sequence[nn.Module], blocks: Sequence[ExpertExchange], optimizer, *, every: int,
-                 window: int | None, threshold: float, timeout: float):
+    def __init__(self, modules: Sequence[nn.Module], blocks: Sequence[ExpertExchange], optimizer, config, timeout: float):
         for block in blocks:
             block.reset_counts()  # the cut's time measurement ran the layers: a step counts its own tokens
-        self.balancer = Balancer(list(modules), optimizer=optimizer, interval=every, window=window,
-                                 threshold=threshold, timeout=timeout)
+        self.balancer = Balancer(list(modules), optimizer=optimizer, interval=config.eplb_every, window=config.eplb_window,
+                                 threshold=config.eplb_threshold, timeout=timeout)
 
     def after_step(self) -> RebalanceReport | None:
-        """This step's loads recorded; a rebalance every ``every`` steps (its report)."""
+        """This step's loads recorded; a rebalance every ``config.eplb_every`` steps (its report)."""
         return self.balancer.step()
 
     def placements(self) -> dict[str, list[int]]:
@@ -59,8 +59,7 @@ def start(modules: Sequence[nn.Module], optimizer, config, timeout: float) -> Li
         if block.num_slots != block.num_experts + config.redundant_experts:
             raise bad("redundant_experts", config.redundant_experts, f"must be what the stages were built with: they hold "
                       f"{block.num_slots} slots for {block.num_experts} experts (HFSource(redundant_experts=...))")
-    return LiveBalance(modules, blocks, optimizer, every=config.eplb_every, window=config.eplb_window,
-                       threshold=config.eplb_threshold, timeout=timeout)
+    return LiveBalance(modules, blocks, optimizer, config, timeout)
 
 
 def summary(report: RebalanceReport, placements: dict[str, list[int]]) -> dict:
